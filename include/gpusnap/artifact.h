@@ -1,0 +1,119 @@
+// The artifact: a directory holding a manifest, CRIU's images and logs. It appears under its
+// final name only once complete and durable (staging name, fsync, rename), so a reader never
+// sees a partial one. Every file it holds is listed in the manifest with its size and checksum.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "gpusnap/phases.h"
+
+namespace gpusnap {
+
+inline constexpr const char* kArtifactFormat = "gpusnap-artifact";
+inline constexpr int kArtifactFormatVersion = 1;
+inline constexpr const char* kManifestName = "manifest.json";
+inline constexpr const char* kCriuImageDir = "criu";
+
+// What a restore depends on about the machine that took the snapshot.
+struct HostFacts {
+  std::string hostname;
+  std::string kernel;        // uname -r
+  std::string arch;          // uname -m
+  std::string cpu_model;
+  std::vector<std::string> cpu_flags;
+  std::string criu_version;
+  long page_size = 0;
+
+  static HostFacts probe(const std::string& criu_version);
+};
+
+struct StdioTarget {
+  int fd = -1;
+  std::string target;  // what the fd pointed at in the source: a path, pipe:[..], /dev/pts/..
+};
+
+struct ProcessRecord {
+  pid_t pid = 0;
+  pid_t ppid = 0;
+  std::string comm;
+  std::vector<std::string> cmdline;
+  int threads = 0;
+  uint64_t rss_bytes = 0;
+  std::vector<StdioTarget> stdio;
+  uint64_t gpu_bytes = 0;  // GPU memory the driver moved into this process (0: no CUDA)
+};
+
+struct FileRecord {
+  std::string path;                 // relative to the artifact root
+  uint64_t size = 0;
+  std::vector<std::string> chunks;  // checksum of each chunk, hex
+};
+
+struct Manifest {
+  std::string format = kArtifactFormat;
+  int format_version = kArtifactFormatVersion;
+  std::string id;
+  std::string created;  // RFC 3339, UTC
+  std::string gpusnap_version;
+  pid_t source_pid = 0;
+  std::vector<std::string> source_cmdline;
+  HostFacts host;
+  bool shell_job = false;
+  std::vector<ProcessRecord> processes;
+  nlohmann::json gpu;  // GPU facts (null: the snapshot holds no GPU state)
+  std::string checksum_algorithm = "xxh3-128";
+  uint64_t chunk_bytes = 64ull << 20;
+  std::vector<FileRecord> files;
+  std::vector<PhaseTiming> checkpoint_phases;
+
+  uint64_t total_bytes() const;
+  nlohmann::json to_json() const;
+  // Throws Error(kBadArtifact) naming the field when the document is not a valid manifest.
+  static Manifest from_json(const nlohmann::json& doc);
+};
+
+// One problem found by verification: the file and what is wrong with it.
+struct VerifyProblem {
+  std::string path;
+  std::string problem;
+};
+
+struct VerifyOptions {
+  int threads = 0;  // 0: one per core
+  Reporter* reporter = nullptr;
+};
+
+// An artifact opened for reading. open() performs the format checks (manifest present and
+// well-formed, a known format version, every listed file present with its size); bytes are
+// checked only by verify().
+class Artifact {
+ public:
+  static Artifact open(const std::filesystem::path& root);
+
+  const std::filesystem::path& root() const { return root_; }
+  const Manifest& manifest() const { return manifest_; }
+  std::filesystem::path criu_dir() const { return root_ / kCriuImageDir; }
+
+  // Re-reads every byte and compares it with the manifest. Returns the problems found; empty
+  // means the artifact is intact.
+  std::vector<VerifyProblem> verify(const VerifyOptions& options = {}) const;
+
+ private:
+  std::filesystem::path root_;
+  Manifest manifest_;
+};
+
+// Computes the file records (sizes and chunk checksums) of every file under root, in parallel.
+std::vector<FileRecord> checksum_tree(const std::filesystem::path& root, uint64_t chunk_bytes,
+                                      const VerifyOptions& options = {});
+
+}  // namespace gpusnap

@@ -1,0 +1,42 @@
+// Checkpoint: capture a running process tree (and, with a GPU driver, its GPU state) into an
+// artifact. Entry point: gpusnap::checkpoint(). The flow, phase by phase, is in docs/design.md.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "gpusnap/artifact.h"
+#include "gpusnap/phases.h"
+
+namespace gpusnap {
+
+namespace gpu {
+class Driver;
+}
+
+struct CheckpointOptions {
+  pid_t pid = 0;                      // root of the tree to capture
+  std::filesystem::path output;       // the artifact directory to create (must not exist)
+  bool leave_running = false;         // keep the source running after the capture
+  std::string criu_path;              // empty: locate CRIU (see criu::locate)
+  uint64_t ghost_limit = 256ull << 20;
+  // GPU: the driver seam; nullptr means "the real NVIDIA driver, if any".
+  gpu::Driver* driver = nullptr;
+  std::chrono::milliseconds gpu_lock_timeout{10000};
+};
+
+struct CheckpointResult {
+  std::filesystem::path artifact;
+  Manifest manifest;
+  std::vector<PhaseTiming> phases;
+};
+
+// Captures the tree. On any failure nothing is visible at `output` and the source is running
+// as before. Throws Error.
+CheckpointResult checkpoint(const CheckpointOptions& options, Reporter& reporter);
+
+}  // namespace gpusnap

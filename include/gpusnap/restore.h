@@ -1,0 +1,72 @@
+// Restore: start N copies of a captured workload from one artifact. Each copy runs in its own
+// fresh PID, mount, network, IPC and UTS namespaces, so copies (and a source still running)
+// never clash on PIDs, ports or abstract sockets. Entry point: gpusnap::restore().
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "gpusnap/artifact.h"
+#include "gpusnap/phases.h"
+
+namespace gpusnap {
+
+namespace gpu {
+class Driver;
+}
+
+// A port of the copy made reachable from the host: host_address:host_port (+ copy index when
+// host_port is given) forwards to 127.0.0.1:port inside the copy's network namespace.
+struct PortPublish {
+  std::string host_address = "127.0.0.1";
+  uint16_t host_port = 0;  // 0: any free port, chosen per copy
+  uint16_t port = 0;
+  // Parses "PORT", "HOSTPORT:PORT" or "ADDR:HOSTPORT:PORT"; throws Error(kUsage).
+  static PortPublish parse(const std::string& text);
+};
+
+struct RestoreOptions {
+  std::filesystem::path artifact;
+  int replicas = 1;
+  bool verify = true;                 // re-check every byte before starting anything
+  std::string criu_path;
+  std::vector<PortPublish> publish;
+  std::filesystem::path run_dir = "/run/gpusnap";  // per-copy logs and state
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  gpu::Driver* driver = nullptr;
+};
+
+struct PublishedPort {
+  std::string host_address;
+  uint16_t host_port = 0;
+  uint16_t port = 0;
+};
+
+struct CopyInfo {
+  int index = 0;
+  pid_t host_pid = 0;   // the restored root process, as the host sees it
+  pid_t ns_pid = 0;     // the same process inside its namespace (its original pid)
+  pid_t init_pid = 0;   // the copy's namespace init (host pid): kill it to end the copy
+  std::filesystem::path dir;         // logs: restore.log (CRIU), output.log (the workload)
+  std::vector<PublishedPort> ports;
+};
+
+struct RestoreResult {
+  Manifest manifest;
+  std::vector<CopyInfo> copies;
+  std::vector<PhaseTiming> phases;
+};
+
+// Starts the copies. Either all start, or none is left running (and no namespace remains).
+// Throws Error.
+RestoreResult restore(const RestoreOptions& options, Reporter& reporter);
+
+// Refuses (Error kIncompatible) an artifact this host cannot run, naming what differs.
+void check_host_compatible(const Manifest& manifest, const HostFacts& here);
+
+}  // namespace gpusnap

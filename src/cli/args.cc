@@ -1,0 +1,87 @@
+#include "cli/args.h"
+
+#include <cstdlib>
+
+#include "gpusnap/error.h"
+
+namespace gpusnap::cli {
+
+Args::Args(const std::string& command, const std::vector<FlagSpec>& specs,
+           const std::vector<std::string>& argv)
+    : command_(command) {
+  auto usage_error = [&](const std::string& what) {
+    return Error(ErrorKind::kUsage, what, "see `gpusnap " + command + " --help`");
+  };
+  for (size_t i = 0; i < argv.size(); ++i) {
+    const std::string& arg = argv[i];
+    if (arg == "--") {
+      rest_.assign(argv.begin() + static_cast<long>(i) + 1, argv.end());
+      break;
+    }
+    if (arg.size() < 2 || arg[0] != '-') {
+      positional_.push_back(arg);
+      continue;
+    }
+    std::string name = arg, value;
+    bool inline_value = false;
+    if (auto eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
+      name = arg.substr(0, eq);
+      value = arg.substr(eq + 1);
+      inline_value = true;
+    }
+    const FlagSpec* spec = nullptr;
+    for (const auto& s : specs) {
+      if (s.name == name || (!s.short_name.empty() && s.short_name == name)) spec = &s;
+    }
+    if (spec == nullptr) throw usage_error("unknown option " + name + " for " + command);
+    if (spec->value_name.empty()) {
+      if (inline_value) throw usage_error(spec->name + " takes no value");
+      value = "1";
+    } else if (!inline_value) {
+      if (i + 1 >= argv.size()) throw usage_error(spec->name + " needs a " + spec->value_name);
+      value = argv[++i];
+    }
+    auto& slot = values_[spec->name];
+    if (!slot.empty() && !spec->repeatable) throw usage_error(spec->name + " given twice");
+    slot.push_back(value);
+  }
+}
+
+std::string Args::get(const std::string& name, const std::string& fallback) const {
+  auto it = values_.find(name);
+  return it == values_.end() ? fallback : it->second.back();
+}
+
+std::vector<std::string> Args::all(const std::string& name) const {
+  auto it = values_.find(name);
+  return it == values_.end() ? std::vector<std::string>{} : it->second;
+}
+
+long Args::get_int(const std::string& name, long fallback, long min, long max) const {
+  if (!has(name)) return fallback;
+  auto text = get(name);
+  char* end = nullptr;
+  long v = std::strtol(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || v < min || v > max) {
+    throw Error(ErrorKind::kUsage,
+                name + " must be a whole number from " + std::to_string(min) + " to " +
+                    std::to_string(max) + ", not '" + text + "'",
+                "see `gpusnap " + command_ + " --help`");
+  }
+  return v;
+}
+
+std::string format_help(const std::string& usage, const std::string& summary,
+                        const std::vector<FlagSpec>& specs) {
+  std::string out = "usage: " + usage + "\n\n" + summary + "\n\noptions:\n";
+  for (const auto& s : specs) {
+    std::string left = "  " + (s.short_name.empty() ? "" : s.short_name + ", ") + s.name;
+    if (!s.value_name.empty()) left += " " + s.value_name;
+    if (left.size() < 30) left.resize(30, ' ');
+    else left += "\n" + std::string(30, ' ');
+    out += left + s.help + "\n";
+  }
+  return out;
+}
+
+}  // namespace gpusnap::cli

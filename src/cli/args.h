@@ -1,0 +1,43 @@
+// A small, strict command-line parser: every subcommand declares its flags; anything else is a
+// usage error that names the flag and points at --help.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace gpusnap::cli {
+
+struct FlagSpec {
+  std::string name;        // "--output"
+  std::string short_name;  // "-o" or empty
+  std::string value_name;  // "PATH"; empty for a boolean flag
+  std::string help;
+  bool repeatable = false;
+};
+
+class Args {
+ public:
+  // Parses argv after the subcommand. Arguments after "--" are kept as rest().
+  Args(const std::string& command, const std::vector<FlagSpec>& specs,
+       const std::vector<std::string>& argv);
+
+  bool has(const std::string& name) const { return values_.count(name) > 0; }
+  std::string get(const std::string& name, const std::string& fallback = {}) const;
+  std::vector<std::string> all(const std::string& name) const;
+  long get_int(const std::string& name, long fallback, long min, long max) const;
+  const std::vector<std::string>& positional() const { return positional_; }
+  const std::vector<std::string>& rest() const { return rest_; }
+
+ private:
+  std::string command_;
+  std::map<std::string, std::vector<std::string>> values_;
+  std::vector<std::string> positional_;
+  std::vector<std::string> rest_;
+};
+
+std::string format_help(const std::string& usage, const std::string& summary,
+                        const std::vector<FlagSpec>& specs);
+
+}  // namespace gpusnap::cli

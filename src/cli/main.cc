@@ -1,0 +1,310 @@
+// gpusnap's command line. main() parses the subcommand, runs it, prints the result (human or
+// --json) and maps any Error to its exit code. Only main exits.
+#include <unistd.h>
+
+#include <cstdio>
+#include <functional>
+#include <iostream>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/args.h"
+#include "common/fs.h"
+#include "common/proc.h"
+#include "gpusnap/artifact.h"
+#include "gpusnap/checkpoint.h"
+#include "gpusnap/error.h"
+#include "gpusnap/restore.h"
+
+namespace gpusnap::cli {
+
+namespace {
+
+using nlohmann::json;
+
+const FlagSpec kJson{"--json", "", "", "print the result as one JSON document on stdout"};
+const FlagSpec kQuiet{"--quiet", "-q", "", "print no progress"};
+const FlagSpec kCriu{"--criu", "", "PATH", "the criu binary (default: $GPUSNAP_CRIU, "
+                                           "/opt/gpusnap/criu/criu, criu on PATH)"};
+const FlagSpec kHelp{"--help", "-h", "", "show this help"};
+
+// Output settings shared by every command.
+struct Output {
+  bool json = false;
+  bool quiet = false;
+  std::unique_ptr<Reporter> reporter;
+
+  explicit Output(const Args& args) : json(args.has("--json")), quiet(args.has("--quiet")) {
+    if (json || quiet) {
+      reporter = std::make_unique<Reporter>();
+    } else {
+      reporter = std::make_unique<TerminalReporter>(::isatty(STDERR_FILENO) == 1);
+    }
+  }
+};
+
+json phases_json(const std::vector<PhaseTiming>& phases) {
+  json out = json::array();
+  for (const auto& p : phases) out.push_back({{"name", p.name}, {"seconds", p.seconds}});
+  return out;
+}
+
+double sum(const std::vector<PhaseTiming>& phases) {
+  double total = 0;
+  for (const auto& p : phases) total += p.seconds;
+  return total;
+}
+
+struct Command {
+  std::string name;
+  std::string usage;
+  std::string summary;
+  std::vector<FlagSpec> flags;
+  std::function<int(const Args&)> run;
+};
+
+int cmd_checkpoint(const Args& args) {
+  Output out(args);
+  CheckpointOptions o;
+  if (!args.has("--pid")) {
+    throw Error(ErrorKind::kUsage, "checkpoint needs --pid PID", "see `gpusnap checkpoint --help`");
+  }
+  if (!args.has("--output")) {
+    throw Error(ErrorKind::kUsage, "checkpoint needs -o ARTIFACT", "see `gpusnap checkpoint --help`");
+  }
+  o.pid = static_cast<pid_t>(args.get_int("--pid", 0, 1, 1L << 22));
+  o.output = args.get("--output");
+  o.leave_running = args.has("--leave-running");
+  o.criu_path = args.get("--criu");
+  o.ghost_limit = static_cast<uint64_t>(args.get_int("--ghost-limit-mib", 256, 0, 1 << 20)) << 20;
+  auto r = checkpoint(o, *out.reporter);
+  if (out.json) {
+    std::cout << json{{"artifact", r.artifact.string()},
+                      {"id", r.manifest.id},
+                      {"processes", r.manifest.processes.size()},
+                      {"bytes", r.manifest.total_bytes()},
+                      {"source_left_running", o.leave_running},
+                      {"phases", phases_json(r.phases)},
+                      {"seconds", sum(r.phases)}}
+                     .dump(2)
+              << "\n";
+  } else if (!out.quiet) {
+    std::printf("checkpoint %s: %zu process(es), %s, %.2f s; source %s\n", r.artifact.c_str(),
+                r.manifest.processes.size(), fs::human_bytes(r.manifest.total_bytes()).c_str(),
+                sum(r.phases), o.leave_running ? "left running" : "stopped");
+  }
+  return 0;
+}
+
+int cmd_restore(const Args& args) {
+  Output out(args);
+  if (args.positional().size() != 1) {
+    throw Error(ErrorKind::kUsage, "restore needs exactly one ARTIFACT", "see `gpusnap restore --help`");
+  }
+  RestoreOptions o;
+  o.artifact = args.positional()[0];
+  o.replicas = static_cast<int>(args.get_int("--replicas", 1, 1, 1024));
+  o.verify = !args.has("--no-verify");
+  o.criu_path = args.get("--criu");
+  for (const auto& p : args.all("--publish")) o.publish.push_back(PortPublish::parse(p));
+  if (args.has("--run-dir")) o.run_dir = args.get("--run-dir");
+  o.timeout = std::chrono::seconds(args.get_int("--timeout", 300, 1, 86400));
+  auto r = restore(o, *out.reporter);
+  if (out.json) {
+    json copies = json::array();
+    for (const auto& c : r.copies) {
+      json ports = json::array();
+      for (const auto& p : c.ports) {
+        ports.push_back({{"host_address", p.host_address}, {"host_port", p.host_port},
+                         {"port", p.port}});
+      }
+      copies.push_back({{"index", c.index}, {"pid", c.host_pid}, {"ns_pid", c.ns_pid},
+                        {"init_pid", c.init_pid}, {"dir", c.dir.string()}, {"ports", ports}});
+    }
+    std::cout << json{{"artifact", o.artifact.string()}, {"id", r.manifest.id},
+                      {"copies", copies}, {"phases", phases_json(r.phases)},
+                      {"seconds", sum(r.phases)}}
+                     .dump(2)
+              << "\n";
+  } else {
+    for (const auto& c : r.copies) {
+      std::printf("copy %d: pid %d (pid %d in its namespace)", c.index, c.host_pid, c.ns_pid);
+      for (const auto& p : c.ports) {
+        std::printf(", %s:%u -> port %u", p.host_address.c_str(), p.host_port, p.port);
+      }
+      std::printf(", logs %s\n", c.dir.c_str());
+    }
+    if (!out.quiet) std::printf("restored %zu copy(ies) in %.2f s\n", r.copies.size(), sum(r.phases));
+  }
+  return 0;
+}
+
+int cmd_inspect(const Args& args) {
+  Output out(args);
+  if (args.positional().size() != 1) {
+    throw Error(ErrorKind::kUsage, "inspect needs exactly one ARTIFACT", "see `gpusnap inspect --help`");
+  }
+  auto a = Artifact::open(args.positional()[0]);
+  const Manifest& m = a.manifest();
+  if (out.json) {
+    json doc = m.to_json();
+    doc["artifact"] = a.root().string();
+    doc["total_bytes"] = m.total_bytes();
+    std::cout << doc.dump(2) << "\n";
+    return 0;
+  }
+  std::printf("artifact   %s\n", a.root().c_str());
+  std::printf("id         %s\n", m.id.c_str());
+  std::printf("created    %s by gpusnap %s\n", m.created.c_str(), m.gpusnap_version.c_str());
+  std::printf("source     pid %d: %s\n", m.source_pid, proc::join_cmdline(m.source_cmdline).c_str());
+  std::printf("host       %s, %s, kernel %s, CRIU %s\n", m.host.hostname.c_str(),
+              m.host.arch.c_str(), m.host.kernel.c_str(), m.host.criu_version.c_str());
+  std::printf("cpu        %s (%zu flags)\n", m.host.cpu_model.c_str(), m.host.cpu_flags.size());
+  std::printf("size       %s in %zu files (%s checksums, %s chunks)\n",
+              fs::human_bytes(m.total_bytes()).c_str(), m.files.size(),
+              m.checksum_algorithm.c_str(), fs::human_bytes(m.chunk_bytes).c_str());
+  std::printf("terminal   %s\n", m.shell_job ? "yes (shell job)" : "no");
+  std::printf("processes  %zu\n", m.processes.size());
+  std::printf("  %7s %7s %7s %10s %10s  %s\n", "PID", "PPID", "THREADS", "RSS", "GPU", "COMMAND");
+  for (const auto& p : m.processes) {
+    std::printf("  %7d %7d %7d %10s %10s  %s\n", p.pid, p.ppid, p.threads,
+                fs::human_bytes(p.rss_bytes).c_str(),
+                p.gpu_bytes ? fs::human_bytes(p.gpu_bytes).c_str() : "-",
+                proc::join_cmdline(p.cmdline).c_str());
+  }
+  std::printf("gpu        %s\n", m.gpu.is_null() ? "none" : m.gpu.dump().c_str());
+  std::printf("checkpoint");
+  for (const auto& p : m.checkpoint_phases) std::printf(" %s %.3fs", p.name.c_str(), p.seconds);
+  std::printf("\n");
+  return 0;
+}
+
+int cmd_verify(const Args& args) {
+  Output out(args);
+  if (args.positional().size() != 1) {
+    throw Error(ErrorKind::kUsage, "verify needs exactly one ARTIFACT", "see `gpusnap verify --help`");
+  }
+  auto a = Artifact::open(args.positional()[0]);
+  Phases phases(*out.reporter);
+  auto problems = phases.run("verify", [&] { return a.verify({0, out.reporter.get()}); });
+  if (out.json) {
+    json list = json::array();
+    for (const auto& p : problems) list.push_back({{"path", p.path}, {"problem", p.problem}});
+    std::cout << json{{"artifact", a.root().string()}, {"ok", problems.empty()},
+                      {"bytes", a.manifest().total_bytes()}, {"problems", list},
+                      {"seconds", phases.total_seconds()}}
+                     .dump(2)
+              << "\n";
+  } else {
+    for (const auto& p : problems) std::printf("%s: %s\n", p.path.c_str(), p.problem.c_str());
+    if (problems.empty()) {
+      std::printf("%s: ok, %s in %zu files verified in %.2f s\n", a.root().c_str(),
+                  fs::human_bytes(a.manifest().total_bytes()).c_str(), a.manifest().files.size(),
+                  phases.total_seconds());
+    }
+  }
+  if (!problems.empty()) {
+    if (!out.json) {
+      std::fprintf(stderr, "gpusnap: error: artifact %s is corrupt: %zu problem(s)\n",
+                   a.root().c_str(), problems.size());
+    }
+    return static_cast<int>(ErrorKind::kBadArtifact);
+  }
+  return 0;
+}
+
+std::vector<Command> commands() {
+  return {
+      {"checkpoint", "gpusnap checkpoint --pid PID -o ARTIFACT [options]",
+       "Capture the process tree rooted at PID into a new artifact directory. The source is\n"
+       "stopped after a successful capture unless --leave-running is given; on any failure it\n"
+       "is left running and nothing appears at ARTIFACT.",
+       {{"--pid", "-p", "PID", "root of the process tree to capture"},
+        {"--output", "-o", "ARTIFACT", "artifact directory to create (must not exist)"},
+        {"--leave-running", "", "", "keep the source running after the capture"},
+        {"--ghost-limit-mib", "", "MIB", "largest unlinked-but-open file to store (default 256)"},
+        kCriu, kJson, kQuiet, kHelp},
+       cmd_checkpoint},
+      {"restore", "gpusnap restore ARTIFACT [--replicas N] [--publish [ADDR:][HOSTPORT:]PORT]...",
+       "Start N copies of the captured workload. Each copy runs in fresh PID, mount, network,\n"
+       "IPC and UTS namespaces, so copies and the source never clash. --publish makes a port of\n"
+       "each copy reachable from the host: copy i listens on HOSTPORT+i (or a free port).\n"
+       "Every byte is verified against the manifest before anything starts.",
+       {{"--replicas", "-n", "N", "number of copies (default 1)"},
+        {"--publish", "", "[ADDR:][HOSTPORT:]PORT", "forward a host port to PORT in each copy",
+         true},
+        {"--no-verify", "", "", "skip the byte check (the format checks still run)"},
+        {"--run-dir", "", "DIR", "where copies keep logs and state (default /run/gpusnap)"},
+        {"--timeout", "", "SECONDS", "give up on CRIU's restore after this long (default 300)"},
+        kCriu, kJson, kQuiet, kHelp},
+       cmd_restore},
+      {"inspect", "gpusnap inspect ARTIFACT [--json]",
+       "Show what an artifact holds: processes, memory, sizes, the host facts a restore needs.",
+       {kJson, kHelp},
+       cmd_inspect},
+      {"verify", "gpusnap verify ARTIFACT [--json]",
+       "Check every byte of an artifact against its manifest.",
+       {kJson, kQuiet, kHelp},
+       cmd_verify},
+  };
+}
+
+void print_main_help(const std::vector<Command>& cmds) {
+  std::printf("usage: gpusnap COMMAND [options]\n\n"
+              "Capture an initialised workload (CPU and GPU memory) and start copies of it.\n\n"
+              "commands:\n");
+  for (const auto& c : cmds) {
+    std::printf("  %-12s %s\n", c.name.c_str(), c.summary.substr(0, c.summary.find('\n')).c_str());
+  }
+  std::printf("\n`gpusnap COMMAND --help` describes each. Exit codes: 0 ok, 1 internal, 2 usage,\n"
+              "3 not found, 4 bad artifact, 5 incompatible host, 6 not capturable, 7 CRIU failed,\n"
+              "8 GPU, 9 handshake, 10 environment, 11 timeout.\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> all(argv + 1, argv + argc);
+  auto cmds = commands();
+  bool json_wanted = false;
+  for (const auto& a : all) json_wanted |= a == "--json";
+  try {
+    if (all.empty() || all[0] == "--help" || all[0] == "-h" || all[0] == "help") {
+      print_main_help(cmds);
+      return all.empty() ? static_cast<int>(ErrorKind::kUsage) : 0;
+    }
+    if (all[0] == "--version" || all[0] == "version") {
+      std::printf("gpusnap %s\n", GPUSNAP_VERSION);
+      return 0;
+    }
+    for (const auto& c : cmds) {
+      if (c.name != all[0]) continue;
+      std::vector<std::string> rest(all.begin() + 1, all.end());
+      Args args(c.name, c.flags, rest);
+      if (args.has("--help")) {
+        std::fputs(format_help(c.usage, c.summary, c.flags).c_str(), stdout);
+        return 0;
+      }
+      return c.run(args);
+    }
+    throw Error(ErrorKind::kUsage, "unknown command '" + all[0] + "'", "see `gpusnap --help`");
+  } catch (const Error& e) {
+    if (json_wanted) {
+      std::cout << json{{"error", {{"kind", Error::kind_name(e.kind())},
+                                   {"message", e.what()},
+                                   {"hint", e.hint()},
+                                   {"exit_code", e.exit_code()}}}}
+                       .dump(2)
+                << "\n";
+    }
+    std::fprintf(stderr, "gpusnap: error: %s\n", e.one_line().c_str());
+    return e.exit_code();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gpusnap: internal error: %s\n", e.what());
+    return static_cast<int>(ErrorKind::kInternal);
+  }
+}
+
+}  // namespace gpusnap::cli
+
+int main(int argc, char** argv) { return gpusnap::cli::main(argc, argv); }

@@ -1,0 +1,34 @@
+#include "gpusnap/error.h"
+
+#include <cstring>
+
+namespace gpusnap {
+
+std::string Error::one_line() const {
+  std::string line = what();
+  if (!hint_.empty()) line += " (fix: " + hint_ + ")";
+  return line;
+}
+
+const char* Error::kind_name(ErrorKind kind) {
+  switch (kind) {
+    case ErrorKind::kInternal: return "internal";
+    case ErrorKind::kUsage: return "usage";
+    case ErrorKind::kNotFound: return "not-found";
+    case ErrorKind::kBadArtifact: return "bad-artifact";
+    case ErrorKind::kIncompatible: return "incompatible";
+    case ErrorKind::kNotCapturable: return "not-capturable";
+    case ErrorKind::kCriu: return "criu";
+    case ErrorKind::kGpu: return "gpu";
+    case ErrorKind::kHandshake: return "handshake";
+    case ErrorKind::kEnvironment: return "environment";
+    case ErrorKind::kTimeout: return "timeout";
+  }
+  return "internal";
+}
+
+Error sys_error(const std::string& what, int err) {
+  return Error(ErrorKind::kInternal, what + ": " + std::strerror(err));
+}
+
+}  // namespace gpusnap

@@ -1,0 +1,126 @@
+#include "common/fs.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "common/fd.h"
+#include "gpusnap/error.h"
+
+namespace gpusnap {
+
+Pipe Pipe::make() {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) throw sys_error("pipe2", errno);
+  return Pipe{UniqueFd(fds[0]), UniqueFd(fds[1])};
+}
+
+namespace fs {
+
+std::string read_file(const std::filesystem::path& path) {
+  std::string out;
+  if (!try_read_file(path, &out)) throw sys_error("read " + path.string(), errno);
+  return out;
+}
+
+bool try_read_file(const std::filesystem::path& path, std::string* out) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd) return false;
+  out->clear();
+  char buf[65536];
+  for (;;) {
+    ssize_t n = ::read(fd.get(), buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return false;
+    if (n == 0) return true;
+    out->append(buf, static_cast<size_t>(n));
+  }
+}
+
+static void write_all(int fd, const std::string& data, const std::string& what) {
+  size_t off = 0;
+  while (off < data.size()) {
+    ssize_t n = ::write(fd, data.data() + off, data.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw sys_error("write " + what, errno);
+    off += static_cast<size_t>(n);
+  }
+}
+
+void write_file(const std::filesystem::path& path, const std::string& data) {
+  UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (!fd) throw sys_error("create " + path.string(), errno);
+  write_all(fd.get(), data, path.string());
+}
+
+void fsync_path(const std::filesystem::path& path) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd) throw sys_error("open " + path.string(), errno);
+  if (::fsync(fd.get()) != 0) throw sys_error("fsync " + path.string(), errno);
+}
+
+void write_file_durable(const std::filesystem::path& path, const std::string& data) {
+  auto tmp = path;
+  tmp += ".tmp";
+  {
+    UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (!fd) throw sys_error("create " + tmp.string(), errno);
+    write_all(fd.get(), data, tmp.string());
+    if (::fsync(fd.get()) != 0) throw sys_error("fsync " + tmp.string(), errno);
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) throw sys_error("rename " + tmp.string(), errno);
+  fsync_path(path.parent_path().empty() ? "." : path.parent_path());
+}
+
+void fsync_tree(const std::filesystem::path& root) {
+  std::vector<std::filesystem::path> dirs{root};
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(root)) {
+    if (entry.is_directory()) {
+      dirs.push_back(entry.path());
+    } else if (entry.is_regular_file()) {
+      fsync_path(entry.path());
+    }
+  }
+  for (auto it = dirs.rbegin(); it != dirs.rend(); ++it) fsync_path(*it);
+}
+
+void remove_tree_noexcept(const std::filesystem::path& path) noexcept {
+  std::error_code ec;
+  std::filesystem::remove_all(path, ec);
+}
+
+std::string random_id() {
+  unsigned char bytes[16];
+  UniqueFd fd(::open("/dev/urandom", O_RDONLY | O_CLOEXEC));
+  if (!fd || ::read(fd.get(), bytes, sizeof bytes) != static_cast<ssize_t>(sizeof bytes)) {
+    throw sys_error("read /dev/urandom", errno);
+  }
+  static const char* hex = "0123456789abcdef";
+  std::string id;
+  for (unsigned char b : bytes) {
+    id += hex[b >> 4];
+    id += hex[b & 15];
+  }
+  return id;
+}
+
+std::string human_bytes(uint64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024 && unit < 4) {
+    value /= 1024;
+    ++unit;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, unit == 0 ? "%.0f %s" : "%.1f %s", value, units[unit]);
+  return buf;
+}
+
+}  // namespace fs
+}  // namespace gpusnap

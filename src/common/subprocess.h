@@ -1,0 +1,71 @@
+// Child processes as owned objects. A Subprocess that is destroyed while its child still runs
+// kills (SIGKILL) and reaps it, so no error path leaves a stray process behind.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <functional>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace gpusnap {
+
+struct SpawnOptions {
+  std::vector<std::string> argv;
+  std::vector<std::string> env_add;  // "KEY=VALUE" added to (or replacing in) our environment
+  int stdin_fd = -1;                 // -1: /dev/null
+  int stdout_fd = -1;                // -1: /dev/null
+  int stderr_fd = -1;                // -1: /dev/null
+  // Descriptors the child gets at fixed numbers: {source fd in parent, number in child}.
+  std::vector<std::pair<int, int>> keep_fds;
+  bool kill_with_parent = true;      // PR_SET_PDEATHSIG(SIGKILL)
+  bool new_session = false;          // setsid(): no terminal signals from ours
+  int clone_flags = 0;               // CLONE_NEW* namespaces for the child
+  // Instead of exec'ing argv, run this function in the child and exit with its result. Only
+  // for a caller that is single-threaded at the time (checked): after fork only the calling
+  // thread exists, and a lock held by another thread would never be released.
+  std::function<int()> function;
+};
+
+struct ExitStatus {
+  bool exited = false;  // false: killed by a signal
+  int code = 0;         // exit code, or the signal number
+  bool ok() const { return exited && code == 0; }
+  std::string describe() const;
+};
+
+class Subprocess {
+ public:
+  explicit Subprocess(const SpawnOptions& options);
+  Subprocess(Subprocess&& other) noexcept;
+  Subprocess& operator=(Subprocess&&) = delete;
+  Subprocess(const Subprocess&) = delete;
+  ~Subprocess();
+
+  pid_t pid() const { return pid_; }
+  bool running() const { return pid_ > 0 && !status_; }
+  // Waits for exit; with a timeout, returns nullopt when it expires (the child keeps running).
+  std::optional<ExitStatus> wait(std::optional<std::chrono::milliseconds> timeout = {});
+  // Non-blocking check.
+  std::optional<ExitStatus> poll();
+  void kill(int signal);
+  // Forget the child: it is no longer killed on destruction (it was handed to someone else).
+  pid_t release();
+
+ private:
+  pid_t pid_ = -1;
+  std::optional<ExitStatus> status_;
+};
+
+// Runs a command to completion, capturing stdout and stderr together.
+struct RunResult {
+  ExitStatus status;
+  std::string output;
+};
+RunResult run_capture(const std::vector<std::string>& argv,
+                      std::chrono::milliseconds timeout = std::chrono::minutes(1));
+
+}  // namespace gpusnap

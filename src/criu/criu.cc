@@ -1,0 +1,159 @@
+#include "criu/criu.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <regex>
+
+#include "common/subprocess.h"
+#include "gpusnap/error.h"
+
+namespace gpusnap::criu {
+
+namespace {
+
+constexpr const char* kDefaultPrefixBinary = "/opt/gpusnap/criu/criu";
+constexpr int kMinMajor = 4;
+constexpr int kMinMinor = 2;
+
+std::string probe_version(const std::string& path) {
+  RunResult r;
+  try {
+    r = run_capture({path, "--version"}, std::chrono::seconds(20));
+  } catch (const Error&) {
+    return {};
+  }
+  std::smatch m;
+  static const std::regex kVersion(R"(Version:\s*([0-9]+\.[0-9]+(\.[0-9]+)?))");
+  if (!r.status.ok() || !std::regex_search(r.output, m, kVersion)) return {};
+  return m[1];
+}
+
+std::string find_on_path(const std::string& name) {
+  const char* path = std::getenv("PATH");
+  std::string dirs = path != nullptr ? path : "/usr/sbin:/usr/bin:/sbin:/bin";
+  size_t start = 0;
+  while (start <= dirs.size()) {
+    size_t end = dirs.find(':', start);
+    if (end == std::string::npos) end = dirs.size();
+    std::string candidate = dirs.substr(start, end - start) + "/" + name;
+    if (::access(candidate.c_str(), X_OK) == 0) return candidate;
+    start = end + 1;
+  }
+  return {};
+}
+
+}  // namespace
+
+bool version_at_least(const std::string& version, int major, int minor) {
+  int ma = 0, mi = 0;
+  if (std::sscanf(version.c_str(), "%d.%d", &ma, &mi) < 1) return false;
+  return ma > major || (ma == major && mi >= minor);
+}
+
+Binary locate(const std::string& explicit_path) {
+  std::vector<std::string> candidates;
+  if (!explicit_path.empty()) {
+    candidates.push_back(explicit_path);
+  } else if (const char* env = std::getenv("GPUSNAP_CRIU"); env != nullptr && *env != '\0') {
+    candidates.push_back(env);
+  } else {
+    candidates.push_back(kDefaultPrefixBinary);
+    if (auto on_path = find_on_path("criu"); !on_path.empty()) candidates.push_back(on_path);
+  }
+  std::string seen;
+  for (const auto& path : candidates) {
+    if (::access(path.c_str(), X_OK) != 0) continue;
+    auto version = probe_version(path);
+    if (version_at_least(version, kMinMajor, kMinMinor)) return {path, version};
+    seen += (seen.empty() ? "" : ", ") + path + " is " +
+            (version.empty() ? std::string("not working") : "version " + version);
+  }
+  if (seen.empty()) {
+    throw Error(ErrorKind::kEnvironment, "CRIU was not found",
+                "run scripts/install-criu, or point --criu / GPUSNAP_CRIU at criu >= 4.2");
+  }
+  throw Error(ErrorKind::kEnvironment, "no usable CRIU >= 4.2: " + seen,
+              "run scripts/install-criu, or point --criu / GPUSNAP_CRIU at criu >= 4.2");
+}
+
+std::vector<std::string> dump_args(const Binary& criu, const DumpOptions& o) {
+  std::vector<std::string> args = {
+      criu.path, "dump",
+      "--tree", std::to_string(o.pid),
+      "--images-dir", o.images.string(),
+      "--log-file", o.log.string(), "-v4",
+      // gpusnap always keeps the source alive through CRIU; it stops the source itself only
+      // after the artifact is committed, so a failure at any point leaves the workload running.
+      "--leave-running",
+      // What a real server holds: established connections, sockets to the outside world,
+      // file locks, files it unlinked but keeps open, and half-accepted connections.
+      "--tcp-established", "--ext-unix-sk", "--file-locks", "--skip-in-flight",
+      "--ghost-limit", std::to_string(o.ghost_limit),
+      // iptables/nftables binaries are often absent (they are on the GPU machines); the
+      // connections are repaired in place and restored copies never reuse them (--tcp-close).
+      "--network-lock", "skip",
+  };
+  if (o.shell_job) args.push_back("--shell-job");
+  return args;
+}
+
+std::vector<std::string> restore_args(const Binary& criu, const RestoreOptions& o) {
+  std::vector<std::string> args = {
+      criu.path, "restore",
+      "--images-dir", o.images.string(),
+      "--log-file", o.log.string(), "-v4",
+      // The copy runs on after criu exits, as a child of gpusnap's namespace init.
+      "--restore-detached", "--restore-sibling",
+      "--pidfile", o.pidfile.string(),
+      // A copy lives in a fresh network namespace: the source's peers are not there, so its
+      // established connections are closed rather than resurrected.
+      "--tcp-close", "--ext-unix-sk", "--file-locks",
+      "--network-lock", "skip",
+  };
+  if (o.shell_job) args.push_back("--shell-job");
+  for (const auto& inherit : o.inherit) {
+    args.push_back("--inherit-fd");
+    args.push_back("fd[" + std::to_string(inherit.fd) + "]:" + inherit.key);
+  }
+  return args;
+}
+
+std::vector<std::string> log_errors(const std::filesystem::path& log, size_t max_lines) {
+  std::ifstream in(log);
+  std::vector<std::string> errors;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.find("Error") == std::string::npos) continue;
+    // Logged as an error by CRIU but harmless: it cannot raise its own fd limit in a container.
+    if (line.find("RLIMIT_NOFILE") != std::string::npos) continue;
+    errors.push_back(line);
+  }
+  if (errors.size() > max_lines) errors.erase(errors.begin(), errors.end() - max_lines);
+  return errors;
+}
+
+std::string summarize_failure(const std::filesystem::path& log) {
+  auto errors = log_errors(log, 50);
+  // The last lines are often the generic "Dumping FAILED."; the first error is the cause.
+  for (const auto& line : errors) {
+    if (line.find("FAILED") != std::string::npos) continue;
+    auto paren = line.find("): ");
+    return paren == std::string::npos ? line : line.substr(paren + 3);
+  }
+  return errors.empty() ? "no error lines in its log" : errors.back();
+}
+
+std::string inherit_key(const std::string& target) {
+  if (target.empty() || target == "/dev/null") return {};
+  if (target.front() == '/') {
+    // A path that was deleted while open cannot be matched by name.
+    if (target.size() > 10 && target.compare(target.size() - 10, 10, " (deleted)") == 0) return {};
+    return target.substr(1);
+  }
+  if (target.rfind("pipe:[", 0) == 0 || target.rfind("socket:[", 0) == 0) return target;
+  return {};
+}
+
+}  // namespace gpusnap::criu

@@ -1,0 +1,152 @@
+// The checkpoint flow. Each step is a named, timed phase; the order is the contract:
+//
+//   resolve      read the process tree from /proc
+//   preflight    refuse what CRIU cannot capture, before anything is frozen
+//   dump         CRIU dumps the tree into the staging directory (--leave-running)
+//   checksum     every staged file, in parallel
+//   commit       manifest, fsync, rename into place: the artifact becomes visible
+//   stop         without --leave-running, the source is stopped, only now
+//
+// A failure in any phase leaves the source running as before and nothing at the output path.
+#include <signal.h>
+#include <time.h>
+
+#include <thread>
+
+#include "artifact/writer.h"
+#include "common/fs.h"
+#include "common/proc.h"
+#include "criu/criu.h"
+#include "engine/dump_guard.h"
+#include "engine/preflight.h"
+#include "gpusnap/checkpoint.h"
+#include "gpusnap/error.h"
+
+namespace gpusnap {
+
+namespace {
+
+std::string utc_now() {
+  char buf[32];
+  time_t now = ::time(nullptr);
+  struct tm tm{};
+  ::gmtime_r(&now, &tm);
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+ProcessRecord record_of(const proc::Process& p) {
+  ProcessRecord r;
+  r.pid = p.pid;
+  r.ppid = p.ppid;
+  r.comm = p.comm;
+  r.cmdline = p.cmdline;
+  r.threads = p.threads;
+  r.rss_bytes = p.rss_bytes;
+  for (const auto& f : p.files) {
+    if (f.fd <= 2) r.stdio.push_back({f.fd, f.target});
+  }
+  return r;
+}
+
+// Stops the source tree for good: every process, root first so it cannot replace children.
+void stop_tree(const std::vector<proc::Process>& tree) {
+  for (const auto& p : tree) ::kill(p.pid, SIGKILL);
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (const auto& p : tree) {
+    while (proc::exists(p.pid) && std::chrono::steady_clock::now() < deadline) {
+      // A zombie still "exists" until its parent reaps it; that is stopped enough.
+      try {
+        if (proc::read_process(p.pid).state == 'Z') break;
+      } catch (const Error&) {
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
+}
+
+class Checkpoint {
+ public:
+  Checkpoint(const CheckpointOptions& options, Reporter& reporter)
+      : options_(options), phases_(reporter) {}
+
+  CheckpointResult run() {
+    auto criu = criu::locate(options_.criu_path);
+    ArtifactWriter writer(options_.output);
+    auto tree = phases_.run("resolve", [&] { return resolve(); });
+    phases_.run("preflight", [&] { preflight(tree); });
+    Manifest manifest = describe(tree, criu);
+    auto log = writer.staging() / "logs" / "criu-dump.log";
+    std::filesystem::create_directories(log.parent_path());
+    std::optional<engine::GuardedDump> dump;
+    phases_.run("dump", [&] {
+      dump.emplace(criu::dump_args(criu, {options_.pid, writer.criu_dir(), log, manifest.shell_job,
+                                          options_.ghost_limit}),
+                   writer.staging(), log.parent_path() / "criu-dump.out");
+      auto status = dump->wait();
+      if (!status.ok()) fail_dump(status, log);
+    });
+    manifest.checkpoint_phases = phases_.timings();
+    writer.seal(manifest, phases_);
+    // The manifest records its own phases up to the commit; the commit itself is reported.
+    manifest.checkpoint_phases = phases_.timings();
+    writer.commit(manifest, phases_);
+    dump->commit();
+    if (!options_.leave_running) phases_.run("stop", [&] { stop_tree(tree); });
+    return {writer.final_path(), std::move(manifest), phases_.timings()};
+  }
+
+ private:
+  std::vector<proc::Process> resolve() {
+    engine::refuse_bad_root(options_.pid);
+    return proc::read_tree(options_.pid);
+  }
+
+  void preflight(const std::vector<proc::Process>& tree) {
+    engine::refuse_uncapturable(tree);
+    for (const auto& p : tree) {
+      if (p.state == 'Z') {
+        throw Error(ErrorKind::kNotCapturable,
+                    "process " + std::to_string(p.pid) + " (" + p.comm + ") is a zombie",
+                    "let its parent reap it, then try again");
+      }
+    }
+  }
+
+  Manifest describe(const std::vector<proc::Process>& tree, const criu::Binary& criu) {
+    Manifest m;
+    m.id = fs::random_id();
+    m.created = utc_now();
+    m.gpusnap_version = GPUSNAP_VERSION;
+    m.source_pid = options_.pid;
+    m.source_cmdline = tree.front().cmdline;
+    m.host = HostFacts::probe(criu.version);
+    m.shell_job = engine::uses_terminal(tree);
+    for (const auto& p : tree) m.processes.push_back(record_of(p));
+    return m;
+  }
+
+  [[noreturn]] void fail_dump(const ExitStatus& status, const std::filesystem::path& log) {
+    // The staging directory goes away with the failure: keep CRIU's log beside the output.
+    auto kept = options_.output;
+    kept += ".criu-dump.log";
+    std::error_code ec;
+    std::filesystem::copy_file(log, kept, std::filesystem::copy_options::overwrite_existing, ec);
+    throw Error(ErrorKind::kCriu,
+                "criu dump " + status.describe() + ": " + criu::summarize_failure(log) +
+                    " (log: " + (ec ? log.string() : kept.string()) + ")",
+                "read the log; the workload was left running");
+  }
+
+  const CheckpointOptions& options_;
+  Phases phases_;
+};
+
+}  // namespace
+
+CheckpointResult checkpoint(const CheckpointOptions& options, Reporter& reporter) {
+  return Checkpoint(options, reporter).run();
+}
+
+}  // namespace gpusnap

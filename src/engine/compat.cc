@@ -1,0 +1,62 @@
+#include <algorithm>
+
+#include "criu/criu.h"
+#include "gpusnap/error.h"
+#include "gpusnap/restore.h"
+
+namespace gpusnap {
+
+namespace {
+
+// CPU flags that name instruction-set extensions: a process that used one at checkpoint time
+// may execute it again after restore, so the target must have every one the source had. Other
+// cpuinfo flags (hypervisor, constant_tsc, ...) describe the machine, not what code may run.
+bool is_instruction_set_flag(const std::string& flag) {
+  static const char* kPrefixes[] = {"sse", "ssse3", "avx", "fma", "f16c", "bmi", "adx", "aes",
+                                    "sha", "pclmulqdq", "popcnt", "movbe", "rdrand", "rdseed",
+                                    "vaes", "vpclmulqdq", "gfni", "amx", "xsave", "abm", "lzcnt",
+                                    "erms", "fsrm", "cx16", "mmx", "sve", "asimd"};
+  return std::any_of(std::begin(kPrefixes), std::end(kPrefixes),
+                     [&](const char* p) { return flag.rfind(p, 0) == 0; });
+}
+
+}  // namespace
+
+void check_host_compatible(const Manifest& m, const HostFacts& here) {
+  if (m.host.arch != here.arch) {
+    throw Error(ErrorKind::kIncompatible,
+                "artifact was taken on " + m.host.arch + ", this host is " + here.arch,
+                "restore it on a " + m.host.arch + " host");
+  }
+  if (m.host.page_size != here.page_size) {
+    throw Error(ErrorKind::kIncompatible,
+                "artifact was taken with " + std::to_string(m.host.page_size) +
+                    "-byte pages, this host uses " + std::to_string(here.page_size),
+                "restore it on a host with the same page size");
+  }
+  std::vector<std::string> missing;
+  for (const auto& flag : m.host.cpu_flags) {
+    if (is_instruction_set_flag(flag) &&
+        !std::binary_search(here.cpu_flags.begin(), here.cpu_flags.end(), flag)) {
+      missing.push_back(flag);
+    }
+  }
+  if (!missing.empty()) {
+    std::string list;
+    for (size_t i = 0; i < missing.size() && i < 8; ++i) list += (i ? ", " : "") + missing[i];
+    if (missing.size() > 8) list += ", ...";
+    throw Error(ErrorKind::kIncompatible,
+                "this host's CPU lacks instruction sets the source used: " + list,
+                "restore it on a host with the source's CPU model (" + m.host.cpu_model + ")");
+  }
+  int major = 0, minor = 0;
+  std::sscanf(m.host.criu_version.c_str(), "%d.%d", &major, &minor);
+  if (!criu::version_at_least(here.criu_version, major, minor)) {
+    throw Error(ErrorKind::kIncompatible,
+                "artifact was written by CRIU " + m.host.criu_version + ", this host has CRIU " +
+                    here.criu_version,
+                "install CRIU " + m.host.criu_version + " or newer (scripts/install-criu)");
+  }
+}
+
+}  // namespace gpusnap

@@ -1,0 +1,211 @@
+#include "engine/copy_init.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <list>
+
+#include "common/fd.h"
+#include "common/fs.h"
+#include "common/subprocess.h"
+#include "gpusnap/error.h"
+
+namespace gpusnap::engine {
+
+namespace {
+
+void send_line(int fd, const std::string& line) {
+  std::string data = line + "\n";
+  (void)::send(fd, data.data(), data.size(), MSG_NOSIGNAL);
+}
+
+void prepare_namespaces() {
+  // Our mounts must not propagate back to the host, and CRIU needs a /proc of this PID
+  // namespace to find the pids it restores.
+  if (::mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) {
+    throw sys_error("make mounts private", errno);
+  }
+  if (::mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr) != 0) {
+    throw sys_error("mount /proc", errno);
+  }
+  // A fresh network namespace starts with loopback down; CRIU's TCP checks need it up.
+  UniqueFd sock(::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  struct ifreq ifr{};
+  std::strncpy(ifr.ifr_name, "lo", IFNAMSIZ - 1);
+  if (!sock || ::ioctl(sock.get(), SIOCGIFFLAGS, &ifr) != 0) throw sys_error("query lo", errno);
+  ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+  if (::ioctl(sock.get(), SIOCSIFFLAGS, &ifr) != 0) throw sys_error("bring lo up", errno);
+}
+
+// One forwarded connection: bytes both ways between a host client and the copy's port.
+struct Relay {
+  UniqueFd outside;
+  UniqueFd inside;
+  std::string to_inside;
+  std::string to_outside;
+  bool outside_eof = false;
+  bool inside_eof = false;
+  bool connected = false;
+};
+
+bool pump(int from, std::string& buffer, bool& eof) {
+  char buf[65536];
+  ssize_t n = ::read(from, buf, sizeof buf);
+  if (n > 0) {
+    buffer.append(buf, static_cast<size_t>(n));
+    return true;
+  }
+  if (n == 0 || (errno != EAGAIN && errno != EINTR)) eof = true;
+  return n > 0;
+}
+
+bool drain(int to, std::string& buffer) {
+  if (buffer.empty()) return true;
+  ssize_t n = ::send(to, buffer.data(), buffer.size(), MSG_NOSIGNAL);
+  if (n > 0) buffer.erase(0, static_cast<size_t>(n));
+  return n >= 0 || errno == EAGAIN || errno == EINTR;
+}
+
+UniqueFd connect_inside(uint16_t port) {
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  struct sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 &&
+      errno != EINPROGRESS) {
+    return {};
+  }
+  return fd;
+}
+
+// Reaps children and relays published ports until the restored root exits.
+int supervise(pid_t root, const std::vector<ForwardSpec>& forwards) {
+  sigset_t mask;
+  sigemptyset(&mask);
+  for (int sig : {SIGCHLD, SIGTERM, SIGINT, SIGHUP}) sigaddset(&mask, sig);
+  UniqueFd sfd(::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK));
+  std::list<Relay> relays;
+  for (;;) {
+    std::vector<pollfd> fds;
+    fds.push_back({sfd.get(), POLLIN, 0});
+    for (const auto& f : forwards) fds.push_back({f.listen_fd, POLLIN, 0});
+    for (auto& r : relays) {
+      short out_events = static_cast<short>((r.outside_eof ? 0 : POLLIN) |
+                                            (r.to_outside.empty() ? 0 : POLLOUT));
+      short in_events = static_cast<short>((r.inside_eof || !r.connected ? 0 : POLLIN) |
+                                           (!r.connected || !r.to_inside.empty() ? POLLOUT : 0));
+      fds.push_back({r.outside.get(), out_events, 0});
+      fds.push_back({r.inside.get(), in_events, 0});
+    }
+    if (::poll(fds.data(), fds.size(), -1) < 0 && errno != EINTR) return 1;
+
+    if (fds[0].revents & POLLIN) {
+      struct signalfd_siginfo si;
+      while (::read(sfd.get(), &si, sizeof si) == sizeof si) {
+        if (si.ssi_signo != SIGCHLD) ::kill(root, static_cast<int>(si.ssi_signo));
+      }
+      int raw;
+      for (pid_t pid; (pid = ::waitpid(-1, &raw, WNOHANG)) > 0;) {
+        if (pid == root) return WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
+      }
+    }
+    for (size_t i = 0; i < forwards.size(); ++i) {
+      if (!(fds[1 + i].revents & POLLIN)) continue;
+      UniqueFd client(::accept4(forwards[i].listen_fd, nullptr, nullptr,
+                                SOCK_NONBLOCK | SOCK_CLOEXEC));
+      if (!client) continue;
+      UniqueFd inside = connect_inside(forwards[i].port);
+      if (!inside) continue;  // closing the client tells it the copy does not listen
+      Relay relay;
+      relay.outside = std::move(client);
+      relay.inside = std::move(inside);
+      relays.push_back(std::move(relay));
+    }
+    size_t k = 1 + forwards.size();
+    for (auto it = relays.begin(); it != relays.end(); k += 2) {
+      Relay& r = *it;
+      short out_rev = fds[k].revents, in_rev = fds[k + 1].revents;
+      bool ok = true;
+      if (!r.connected && (in_rev & (POLLOUT | POLLERR | POLLHUP))) {
+        int err = 0;
+        socklen_t len = sizeof err;
+        ::getsockopt(r.inside.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+        ok = err == 0;
+        r.connected = ok;
+      }
+      if (ok && (out_rev & (POLLIN | POLLHUP))) pump(r.outside.get(), r.to_inside, r.outside_eof);
+      if (ok && r.connected && (in_rev & (POLLIN | POLLHUP))) {
+        pump(r.inside.get(), r.to_outside, r.inside_eof);
+      }
+      if (ok && r.connected) ok = drain(r.inside.get(), r.to_inside);
+      if (ok) ok = drain(r.outside.get(), r.to_outside);
+      if (ok && r.connected && r.outside_eof && r.to_inside.empty()) {
+        ::shutdown(r.inside.get(), SHUT_WR);
+      }
+      if (ok && r.inside_eof && r.to_outside.empty()) ::shutdown(r.outside.get(), SHUT_WR);
+      bool done = (r.outside_eof && r.inside_eof) || (out_rev & POLLERR) ||
+                  (r.inside_eof && r.to_outside.empty());
+      it = (!ok || done) ? relays.erase(it) : std::next(it);
+    }
+  }
+}
+
+}  // namespace
+
+int copy_init_main(const CopyInitSpec& spec) {
+  // SIGTERM sent from the host to a namespace init is dropped unless the init handles it: a
+  // no-op handler makes it deliverable; blocking it routes it to the signalfd.
+  struct sigaction sa{};
+  sa.sa_handler = [](int) {};
+  for (int sig : {SIGTERM, SIGINT, SIGHUP}) ::sigaction(sig, &sa, nullptr);
+  sigset_t mask;
+  sigemptyset(&mask);
+  for (int sig : {SIGCHLD, SIGTERM, SIGINT, SIGHUP}) sigaddset(&mask, sig);
+  ::sigprocmask(SIG_BLOCK, &mask, nullptr);
+
+  pid_t root = 0;
+  try {
+    prepare_namespaces();
+    UniqueFd out(::open(spec.criu_output.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+    SpawnOptions o;
+    o.argv = spec.criu_argv;
+    o.stdout_fd = out.get();
+    o.stderr_fd = out.get();
+    for (int fd : spec.inherit_fds) o.keep_fds.push_back({fd, fd});
+    ExitStatus status = *Subprocess(o).wait();
+    if (!status.ok()) {
+      send_line(spec.control_fd, "F criu restore " + status.describe());
+      return 1;
+    }
+    root = std::stoi(fs::read_file(spec.pidfile));
+  } catch (const std::exception& e) {
+    send_line(spec.control_fd, std::string("F ") + e.what());
+    return 1;
+  }
+  for (int fd : spec.inherit_fds) ::close(fd);  // the restored tree holds them now
+  send_line(spec.control_fd, "R " + std::to_string(root));
+  char go = 0;
+  ssize_t n;
+  while ((n = ::recv(spec.control_fd, &go, 1, 0)) < 0 && errno == EINTR) {
+  }
+  if (n != 1 || go != 'G') return 1;  // gpusnap gave up on this copy: end it
+  ::prctl(PR_SET_PDEATHSIG, 0);       // released: the copy outlives gpusnap from now on
+  ::close(spec.control_fd);
+  return supervise(root, spec.forwards);
+}
+
+}  // namespace gpusnap::engine

@@ -1,0 +1,35 @@
+// The init of one restored copy: PID 1 of the copy's fresh PID namespace (also in fresh mount,
+// network, IPC and UTS namespaces). It prepares the namespaces for CRIU (its own /proc,
+// loopback up), runs `criu restore` so that the restored root becomes its child, reports the
+// root's pid, and from then on reaps orphans, forwards published ports from the host into the
+// copy, passes SIGTERM/SIGINT on to the root, and exits when the root exits, which ends the
+// namespace and everything left in it.
+//
+// Until gpusnap releases it, the init dies with gpusnap (PR_SET_PDEATHSIG), so a gpusnap killed
+// mid-restore leaves no copy, process or namespace behind.
+#pragma once
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace gpusnap::engine {
+
+struct ForwardSpec {
+  int listen_fd;      // a listening socket in the HOST network namespace (inherited)
+  uint16_t port;      // where to connect inside the copy
+};
+
+struct CopyInitSpec {
+  std::vector<std::string> criu_argv;
+  std::filesystem::path pidfile;
+  std::filesystem::path criu_output;
+  std::vector<int> inherit_fds;  // descriptors CRIU hands to the restored tree (closed after)
+  std::vector<ForwardSpec> forwards;
+  int control_fd;  // socket to gpusnap: we send "R <nspid>\n" or "F <reason>\n", await 'G'
+};
+
+// Runs as the cloned child; returns the exit code of the copy (the root's, or 1 on failure).
+int copy_init_main(const CopyInitSpec& spec);
+
+}  // namespace gpusnap::engine

@@ -1,0 +1,81 @@
+#include "engine/dump_guard.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+#include "common/fs.h"
+#include "gpusnap/error.h"
+
+namespace gpusnap::engine {
+
+namespace {
+
+constexpr int kControlFd = 3;
+constexpr int kStatusFd = 4;
+
+int guardian_main(const std::vector<std::string>& argv, const std::filesystem::path& staging,
+                  const std::filesystem::path& output) {
+  UniqueFd out(::open(output.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+  SpawnOptions o;
+  o.argv = argv;
+  o.stdout_fd = out.get();
+  o.stderr_fd = out.get();
+  o.kill_with_parent = false;  // CRIU must finish even if we are killed
+  Subprocess criu(o);
+  ExitStatus status = *criu.wait();
+  int encoded[2] = {status.exited ? 1 : 0, status.code};
+  (void)::write(kStatusFd, encoded, sizeof encoded);
+  ::close(kStatusFd);
+  char word = 0;
+  ssize_t n;
+  while ((n = ::read(kControlFd, &word, 1)) < 0 && errno == EINTR) {
+  }
+  if (n != 1 || word != 'C') fs::remove_tree_noexcept(staging);
+  return 0;
+}
+
+}  // namespace
+
+GuardedDump::GuardedDump(std::vector<std::string> criu_argv, std::filesystem::path staging,
+                         std::filesystem::path criu_output) {
+  Pipe control = Pipe::make();
+  Pipe status = Pipe::make();
+  SpawnOptions o;
+  o.function = [argv = std::move(criu_argv), staging, criu_output] {
+    return guardian_main(argv, staging, criu_output);
+  };
+  o.keep_fds = {{control.read.get(), kControlFd}, {status.write.get(), kStatusFd}};
+  o.kill_with_parent = false;
+  o.new_session = true;  // a Ctrl-C meant for gpusnap must not reach CRIU
+  guardian_.emplace(o);
+  control_ = std::move(control.write);
+  status_ = std::move(status.read);
+}
+
+GuardedDump::~GuardedDump() {
+  control_.reset();  // EOF without 'C': the guardian cleans up after CRIU
+  if (guardian_) guardian_->wait();
+  guardian_->release();
+}
+
+ExitStatus GuardedDump::wait() {
+  int encoded[2] = {0, 0};
+  size_t got = 0;
+  while (got < sizeof encoded) {
+    ssize_t n = ::read(status_.get(), reinterpret_cast<char*>(encoded) + got, sizeof encoded - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) throw Error(ErrorKind::kCriu, "the process running CRIU's dump died");
+    got += static_cast<size_t>(n);
+  }
+  return ExitStatus{encoded[0] == 1, encoded[1]};
+}
+
+void GuardedDump::commit() {
+  char word = 'C';
+  if (::write(control_.get(), &word, 1) != 1) throw sys_error("tell the dump guardian", errno);
+  control_.reset();
+}
+
+}  // namespace gpusnap::engine

@@ -1,0 +1,40 @@
+// CRIU's dump, run under a guardian process that outlives gpusnap.
+//
+// Why: if gpusnap is killed mid-dump, interrupting CRIU would be the worst outcome (a process
+// with CRIU's parasite code inside it cannot be resumed safely). So CRIU runs as the child of a
+// small guardian in its own session: it always finishes and, since gpusnap dumps with
+// --leave-running, always resumes the tree. The guardian then waits for gpusnap's word: the
+// artifact was committed, or (gpusnap died) it removes the staging directory, so no partial
+// artifact is ever left behind.
+#pragma once
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "common/fd.h"
+#include "common/subprocess.h"
+
+namespace gpusnap::engine {
+
+class GuardedDump {
+ public:
+  GuardedDump(std::vector<std::string> criu_argv, std::filesystem::path staging,
+              std::filesystem::path criu_output);
+  GuardedDump(const GuardedDump&) = delete;
+  GuardedDump& operator=(const GuardedDump&) = delete;
+  // Without commit(): the guardian removes the staging directory once CRIU has finished.
+  ~GuardedDump();
+
+  // Blocks until CRIU exits; returns its status.
+  ExitStatus wait();
+  // Tells the guardian the artifact is in place: it must not remove anything.
+  void commit();
+
+ private:
+  UniqueFd control_;  // write end: 'C' = committed; EOF = abandoned
+  UniqueFd status_;   // read end: CRIU's exit status from the guardian
+  std::optional<Subprocess> guardian_;
+};
+
+}  // namespace gpusnap::engine

@@ -1,0 +1,18 @@
+// What gpusnap can see before it freezes anything and knows CRIU cannot capture. Refusing here
+// costs the workload nothing; failing inside CRIU's dump costs a freeze and a thaw.
+#pragma once
+
+#include <vector>
+
+#include "common/proc.h"
+
+namespace gpusnap::engine {
+
+// Throws Error(kNotCapturable) naming the process, the resource and the fix.
+void refuse_uncapturable(const std::vector<proc::Process>& tree);
+// Whether any process of the tree has a terminal on its standard descriptors (a shell job).
+bool uses_terminal(const std::vector<proc::Process>& tree);
+// Refuses a root that is gpusnap itself, one of its ancestors, or the host's init.
+void refuse_bad_root(pid_t root);
+
+}  // namespace gpusnap::engine

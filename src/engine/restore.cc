@@ -1,0 +1,308 @@
+// The restore flow, as named, timed phases:
+//
+//   open        read the manifest; format and host-compatibility checks
+//   verify      every byte against the manifest (skipped with --no-verify)
+//   criu-restore  each copy's init, in its fresh namespaces, runs `criu restore`; all at once
+//   locate      the restored roots' host pids
+//   release     the copies are handed over and outlive gpusnap
+//
+// Until release, every copy's init dies with this object (and with gpusnap), so a failure or a
+// kill at any point leaves no process and no namespace behind.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sched.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <map>
+#include <memory>
+#include <optional>
+
+#include "common/fd.h"
+#include "common/fs.h"
+#include "common/proc.h"
+#include "common/subprocess.h"
+#include "criu/criu.h"
+#include "engine/copy_init.h"
+#include "gpusnap/error.h"
+#include "gpusnap/restore.h"
+
+namespace gpusnap {
+
+PortPublish PortPublish::parse(const std::string& text) {
+  PortPublish p;
+  std::vector<std::string> parts;
+  size_t start = 0;
+  for (size_t colon; (colon = text.find(':', start)) != std::string::npos; start = colon + 1) {
+    parts.push_back(text.substr(start, colon - start));
+  }
+  parts.push_back(text.substr(start));
+  auto port = [&](const std::string& s) -> uint16_t {
+    char* end = nullptr;
+    long v = std::strtol(s.c_str(), &end, 10);
+    if (s.empty() || *end != '\0' || v < 0 || v > 65535) {
+      throw Error(ErrorKind::kUsage, "bad port '" + s + "' in --publish " + text,
+                  "use --publish PORT, HOSTPORT:PORT or ADDR:HOSTPORT:PORT");
+    }
+    return static_cast<uint16_t>(v);
+  };
+  if (parts.size() > 3) {
+    throw Error(ErrorKind::kUsage, "bad --publish " + text,
+                "use --publish PORT, HOSTPORT:PORT or ADDR:HOSTPORT:PORT");
+  }
+  p.port = port(parts.back());
+  if (p.port == 0) throw Error(ErrorKind::kUsage, "--publish needs the copy's port, not 0");
+  if (parts.size() >= 2) p.host_port = port(parts[parts.size() - 2]);
+  if (parts.size() == 3) p.host_address = parts[0];
+  return p;
+}
+
+namespace {
+
+constexpr int kControlFd = 3;
+constexpr int kFirstInheritFd = 10;
+constexpr int kFirstListenFd = 40;
+
+UniqueFd listen_on(const std::string& address, uint16_t port, uint16_t* bound) {
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  int one = 1;
+  ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  struct sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  if (::inet_pton(AF_INET, address.c_str(), &addr.sin_addr) != 1) {
+    throw Error(ErrorKind::kUsage, "bad address '" + address + "' in --publish",
+                "give an IPv4 address such as 127.0.0.1");
+  }
+  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    throw Error(ErrorKind::kUsage,
+                "cannot publish on " + address + ":" + std::to_string(port) + ": " +
+                    std::strerror(errno),
+                "choose a free host port, or give only the copy's port to pick one");
+  }
+  if (::listen(fd.get(), 128) != 0) throw sys_error("listen", errno);
+  socklen_t len = sizeof addr;
+  ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len);
+  *bound = ntohs(addr.sin_port);
+  return fd;
+}
+
+// One copy being restored. Owns the copy's init until release(); destroying an unreleased
+// copy kills the init, which takes the whole namespace down with it.
+class Copy {
+ public:
+  Copy(int index, const Manifest& manifest, const std::filesystem::path& images,
+       const criu::Binary& criu, const RestoreOptions& options)
+      : index_(index) {
+    info_.index = index;
+    info_.dir = options.run_dir / "copies" /
+                (manifest.id.substr(0, 8) + "-" + std::to_string(index) + "-" +
+                 fs::random_id().substr(0, 6));
+    std::filesystem::create_directories(info_.dir);
+
+    // The workload's standard descriptors pointed at things of the source (its log file, a
+    // pipe to its launcher, a terminal). Each copy gets its own: stdin from /dev/null, output
+    // into the copy's output.log.
+    UniqueFd output(::open((info_.dir / "output.log").c_str(),
+                           O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+    UniqueFd null_in(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+    if (!output || !null_in) throw sys_error("open the copy's output", errno);
+    criu::RestoreOptions ro;
+    ro.images = images;
+    ro.log = info_.dir / "restore.log";
+    ro.pidfile = info_.dir / "root.pid";
+    ro.shell_job = manifest.shell_job;
+    std::map<std::string, int> key_fds;  // CRIU matches each key once
+    for (const auto& p : manifest.processes) {
+      for (const auto& s : p.stdio) {
+        auto key = criu::inherit_key(s.target);
+        if (key.empty() || key_fds.count(key)) continue;
+        int fd = kFirstInheritFd + static_cast<int>(key_fds.size());
+        key_fds[key] = fd;
+        inherit_.emplace_back(s.fd == 0 ? null_in.get() : output.get(), fd);
+        ro.inherit.push_back({fd, key});
+      }
+    }
+    for (const auto& pub : options.publish) {
+      uint16_t host_port = pub.host_port == 0 ? 0 : static_cast<uint16_t>(pub.host_port + index);
+      uint16_t bound = 0;
+      listeners_.push_back(listen_on(pub.host_address, host_port, &bound));
+      info_.ports.push_back({pub.host_address, bound, pub.port});
+    }
+
+    int sv[2];
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+      throw sys_error("socketpair", errno);
+    }
+    control_.reset(sv[0]);
+    UniqueFd child_end(sv[1]);
+
+    engine::CopyInitSpec spec;
+    spec.criu_argv = criu::restore_args(criu, ro);
+    spec.pidfile = ro.pidfile;
+    spec.criu_output = info_.dir / "criu.out";
+    spec.control_fd = kControlFd;
+    SpawnOptions o;
+    o.keep_fds.push_back({child_end.get(), kControlFd});
+    for (const auto& [src, dst] : inherit_) {
+      o.keep_fds.push_back({src, dst});
+      spec.inherit_fds.push_back(dst);
+    }
+    for (size_t i = 0; i < listeners_.size(); ++i) {
+      int fd = kFirstListenFd + static_cast<int>(i);
+      o.keep_fds.push_back({listeners_[i].get(), fd});
+      spec.forwards.push_back({fd, options.publish[i].port});
+    }
+    o.function = [spec] { return engine::copy_init_main(spec); };
+    o.kill_with_parent = true;
+    o.new_session = true;  // a Ctrl-C at gpusnap's terminal must not reach released copies
+    o.clone_flags = CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS;
+    init_.emplace(o);
+    info_.init_pid = init_->pid();
+    // Our copies of the inherited descriptors and listeners close here: the init holds them.
+    inherit_.clear();
+    listeners_.clear();
+  }
+
+  int control() const { return control_.get(); }
+  CopyInfo& info() { return info_; }
+
+  // Reads the init's report: the restored root's namespace pid, or why it failed.
+  void take_report() {
+    std::string line;
+    char c;
+    while (::recv(control_.get(), &c, 1, 0) == 1 && c != '\n') line += c;
+    if (line.rfind("R ", 0) == 0) {
+      info_.ns_pid = std::stoi(line.substr(2));
+      return;
+    }
+    auto log = info_.dir / "restore.log";
+    std::string why = line.size() > 2 ? line.substr(2) : "its init died";
+    if (std::filesystem::exists(log)) why += ": " + criu::summarize_failure(log);
+    throw Error(ErrorKind::kCriu,
+                "copy " + std::to_string(index_) + " failed to restore: " + why + " (log: " +
+                    log.string() + ")",
+                "read the log; nothing of this restore is left running");
+  }
+
+  void locate() {
+    info_.host_pid = proc::host_pid_in_namespace(info_.init_pid, info_.ns_pid);
+    if (info_.host_pid == 0) {
+      throw Error(ErrorKind::kCriu, "copy " + std::to_string(index_) +
+                                        ": the restored process exited right after restore "
+                                        "(output: " + (info_.dir / "output.log").string() + ")");
+    }
+  }
+
+  void release() {
+    char go = 'G';
+    if (::send(control_.get(), &go, 1, MSG_NOSIGNAL) != 1) throw sys_error("release copy", errno);
+    control_.reset();
+    init_->release();
+  }
+
+ private:
+  int index_;
+  CopyInfo info_;
+  UniqueFd control_;
+  std::vector<std::pair<int, int>> inherit_;  // {fd here, fd in the init}; fds owned below
+  std::vector<UniqueFd> listeners_;
+  std::optional<Subprocess> init_;
+};
+
+class Restore {
+ public:
+  Restore(const RestoreOptions& options, Reporter& reporter)
+      : options_(options), phases_(reporter) {}
+
+  RestoreResult run() {
+    if (options_.replicas < 1) {
+      throw Error(ErrorKind::kUsage, "--replicas must be at least 1");
+    }
+    auto criu = criu::locate(options_.criu_path);
+    auto artifact = phases_.run("open", [&] {
+      auto a = Artifact::open(options_.artifact);
+      check_host_compatible(a.manifest(), HostFacts::probe(criu.version));
+      return a;
+    });
+    if (options_.verify) phases_.run("verify", [&] { verify(artifact); });
+    std::vector<std::unique_ptr<Copy>> copies;
+    phases_.run("criu-restore", [&] {
+      for (int i = 0; i < options_.replicas; ++i) {
+        copies.push_back(std::make_unique<Copy>(i, artifact.manifest(), artifact.criu_dir(),
+                                                criu, options_));
+      }
+      wait_reports(copies);
+    });
+    phases_.run("locate", [&] {
+      for (auto& c : copies) c->locate();
+    });
+    RestoreResult result;
+    phases_.run("release", [&] {
+      for (auto& c : copies) {
+        c->release();
+        result.copies.push_back(c->info());
+      }
+    });
+    result.manifest = artifact.manifest();
+    result.phases = phases_.timings();
+    return result;
+  }
+
+ private:
+  void verify(const Artifact& artifact) {
+    auto problems = artifact.verify(VerifyOptions{0, &phases_.reporter()});
+    if (problems.empty()) return;
+    std::string what = problems[0].path + ": " + problems[0].problem;
+    if (problems.size() > 1) what += " (and " + std::to_string(problems.size() - 1) + " more)";
+    throw Error(ErrorKind::kBadArtifact, "artifact " + options_.artifact.string() +
+                                             " is corrupt: " + what,
+                "copy it again or take a new checkpoint (--no-verify skips this check)");
+  }
+
+  // All copies restore at once; wait until each has reported, or the deadline passes.
+  void wait_reports(std::vector<std::unique_ptr<Copy>>& copies) {
+    auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+    std::vector<bool> done(copies.size(), false);
+    for (size_t left = copies.size(); left > 0;) {
+      std::vector<pollfd> fds;
+      std::vector<size_t> which;
+      for (size_t i = 0; i < copies.size(); ++i) {
+        if (done[i]) continue;
+        fds.push_back({copies[i]->control(), POLLIN, 0});
+        which.push_back(i);
+      }
+      auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                    deadline - std::chrono::steady_clock::now()).count();
+      if (ms <= 0) {
+        throw Error(ErrorKind::kTimeout,
+                    "criu restore did not finish within " +
+                        std::to_string(options_.timeout.count() / 1000) + " s",
+                    "look at restore.log under " + options_.run_dir.string() + "/copies");
+      }
+      if (::poll(fds.data(), fds.size(), static_cast<int>(ms)) < 0 && errno != EINTR) {
+        throw sys_error("poll", errno);
+      }
+      for (size_t k = 0; k < fds.size(); ++k) {
+        if (fds[k].revents == 0) continue;
+        copies[which[k]]->take_report();
+        done[which[k]] = true;
+        --left;
+      }
+    }
+  }
+
+  const RestoreOptions& options_;
+  Phases phases_;
+};
+
+}  // namespace
+
+RestoreResult restore(const RestoreOptions& options, Reporter& reporter) {
+  return Restore(options, reporter).run();
+}
+
+}  // namespace gpusnap

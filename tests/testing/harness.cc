@@ -1,0 +1,147 @@
+#include "testing/harness.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+#include <thread>
+
+#include "common/fd.h"
+#include "common/fs.h"
+#include "common/proc.h"
+#include "criu/criu.h"
+#include "gpusnap/error.h"
+
+namespace gpusnap::testing {
+
+TempDir::TempDir() {
+  std::string tmpl = (std::filesystem::temp_directory_path() / "gpusnap-test-XXXXXX").string();
+  if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+  path_ = tmpl;
+}
+
+TempDir::~TempDir() { fs::remove_tree_noexcept(path_); }
+
+std::optional<std::string> system_test_blocker() {
+  if (::geteuid() != 0) return "not root";
+  try {
+    criu::locate();
+  } catch (const Error& e) {
+    return e.one_line();
+  }
+  return std::nullopt;
+}
+
+Workload::Workload(const TempDir& dir, std::vector<std::string> extra_args) {
+  auto ready = dir / ("ready-" + fs::random_id().substr(0, 6));
+  UniqueFd log(::open((dir / "workload.log").c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC,
+                      0644));
+  SpawnOptions o;
+  o.argv = {GPUSNAP_TEST_WORKLOAD, "--ready-file", ready.string()};
+  o.argv.insert(o.argv.end(), extra_args.begin(), extra_args.end());
+  o.stdout_fd = log.get();
+  o.stderr_fd = log.get();
+  o.new_session = true;  // as a service would run: no terminal
+  process_.emplace(o);
+  pid_ = process_->pid();
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  std::string text;
+  while (!fs::try_read_file(ready, &text)) {
+    if (process_->poll() || std::chrono::steady_clock::now() > deadline) {
+      throw std::runtime_error("test workload did not become ready: " +
+                               fs::read_file(dir / "workload.log"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  port_ = static_cast<uint16_t>(std::stoi(text));
+}
+
+Workload::~Workload() { kill_tree(); }
+
+void Workload::kill_tree() {
+  if (pid_ <= 0) return;
+  try {
+    for (const auto& p : proc::read_tree(pid_)) ::kill(p.pid, SIGKILL);
+  } catch (const Error&) {
+  }
+  if (process_) process_->wait(std::chrono::seconds(10));
+  pid_ = 0;
+}
+
+std::string ask(uint16_t port, const std::string& line, std::chrono::milliseconds timeout) {
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  struct sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) return "";
+  std::string msg = line + "\n";
+  if (::send(fd.get(), msg.data(), msg.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(msg.size())) {
+    return "";
+  }
+  std::string reply;
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return "";
+    struct pollfd p{fd.get(), POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
+    char c;
+    ssize_t n = ::recv(fd.get(), &c, 1, 0);
+    if (n <= 0) return reply.empty() ? "" : reply;
+    if (c == '\n') return reply;
+    reply += c;
+  }
+}
+
+CliResult gpusnap(const std::vector<std::string>& args, std::chrono::milliseconds timeout) {
+  TempDir dir;
+  UniqueFd out(::open((dir / "out").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
+  UniqueFd err(::open((dir / "err").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
+  SpawnOptions o;
+  o.argv = {GPUSNAP_BIN};
+  o.argv.insert(o.argv.end(), args.begin(), args.end());
+  o.stdout_fd = out.get();
+  o.stderr_fd = err.get();
+  Subprocess p(o);
+  auto status = p.wait(timeout);
+  CliResult r;
+  if (!status) {
+    p.kill(SIGKILL);
+    p.wait();
+    r.exit_code = -1;
+  } else {
+    r.exit_code = status->exited ? status->code : 128 + status->code;
+  }
+  r.out = fs::read_file(dir / "out");
+  r.err = fs::read_file(dir / "err");
+  return r;
+}
+
+void end_copy(pid_t init_pid) {
+  if (init_pid <= 0) return;
+  ::kill(init_pid, SIGKILL);
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (proc::exists(init_pid) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+bool running(pid_t pid) {
+  try {
+    char s = proc::read_process(pid).state;
+    return s == 'R' || s == 'S' || s == 'D';
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+}  // namespace gpusnap::testing
