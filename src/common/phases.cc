@@ -29,8 +29,9 @@ void TerminalReporter::phase_started(std::string_view name) {
 }
 
 void TerminalReporter::phase_finished(std::string_view name, double seconds) {
+  if (!live_) return;  // not a terminal: --json carries the timings for tools
   std::fprintf(stderr, "  %-22.*s %8.3f s%s\n", static_cast<int>(name.size()), name.data(),
-               seconds, live_ ? "          " : "");
+               seconds, "          ");
 }
 
 void TerminalReporter::progress(std::string_view name, uint64_t done, uint64_t total) {

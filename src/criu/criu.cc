@@ -110,7 +110,6 @@ std::vector<std::string> restore_args(const Binary& criu, const RestoreOptions& 
       // A copy lives in a fresh network namespace: the source's peers are not there, so its
       // established connections are closed rather than resurrected.
       "--tcp-close", "--ext-unix-sk", "--file-locks",
-      "--network-lock", "skip",
   };
   if (o.shell_job) args.push_back("--shell-job");
   for (const auto& inherit : o.inherit) {

@@ -1,6 +1,7 @@
 #include "engine/dump_guard.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -17,6 +18,9 @@ constexpr int kStatusFd = 4;
 
 int guardian_main(const std::vector<std::string>& argv, const std::filesystem::path& staging,
                   const std::filesystem::path& output) {
+  // gpusnap may be gone by the time we report to it: a write to its closed pipe must fail
+  // with EPIPE, not kill us before we clean up.
+  ::signal(SIGPIPE, SIG_IGN);
   UniqueFd out(::open(output.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
   SpawnOptions o;
   o.argv = argv;

@@ -6,20 +6,29 @@
 // CUDA_VERSION 13000) and nvml.h (NVML_API_VERSION 13); static_asserts pin their sizes and offsets
 // so that an edit that breaks the layout fails the build.
 //  - Every args struct of the checkpoint API is fixed-size, mostly "reserved, must be zeroed". The
-//    reserved fields have changed meaning between driver versions (CUcheckpointRestoreArgs grew
-//    gpuPairs in r580 out of what was reserved space), so a stray byte could mean something to a
-//    newer driver: we memset each whole struct to zero before setting the fields we use.
+//    reserved fields change meaning between driver versions (CUcheckpointRestoreArgs carved
+//    gpuPairs and gpuPairsCount out of its reserved space, hence "reserved[52 - sizeof(ptr)]"),
+//    so a stray byte could mean something to a newer driver: we memset each whole struct to zero
+//    before setting the fields we use.
 //  - The calls take HOST pids (the driver's view). A pid inside a container's pid namespace must
 //    be translated first (the NSpid line of /proc/PID/status); that is the caller's job.
 //  - cuCheckpointProcessRestore needs cuInit to have been called in the CALLING process (or the
-//    GPUs to be in persistence mode). We call cuInit(0) once, lazily, before restore and facts(),
-//    and retry any other checkpoint call that answers CUDA_ERROR_NOT_INITIALIZED after cuInit.
+//    GPUs to be in persistence mode). We call cuInit(0) once, lazily, before restore and facts();
+//    any other checkpoint call that answers CUDA_ERROR_NOT_INITIALIZED before our cuInit is run
+//    once more after it.
 //    cuInit only sees the GPUs that CUDA_VISIBLE_DEVICES in gpusnap's own environment allows.
 //  - Never cancel a call in flight: lock, checkpoint and restore move the target's state while
 //    they run, and interrupting them (a signal, killing the thread) can leave the target in an
 //    unknown state. Bounded waits go through the lock's own timeoutMs instead.
 //  - After any failure we ask the driver for the process's state and report it: CU_PROCESS_STATE_
 //    FAILED is uncorrectable, and the only safe response is to kill the process.
+//  - What the driver answered on the H200 (r580.159.04): a lock that times out returns
+//    CUDA_ERROR_NOT_READY (not CUDA_ERROR_TIMEOUT) and leaves the process RUNNING; a pid that
+//    exists but never initialised CUDA gets CUDA_ERROR_NOT_INITIALIZED (even after our own cuInit);
+//    a pid that does not exist gets CUDA_ERROR_OPERATING_SYSTEM; restore pairs naming an unknown
+//    GPU get CUDA_ERROR_INVALID_VALUE and leave the process CHECKPOINTED. There, lock, checkpoint
+//    and even restore also worked from a caller that had not called cuInit, but the GPU was
+//    already initialised by the workload; cuInit before restore stays, as documented.
 //  - Symbols are resolved by their plain names. cuda.h maps some API names to versioned entry
 //    points with macros (cuCtxCreate -> cuCtxCreate_v4, cuDeviceGetUuid -> cuDeviceGetUuid_v2);
 //    none of the functions used here is so mapped in CUDA 13.0 (cudaTypedefs.h lists only a
@@ -65,6 +74,7 @@ constexpr CUresult CUDA_ERROR_OUT_OF_MEMORY = 2;
 constexpr CUresult CUDA_ERROR_NOT_INITIALIZED = 3;
 constexpr CUresult CUDA_ERROR_STUB_LIBRARY = 34;
 constexpr CUresult CUDA_ERROR_NO_DEVICE = 100;
+constexpr CUresult CUDA_ERROR_OPERATING_SYSTEM = 304;
 constexpr CUresult CUDA_ERROR_ILLEGAL_STATE = 401;
 constexpr CUresult CUDA_ERROR_NOT_READY = 600;
 constexpr CUresult CUDA_ERROR_NOT_SUPPORTED = 801;
@@ -347,7 +357,8 @@ class CudaDriver final : public Driver {
       throw Error(ErrorKind::kGpu, "cuDriverGetVersion() failed: " + cu_error_text(r));
     }
 
-    for (unsigned int index = 0; index < device_count(); ++index) {
+    const unsigned int count = device_count();
+    for (unsigned int index = 0; index < count; ++index) {
       const nvmlDevice_t device = device_handle(index);
       const std::string where = "(GPU " + std::to_string(index) + ")";
       GpuInfo gpu;
@@ -383,7 +394,8 @@ class CudaDriver final : public Driver {
     ensure_nvml_init();
 
     std::vector<ProcessGpuUsage> result;
-    for (unsigned int index = 0; index < device_count(); ++index) {
+    const unsigned int count = device_count();
+    for (unsigned int index = 0; index < count; ++index) {
       const nvmlDevice_t device = device_handle(index);
       const std::string where = "(GPU " + std::to_string(index) + ")";
       const std::string uuid = device_uuid(device, where);
@@ -407,7 +419,7 @@ class CudaDriver final : public Driver {
     if (r != CUDA_SUCCESS) {
       throw Error(ErrorKind::kGpu, call_name("cuCheckpointProcessGetState", pid) +
                                        " failed: " + cu_error_text(r),
-                  hint_for(r, pid));
+                  hint_for(r, pid, false));
     }
     switch (raw) {
       case CU_PROCESS_STATE_RUNNING: return ProcessState::kRunning;
@@ -438,8 +450,9 @@ class CudaDriver final : public Driver {
     if (r == CUDA_SUCCESS) return;
 
     const std::string call = call_name("cuCheckpointProcessLock", pid);
-    // The driver's documented lock results include NOT_READY, and its timeout code is TIMEOUT;
-    // both mean the work did not drain in time, and the driver leaves the process RUNNING.
+    // r580 answers a lock timeout with NOT_READY (measured); TIMEOUT is the driver's general
+    // timeout code, taken the same way in case another version uses it. Either way the work did
+    // not drain in time, and the driver leaves the process RUNNING.
     if (r == CUDA_ERROR_TIMEOUT || r == CUDA_ERROR_NOT_READY) {
       std::string now = state_suffix(pid);
       if (now.empty() || now == running_suffix()) now = "; the process stays RUNNING";
@@ -500,7 +513,7 @@ class CudaDriver final : public Driver {
       args.gpuPairsCount = static_cast<unsigned int>(raw_pairs.size());
     }
     const CUresult r = cu_.cuCheckpointProcessRestore(pid, &args);
-    if (r != CUDA_SUCCESS) fail(call, pid, r);
+    if (r != CUDA_SUCCESS) fail(call, pid, r, !raw_pairs.empty());
   }
 
   void unlock(pid_t pid) override {
@@ -601,8 +614,9 @@ class CudaDriver final : public Driver {
     nvml_initialised_ = true;
   }
 
-  // Runs a checkpoint-API call; if the driver answers NOT_INITIALIZED because this process has
-  // not called cuInit yet, calls cuInit and runs it once more (nothing happened the first time).
+  // Runs a checkpoint-API call; if the driver answers NOT_INITIALIZED before this process has
+  // called cuInit, calls cuInit and runs it once more (nothing happened the first time). After
+  // our cuInit, NOT_INITIALIZED is about the target: it never initialised CUDA.
   template <typename Call>
   CUresult call_initialised(Call&& call) {
     CUresult r = call();
@@ -660,9 +674,10 @@ class CudaDriver final : public Driver {
     return "; the process is now in unknown state " + std::to_string(raw);
   }
 
-  [[noreturn]] void fail(const std::string& call, pid_t pid, CUresult r) {
+  [[noreturn]] void fail(const std::string& call, pid_t pid, CUresult r,
+                         bool with_pairs = false) {
     const std::string now = state_suffix(pid);
-    std::string hint = hint_for(r, pid);
+    std::string hint = hint_for(r, pid, with_pairs);
     if (now == "; the process is now FAILED") {
       hint = "the driver marked the process FAILED, which cannot be undone: kill it (and "
              "restore it from an artifact)";
@@ -675,15 +690,27 @@ class CudaDriver final : public Driver {
            "directory out of LD_LIBRARY_PATH";
   }
 
-  static std::string hint_for(CUresult r, pid_t pid) {
+  static std::string hint_for(CUresult r, pid_t pid, bool with_pairs) {
+    const std::string p = std::to_string(pid);
     switch (r) {
       case CUDA_ERROR_ILLEGAL_STATE:
         return "the call does not fit the process's state: the sequence is lock (RUNNING) -> "
                "checkpoint (LOCKED) -> restore (CHECKPOINTED) -> unlock (LOCKED)";
-      case CUDA_ERROR_INVALID_VALUE:
-        return "is " + std::to_string(pid) +
-               " a CUDA process, by its HOST pid? The driver takes host pids (NSpid in "
+      case CUDA_ERROR_NOT_INITIALIZED:
+        return "process " + p + " has not initialised CUDA: it is not a CUDA process (or not "
+               "yet), or " + p + " is a namespace pid; the driver takes HOST pids (NSpid in "
                "/proc/PID/status translates a container's)";
+      case CUDA_ERROR_OPERATING_SYSTEM:
+        return "the driver found no process " + p + ": it has exited, or " + p +
+               " is a namespace pid; the driver takes HOST pids (NSpid in /proc/PID/status "
+               "translates a container's)";
+      case CUDA_ERROR_INVALID_VALUE:
+        if (with_pairs) {
+          return "check the GPU pairs: each old UUID must be a GPU the process was checkpointed "
+                 "on, each new UUID a GPU of the same model on this host, and every "
+                 "checkpointed GPU must be listed";
+        }
+        return "the driver rejected an argument: is " + p + " a CUDA process, by its HOST pid?";
       case CUDA_ERROR_NOT_SUPPORTED:
         return "the process uses something the checkpoint API cannot capture (managed/UVM "
                "memory, CUDA IPC, MIG, MPS, NCCL P2P/SHM transports), or the driver is older "

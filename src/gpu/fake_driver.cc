@@ -341,7 +341,9 @@ void FakeDriver::maybe_fault(const std::string& call, pid_t pid, const std::stri
 FakeDriver::Process& FakeDriver::process_or_throw(pid_t pid, const std::string& text) {
   auto it = processes_.find(pid);
   if (it == processes_.end()) {
-    fail(text, pid, "CUDA_ERROR_INVALID_VALUE", "not a CUDA process");
+    // What r580 answers for a process that never initialised CUDA (a pid that does not exist
+    // at all gets CUDA_ERROR_OPERATING_SYSTEM; the fake cannot tell the two apart).
+    fail(text, pid, "CUDA_ERROR_NOT_INITIALIZED", "not a CUDA process");
   }
   return it->second;
 }

@@ -51,7 +51,7 @@ class FakeDriver final : public Driver {
   void add_gpu(GpuInfo gpu);
   void set_free_memory(const std::string& gpu_uuid, uint64_t bytes);
   // Registers a CUDA process, RUNNING unless told otherwise. The driver treats any other pid as
-  // not a CUDA process (CUDA_ERROR_INVALID_VALUE).
+  // not a CUDA process (CUDA_ERROR_NOT_INITIALIZED, as r580 does).
   void add_process(pid_t pid, ProcessState state = ProcessState::kRunning);
   // The process exited: later calls for it fail as for an unknown pid; its GPU memory is freed.
   void remove_process(pid_t pid);

@@ -1,10 +1,14 @@
 #include "gpu/fake_driver.h"
 
-#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <string>
 #include <vector>
+
+#include <gtest/gtest.h>
 
 #include "gpu/uuid.h"
 #include "gpusnap/error.h"
@@ -111,7 +115,7 @@ TEST_F(FakeDriverTest, UnknownPidIsNotACudaProcess) {
   Error e = catch_error([&] { driver.state(999); });
   EXPECT_EQ(e.kind(), ErrorKind::kGpu);
   EXPECT_EQ(std::string(e.what()),
-            "cuCheckpointProcessGetState(pid 999) failed: CUDA_ERROR_INVALID_VALUE: not a CUDA "
+            "cuCheckpointProcessGetState(pid 999) failed: CUDA_ERROR_NOT_INITIALIZED: not a CUDA "
             "process");
   EXPECT_THROW(driver.lock(999, 1000ms), Error);
   EXPECT_THROW(driver.peek_state(999), std::out_of_range);
@@ -343,9 +347,22 @@ TEST(NvidiaDriverTest, WithDriverReportsGpus) {
     EXPECT_LE(gpu.memory_free, gpu.memory_total);
   }
   EXPECT_NO_THROW(driver->usage());
-  // This test process never touched CUDA's context: the driver does not know it as a CUDA
-  // process, and must say so with an error rather than a state.
-  EXPECT_THROW(driver->state(getpid()), Error);
+
+  // A process that never initialised CUDA is not a CUDA process to the driver: an error, not a
+  // state. (This test process itself counts as one once facts() has called cuInit.)
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    pause();
+    _exit(0);
+  }
+  Error e = catch_error([&] { driver->state(child); });
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  EXPECT_EQ(e.kind(), ErrorKind::kGpu);
+  EXPECT_TRUE(Contains(e.what(), "cuCheckpointProcessGetState(pid " + std::to_string(child) +
+                                     ") failed: CUDA_ERROR_"));
+  EXPECT_FALSE(e.hint().empty());
 }
 
 }  // namespace

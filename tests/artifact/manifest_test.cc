@@ -1,0 +1,347 @@
+// Manifest serialization and Artifact::open's format checks: what a user sees when an artifact
+// is foreign, damaged, incomplete or forged.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "gpusnap/artifact.h"
+#include "gpusnap/error.h"
+
+namespace gpusnap {
+namespace {
+
+namespace stdfs = std::filesystem;
+using nlohmann::json;
+
+::testing::AssertionResult Contains(const std::string& text, const std::string& part) {
+  if (text.find(part) != std::string::npos) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "'" << text << "' does not contain '" << part << "'";
+}
+
+// Runs `body`, which must throw gpusnap::Error, and returns the error.
+template <typename Body>
+Error catch_error(Body&& body) {
+  try {
+    body();
+  } catch (const Error& e) {
+    return e;
+  }
+  ADD_FAILURE() << "no gpusnap::Error thrown";
+  return Error(ErrorKind::kInternal, "no error");
+}
+
+// A fresh directory under /tmp, removed with everything in it.
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (stdfs::temp_directory_path() / "gpusnap-manifest-XXXXXX").string();
+    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path_ = tmpl;
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  ~TempDir() {
+    std::error_code ec;
+    stdfs::remove_all(path_, ec);
+  }
+  const stdfs::path& path() const { return path_; }
+
+ private:
+  stdfs::path path_;
+};
+
+void write(const stdfs::path& path, const std::string& data) {
+  stdfs::create_directories(path.parent_path());
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << data;
+  ASSERT_TRUE(out.good()) << path;
+}
+
+Manifest full_manifest() {
+  Manifest m;
+  m.id = "0123456789abcdef0123456789abcdef";
+  m.created = "2024-05-01T12:34:56Z";
+  m.gpusnap_version = "0.1.0";
+  m.source_pid = 4242;
+  m.source_cmdline = {"/usr/bin/python3", "serve.py", "--port", "8080"};
+  m.host.hostname = "gpu-node-7";
+  m.host.kernel = "6.8.0-45-generic";
+  m.host.arch = "x86_64";
+  m.host.cpu_model = "AMD EPYC 9654 96-Core Processor";
+  m.host.cpu_flags = {"avx", "avx2", "avx512f", "fpu", "sse4_2"};
+  m.host.criu_version = "4.2";
+  m.host.page_size = 4096;
+  m.shell_job = true;
+  ProcessRecord root;
+  root.pid = 4242;
+  root.ppid = 1;
+  root.comm = "python3";
+  root.cmdline = m.source_cmdline;
+  root.threads = 12;
+  root.rss_bytes = 3ull << 30;
+  root.gpu_bytes = 40ull << 30;  // above 2^32: must survive as a 64-bit number
+  root.stdio = {{0, "/dev/null"}, {1, "/tmp/serve.log"}, {2, "pipe:[31337]"}};
+  ProcessRecord child;
+  child.pid = 4250;
+  child.ppid = 4242;
+  child.comm = "worker";
+  child.cmdline = {"worker"};
+  child.threads = 1;
+  child.rss_bytes = 1 << 20;
+  m.processes = {root, child};
+  m.gpu = {{"driver", "550.54.15"}, {"gpus", json::array({"GPU-0000"})}};
+  m.chunk_bytes = 1 << 20;
+  m.files = {{"criu/pages-1.img", 3 << 20, {"aa", "bb", "cc"}}, {"criu/empty.img", 0, {"dd"}}};
+  m.checkpoint_phases = {{"freeze", 0.25}, {"dump", 1.5}};
+  return m;
+}
+
+TEST(ManifestTest, RoundTripsEveryField) {
+  const Manifest m = full_manifest();
+  const Manifest back = Manifest::from_json(json::parse(m.to_json().dump()));
+
+  EXPECT_EQ(back.to_json(), m.to_json());
+  EXPECT_EQ(back.format, "gpusnap-artifact");
+  EXPECT_EQ(back.format_version, 1);
+  EXPECT_EQ(back.id, m.id);
+  EXPECT_EQ(back.created, m.created);
+  EXPECT_EQ(back.gpusnap_version, "0.1.0");
+  EXPECT_EQ(back.source_pid, 4242);
+  EXPECT_EQ(back.source_cmdline, m.source_cmdline);
+  EXPECT_EQ(back.host.hostname, "gpu-node-7");
+  EXPECT_EQ(back.host.kernel, "6.8.0-45-generic");
+  EXPECT_EQ(back.host.arch, "x86_64");
+  EXPECT_EQ(back.host.cpu_model, m.host.cpu_model);
+  EXPECT_EQ(back.host.cpu_flags, m.host.cpu_flags);
+  EXPECT_EQ(back.host.criu_version, "4.2");
+  EXPECT_EQ(back.host.page_size, 4096);
+  EXPECT_TRUE(back.shell_job);
+  ASSERT_EQ(back.processes.size(), 2u);
+  EXPECT_EQ(back.processes[0].pid, 4242);
+  EXPECT_EQ(back.processes[0].ppid, 1);
+  EXPECT_EQ(back.processes[0].comm, "python3");
+  EXPECT_EQ(back.processes[0].cmdline, m.source_cmdline);
+  EXPECT_EQ(back.processes[0].threads, 12);
+  EXPECT_EQ(back.processes[0].rss_bytes, 3ull << 30);
+  EXPECT_EQ(back.processes[0].gpu_bytes, 40ull << 30);
+  ASSERT_EQ(back.processes[0].stdio.size(), 3u);
+  EXPECT_EQ(back.processes[0].stdio[1].fd, 1);
+  EXPECT_EQ(back.processes[0].stdio[1].target, "/tmp/serve.log");
+  EXPECT_EQ(back.processes[0].stdio[2].target, "pipe:[31337]");
+  EXPECT_EQ(back.processes[1].pid, 4250);
+  EXPECT_EQ(back.processes[1].ppid, 4242);
+  EXPECT_TRUE(back.processes[1].stdio.empty());
+  EXPECT_EQ(back.gpu["driver"], "550.54.15");
+  EXPECT_EQ(back.checksum_algorithm, "xxh3-128");
+  EXPECT_EQ(back.chunk_bytes, 1u << 20);
+  ASSERT_EQ(back.files.size(), 2u);
+  EXPECT_EQ(back.files[0].path, "criu/pages-1.img");
+  EXPECT_EQ(back.files[0].size, 3u << 20);
+  EXPECT_EQ(back.files[0].chunks, (std::vector<std::string>{"aa", "bb", "cc"}));
+  EXPECT_EQ(back.files[1].size, 0u);
+  ASSERT_EQ(back.checkpoint_phases.size(), 2u);
+  EXPECT_EQ(back.checkpoint_phases[1].name, "dump");
+  EXPECT_DOUBLE_EQ(back.checkpoint_phases[1].seconds, 1.5);
+  EXPECT_EQ(back.total_bytes(), 3u << 20);
+}
+
+TEST(ManifestTest, NullGpuMeansNoGpuState) {
+  Manifest m = full_manifest();
+  m.gpu = nullptr;
+  EXPECT_TRUE(Manifest::from_json(m.to_json()).gpu.is_null());
+}
+
+TEST(ManifestTest, RefusesForeignFormat) {
+  json doc = full_manifest().to_json();
+  doc["format"] = "oci-image";
+  Error e = catch_error([&] { Manifest::from_json(doc); });
+  EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+  EXPECT_STREQ(e.what(), "not a gpusnap artifact (format 'oci-image')");
+  EXPECT_TRUE(Contains(e.hint(), "gpusnap checkpoint"));
+}
+
+TEST(ManifestTest, RefusesUnsupportedFormatVersionNamingBoth) {
+  json doc = full_manifest().to_json();
+  doc["format_version"] = 2;
+  Error e = catch_error([&] { Manifest::from_json(doc); });
+  EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+  EXPECT_STREQ(e.what(),
+               "artifact format version 2 is not supported (this gpusnap reads version 1)");
+}
+
+TEST(ManifestTest, MissingFieldIsNamed) {
+  struct Case {
+    const char* pointer;  // JSON pointer of the object to remove the field from
+    const char* field;
+  };
+  const Case cases[] = {{"", "format"},           {"", "id"},
+                        {"", "files"},            {"", "checkpoint_phases"},
+                        {"/host", "arch"},        {"/host", "page_size"},
+                        {"/source", "pid"},       {"/criu", "shell_job"},
+                        {"/checksum", "chunk_bytes"}, {"/processes/1", "comm"},
+                        {"/processes/0/stdio/2", "target"}, {"/files/1", "chunks"}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(std::string(c.pointer) + "/" + c.field);
+    json doc = full_manifest().to_json();
+    ASSERT_EQ(doc[json::json_pointer(c.pointer)].erase(c.field), 1u);
+    Error e = catch_error([&] { Manifest::from_json(doc); });
+    EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+    EXPECT_EQ(std::string(e.what()), std::string("manifest lacks the field '") + c.field + "'");
+  }
+}
+
+TEST(ManifestTest, WrongTypeIsNamed) {
+  struct Case {
+    const char* pointer;  // JSON pointer of the field to replace
+    json value;
+    const char* field;
+  };
+  const Case cases[] = {{"/format", 1, "format"},
+                        {"/format_version", "1", "format_version"},
+                        {"/source/pid", "4242", "pid"},
+                        {"/host/cpu_flags", "avx", "cpu_flags"},
+                        {"/criu/shell_job", "yes", "shell_job"},
+                        {"/processes/0/threads", "many", "threads"},
+                        {"/files/0/size", json::array(), "size"},
+                        {"/checkpoint_phases/0/seconds", "fast", "seconds"}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.pointer);
+    json doc = full_manifest().to_json();
+    doc[json::json_pointer(c.pointer)] = c.value;
+    Error e = catch_error([&] { Manifest::from_json(doc); });
+    EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+    EXPECT_TRUE(Contains(e.what(), std::string("manifest field '") + c.field +
+                                       "' has the wrong type: "));
+    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << "message is one line";
+  }
+}
+
+TEST(ManifestTest, RefusesUnknownChecksumAlgorithm) {
+  json doc = full_manifest().to_json();
+  doc["checksum"]["algorithm"] = "md5";
+  Error e = catch_error([&] { Manifest::from_json(doc); });
+  EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+  EXPECT_STREQ(e.what(), "unknown checksum algorithm 'md5' in the manifest");
+}
+
+TEST(ManifestTest, RefusesZeroChunkSize) {
+  json doc = full_manifest().to_json();
+  doc["checksum"]["chunk_bytes"] = 0;
+  Error e = catch_error([&] { Manifest::from_json(doc); });
+  EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+  EXPECT_STREQ(e.what(), "manifest has a checksum chunk size of 0");
+}
+
+TEST(ManifestTest, RefusesNonObjectDocument) {
+  Error e = catch_error([&] { Manifest::from_json(json::array({1, 2})); });
+  EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+  EXPECT_STREQ(e.what(), "manifest lacks the field 'format'");
+}
+
+// A small but real artifact: two files and a manifest listing them with their checksums.
+class ArtifactOpenTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root = dir.path() / "snap";
+    write(root / "criu/pages-1.img", std::string(5000, 'p'));
+    write(root / "criu/core-42.img", "core");
+    manifest.id = "test";
+    manifest.chunk_bytes = 4096;
+    manifest.files = checksum_tree(root, manifest.chunk_bytes, VerifyOptions{1, nullptr});
+    write_manifest();
+  }
+
+  void write_manifest() { write(root / kManifestName, manifest.to_json().dump(2)); }
+
+  Error open_error() {
+    return catch_error([&] { Artifact::open(root); });
+  }
+
+  TempDir dir;
+  stdfs::path root;
+  Manifest manifest;
+};
+
+TEST_F(ArtifactOpenTest, OpensIntactArtifact) {
+  Artifact a = Artifact::open(root);
+  EXPECT_EQ(a.root(), root);
+  EXPECT_EQ(a.criu_dir(), root / "criu");
+  EXPECT_EQ(a.manifest().to_json(), manifest.to_json());
+  ASSERT_EQ(a.manifest().files.size(), 2u);
+  EXPECT_EQ(a.manifest().files[0].path, "criu/core-42.img");
+  EXPECT_EQ(a.manifest().files[1].path, "criu/pages-1.img");
+  EXPECT_EQ(a.manifest().total_bytes(), 5004u);
+}
+
+TEST_F(ArtifactOpenTest, MissingDirectoryIsNotFound) {
+  Error e = catch_error([&] { Artifact::open(dir.path() / "nope"); });
+  EXPECT_EQ(e.kind(), ErrorKind::kNotFound);
+  EXPECT_EQ(std::string(e.what()), "artifact " + (dir.path() / "nope").string() + " does not exist");
+}
+
+TEST_F(ArtifactOpenTest, RefusesPlainFile) {
+  auto file = dir.path() / "snap.tar";
+  write(file, "not a directory");
+  Error e = catch_error([&] { Artifact::open(file); });
+  EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+  EXPECT_EQ(std::string(e.what()), file.string() + " is not an artifact directory");
+}
+
+TEST_F(ArtifactOpenTest, RefusesDirectoryWithoutManifest) {
+  stdfs::remove(root / kManifestName);
+  Error e = open_error();
+  EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+  EXPECT_EQ(std::string(e.what()), root.string() + " has no manifest.json");
+}
+
+TEST_F(ArtifactOpenTest, RefusesInvalidJson) {
+  write(root / kManifestName, "{\"format\": \"gpusnap-artifact\", ");
+  Error e = open_error();
+  EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+  EXPECT_EQ(std::string(e.what()), "manifest.json in " + root.string() + " is not valid JSON");
+}
+
+TEST_F(ArtifactOpenTest, ManifestErrorsPassThrough) {
+  manifest.format_version = 7;
+  write_manifest();
+  Error e = open_error();
+  EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+  EXPECT_TRUE(Contains(e.what(), "artifact format version 7 is not supported"));
+}
+
+TEST_F(ArtifactOpenTest, RefusesMissingListedFile) {
+  stdfs::remove(root / "criu/core-42.img");
+  Error e = open_error();
+  EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+  EXPECT_STREQ(e.what(), "artifact file criu/core-42.img is missing");
+}
+
+TEST_F(ArtifactOpenTest, RefusesTruncatedFile) {
+  stdfs::resize_file(root / "criu/pages-1.img", 4096);
+  Error e = open_error();
+  EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+  EXPECT_STREQ(e.what(),
+               "artifact file criu/pages-1.img has 4096 bytes, the manifest says 5000 (truncated?)");
+}
+
+TEST_F(ArtifactOpenTest, RefusesUnsafePaths) {
+  // Each of these exists (or would) with the listed size: only the path itself is wrong.
+  write(dir.path() / "outside", "core");
+  for (const std::string path : {"../outside", "/etc/passwd", "criu/../../outside", ""}) {
+    SCOPED_TRACE(path);
+    manifest.files = {{path, path == "/etc/passwd" ? stdfs::file_size("/etc/passwd") : 4, {"x"}}};
+    write_manifest();
+    Error e = open_error();
+    EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+    EXPECT_EQ(std::string(e.what()), "manifest lists an unsafe path '" + path + "'");
+  }
+}
+
+}  // namespace
+}  // namespace gpusnap

@@ -1,0 +1,240 @@
+// ArtifactWriter: an artifact appears under its final name only when complete; anything else
+// leaves no trace, and stale staging directories of dead writers are swept.
+#include "artifact/writer.h"
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "gpusnap/artifact.h"
+#include "gpusnap/error.h"
+#include "gpusnap/phases.h"
+
+namespace gpusnap {
+namespace {
+
+namespace stdfs = std::filesystem;
+
+::testing::AssertionResult Contains(const std::string& text, const std::string& part) {
+  if (text.find(part) != std::string::npos) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "'" << text << "' does not contain '" << part << "'";
+}
+
+template <typename Body>
+Error catch_error(Body&& body) {
+  try {
+    body();
+  } catch (const Error& e) {
+    return e;
+  }
+  ADD_FAILURE() << "no gpusnap::Error thrown";
+  return Error(ErrorKind::kInternal, "no error");
+}
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (stdfs::temp_directory_path() / "gpusnap-writer-XXXXXX").string();
+    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path_ = tmpl;
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  ~TempDir() {
+    std::error_code ec;
+    stdfs::remove_all(path_, ec);
+  }
+  const stdfs::path& path() const { return path_; }
+
+ private:
+  stdfs::path path_;
+};
+
+void write(const stdfs::path& path, const std::string& data) {
+  stdfs::create_directories(path.parent_path());
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << data;
+  ASSERT_TRUE(out.good()) << path;
+}
+
+std::vector<std::string> entries(const stdfs::path& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : stdfs::directory_iterator(dir)) names.push_back(e.path().filename());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// A pid that certainly belonged to a process which is gone: a child we forked and reaped.
+pid_t dead_pid() {
+  pid_t pid = ::fork();
+  if (pid == 0) ::_exit(0);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return pid;
+}
+
+class WriterTest : public ::testing::Test {
+ protected:
+  TempDir dir;
+  Reporter reporter;
+  Phases phases{reporter};
+};
+
+TEST_F(WriterTest, RefusesExistingOutput) {
+  stdfs::create_directory(dir.path() / "snap");
+  Error e = catch_error([&] { ArtifactWriter w(dir.path() / "snap"); });
+  EXPECT_EQ(e.kind(), ErrorKind::kUsage);
+  EXPECT_EQ(std::string(e.what()), "output " + (dir.path() / "snap").string() + " already exists");
+  EXPECT_EQ(entries(dir.path()), std::vector<std::string>{"snap"}) << "no staging dir left";
+}
+
+TEST_F(WriterTest, RefusesExistingFileAsOutput) {
+  write(dir.path() / "snap", "x");
+  Error e = catch_error([&] { ArtifactWriter w(dir.path() / "snap"); });
+  EXPECT_EQ(e.kind(), ErrorKind::kUsage);
+  EXPECT_TRUE(Contains(e.what(), "already exists"));
+}
+
+TEST_F(WriterTest, RefusesMissingParentDirectory) {
+  Error e = catch_error([&] { ArtifactWriter w(dir.path() / "no/such/snap"); });
+  EXPECT_EQ(e.kind(), ErrorKind::kUsage);
+  EXPECT_EQ(std::string(e.what()),
+            "output directory " + (dir.path() / "no/such").string() + " does not exist");
+  EXPECT_FALSE(stdfs::exists(dir.path() / "no"));
+}
+
+TEST_F(WriterTest, StagingIsHiddenBesideTheFinalPath) {
+  ArtifactWriter w(dir.path() / "snap");
+  EXPECT_EQ(w.final_path(), dir.path() / "snap");
+  EXPECT_EQ(w.staging().parent_path(), dir.path());
+  const std::string name = w.staging().filename();
+  const std::string prefix = ".snap.staging-" + std::to_string(::getpid()) + "-";
+  EXPECT_EQ(name.rfind(prefix, 0), 0u) << name;
+  EXPECT_EQ(name.size(), prefix.size() + 8) << name;
+  EXPECT_TRUE(stdfs::is_directory(w.staging()));
+  EXPECT_EQ(w.criu_dir(), w.staging() / "criu");
+  EXPECT_TRUE(stdfs::is_directory(w.criu_dir()));
+  EXPECT_FALSE(stdfs::exists(w.final_path()));
+}
+
+TEST_F(WriterTest, TrailingSlashNamesTheSameArtifact) {
+  ArtifactWriter w((dir.path() / "snap").string() + "/");
+  EXPECT_EQ(w.final_path(), dir.path() / "snap");
+  EXPECT_EQ(w.staging().parent_path(), dir.path());
+}
+
+TEST_F(WriterTest, TwoWritersForOneNameStageSeparately) {
+  ArtifactWriter a(dir.path() / "snap");
+  ArtifactWriter b(dir.path() / "snap");
+  EXPECT_NE(a.staging(), b.staging());
+  EXPECT_TRUE(stdfs::is_directory(a.staging()));
+  EXPECT_TRUE(stdfs::is_directory(b.staging()));
+}
+
+TEST_F(WriterTest, DestroyedWithoutCommitLeavesNothing) {
+  stdfs::path staging;
+  {
+    ArtifactWriter w(dir.path() / "snap");
+    staging = w.staging();
+    write(w.criu_dir() / "pages-1.img", std::string(10000, 'p'));
+    Manifest m;
+    m.chunk_bytes = 4096;
+    w.seal(m, phases);  // sealed but never committed
+  }
+  EXPECT_FALSE(stdfs::exists(staging));
+  EXPECT_FALSE(stdfs::exists(dir.path() / "snap"));
+  EXPECT_TRUE(entries(dir.path()).empty());
+}
+
+TEST_F(WriterTest, SealAndCommitProduceAVerifiedArtifact) {
+  const auto final_path = dir.path() / "snap";
+  stdfs::path staging;
+  Manifest m;
+  m.id = "writer-test";
+  m.chunk_bytes = 4096;
+  {
+    ArtifactWriter w(final_path);
+    staging = w.staging();
+    write(w.criu_dir() / "pages-1.img", std::string(10000, 'p'));
+    write(w.criu_dir() / "core-1.img", "core");
+    write(w.staging() / "dump.log", "");
+    w.seal(m, phases);
+    ASSERT_EQ(m.files.size(), 3u);
+    EXPECT_EQ(m.files[0].path, "criu/core-1.img");
+    EXPECT_EQ(m.files[1].path, "criu/pages-1.img");
+    EXPECT_EQ(m.files[1].size, 10000u);
+    EXPECT_EQ(m.files[1].chunks.size(), 3u);
+    EXPECT_EQ(m.files[2].path, "dump.log");
+    EXPECT_FALSE(stdfs::exists(final_path)) << "sealing does not publish";
+    w.commit(m, phases);
+    EXPECT_TRUE(stdfs::is_directory(final_path));
+    EXPECT_FALSE(stdfs::exists(staging));
+  }
+  // The committed artifact outlives its writer.
+  EXPECT_TRUE(stdfs::is_directory(final_path));
+  EXPECT_EQ(entries(dir.path()), std::vector<std::string>{"snap"});
+  EXPECT_EQ(entries(final_path), (std::vector<std::string>{"criu", "dump.log", "manifest.json"}));
+
+  Artifact a = Artifact::open(final_path);
+  EXPECT_EQ(a.manifest().id, "writer-test");
+  EXPECT_EQ(a.manifest().to_json(), m.to_json());
+  EXPECT_TRUE(a.verify().empty());
+
+  ASSERT_EQ(phases.timings().size(), 2u);
+  EXPECT_EQ(phases.timings()[0].name, "checksum");
+  EXPECT_EQ(phases.timings()[1].name, "commit");
+}
+
+TEST_F(WriterTest, CommitRefusesOutputThatAppearedMeanwhile) {
+  const auto final_path = dir.path() / "snap";
+  stdfs::path staging;
+  {
+    ArtifactWriter w(final_path);
+    staging = w.staging();
+    Manifest m;
+    w.seal(m, phases);
+    stdfs::create_directory(final_path);  // another checkpoint won the race
+    write(final_path / "theirs", "kept");
+    Error e = catch_error([&] { w.commit(m, phases); });
+    EXPECT_EQ(e.kind(), ErrorKind::kUsage);
+    EXPECT_EQ(std::string(e.what()), "output " + final_path.string() + " appeared meanwhile");
+  }
+  EXPECT_FALSE(stdfs::exists(staging));
+  EXPECT_EQ(entries(final_path), std::vector<std::string>{"theirs"});
+}
+
+TEST_F(WriterTest, RemoveStaleStagingRemovesOnlyDeadWritersDirectories) {
+  const pid_t dead = dead_pid();
+  const std::string stale = ".snap.staging-" + std::to_string(dead) + "-abcd";
+  const std::string live = ".snap.staging-" + std::to_string(::getpid()) + "-abcd";
+  const std::string unhidden = "snap.staging-" + std::to_string(dead) + "-abcd";
+  for (const auto& name : {stale, live, unhidden, std::string(".cache"), std::string("snap")}) {
+    stdfs::create_directory(dir.path() / name);
+    write(dir.path() / name / "file", "x");
+  }
+  ArtifactWriter::remove_stale_staging(dir.path());
+  EXPECT_EQ(entries(dir.path()), (std::vector<std::string>{".cache", live, "snap", unhidden}));
+}
+
+TEST_F(WriterTest, RemoveStaleStagingNeverThrows) {
+  EXPECT_NO_THROW(ArtifactWriter::remove_stale_staging(dir.path() / "missing"));
+}
+
+TEST_F(WriterTest, NewWriterSweepsStaleStaging) {
+  const auto stale = dir.path() / (".old.staging-" + std::to_string(dead_pid()) + "-ffff");
+  stdfs::create_directories(stale / "criu");
+  ArtifactWriter w(dir.path() / "snap");
+  EXPECT_FALSE(stdfs::exists(stale));
+  EXPECT_EQ(entries(dir.path()), std::vector<std::string>{w.staging().filename()});
+}
+
+}  // namespace
+}  // namespace gpusnap

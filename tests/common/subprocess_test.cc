@@ -1,0 +1,336 @@
+// Subprocess and run_capture: exit statuses, timeouts, no stray children, and exactly the
+// descriptors and environment a child is given.
+#include "common/subprocess.h"
+
+#include <gtest/gtest.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "common/fd.h"
+#include "gpusnap/error.h"
+
+namespace gpusnap {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+::testing::AssertionResult Contains(const std::string& text, const std::string& part) {
+  if (text.find(part) != std::string::npos) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "'" << text << "' does not contain '" << part << "'";
+}
+
+template <typename Body>
+Error catch_error(Body&& body) {
+  try {
+    body();
+  } catch (const Error& e) {
+    return e;
+  }
+  ADD_FAILURE() << "no gpusnap::Error thrown";
+  return Error(ErrorKind::kInternal, "no error");
+}
+
+// Everything until EOF.
+std::string read_all(int fd) {
+  std::string out;
+  char buf[4096];
+  for (;;) {
+    ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return out;
+    out.append(buf, static_cast<size_t>(n));
+  }
+}
+
+int threads_now() {
+  int threads = -1;
+  FILE* f = std::fopen("/proc/self/status", "re");
+  if (f == nullptr) return -1;
+  char line[256];
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    if (std::sscanf(line, "Threads: %d", &threads) == 1) break;
+  }
+  std::fclose(f);
+  return threads;
+}
+
+// Function-mode spawns need a single-threaded caller, and a thread that was just joined can
+// still be counted for a moment (see the report on Subprocess): wait until it is gone.
+void wait_single_threaded() {
+  auto deadline = Clock::now() + 2s;
+  while (threads_now() != 1 && Clock::now() < deadline) std::this_thread::sleep_for(1ms);
+  ASSERT_EQ(threads_now(), 1);
+}
+
+// Whether a process with this pid exists (a zombie counts).
+bool pid_exists(pid_t pid) { return ::kill(pid, 0) == 0 || errno != ESRCH; }
+
+TEST(RunCaptureTest, CapturesOutputAndExitCode) {
+  RunResult r = run_capture({"/bin/echo", "hello", "world"});
+  EXPECT_TRUE(r.status.exited);
+  EXPECT_EQ(r.status.code, 0);
+  EXPECT_TRUE(r.status.ok());
+  EXPECT_EQ(r.output, "hello world\n");
+  EXPECT_EQ(r.status.describe(), "exited with code 0");
+}
+
+TEST(RunCaptureTest, CapturesStdoutAndStderrTogether) {
+  RunResult r = run_capture({"/bin/sh", "-c", "echo out; echo err >&2; exit 3"});
+  EXPECT_EQ(r.output, "out\nerr\n");
+  EXPECT_TRUE(r.status.exited);
+  EXPECT_EQ(r.status.code, 3);
+  EXPECT_FALSE(r.status.ok());
+}
+
+TEST(RunCaptureTest, CapturesMoreThanAPipeBuffer) {
+  RunResult r = run_capture({"/bin/sh", "-c", "head -c 200000 /dev/zero"});
+  EXPECT_TRUE(r.status.ok());
+  EXPECT_EQ(r.output, std::string(200000, '\0'));
+}
+
+TEST(RunCaptureTest, FalseExitsWithOne) {
+  RunResult r = run_capture({"/bin/false"});
+  EXPECT_TRUE(r.status.exited);
+  EXPECT_EQ(r.status.code, 1);
+  EXPECT_FALSE(r.status.ok());
+  EXPECT_EQ(r.status.describe(), "exited with code 1");
+  EXPECT_EQ(r.output, "");
+}
+
+TEST(RunCaptureTest, MissingProgramExitsWith127) {
+  RunResult r = run_capture({"/nonexistent/program", "--version"});
+  EXPECT_TRUE(r.status.exited);
+  EXPECT_EQ(r.status.code, 127);
+}
+
+TEST(RunCaptureTest, ProgramWithoutSlashIsLookedUpOnPath) {
+  RunResult r = run_capture({"echo", "found"});
+  EXPECT_TRUE(r.status.ok());
+  EXPECT_EQ(r.output, "found\n");
+}
+
+TEST(RunCaptureTest, ReportsDeathBySignal) {
+  RunResult r = run_capture({"/bin/sh", "-c", "kill -TERM $$"});
+  EXPECT_FALSE(r.status.exited);
+  EXPECT_EQ(r.status.code, SIGTERM);
+  EXPECT_FALSE(r.status.ok());
+  EXPECT_TRUE(Contains(r.status.describe(), "killed by signal 15 ("));
+}
+
+TEST(RunCaptureTest, TimeoutKillsTheCommand) {
+  auto start = Clock::now();
+  Error e = catch_error([] { run_capture({"/bin/sleep", "10"}, 100ms); });
+  auto elapsed = Clock::now() - start;
+  EXPECT_EQ(e.kind(), ErrorKind::kTimeout);
+  EXPECT_STREQ(e.what(), "/bin/sleep did not finish within 100 ms");
+  EXPECT_GE(elapsed, 100ms);
+  EXPECT_LT(elapsed, 1s);
+}
+
+TEST(SubprocessTest, DestructionKillsAndReapsARunningChild) {
+  pid_t pid = 0;
+  auto start = Clock::now();
+  {
+    Subprocess child(SpawnOptions{.argv = {"/bin/sleep", "10"}});
+    pid = child.pid();
+    ASSERT_GT(pid, 0);
+    EXPECT_TRUE(child.running());
+    EXPECT_EQ(child.poll(), std::nullopt);
+  }
+  EXPECT_LT(Clock::now() - start, 1s);
+  errno = 0;
+  EXPECT_EQ(::kill(pid, 0), -1) << "the child still exists (as a zombie?)";
+  EXPECT_EQ(errno, ESRCH);
+}
+
+TEST(SubprocessTest, WaitWithTimeoutLeavesTheChildRunning) {
+  Subprocess child(SpawnOptions{.argv = {"/bin/sleep", "10"}});
+  auto start = Clock::now();
+  EXPECT_EQ(child.wait(50ms), std::nullopt);
+  EXPECT_GE(Clock::now() - start, 50ms);
+  EXPECT_TRUE(child.running());
+  child.kill(SIGTERM);
+  std::optional<ExitStatus> status = child.wait(2s);
+  ASSERT_TRUE(status.has_value());
+  EXPECT_FALSE(status->exited);
+  EXPECT_EQ(status->code, SIGTERM);
+  EXPECT_FALSE(child.running());
+  EXPECT_EQ(child.poll()->code, SIGTERM) << "the status is kept";
+}
+
+TEST(SubprocessTest, ReleasedChildOutlivesItsSubprocess) {
+  pid_t pid = 0;
+  {
+    Subprocess child(SpawnOptions{.argv = {"/bin/sleep", "10"}});
+    pid = child.release();
+    EXPECT_FALSE(child.running());
+  }
+  EXPECT_TRUE(pid_exists(pid));
+  // The caller owns it now: adopt it again to end it.
+  ASSERT_EQ(::kill(pid, SIGKILL), 0);
+  int raw = 0;
+  EXPECT_EQ(::waitpid(pid, &raw, 0), pid);
+  EXPECT_TRUE(WIFSIGNALED(raw));
+}
+
+TEST(SubprocessTest, MovedFromSubprocessDoesNotKill) {
+  Subprocess a(SpawnOptions{.argv = {"/bin/sh", "-c", "exit 4"}});
+  pid_t pid = a.pid();
+  Subprocess b(std::move(a));
+  EXPECT_EQ(b.pid(), pid);
+  EXPECT_FALSE(a.running());  // NOLINT(bugprone-use-after-move): moved-from is defined here
+  std::optional<ExitStatus> status = b.wait();
+  ASSERT_TRUE(status.has_value());
+  EXPECT_TRUE(status->exited);
+  EXPECT_EQ(status->code, 4);
+}
+
+TEST(SubprocessTest, RefusesEmptyCommand) {
+  Error e = catch_error([] { Subprocess child(SpawnOptions{}); });
+  EXPECT_EQ(e.kind(), ErrorKind::kInternal);
+  EXPECT_STREQ(e.what(), "spawn: empty command");
+}
+
+TEST(SubprocessTest, KeptFdArrivesAtTheRequestedNumber) {
+  wait_single_threaded();
+  Pipe pipe = Pipe::make();
+  SpawnOptions o;
+  o.keep_fds = {{pipe.write.get(), 5}};
+  o.function = [] {
+    const char text[] = "via fd 5";
+    return ::write(5, text, sizeof text - 1) == static_cast<ssize_t>(sizeof text - 1) ? 0 : 1;
+  };
+  Subprocess child(o);
+  pipe.write.reset();
+  EXPECT_EQ(read_all(pipe.read.get()), "via fd 5");
+  std::optional<ExitStatus> status = child.wait();
+  ASSERT_TRUE(status.has_value());
+  EXPECT_TRUE(status->ok()) << status->describe();
+}
+
+TEST(SubprocessTest, KeptFdsSurviveExecAndMayCrossNumbers) {
+  // Two pipes delivered at each other's numbers: the moves must not clobber one another.
+  Pipe a = Pipe::make();
+  Pipe b = Pipe::make();
+  const int fa = a.write.get();
+  const int fb = b.write.get();
+  SpawnOptions o;
+  o.argv = {"/bin/sh", "-c", "echo A >&" + std::to_string(fb) + "; echo B >&" + std::to_string(fa)};
+  o.keep_fds = {{fa, fb}, {fb, fa}};
+  Subprocess child(o);
+  a.write.reset();
+  b.write.reset();
+  EXPECT_EQ(read_all(a.read.get()), "A\n");
+  EXPECT_EQ(read_all(b.read.get()), "B\n");
+  EXPECT_TRUE(child.wait()->ok());
+}
+
+TEST(SubprocessTest, FunctionChildHasOnlyKeptFds) {
+  wait_single_threaded();
+  Pipe parent_pipe = Pipe::make();  // O_CLOEXEC, but a helper never execs: closed explicitly
+  UniqueFd inheritable(::dup(parent_pipe.read.get()));  // no O_CLOEXEC
+  ASSERT_TRUE(inheritable);
+  Pipe kept = Pipe::make();
+  const int cloexec_fd = parent_pipe.write.get();
+  const int plain_fd = inheritable.get();
+  SpawnOptions o;
+  o.keep_fds = {{kept.write.get(), 100}};
+  o.function = [=] {
+    auto closed = [](int fd) { return ::fcntl(fd, F_GETFD) == -1 && errno == EBADF; };
+    if (!closed(cloexec_fd)) return 10;
+    if (!closed(plain_fd)) return 11;
+    if (closed(100)) return 12;
+    for (int fd : {0, 1, 2}) {
+      if (closed(fd)) return 13;  // stdio is /dev/null, not closed
+    }
+    return 42;
+  };
+  Subprocess child(o);
+  std::optional<ExitStatus> status = child.wait();
+  ASSERT_TRUE(status.has_value());
+  EXPECT_TRUE(status->exited);
+  EXPECT_EQ(status->code, 42) << "10: CLOEXEC fd open, 11: plain fd open, 12: kept fd closed, "
+                                 "13: stdio closed";
+}
+
+TEST(SubprocessTest, FunctionResultIsTheExitCodeAndExceptionsExitOne) {
+  wait_single_threaded();
+  Pipe err = Pipe::make();
+  SpawnOptions o;
+  o.stderr_fd = err.write.get();
+  o.function = []() -> int { throw Error(ErrorKind::kInternal, "boom"); };
+  Subprocess child(o);
+  err.write.reset();
+  EXPECT_EQ(read_all(err.read.get()), "gpusnap helper: boom\n");
+  std::optional<ExitStatus> status = child.wait();
+  ASSERT_TRUE(status.has_value());
+  EXPECT_TRUE(status->exited);
+  EXPECT_EQ(status->code, 1);
+
+  wait_single_threaded();
+  o = SpawnOptions{};
+  o.function = [] { return 7; };
+  EXPECT_EQ(Subprocess(o).wait()->code, 7);
+}
+
+TEST(SubprocessTest, FunctionModeRefusedWhileOtherThreadsRun) {
+  std::atomic<bool> stop{false};
+  std::thread other([&] {
+    while (!stop) std::this_thread::sleep_for(1ms);
+  });
+  SpawnOptions o;
+  o.function = [] { return 0; };
+  Error e = catch_error([&] { Subprocess child(o); });
+  stop = true;
+  other.join();
+  EXPECT_EQ(e.kind(), ErrorKind::kInternal);
+  EXPECT_STREQ(e.what(), "spawn of an in-process helper while other threads run");
+}
+
+TEST(SubprocessTest, StdioGoesWhereAsked) {
+  Pipe in = Pipe::make();
+  Pipe out = Pipe::make();
+  SpawnOptions o;
+  o.argv = {"/bin/sh", "-c", "read line; echo \"got $line\"; echo nothing >&2"};
+  o.stdin_fd = in.read.get();
+  o.stdout_fd = out.write.get();  // stderr: /dev/null
+  Subprocess child(o);
+  in.read.reset();
+  out.write.reset();
+  ASSERT_EQ(::write(in.write.get(), "ping\n", 5), 5);
+  in.write.reset();
+  EXPECT_EQ(read_all(out.read.get()), "got ping\n");
+  EXPECT_TRUE(child.wait()->ok());
+}
+
+TEST(SubprocessTest, EnvAddReachesTheChildAndReplaces) {
+  ::setenv("GPUSNAP_TEST_REPLACED", "old", 1);
+  Pipe out = Pipe::make();
+  SpawnOptions o;
+  o.argv = {"/usr/bin/env"};
+  o.env_add = {"GPUSNAP_TEST_ADDED=hello there", "GPUSNAP_TEST_REPLACED=new"};
+  o.stdout_fd = out.write.get();
+  Subprocess child(o);
+  out.write.reset();
+  const std::string env = "\n" + read_all(out.read.get());
+  ::unsetenv("GPUSNAP_TEST_REPLACED");
+  EXPECT_TRUE(child.wait()->ok());
+  EXPECT_TRUE(Contains(env, "\nGPUSNAP_TEST_ADDED=hello there\n"));
+  EXPECT_TRUE(Contains(env, "\nGPUSNAP_TEST_REPLACED=new\n"));
+  EXPECT_FALSE(Contains(env, "GPUSNAP_TEST_REPLACED=old"));
+  EXPECT_TRUE(Contains(env, "\nPATH=")) << "the rest of our environment is kept";
+}
+
+}  // namespace
+}  // namespace gpusnap
