@@ -26,6 +26,9 @@ struct CheckpointOptions {
   uint64_t ghost_limit = 256ull << 20;
   // GPU: the driver seam; nullptr means "the real NVIDIA driver, if any".
   gpu::Driver* driver = nullptr;
+  // The gpusnap binary, which also runs gpusnap's helper processes (the dump guardian, a
+  // copy's namespace init). Empty: this program (/proc/self/exe).
+  std::string helper_binary;
   std::chrono::milliseconds gpu_lock_timeout{10000};
 };
 

@@ -39,6 +39,9 @@ struct RestoreOptions {
   std::filesystem::path run_dir = "/run/gpusnap";  // per-copy logs and state
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
   gpu::Driver* driver = nullptr;
+  // The gpusnap binary, which also runs gpusnap's helper processes (the dump guardian, a
+  // copy's namespace init). Empty: this program (/proc/self/exe).
+  std::string helper_binary;
 };
 
 struct PublishedPort {

@@ -11,6 +11,8 @@
 #include "cli/args.h"
 #include "common/fs.h"
 #include "common/proc.h"
+#include "engine/copy_init.h"
+#include "engine/dump_guard.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/checkpoint.h"
 #include "gpusnap/error.h"
@@ -269,6 +271,11 @@ int main(int argc, char** argv) {
   bool json_wanted = false;
   for (const auto& a : all) json_wanted |= a == "--json";
   try {
+    // gpusnap's own helper processes, started by the engine, not by users.
+    if (all.size() == 2 && all[0] == "__dump-guard") return engine::dump_guard_main(all[1]);
+    if (all.size() == 2 && all[0] == "__copy-init") {
+      return engine::copy_init_main(engine::copy_init_spec_from_json(all[1]));
+    }
     if (all.empty() || all[0] == "--help" || all[0] == "-h" || all[0] == "help") {
       print_main_help(cmds);
       return all.empty() ? static_cast<int>(ErrorKind::kUsage) : 0;

@@ -103,6 +103,9 @@ std::vector<std::string> restore_args(const Binary& criu, const RestoreOptions& 
   std::vector<std::string> args = {
       criu.path, "restore",
       "--images-dir", o.images.string(),
+      // CRIU writes its statistics into the work directory: by default that is the images
+      // directory, i.e. the artifact, which restore must never modify (copies share it).
+      "--work-dir", o.log.parent_path().string(),
       "--log-file", o.log.string(), "-v4",
       // The copy runs on after criu exits, as a child of gpusnap's namespace init.
       "--restore-detached", "--restore-sibling",

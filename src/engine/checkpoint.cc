@@ -81,7 +81,8 @@ class Checkpoint {
     std::filesystem::create_directories(log.parent_path());
     std::optional<engine::GuardedDump> dump;
     phases_.run("dump", [&] {
-      dump.emplace(criu::dump_args(criu, {options_.pid, writer.criu_dir(), log, manifest.shell_job,
+      dump.emplace(options_.helper_binary.empty() ? "/proc/self/exe" : options_.helper_binary,
+                   criu::dump_args(criu, {options_.pid, writer.criu_dir(), log, manifest.shell_job,
                                           options_.ghost_limit}),
                    writer.staging(), log.parent_path() / "criu-dump.out");
       auto status = dump->wait();

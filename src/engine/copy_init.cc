@@ -18,6 +18,8 @@
 #include <cstring>
 #include <list>
 
+#include <nlohmann/json.hpp>
+
 #include "common/fd.h"
 #include "common/fs.h"
 #include "common/subprocess.h"
@@ -166,6 +168,32 @@ int supervise(pid_t root, const std::vector<ForwardSpec>& forwards) {
 
 }  // namespace
 
+std::string to_json(const CopyInitSpec& spec) {
+  nlohmann::json forwards = nlohmann::json::array();
+  for (const auto& f : spec.forwards) forwards.push_back({{"fd", f.listen_fd}, {"port", f.port}});
+  return nlohmann::json{{"criu_argv", spec.criu_argv},
+                        {"pidfile", spec.pidfile.string()},
+                        {"criu_output", spec.criu_output.string()},
+                        {"inherit_fds", spec.inherit_fds},
+                        {"forwards", forwards},
+                        {"control_fd", spec.control_fd}}
+      .dump();
+}
+
+CopyInitSpec copy_init_spec_from_json(const std::string& text) {
+  auto doc = nlohmann::json::parse(text);
+  CopyInitSpec spec;
+  spec.criu_argv = doc.at("criu_argv").get<std::vector<std::string>>();
+  spec.pidfile = doc.at("pidfile").get<std::string>();
+  spec.criu_output = doc.at("criu_output").get<std::string>();
+  spec.inherit_fds = doc.at("inherit_fds").get<std::vector<int>>();
+  for (const auto& f : doc.at("forwards")) {
+    spec.forwards.push_back({f.at("fd").get<int>(), f.at("port").get<uint16_t>()});
+  }
+  spec.control_fd = doc.at("control_fd").get<int>();
+  return spec;
+}
+
 int copy_init_main(const CopyInitSpec& spec) {
   // SIGTERM sent from the host to a namespace init is dropped unless the init handles it: a
   // no-op handler makes it deliverable; blocking it routes it to the signalfd.
@@ -203,7 +231,10 @@ int copy_init_main(const CopyInitSpec& spec) {
   while ((n = ::recv(spec.control_fd, &go, 1, 0)) < 0 && errno == EINTR) {
   }
   if (n != 1 || go != 'G') return 1;  // gpusnap gave up on this copy: end it
-  ::prctl(PR_SET_PDEATHSIG, 0);       // released: the copy outlives gpusnap from now on
+  // Released: the copy outlives gpusnap from now on. gpusnap waits for our word that the
+  // death signal is off; exiting before that would kill us with it.
+  ::prctl(PR_SET_PDEATHSIG, 0);
+  send_line(spec.control_fd, "A");
   ::close(spec.control_fd);
   return supervise(root, spec.forwards);
 }

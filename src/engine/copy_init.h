@@ -26,10 +26,14 @@ struct CopyInitSpec {
   std::filesystem::path criu_output;
   std::vector<int> inherit_fds;  // descriptors CRIU hands to the restored tree (closed after)
   std::vector<ForwardSpec> forwards;
-  int control_fd;  // socket to gpusnap: we send "R <nspid>\n" or "F <reason>\n", await 'G'
+  int control_fd;  // to gpusnap: we send "R <nspid>" or "F <reason>", await G, then ack "A"
 };
 
-// Runs as the cloned child; returns the exit code of the copy (the root's, or 1 on failure).
+// Runs in the cloned child; returns the exit code of the copy (the root's, or 1 on failure).
 int copy_init_main(const CopyInitSpec& spec);
+
+// The spec travels as JSON on the command line of `gpusnap __copy-init SPEC`.
+std::string to_json(const CopyInitSpec& spec);
+CopyInitSpec copy_init_spec_from_json(const std::string& text);
 
 }  // namespace gpusnap::engine

@@ -6,6 +6,8 @@
 
 #include <cerrno>
 
+#include <nlohmann/json.hpp>
+
 #include "common/fs.h"
 #include "gpusnap/error.h"
 
@@ -16,8 +18,13 @@ namespace {
 constexpr int kControlFd = 3;
 constexpr int kStatusFd = 4;
 
-int guardian_main(const std::vector<std::string>& argv, const std::filesystem::path& staging,
-                  const std::filesystem::path& output) {
+}  // namespace
+
+int dump_guard_main(const std::string& spec_json) {
+  auto spec = nlohmann::json::parse(spec_json);
+  auto argv = spec.at("argv").get<std::vector<std::string>>();
+  std::filesystem::path staging = spec.at("staging").get<std::string>();
+  std::filesystem::path output = spec.at("output").get<std::string>();
   // gpusnap may be gone by the time we report to it: a write to its closed pipe must fail
   // with EPIPE, not kill us before we clean up.
   ::signal(SIGPIPE, SIG_IGN);
@@ -40,16 +47,15 @@ int guardian_main(const std::vector<std::string>& argv, const std::filesystem::p
   return 0;
 }
 
-}  // namespace
-
-GuardedDump::GuardedDump(std::vector<std::string> criu_argv, std::filesystem::path staging,
-                         std::filesystem::path criu_output) {
+GuardedDump::GuardedDump(const std::string& helper, std::vector<std::string> criu_argv,
+                         std::filesystem::path staging, std::filesystem::path criu_output) {
   Pipe control = Pipe::make();
   Pipe status = Pipe::make();
   SpawnOptions o;
-  o.function = [argv = std::move(criu_argv), staging, criu_output] {
-    return guardian_main(argv, staging, criu_output);
-  };
+  // A separate program rather than a forked function: gpusnap may have driver threads by now.
+  nlohmann::json spec{{"argv", criu_argv}, {"staging", staging.string()},
+                      {"output", criu_output.string()}};
+  o.argv = {helper, "__dump-guard", spec.dump()};
   o.keep_fds = {{control.read.get(), kControlFd}, {status.write.get(), kStatusFd}};
   o.kill_with_parent = false;
   o.new_session = true;  // a Ctrl-C meant for gpusnap must not reach CRIU

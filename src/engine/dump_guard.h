@@ -19,8 +19,9 @@ namespace gpusnap::engine {
 
 class GuardedDump {
  public:
-  GuardedDump(std::vector<std::string> criu_argv, std::filesystem::path staging,
-              std::filesystem::path criu_output);
+  // `helper` is the gpusnap binary, which runs the guardian as `gpusnap __dump-guard SPEC`.
+  GuardedDump(const std::string& helper, std::vector<std::string> criu_argv,
+              std::filesystem::path staging, std::filesystem::path criu_output);
   GuardedDump(const GuardedDump&) = delete;
   GuardedDump& operator=(const GuardedDump&) = delete;
   // Without commit(): the guardian removes the staging directory once CRIU has finished.
@@ -36,5 +37,8 @@ class GuardedDump {
   UniqueFd status_;   // read end: CRIU's exit status from the guardian
   std::optional<Subprocess> guardian_;
 };
+
+// The guardian's entry point (`gpusnap __dump-guard SPEC`); returns its exit code.
+int dump_guard_main(const std::string& spec_json);
 
 }  // namespace gpusnap::engine

@@ -156,7 +156,9 @@ class Copy {
       o.keep_fds.push_back({listeners_[i].get(), fd});
       spec.forwards.push_back({fd, options.publish[i].port});
     }
-    o.function = [spec] { return engine::copy_init_main(spec); };
+    // A separate program rather than a forked function: gpusnap may have driver threads.
+    o.argv = {options.helper_binary.empty() ? "/proc/self/exe" : options.helper_binary,
+              "__copy-init", engine::to_json(spec)};
     o.kill_with_parent = true;
     o.new_session = true;  // a Ctrl-C at gpusnap's terminal must not reach released copies
     o.clone_flags = CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS;
@@ -200,6 +202,10 @@ class Copy {
   void release() {
     char go = 'G';
     if (::send(control_.get(), &go, 1, MSG_NOSIGNAL) != 1) throw sys_error("release copy", errno);
+    char ack[2] = {};
+    if (::recv(control_.get(), ack, sizeof ack, MSG_WAITALL) != 2 || ack[0] != 'A') {
+      throw Error(ErrorKind::kInternal, "copy " + std::to_string(index_) + " was not released");
+    }
     control_.reset();
     init_->release();
   }

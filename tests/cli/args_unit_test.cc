@@ -151,8 +151,8 @@ TEST(ArgsTest, EverythingAfterDoubleDashIsRest) {
 }
 
 TEST(ArgsTest, HelpListsEveryFlag) {
-  const std::string help = format_help("gpusnap checkpoint PID -o PATH",
-                                       "Capture a running process tree.", kSpecs);
+  const std::string help =
+      format_help("gpusnap checkpoint PID -o PATH", "Capture a running process tree.", kSpecs);
   EXPECT_EQ(help.rfind("usage: gpusnap checkpoint PID -o PATH\n\nCapture a running process tree."
                        "\n\noptions:\n",
                        0),
@@ -161,7 +161,9 @@ TEST(ArgsTest, HelpListsEveryFlag) {
   for (const auto& s : kSpecs) {
     EXPECT_NE(help.find(s.name), std::string::npos) << s.name;
     EXPECT_NE(help.find(s.help), std::string::npos) << s.help;
-    if (!s.short_name.empty()) EXPECT_NE(help.find(s.short_name + ", " + s.name), std::string::npos);
+    if (!s.short_name.empty()) {
+      EXPECT_NE(help.find(s.short_name + ", " + s.name), std::string::npos) << s.short_name;
+    }
   }
   // Help texts line up in column 30.
   EXPECT_NE(help.find("\n  -o, --output PATH           where to write the artifact\n"),
