@@ -30,6 +30,7 @@ struct CheckpointOptions {
   // copy's namespace init). Empty: this program (/proc/self/exe).
   std::string helper_binary;
   std::chrono::milliseconds gpu_lock_timeout{10000};
+  std::filesystem::path run_dir = "/run/gpusnap";  // gpusnap's journal of work in flight
 };
 
 struct CheckpointResult {

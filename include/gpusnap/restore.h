@@ -38,7 +38,10 @@ struct RestoreOptions {
   std::vector<PortPublish> publish;
   std::filesystem::path run_dir = "/run/gpusnap";  // per-copy logs and state
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
-  gpu::Driver* driver = nullptr;
+  gpu::Driver* driver = nullptr;  // nullptr: the real NVIDIA driver, if any
+  // "OLD=NEW" GPU pairs (UUIDs or indexes). Empty: the same GPUs where present, else GPUs of
+  // the same model.
+  std::vector<std::string> gpu_map;
   // The gpusnap binary, which also runs gpusnap's helper processes (the dump guardian, a
   // copy's namespace init). Empty: this program (/proc/self/exe).
   std::string helper_binary;

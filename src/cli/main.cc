@@ -13,6 +13,8 @@
 #include "common/proc.h"
 #include "engine/copy_init.h"
 #include "engine/dump_guard.h"
+#include "engine/gpu_state.h"
+#include "gpu/driver.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/checkpoint.h"
 #include "gpusnap/error.h"
@@ -79,6 +81,7 @@ int cmd_checkpoint(const Args& args) {
   o.leave_running = args.has("--leave-running");
   o.criu_path = args.get("--criu");
   o.ghost_limit = static_cast<uint64_t>(args.get_int("--ghost-limit-mib", 256, 0, 1 << 20)) << 20;
+  o.gpu_lock_timeout = std::chrono::seconds(args.get_int("--gpu-lock-timeout", 10, 1, 3600));
   auto r = checkpoint(o, *out.reporter);
   if (out.json) {
     std::cout << json{{"artifact", r.artifact.string()},
@@ -109,6 +112,13 @@ int cmd_restore(const Args& args) {
   o.verify = !args.has("--no-verify");
   o.criu_path = args.get("--criu");
   for (const auto& p : args.all("--publish")) o.publish.push_back(PortPublish::parse(p));
+  for (const auto& m : args.all("--gpu-map")) {
+    for (size_t start = 0; start <= m.size();) {  // "a=b,c=d" or the flag repeated
+      auto comma = std::min(m.find(',', start), m.size());
+      o.gpu_map.push_back(m.substr(start, comma - start));
+      start = comma + 1;
+    }
+  }
   if (args.has("--run-dir")) o.run_dir = args.get("--run-dir");
   o.timeout = std::chrono::seconds(args.get_int("--timeout", 300, 1, 86400));
   auto r = restore(o, *out.reporter);
@@ -174,7 +184,24 @@ int cmd_inspect(const Args& args) {
                 p.gpu_bytes ? fs::human_bytes(p.gpu_bytes).c_str() : "-",
                 proc::join_cmdline(p.cmdline).c_str());
   }
-  std::printf("gpu        %s\n", m.gpu.is_null() ? "none" : m.gpu.dump().c_str());
+  if (m.gpu.is_null()) {
+    std::printf("gpu        none\n");
+  } else {
+    std::printf("gpu        NVIDIA driver %s, CUDA %d\n",
+                m.gpu.at("driver_version").get<std::string>().c_str(),
+                m.gpu.at("cuda_driver_version").get<int>());
+    for (const auto& g : m.gpu.at("gpus")) {
+      std::printf("  GPU %d  %s  %s  cc %s  %s  bus %s\n", g.at("index").get<int>(),
+                  g.at("uuid").get<std::string>().c_str(), g.at("name").get<std::string>().c_str(),
+                  g.at("compute_capability").get<std::string>().c_str(),
+                  fs::human_bytes(g.at("memory_total").get<uint64_t>()).c_str(),
+                  g.at("bus_id").get<std::string>().c_str());
+    }
+    for (const auto& p : m.gpu.at("processes")) {
+      std::printf("  pid %d: %s of GPU memory\n", p.at("pid").get<pid_t>(),
+                  fs::human_bytes(p.at("bytes").get<uint64_t>()).c_str());
+    }
+  }
   std::printf("checkpoint");
   for (const auto& p : m.checkpoint_phases) std::printf(" %s %.3fs", p.name.c_str(), p.seconds);
   std::printf("\n");
@@ -215,6 +242,30 @@ int cmd_verify(const Args& args) {
   return 0;
 }
 
+int cmd_recover(const Args& args) {
+  Output out(args);
+  auto driver = gpu::open_nvidia_driver();
+  std::vector<std::string> done =
+      engine::recover_abandoned(*driver, args.get("--run-dir", "/run/gpusnap"));
+  if (args.has("--pid")) {
+    if (!driver->available()) {
+      throw Error(ErrorKind::kEnvironment, "no NVIDIA driver here: " + driver->reason(),
+                  "run recover on the host that runs the workload");
+    }
+    auto pid = static_cast<pid_t>(args.get_int("--pid", 0, 1, 1L << 22));
+    auto tree = proc::read_tree(pid);
+    auto more = engine::return_to_running(*driver, engine::cuda_processes(*driver, tree));
+    done.insert(done.end(), more.begin(), more.end());
+  }
+  if (out.json) {
+    std::cout << json{{"actions", done}}.dump(2) << "\n";
+  } else {
+    for (const auto& line : done) std::printf("%s\n", line.c_str());
+    if (done.empty()) std::printf("nothing to recover\n");
+  }
+  return 0;
+}
+
 std::vector<Command> commands() {
   return {
       {"checkpoint", "gpusnap checkpoint --pid PID -o ARTIFACT [options]",
@@ -225,6 +276,8 @@ std::vector<Command> commands() {
         {"--output", "-o", "ARTIFACT", "artifact directory to create (must not exist)"},
         {"--leave-running", "", "", "keep the source running after the capture"},
         {"--ghost-limit-mib", "", "MIB", "largest unlinked-but-open file to store (default 256)"},
+        {"--gpu-lock-timeout", "", "SECONDS",
+         "how long each CUDA process may take to drain its GPU work (default 10)"},
         kCriu, kJson, kQuiet, kHelp},
        cmd_checkpoint},
       {"restore", "gpusnap restore ARTIFACT [--replicas N] [--publish [ADDR:][HOSTPORT:]PORT]...",
@@ -235,11 +288,21 @@ std::vector<Command> commands() {
        {{"--replicas", "-n", "N", "number of copies (default 1)"},
         {"--publish", "", "[ADDR:][HOSTPORT:]PORT", "forward a host port to PORT in each copy",
          true},
+        {"--gpu-map", "", "OLD=NEW[,...]",
+         "restore GPU OLD of the artifact onto GPU NEW here (UUIDs or indexes)", true},
         {"--no-verify", "", "", "skip the byte check (the format checks still run)"},
         {"--run-dir", "", "DIR", "where copies keep logs and state (default /run/gpusnap)"},
         {"--timeout", "", "SECONDS", "give up on CRIU's restore after this long (default 300)"},
         kCriu, kJson, kQuiet, kHelp},
        cmd_restore},
+      {"recover", "gpusnap recover [--pid PID]",
+       "Return to RUNNING every CUDA process a killed gpusnap left locked or checkpointed (from\n"
+       "gpusnap's journal), or those of the tree at PID. Checkpoint and restore do this by\n"
+       "themselves when they start.",
+       {{"--pid", "-p", "PID", "also return this process tree's CUDA processes to RUNNING"},
+        {"--run-dir", "", "DIR", "gpusnap's state directory (default /run/gpusnap)"},
+        kJson, kHelp},
+       cmd_recover},
       {"inspect", "gpusnap inspect ARTIFACT [--json]",
        "Show what an artifact holds: processes, memory, sizes, the host facts a restore needs.",
        {kJson, kHelp},

@@ -108,11 +108,24 @@ struct ChildPlan {
   ::_exit(127);
 }
 
+// Whether we are the only thread. A thread that was just joined can still be counted in
+// /proc/self/status for a moment (the kernel updates the count only once the exiting thread
+// has been fully released, after join() has already returned), so a caller that joined its
+// last worker right before spawning would be refused at random: retry for up to ~100 ms.
+bool single_threaded() {
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+  for (;;) {
+    if (thread_count() == 1) return true;
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
 }  // namespace
 
 Subprocess::Subprocess(const SpawnOptions& o) {
   if (o.argv.empty() && !o.function) throw Error(ErrorKind::kInternal, "spawn: empty command");
-  if (o.function && thread_count() != 1) {
+  if (o.function && !single_threaded()) {
     throw Error(ErrorKind::kInternal, "spawn of an in-process helper while other threads run");
   }
   ChildPlan plan;
@@ -146,7 +159,10 @@ Subprocess::Subprocess(const SpawnOptions& o) {
   } else {
     pid_ = ::fork();
   }
-  if (pid_ < 0) throw sys_error("fork " + o.argv[0], errno);
+  // A function-mode helper may have no argv at all: name it "helper" then.
+  if (pid_ < 0) {
+    throw sys_error("fork " + (o.argv.empty() ? std::string("helper") : o.argv[0]), errno);
+  }
   if (pid_ == 0) child_main(o, plan, parent);
 }
 
@@ -184,7 +200,8 @@ std::optional<ExitStatus> Subprocess::wait(std::optional<std::chrono::millisecon
   UniqueFd pidfd(static_cast<int>(::syscall(SYS_pidfd_open, pid_, 0)));
   auto deadline = std::chrono::steady_clock::now() + *timeout;
   while (!poll()) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+    // Rounded up: truncating to whole milliseconds would return up to 1 ms before the timeout.
+    auto left = std::chrono::ceil<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) return std::nullopt;
     if (pidfd) {
@@ -217,24 +234,67 @@ RunResult run_capture(const std::vector<std::string>& argv, std::chrono::millise
   out.write.reset();
   RunResult result;
   auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto remaining = [&] {
+    return std::chrono::ceil<std::chrono::milliseconds>(deadline -
+                                                         std::chrono::steady_clock::now());
+  };
+  auto timed_out = [&]() -> Error {
+    child.kill(SIGKILL);
+    child.wait();
+    return Error(ErrorKind::kTimeout,
+                 argv[0] + " did not finish within " + std::to_string(timeout.count()) + " ms");
+  };
+  // EOF on the pipe alone does not mean the command finished (it may close its output and run
+  // on), and the command finishing does not bring EOF (a grandchild it left behind may hold the
+  // pipe open): watch both, the exit through a pidfd (without one, by polling every 10 ms).
+  UniqueFd pidfd(static_cast<int>(::syscall(SYS_pidfd_open, child.pid(), 0)));
   char buf[4096];
-  for (;;) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    if (left.count() <= 0) {
-      child.kill(SIGKILL);
-      child.wait();
-      throw Error(ErrorKind::kTimeout, argv[0] + " did not finish within " +
-                                           std::to_string(timeout.count()) + " ms");
+  auto read_some = [&]() -> bool {  // false on EOF or error
+    for (;;) {
+      ssize_t n = ::read(out.read.get(), buf, sizeof buf);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;
+      result.output.append(buf, static_cast<size_t>(n));
+      return true;
     }
+  };
+  auto readable_now = [&] {
     struct pollfd p{out.read.get(), POLLIN, 0};
-    if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
-    ssize_t n = ::read(out.read.get(), buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    result.output.append(buf, static_cast<size_t>(n));
+    int r;
+    while ((r = ::poll(&p, 1, 0)) < 0 && errno == EINTR) {
+    }
+    return r > 0 && (p.revents & (POLLIN | POLLHUP | POLLERR)) != 0;
+  };
+  for (;;) {
+    auto left = remaining();
+    if (left.count() <= 0) throw timed_out();
+    struct pollfd p[2] = {{out.read.get(), POLLIN, 0}, {pidfd.get(), POLLIN, 0}};
+    int wait_ms = static_cast<int>(std::min<int64_t>(left.count(), pidfd ? 1000 : 10));
+    if (::poll(p, pidfd ? 2 : 1, wait_ms) < 0 && errno != EINTR) {
+      throw sys_error("poll output of " + argv[0], errno);
+    }
+    if ((p[0].revents & (POLLIN | POLLHUP | POLLERR)) != 0 && !read_some()) {
+      // EOF: everything that holds the pipe is gone, but the command may still run.
+      out.read.reset();
+      break;
+    }
+    if (child.poll()) {
+      // Exited: what it wrote is already in the pipe. Take what is readable without blocking
+      // and stop; at most one pipe's capacity more, so a grandchild that keeps writing cannot
+      // hold us here (the child's own output, written before it exited, comes first).
+      int capacity = ::fcntl(out.read.get(), F_GETPIPE_SZ);
+      size_t limit = result.output.size() + static_cast<size_t>(capacity > 0 ? capacity : 65536);
+      while (result.output.size() < limit && readable_now() && read_some()) {
+      }
+      result.status = *child.poll();
+      return result;
+    }
   }
-  result.status = *child.wait();
+  auto left = remaining();
+  std::optional<ExitStatus> status;
+  if (left.count() > 0) status = child.wait(left);
+  if (!status) throw timed_out();
+  result.status = *status;
   return result;
 }
 

@@ -2,7 +2,11 @@
 //
 //   resolve      read the process tree from /proc
 //   preflight    refuse what CRIU cannot capture, before anything is frozen
+//   gpu-facts    (CUDA processes only) driver, GPUs and GPU bytes per process
+//   gpu-lock     every CUDA process locked, all before any is checkpointed
+//   gpu-checkpoint  the driver moves GPU memory into each process's host memory
 //   dump         CRIU dumps the tree into the staging directory (--leave-running)
+//   gpu-resume   with --leave-running: the source's GPU state goes back, unlocked
 //   checksum     every staged file, in parallel
 //   commit       manifest, fsync, rename into place: the artifact becomes visible
 //   stop         without --leave-running, the source is stopped, only now
@@ -18,6 +22,8 @@
 #include "common/proc.h"
 #include "criu/criu.h"
 #include "engine/dump_guard.h"
+#include "engine/gpu_state.h"
+#include "gpu/driver.h"
 #include "engine/preflight.h"
 #include "gpusnap/checkpoint.h"
 #include "gpusnap/error.h"
@@ -73,10 +79,24 @@ class Checkpoint {
 
   CheckpointResult run() {
     auto criu = criu::locate(options_.criu_path);
+    gpu::Driver& driver = open_driver();
+    for (const auto& line : engine::recover_abandoned(driver, options_.run_dir)) {
+      phases_.reporter().note(line);
+    }
     ArtifactWriter writer(options_.output);
     auto tree = phases_.run("resolve", [&] { return resolve(); });
     phases_.run("preflight", [&] { preflight(tree); });
     Manifest manifest = describe(tree, criu);
+
+    std::optional<engine::GpuCapture> gpu;
+    auto cuda = engine::cuda_processes(driver, tree);
+    if (!cuda.empty()) {
+      phases_.run("gpu-facts", [&] { describe_gpu(driver, cuda, manifest); });
+      gpu.emplace(driver, cuda, options_.gpu_lock_timeout, options_.run_dir, phases_.reporter());
+      phases_.run("gpu-lock", [&] { gpu->lock_all(); });
+      phases_.run("gpu-checkpoint", [&] { gpu->checkpoint_all(); });
+    }
+
     auto log = writer.staging() / "logs" / "criu-dump.log";
     std::filesystem::create_directories(log.parent_path());
     std::optional<engine::GuardedDump> dump;
@@ -84,21 +104,47 @@ class Checkpoint {
       dump.emplace(options_.helper_binary.empty() ? "/proc/self/exe" : options_.helper_binary,
                    criu::dump_args(criu, {options_.pid, writer.criu_dir(), log, manifest.shell_job,
                                           options_.ghost_limit}),
-                   writer.staging(), log.parent_path() / "criu-dump.out");
+                   writer.staging(), log.parent_path() / "criu-dump.out", cuda);
       auto status = dump->wait();
       if (!status.ok()) fail_dump(status, log);
     });
+    // The source waits for nothing more: its GPU state goes back before the bookkeeping.
+    if (gpu && options_.leave_running) phases_.run("gpu-resume", [&] { gpu->resume_all(); });
     manifest.checkpoint_phases = phases_.timings();
     writer.seal(manifest, phases_);
     // The manifest records its own phases up to the commit; the commit itself is reported.
     manifest.checkpoint_phases = phases_.timings();
     writer.commit(manifest, phases_);
     dump->commit();
-    if (!options_.leave_running) phases_.run("stop", [&] { stop_tree(tree); });
+    if (!options_.leave_running) {
+      if (gpu) gpu->release();
+      phases_.run("stop", [&] { stop_tree(tree); });
+    }
     return {writer.final_path(), std::move(manifest), phases_.timings()};
   }
 
  private:
+  gpu::Driver& open_driver() {
+    if (options_.driver != nullptr) return *options_.driver;
+    owned_driver_ = gpu::open_nvidia_driver();
+    return *owned_driver_;
+  }
+
+  void describe_gpu(gpu::Driver& driver, const std::vector<pid_t>& cuda, Manifest& manifest) {
+    if (!driver.available()) {
+      throw Error(ErrorKind::kEnvironment,
+                  "process " + std::to_string(cuda.front()) +
+                      " uses the GPU, but the NVIDIA driver cannot be loaded: " + driver.reason(),
+                  "run gpusnap where libcuda.so.1 and libnvidia-ml.so.1 can be loaded");
+    }
+    manifest.gpu = engine::describe_gpu_state(driver, cuda);
+    for (const auto& p : manifest.gpu.at("processes")) {
+      for (auto& rec : manifest.processes) {
+        if (rec.pid == p.at("pid").get<pid_t>()) rec.gpu_bytes = p.at("bytes").get<uint64_t>();
+      }
+    }
+  }
+
   std::vector<proc::Process> resolve() {
     engine::refuse_bad_root(options_.pid);
     return proc::read_tree(options_.pid);
@@ -142,6 +188,7 @@ class Checkpoint {
 
   const CheckpointOptions& options_;
   Phases phases_;
+  std::unique_ptr<gpu::Driver> owned_driver_;
 };
 
 }  // namespace

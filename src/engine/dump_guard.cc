@@ -9,6 +9,8 @@
 #include <nlohmann/json.hpp>
 
 #include "common/fs.h"
+#include "engine/gpu_state.h"
+#include "gpu/driver.h"
 #include "gpusnap/error.h"
 
 namespace gpusnap::engine {
@@ -43,18 +45,28 @@ int dump_guard_main(const std::string& spec_json) {
   ssize_t n;
   while ((n = ::read(kControlFd, &word, 1)) < 0 && errno == EINTR) {
   }
-  if (n != 1 || word != 'C') fs::remove_tree_noexcept(staging);
+  if (n != 1 || word != 'C') {
+    fs::remove_tree_noexcept(staging);
+    // gpusnap died with the workload's GPU state taken away: put it back now rather than
+    // leave the workload blocked in its next CUDA call until someone runs gpusnap again.
+    auto gpu_pids = spec.at("gpu_pids").get<std::vector<pid_t>>();
+    if (!gpu_pids.empty()) {
+      auto driver = gpu::open_nvidia_driver();
+      if (driver->available()) return_to_running(*driver, gpu_pids);
+    }
+  }
   return 0;
 }
 
 GuardedDump::GuardedDump(const std::string& helper, std::vector<std::string> criu_argv,
-                         std::filesystem::path staging, std::filesystem::path criu_output) {
+                         std::filesystem::path staging, std::filesystem::path criu_output,
+                         const std::vector<pid_t>& gpu_pids) {
   Pipe control = Pipe::make();
   Pipe status = Pipe::make();
   SpawnOptions o;
   // A separate program rather than a forked function: gpusnap may have driver threads by now.
   nlohmann::json spec{{"argv", criu_argv}, {"staging", staging.string()},
-                      {"output", criu_output.string()}};
+                      {"output", criu_output.string()}, {"gpu_pids", gpu_pids}};
   o.argv = {helper, "__dump-guard", spec.dump()};
   o.keep_fds = {{control.read.get(), kControlFd}, {status.write.get(), kStatusFd}};
   o.kill_with_parent = false;

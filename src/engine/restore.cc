@@ -4,6 +4,8 @@
 //   verify      every byte against the manifest (skipped with --no-verify)
 //   criu-restore  each copy's init, in its fresh namespaces, runs `criu restore`; all at once
 //   locate      the restored roots' host pids
+//   gpu-restore (GPU snapshots) the driver puts each CUDA process's GPU state back, onto the
+//               mapped GPUs, and unlocks it; all processes of all copies in parallel
 //   release     the copies are handed over and outlive gpusnap
 //
 // Until release, every copy's init dies with this object (and with gpusnap), so a failure or a
@@ -27,6 +29,8 @@
 #include "common/subprocess.h"
 #include "criu/criu.h"
 #include "engine/copy_init.h"
+#include "engine/gpu_state.h"
+#include "gpu/driver.h"
 #include "gpusnap/error.h"
 #include "gpusnap/restore.h"
 
@@ -199,6 +203,16 @@ class Copy {
     }
   }
 
+  // The host pid of a process of this copy, by its pid inside the copy's namespace.
+  pid_t host_pid_of(pid_t ns_pid) const {
+    pid_t pid = proc::host_pid_in_namespace(info_.init_pid, ns_pid);
+    if (pid == 0) {
+      throw Error(ErrorKind::kCriu, "copy " + std::to_string(index_) + ": process " +
+                                        std::to_string(ns_pid) + " is missing after restore");
+    }
+    return pid;
+  }
+
   void release() {
     char go = 'G';
     if (::send(control_.get(), &go, 1, MSG_NOSIGNAL) != 1) throw sys_error("release copy", errno);
@@ -229,11 +243,19 @@ class Restore {
       throw Error(ErrorKind::kUsage, "--replicas must be at least 1");
     }
     auto criu = criu::locate(options_.criu_path);
+    gpu::Driver& driver = open_driver();
+    for (const auto& line : engine::recover_abandoned(driver, options_.run_dir)) {
+      phases_.reporter().note(line);
+    }
+    engine::GpuPlan gpu_plan;
     auto artifact = phases_.run("open", [&] {
       auto a = Artifact::open(options_.artifact);
       check_host_compatible(a.manifest(), HostFacts::probe(criu.version));
+      gpu_plan = engine::plan_gpu_restore(a.manifest().gpu, driver, options_.gpu_map,
+                                          options_.replicas);
       return a;
     });
+    for (const auto& line : gpu_plan.notes) phases_.reporter().note(line);
     if (options_.verify) phases_.run("verify", [&] { verify(artifact); });
     std::vector<std::unique_ptr<Copy>> copies;
     phases_.run("criu-restore", [&] {
@@ -246,6 +268,17 @@ class Restore {
     phases_.run("locate", [&] {
       for (auto& c : copies) c->locate();
     });
+    if (gpu_plan.has_gpu_state) {
+      phases_.run("gpu-restore", [&] {
+        std::vector<pid_t> pids;
+        for (auto& c : copies) {
+          for (const auto& p : artifact.manifest().gpu.at("processes")) {
+            pids.push_back(c->host_pid_of(p.at("pid").get<pid_t>()));
+          }
+        }
+        engine::restore_gpu_processes(driver, pids, gpu_plan.pairs);
+      });
+    }
     RestoreResult result;
     phases_.run("release", [&] {
       for (auto& c : copies) {
@@ -259,6 +292,12 @@ class Restore {
   }
 
  private:
+  gpu::Driver& open_driver() {
+    if (options_.driver != nullptr) return *options_.driver;
+    owned_driver_ = gpu::open_nvidia_driver();
+    return *owned_driver_;
+  }
+
   void verify(const Artifact& artifact) {
     auto problems = artifact.verify(VerifyOptions{0, &phases_.reporter()});
     if (problems.empty()) return;
@@ -303,6 +342,7 @@ class Restore {
 
   const RestoreOptions& options_;
   Phases phases_;
+  std::unique_ptr<gpu::Driver> owned_driver_;
 };
 
 }  // namespace

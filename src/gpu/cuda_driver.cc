@@ -45,6 +45,8 @@
 //    order, which need not be CUDA's ordinal order; GpuInfo::index is NVML's index.
 #include <dlfcn.h>
 
+#include <filesystem>
+
 #include <climits>
 #include <cstddef>
 #include <cstdint>
@@ -410,6 +412,20 @@ class CudaDriver final : public Driver {
       }
     }
     return result;
+  }
+
+  // A process with a CUDA context keeps the driver's device files open (/dev/nvidiactl and
+  // /dev/nvidiaN); a process that only loaded libcuda does not. After the driver's checkpoint
+  // they are closed, which is what lets CRIU dump the process.
+  bool uses_gpu(pid_t pid) override {
+    std::error_code ec;
+    auto dir = "/proc/" + std::to_string(pid) + "/fd";
+    for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+      std::error_code link_ec;
+      auto target = std::filesystem::read_symlink(entry.path(), link_ec).string();
+      if (target.rfind("/dev/nvidia", 0) == 0 && target != "/dev/nvidia-uvm-tools") return true;
+    }
+    return false;
   }
 
   ProcessState state(pid_t pid) override {

@@ -61,6 +61,10 @@ class Driver {
   // GPU memory held by each process on each GPU (NVML's compute processes).
   virtual std::vector<ProcessGpuUsage> usage() = 0;
 
+  // Whether the process holds CUDA state the driver must checkpoint (a CUDA context). Cheap,
+  // and usable on a host without the driver (it then answers false).
+  virtual bool uses_gpu(pid_t pid) = 0;
+
   // The checkpoint API, by HOST pid. Each throws Error(kGpu) naming the call, the pid and the
   // driver's error string. lock() with a timeout leaves the process RUNNING when it expires.
   virtual ProcessState state(pid_t pid) = 0;

@@ -192,6 +192,11 @@ std::vector<ProcessGpuUsage> FakeDriver::usage() {
   return out;
 }
 
+bool FakeDriver::uses_gpu(pid_t pid) {
+  std::lock_guard lock(mutex_);
+  return unavailable_reason_.empty() && processes_.count(pid) > 0;
+}
+
 ProcessState FakeDriver::state(pid_t pid) {
   std::lock_guard<std::mutex> guard(mutex_);
   require_available();

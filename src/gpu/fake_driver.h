@@ -90,6 +90,7 @@ class FakeDriver final : public Driver {
   std::string reason() const override;
   DriverFacts facts() override;
   std::vector<ProcessGpuUsage> usage() override;
+  bool uses_gpu(pid_t pid) override;
   ProcessState state(pid_t pid) override;
   void lock(pid_t pid, std::chrono::milliseconds timeout) override;
   void checkpoint(pid_t pid) override;

@@ -406,13 +406,15 @@ TEST(Faults, KilledMidRestoreLeavesNoProcessOrNamespace) {
   SpawnOptions o;
   o.argv = {GPUSNAP_BIN, "restore", snap.string(), "--replicas", "2", "--no-verify", "--quiet"};
   Subprocess rs(o);
-  ASSERT_TRUE(eventually([&] { return !criu_processes("restore").empty(); },
+  // CRIU's restore command line names the artifact's image directory.
+  auto mine = (snap / "criu").string();
+  ASSERT_TRUE(eventually([&] { return !criu_processes(mine).empty(); },
                          std::chrono::seconds(30)));
   rs.kill(SIGKILL);
   rs.wait();
   EXPECT_TRUE(eventually([&] { return pid_namespaces() == before; }))
       << "a copy's namespace outlived the killed restore";
-  EXPECT_TRUE(criu_processes("restore").empty());
+  EXPECT_TRUE(criu_processes(mine).empty());
   EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
 }
 

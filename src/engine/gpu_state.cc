@@ -1,0 +1,349 @@
+#include "engine/gpu_state.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <thread>
+
+#include "common/fs.h"
+#include "gpusnap/error.h"
+
+namespace gpusnap::engine {
+
+using nlohmann::json;
+
+namespace {
+
+// Runs fn(pid) for every pid on its own thread; rethrows the first failure after all finish.
+// The driver's calls for different processes are independent, and a checkpoint or restore of
+// one process is a long copy: running them side by side is what makes several GPUs fast.
+template <class Fn>
+void for_each_parallel(const std::vector<pid_t>& pids, Fn fn) {
+  std::mutex mutex;
+  std::optional<Error> first;
+  std::vector<std::jthread> threads;
+  for (pid_t pid : pids) {
+    threads.emplace_back([&, pid] {
+      try {
+        fn(pid);
+      } catch (const Error& e) {
+        std::lock_guard lock(mutex);
+        if (!first) first = e;
+      } catch (const std::exception& e) {
+        std::lock_guard lock(mutex);
+        if (!first) first = Error(ErrorKind::kGpu, e.what());
+      }
+    });
+  }
+  threads.clear();
+  if (first) throw *first;
+}
+
+std::filesystem::path journal_dir(const std::filesystem::path& run_dir) {
+  return run_dir / "journal";
+}
+
+}  // namespace
+
+std::vector<pid_t> cuda_processes(gpu::Driver& driver, const std::vector<proc::Process>& tree) {
+  std::vector<pid_t> pids;
+  for (const auto& p : tree) {
+    if (driver.uses_gpu(p.pid)) pids.push_back(p.pid);
+  }
+  return pids;
+}
+
+json describe_gpu_state(gpu::Driver& driver, const std::vector<pid_t>& pids) {
+  auto facts = driver.facts();
+  auto usage = driver.usage();
+  std::set<std::string> used;
+  json processes = json::array();
+  for (pid_t pid : pids) {
+    json gpus = json::array();
+    uint64_t bytes = 0;
+    for (const auto& u : usage) {
+      if (u.host_pid != pid) continue;
+      gpus.push_back({{"uuid", u.gpu_uuid}, {"bytes", u.bytes}});
+      bytes += u.bytes;
+      used.insert(u.gpu_uuid);
+    }
+    processes.push_back({{"pid", pid}, {"bytes", bytes}, {"gpus", gpus}});
+  }
+  // Without per-process usage (NVML cannot always see processes in other namespaces), every
+  // GPU of the host is taken as used: the checks at restore then err on the safe side.
+  json gpus = json::array();
+  for (const auto& g : facts.gpus) {
+    if (!used.empty() && !used.count(g.uuid)) continue;
+    gpus.push_back({{"index", g.index},
+                    {"uuid", g.uuid},
+                    {"name", g.name},
+                    {"bus_id", g.bus_id},
+                    {"compute_capability", std::to_string(g.cc_major) + "." +
+                                               std::to_string(g.cc_minor)},
+                    {"memory_total", g.memory_total}});
+  }
+  return {{"driver_version", facts.driver_version},
+          {"cuda_driver_version", facts.cuda_driver_version},
+          {"gpus", gpus},
+          {"processes", processes}};
+}
+
+std::vector<std::string> return_to_running(gpu::Driver& driver,
+                                           const std::vector<pid_t>& pids) noexcept {
+  std::vector<std::string> log;
+  for (pid_t pid : pids) {
+    try {
+      if (!proc::exists(pid)) continue;
+      auto state = driver.state(pid);
+      if (state == gpu::ProcessState::kCheckpointed) {
+        driver.restore(pid, {});
+        state = driver.state(pid);
+        log.push_back("restored the GPU state of process " + std::to_string(pid));
+      }
+      if (state == gpu::ProcessState::kLocked) {
+        driver.unlock(pid);
+        log.push_back("unlocked process " + std::to_string(pid));
+      }
+      if (driver.state(pid) == gpu::ProcessState::kFailed) {
+        ::kill(pid, SIGKILL);
+        log.push_back("process " + std::to_string(pid) +
+                      " was marked FAILED by the driver and has been killed");
+      }
+    } catch (const std::exception& e) {
+      log.push_back("process " + std::to_string(pid) + " could not be returned to RUNNING: " +
+                    e.what());
+    }
+  }
+  return log;
+}
+
+std::vector<std::string> recover_abandoned(gpu::Driver& driver,
+                                           const std::filesystem::path& run_dir) noexcept {
+  std::vector<std::string> log;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(journal_dir(run_dir), ec)) {
+    try {
+      auto doc = json::parse(fs::read_file(entry.path()));
+      if (proc::exists(doc.at("owner").get<pid_t>())) continue;  // still at work
+      if (driver.available()) {
+        auto done = return_to_running(driver, doc.at("pids").get<std::vector<pid_t>>());
+        for (auto& line : done) log.push_back("recovered after a killed gpusnap: " + line);
+      }
+      std::filesystem::remove(entry.path(), ec);
+    } catch (const std::exception& e) {
+      log.push_back("journal entry " + entry.path().string() + " unreadable: " + e.what());
+    }
+  }
+  return log;
+}
+
+GpuCapture::GpuCapture(gpu::Driver& driver, std::vector<pid_t> pids,
+                       std::chrono::milliseconds lock_timeout,
+                       const std::filesystem::path& run_dir, Reporter& reporter)
+    : driver_(driver), pids_(std::move(pids)), lock_timeout_(lock_timeout), reporter_(reporter) {
+  // Written before the first lock: from here until done, a killed gpusnap is repairable.
+  std::filesystem::create_directories(journal_dir(run_dir));
+  journal_ = journal_dir(run_dir) / (std::to_string(::getpid()) + ".json");
+  fs::write_file_durable(journal_, json{{"owner", ::getpid()}, {"pids", pids_}}.dump());
+}
+
+GpuCapture::~GpuCapture() {
+  if (!done_) {
+    for (const auto& line : return_to_running(driver_, pids_)) reporter_.note(line);
+  }
+  std::error_code ec;
+  std::filesystem::remove(journal_, ec);
+}
+
+void GpuCapture::fail(const std::exception& error) {
+  auto log = return_to_running(driver_, pids_);
+  done_ = true;
+  std::string what = error.what();
+  what += log.empty() ? "; no process was left locked"
+                      : "; then: " + [&] {
+                          std::string s;
+                          for (const auto& l : log) s += (s.empty() ? "" : ", ") + l;
+                          return s;
+                        }();
+  const auto* e = dynamic_cast<const Error*>(&error);
+  throw Error(e ? e->kind() : ErrorKind::kGpu, what, e ? e->hint() : "");
+}
+
+void GpuCapture::lock_all() {
+  try {
+    // One by one, in tree order: each lock waits for that process's submitted work to drain.
+    for (pid_t pid : pids_) driver_.lock(pid, lock_timeout_);
+  } catch (const std::exception& e) {
+    fail(e);
+  }
+}
+
+void GpuCapture::checkpoint_all() {
+  try {
+    for_each_parallel(pids_, [&](pid_t pid) { driver_.checkpoint(pid); });
+  } catch (const std::exception& e) {
+    fail(e);
+  }
+}
+
+void GpuCapture::resume_all() {
+  try {
+    for_each_parallel(pids_, [&](pid_t pid) {
+      driver_.restore(pid, {});
+      driver_.unlock(pid);
+    });
+    done_ = true;
+  } catch (const std::exception& e) {
+    fail(e);
+  }
+}
+
+void GpuCapture::release() { done_ = true; }
+
+namespace {
+
+// Finds a GPU by UUID or by index among `gpus` (each with "uuid" and "index").
+const json* find_gpu(const json& gpus, const std::string& key) {
+  for (const auto& g : gpus) {
+    if (g.at("uuid").get<std::string>() == key) return &g;
+    if (std::to_string(g.at("index").get<int>()) == key) return &g;
+  }
+  return nullptr;
+}
+
+json local_gpus_json(const gpu::DriverFacts& facts) {
+  json out = json::array();
+  for (const auto& g : facts.gpus) {
+    out.push_back({{"uuid", g.uuid}, {"index", g.index}, {"name", g.name},
+                   {"memory_free", g.memory_free}});
+  }
+  return out;
+}
+
+}  // namespace
+
+GpuPlan plan_gpu_restore(const json& gpu_facts, gpu::Driver& driver,
+                         const std::vector<std::string>& map, int replicas) {
+  GpuPlan plan;
+  if (gpu_facts.is_null()) {
+    if (!map.empty()) {
+      throw Error(ErrorKind::kUsage, "the artifact holds no GPU state; --gpu-map does not apply",
+                  "leave out --gpu-map");
+    }
+    return plan;
+  }
+  plan.has_gpu_state = true;
+  if (!driver.available()) {
+    throw Error(ErrorKind::kEnvironment,
+                "the artifact holds GPU state but this host has no usable NVIDIA driver: " +
+                    driver.reason(),
+                "restore it on a host with the NVIDIA driver " +
+                    gpu_facts.at("driver_version").get<std::string>());
+  }
+  auto facts = driver.facts();
+  auto want_driver = gpu_facts.at("driver_version").get<std::string>();
+  if (facts.driver_version != want_driver) {
+    throw Error(ErrorKind::kIncompatible,
+                "the artifact was taken with NVIDIA driver " + want_driver +
+                    ", this host has " + facts.driver_version,
+                "restore it on a host with driver " + want_driver);
+  }
+  const json& source_gpus = gpu_facts.at("gpus");
+  json local = local_gpus_json(facts);
+
+  // Source GPU uuid -> target GPU uuid: explicit entries first, then the same GPU where this
+  // host has it, then the first unused GPU of the same model.
+  std::map<std::string, std::string> target;
+  std::set<std::string> taken;
+  for (const auto& entry : map) {
+    auto eq = entry.find('=');
+    const json* from = eq == std::string::npos ? nullptr : find_gpu(source_gpus, entry.substr(0, eq));
+    const json* to = eq == std::string::npos ? nullptr : find_gpu(local, entry.substr(eq + 1));
+    if (eq == std::string::npos || from == nullptr || to == nullptr) {
+      throw Error(ErrorKind::kUsage,
+                  "bad --gpu-map entry '" + entry + "': " +
+                      (eq == std::string::npos ? "expected OLD=NEW"
+                       : from == nullptr       ? "no GPU '" + entry.substr(0, eq) +
+                                                     "' in the artifact"
+                                               : "no GPU '" + entry.substr(eq + 1) +
+                                                     "' on this host"),
+                  "use OLD=NEW with GPU UUIDs or indexes (`gpusnap inspect` lists the "
+                  "artifact's GPUs, nvidia-smi -L this host's)");
+    }
+    target[from->at("uuid").get<std::string>()] = to->at("uuid").get<std::string>();
+    taken.insert(to->at("uuid").get<std::string>());
+  }
+  for (const auto& g : source_gpus) {
+    auto uuid = g.at("uuid").get<std::string>();
+    if (target.count(uuid)) continue;
+    if (find_gpu(local, uuid) != nullptr && !taken.count(uuid)) {
+      target[uuid] = uuid;
+      taken.insert(uuid);
+      continue;
+    }
+    for (const auto& l : local) {
+      auto luuid = l.at("uuid").get<std::string>();
+      if (!taken.count(luuid) && l.at("name") == g.at("name")) {
+        target[uuid] = luuid;
+        taken.insert(luuid);
+        plan.notes.push_back("GPU " + uuid + " maps to " + luuid);
+        break;
+      }
+    }
+    if (!target.count(uuid)) {
+      throw Error(ErrorKind::kIncompatible,
+                  "no free GPU of model " + g.at("name").get<std::string>() +
+                      " on this host for the artifact's GPU " + uuid,
+                  "restore it on a host with " + std::to_string(source_gpus.size()) + " " +
+                      g.at("name").get<std::string>() + " GPU(s)");
+    }
+  }
+  // Same model only, and room for every copy's memory on each target GPU.
+  std::map<std::string, uint64_t> need;
+  for (const auto& p : gpu_facts.at("processes")) {
+    for (const auto& u : p.at("gpus")) {
+      need[target.at(u.at("uuid").get<std::string>())] += u.at("bytes").get<uint64_t>();
+    }
+  }
+  for (const auto& g : source_gpus) {
+    auto uuid = g.at("uuid").get<std::string>();
+    const json& t = *find_gpu(local, target[uuid]);
+    if (t.at("name") != g.at("name")) {
+      throw Error(ErrorKind::kIncompatible,
+                  "the artifact's GPU " + uuid + " is an " + g.at("name").get<std::string>() +
+                      ", the target " + t.at("uuid").get<std::string>() + " is an " +
+                      t.at("name").get<std::string>(),
+                  "map it onto a GPU of the same model");
+    }
+    uint64_t free = t.at("memory_free").get<uint64_t>();
+    uint64_t wanted = need[t.at("uuid").get<std::string>()] * static_cast<uint64_t>(replicas);
+    if (wanted > free) {
+      throw Error(ErrorKind::kIncompatible,
+                  "GPU " + t.at("uuid").get<std::string>() + " has " + fs::human_bytes(free) +
+                      " free, the " + std::to_string(replicas) + " copy(ies) need " +
+                      fs::human_bytes(wanted),
+                  "free GPU memory, restore fewer copies, or map onto other GPUs (--gpu-map)");
+    }
+  }
+  bool identity = std::all_of(target.begin(), target.end(),
+                              [](const auto& kv) { return kv.first == kv.second; });
+  if (!identity) {
+    for (const auto& [from, to] : target) plan.pairs.push_back({from, to});
+  }
+  return plan;
+}
+
+void restore_gpu_processes(gpu::Driver& driver, const std::vector<pid_t>& host_pids,
+                           const std::vector<gpu::GpuPair>& pairs) {
+  for_each_parallel(host_pids, [&](pid_t pid) {
+    driver.restore(pid, pairs);
+    driver.unlock(pid);
+  });
+}
+
+}  // namespace gpusnap::engine
