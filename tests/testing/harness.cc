@@ -39,19 +39,41 @@ std::optional<std::string> system_test_blocker() {
   return std::nullopt;
 }
 
-Workload::Workload(const TempDir& dir, std::vector<std::string> extra_args) {
+std::string build_path(const std::string& relative) {
+  auto exe = std::filesystem::read_symlink("/proc/self/exe");
+  return (exe.parent_path().parent_path() / relative).string();
+}
+
+std::string gpusnap_bin() {
+  const char* env = std::getenv("GPUSNAP_BIN");
+  return env != nullptr && *env != '\0' ? env : build_path("gpusnap");
+}
+
+namespace {
+std::vector<std::string> test_workload_argv(std::vector<std::string> extra) {
+  extra.insert(extra.begin(), build_path("tests/gpusnap-test-workload"));
+  return extra;
+}
+}  // namespace
+
+Workload::Workload(const TempDir& dir, std::vector<std::string> extra_args)
+    : Workload(dir, test_workload_argv(std::move(extra_args)), std::chrono::seconds(30)) {}
+
+Workload::Workload(const TempDir& dir, std::vector<std::string> argv,
+                   std::chrono::seconds ready_within) {
   auto ready = dir / ("ready-" + fs::random_id().substr(0, 6));
   UniqueFd log(::open((dir / "workload.log").c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC,
                       0644));
   SpawnOptions o;
-  o.argv = {GPUSNAP_TEST_WORKLOAD, "--ready-file", ready.string()};
-  o.argv.insert(o.argv.end(), extra_args.begin(), extra_args.end());
+  o.argv = std::move(argv);
+  o.argv.push_back("--ready-file");
+  o.argv.push_back(ready.string());
   o.stdout_fd = log.get();
   o.stderr_fd = log.get();
   o.new_session = true;  // as a service would run: no terminal
   process_.emplace(o);
   pid_ = process_->pid();
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  auto deadline = std::chrono::steady_clock::now() + ready_within;
   std::string text;
   while (!fs::try_read_file(ready, &text)) {
     if (process_->poll() || std::chrono::steady_clock::now() > deadline) {
@@ -107,7 +129,7 @@ CliResult gpusnap(const std::vector<std::string>& args, std::chrono::millisecond
   UniqueFd out(::open((dir / "out").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
   UniqueFd err(::open((dir / "err").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
   SpawnOptions o;
-  o.argv = {GPUSNAP_BIN};
+  o.argv = {gpusnap_bin()};
   o.argv.insert(o.argv.end(), args.begin(), args.end());
   o.stdout_fd = out.get();
   o.stderr_fd = err.get();

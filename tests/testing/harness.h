@@ -29,10 +29,19 @@ class TempDir {
 // Whether this machine can run the system tests (root and a working CRIU); the reason if not.
 std::optional<std::string> system_test_blocker();
 
-// The test workload (tests/workload), started in its own session with its output in a file.
+// Paths of built programs, found from the test binary's own location (build/tests/), so the
+// build tree can be copied to another machine (the GPU machine) and run there.
+std::string build_path(const std::string& relative);
+std::string gpusnap_bin();
+
+// A workload that speaks the tests' line protocol and writes its port to --ready-file,
+// started in its own session with its output in DIR/workload.log.
 class Workload {
  public:
+  // The test workload (tests/workload) with these extra arguments.
   Workload(const TempDir& dir, std::vector<std::string> extra_args = {});
+  // Any program; "--ready-file PATH" is appended to argv.
+  Workload(const TempDir& dir, std::vector<std::string> argv, std::chrono::seconds ready_within);
   ~Workload();
   pid_t pid() const { return pid_; }
   uint16_t port() const { return port_; }
