@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "common/fd.h"
@@ -39,13 +40,23 @@ struct ChunkTask {
 std::vector<FileRecord> checksum_tree(const std::filesystem::path& root, uint64_t chunk_bytes,
                                       const VerifyOptions& options) {
   std::vector<FileRecord> files;
-  for (const auto& entry : std::filesystem::recursive_directory_iterator(root)) {
-    if (!entry.is_regular_file()) continue;
-    FileRecord rec;
-    rec.path = std::filesystem::relative(entry.path(), root).string();
-    rec.size = entry.file_size();
-    rec.chunks.resize(std::max<uint64_t>(1, (rec.size + chunk_bytes - 1) / chunk_bytes));
-    files.push_back(std::move(rec));
+  // The walk reports a missing or unreadable tree as filesystem_error; callers expect an Error
+  // that names the tree, like every other failure here.
+  try {
+    for (const auto& entry : std::filesystem::recursive_directory_iterator(root)) {
+      if (!entry.is_regular_file()) continue;
+      FileRecord rec;
+      rec.path = std::filesystem::relative(entry.path(), root).string();
+      rec.size = entry.file_size();
+      rec.chunks.resize(std::max<uint64_t>(1, (rec.size + chunk_bytes - 1) / chunk_bytes));
+      files.push_back(std::move(rec));
+    }
+  } catch (const std::filesystem::filesystem_error& e) {
+    std::string where;
+    if (!e.path1().empty() && e.path1() != root) where = " (at " + e.path1().string() + ")";
+    throw Error(ErrorKind::kBadArtifact,
+                "cannot list the files of " + root.string() + where + ": " + e.code().message(),
+                "check that the directory exists and is readable");
   }
   std::sort(files.begin(), files.end(),
             [](const FileRecord& a, const FileRecord& b) { return a.path < b.path; });
@@ -58,7 +69,7 @@ std::vector<FileRecord> checksum_tree(const std::filesystem::path& root, uint64_
   }
   // Largest files first would not help: chunks are equal, so plain order balances well.
   std::atomic<size_t> next{0};
-  std::atomic<uint64_t> done{0};
+  uint64_t done = 0;  // guarded by report_mutex
   std::mutex error_mutex;
   std::optional<Error> first_error;
   std::mutex report_mutex;
@@ -84,10 +95,12 @@ std::vector<FileRecord> checksum_tree(const std::filesystem::path& root, uint64_
           if (n == 0) break;  // truncated under us: the checksum will not match
           XXH3_128bits_update(state.get(), buf.get(), static_cast<size_t>(n));
           off += static_cast<uint64_t>(n);
-          uint64_t now = done.fetch_add(static_cast<uint64_t>(n)) + static_cast<uint64_t>(n);
           if (options.reporter != nullptr) {
+            // Counted under the lock that orders the reports: a sum taken before it could be
+            // reported after a larger one, and progress would go backwards.
             std::lock_guard lock(report_mutex);
-            options.reporter->progress("checksum", now, total);
+            done += static_cast<uint64_t>(n);
+            options.reporter->progress("checksum", done, total);
           }
         }
         rec.chunks[tasks[i].chunk] = hex128(XXH3_128bits_digest(state.get()));
@@ -105,6 +118,9 @@ std::vector<FileRecord> checksum_tree(const std::filesystem::path& root, uint64_
   worker();
   pool.clear();
   if (first_error) throw *first_error;
+  // Always end at total, even when there were no bytes to read (only empty files) or a file
+  // shrank while it was read (verify reports that as a mismatch).
+  if (options.reporter != nullptr) options.reporter->progress("checksum", total, total);
   return files;
 }
 

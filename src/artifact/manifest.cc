@@ -34,6 +34,8 @@ HostFacts HostFacts::probe(const std::string& criu_version) {
     if (key == "flags" && h.cpu_flags.empty()) {
       std::istringstream in(value);
       for (std::string f; in >> f;) h.cpu_flags.push_back(f);
+      // cpu_flags are kept sorted (cpuinfo's order is not): manifests compare stably, and
+      // lookups may binary_search (check_host_compatible still sorts its own copy).
       std::sort(h.cpu_flags.begin(), h.cpu_flags.end());
     }
   }
@@ -95,14 +97,51 @@ json Manifest::to_json() const {
 Manifest Manifest::from_json(const json& doc) {
   Manifest m;
   std::string field;
+  const char* kHint =
+      "the artifact is damaged or was not written by gpusnap; take a new checkpoint";
+  auto wrong_type = [&](const char* key, const std::string& expected, const json& got) {
+    return Error(ErrorKind::kBadArtifact,
+                 std::string("manifest field '") + key + "' has the wrong type: expected " +
+                     expected + ", found " + got.type_name(),
+                 kHint);
+  };
   // Every access goes through get(): a missing or mistyped field names itself in the error.
+  // `obj` is the document itself or a value that object()/objects() already checked, so a
+  // non-object there ("host": "x86_64") is reported against its own field, not as a missing
+  // inner field.
   auto get = [&](const json& obj, const char* key) -> const json& {
     field = key;
     if (!obj.is_object() || !obj.contains(key)) {
       throw Error(ErrorKind::kBadArtifact, std::string("manifest lacks the field '") + key + "'",
-                  "the artifact is damaged or was not written by gpusnap; take a new checkpoint");
+                  kHint);
     }
     return obj.at(key);
+  };
+  auto object = [&](const json& obj, const char* key) -> const json& {
+    const json& v = get(obj, key);
+    if (!v.is_object()) throw wrong_type(key, "an object", v);
+    return v;
+  };
+  auto objects = [&](const json& obj, const char* key) -> const json& {
+    const json& v = get(obj, key);
+    if (!v.is_array()) throw wrong_type(key, "an array", v);
+    for (const auto& item : v) {
+      if (!item.is_object()) throw wrong_type(key, "an array of objects", item);
+    }
+    return v;
+  };
+  // get<int>() / get<uint64_t>() would quietly truncate 1.9 and wrap -1: refuse both.
+  auto integer = [&](const json& obj, const char* key) -> const json& {
+    const json& v = get(obj, key);
+    if (!v.is_number_integer()) throw wrong_type(key, "an integer", v);
+    return v;
+  };
+  auto size = [&](const json& obj, const char* key) -> uint64_t {
+    const json& v = integer(obj, key);
+    if (!v.is_number_unsigned() && v.get<int64_t>() < 0) {
+      throw wrong_type(key, "an unsigned integer", v);
+    }
+    return v.get<uint64_t>();
   };
   try {
     m.format = get(doc, "format").get<std::string>();
@@ -111,7 +150,7 @@ Manifest Manifest::from_json(const json& doc) {
                   "not a gpusnap artifact (format '" + m.format + "')",
                   "point gpusnap at a directory written by `gpusnap checkpoint`");
     }
-    m.format_version = get(doc, "format_version").get<int>();
+    m.format_version = integer(doc, "format_version").get<int>();
     if (m.format_version != kArtifactFormatVersion) {
       throw Error(ErrorKind::kBadArtifact,
                   "artifact format version " + std::to_string(m.format_version) +
@@ -122,60 +161,59 @@ Manifest Manifest::from_json(const json& doc) {
     m.id = get(doc, "id").get<std::string>();
     m.created = get(doc, "created").get<std::string>();
     m.gpusnap_version = get(doc, "gpusnap_version").get<std::string>();
-    const auto& source = get(doc, "source");
-    m.source_pid = get(source, "pid").get<pid_t>();
+    const auto& source = object(doc, "source");
+    m.source_pid = integer(source, "pid").get<pid_t>();
     m.source_cmdline = get(source, "cmdline").get<std::vector<std::string>>();
-    const auto& host = get(doc, "host");
+    const auto& host = object(doc, "host");
     m.host.hostname = get(host, "hostname").get<std::string>();
     m.host.kernel = get(host, "kernel").get<std::string>();
     m.host.arch = get(host, "arch").get<std::string>();
     m.host.cpu_model = get(host, "cpu_model").get<std::string>();
     m.host.cpu_flags = get(host, "cpu_flags").get<std::vector<std::string>>();
     m.host.criu_version = get(host, "criu_version").get<std::string>();
-    m.host.page_size = get(host, "page_size").get<long>();
-    m.shell_job = get(get(doc, "criu"), "shell_job").get<bool>();
-    for (const auto& p : get(doc, "processes")) {
+    m.host.page_size = integer(host, "page_size").get<long>();
+    m.shell_job = get(object(doc, "criu"), "shell_job").get<bool>();
+    for (const auto& p : objects(doc, "processes")) {
       ProcessRecord rec;
-      rec.pid = get(p, "pid").get<pid_t>();
-      rec.ppid = get(p, "ppid").get<pid_t>();
+      rec.pid = integer(p, "pid").get<pid_t>();
+      rec.ppid = integer(p, "ppid").get<pid_t>();
       rec.comm = get(p, "comm").get<std::string>();
       rec.cmdline = get(p, "cmdline").get<std::vector<std::string>>();
-      rec.threads = get(p, "threads").get<int>();
-      rec.rss_bytes = get(p, "rss_bytes").get<uint64_t>();
-      rec.gpu_bytes = get(p, "gpu_bytes").get<uint64_t>();
-      for (const auto& s : get(p, "stdio")) {
-        rec.stdio.push_back({get(s, "fd").get<int>(), get(s, "target").get<std::string>()});
+      rec.threads = integer(p, "threads").get<int>();
+      rec.rss_bytes = size(p, "rss_bytes");
+      rec.gpu_bytes = size(p, "gpu_bytes");
+      for (const auto& s : objects(p, "stdio")) {
+        rec.stdio.push_back({integer(s, "fd").get<int>(), get(s, "target").get<std::string>()});
       }
       m.processes.push_back(std::move(rec));
     }
     m.gpu = get(doc, "gpu");
-    const auto& checksum = get(doc, "checksum");
+    const auto& checksum = object(doc, "checksum");
     m.checksum_algorithm = get(checksum, "algorithm").get<std::string>();
     if (m.checksum_algorithm != "xxh3-128") {
       throw Error(ErrorKind::kBadArtifact,
                   "unknown checksum algorithm '" + m.checksum_algorithm + "' in the manifest",
                   "take a new checkpoint with this gpusnap");
     }
-    m.chunk_bytes = get(checksum, "chunk_bytes").get<uint64_t>();
+    m.chunk_bytes = size(checksum, "chunk_bytes");
     if (m.chunk_bytes == 0) {
       throw Error(ErrorKind::kBadArtifact, "manifest has a checksum chunk size of 0",
                   "the artifact is damaged; take a new checkpoint");
     }
-    for (const auto& f : get(doc, "files")) {
+    for (const auto& f : objects(doc, "files")) {
       FileRecord rec;
       rec.path = get(f, "path").get<std::string>();
-      rec.size = get(f, "size").get<uint64_t>();
+      rec.size = size(f, "size");
       rec.chunks = get(f, "chunks").get<std::vector<std::string>>();
       m.files.push_back(std::move(rec));
     }
-    for (const auto& p : get(doc, "checkpoint_phases")) {
+    for (const auto& p : objects(doc, "checkpoint_phases")) {
       m.checkpoint_phases.push_back({get(p, "name").get<std::string>(),
                                      get(p, "seconds").get<double>()});
     }
   } catch (const json::exception& e) {
     throw Error(ErrorKind::kBadArtifact,
-                "manifest field '" + field + "' has the wrong type: " + e.what(),
-                "the artifact is damaged or was not written by gpusnap; take a new checkpoint");
+                "manifest field '" + field + "' has the wrong type: " + e.what(), kHint);
   }
   return m;
 }
@@ -206,7 +244,12 @@ Artifact Artifact::open(const std::filesystem::path& root) {
   a.manifest_ = Manifest::from_json(doc);
   // The cheap structural check that --no-verify keeps: every file there, at its size.
   for (const auto& f : a.manifest_.files) {
-    if (f.path.empty() || f.path.front() == '/' || f.path.find("..") != std::string::npos) {
+    // Only a ".." component climbs out of the artifact: "a..b" is a harmless name.
+    std::filesystem::path path(f.path);
+    bool unsafe = f.path.empty() || path.is_absolute() ||
+                  std::any_of(path.begin(), path.end(),
+                              [](const std::filesystem::path& part) { return part == ".."; });
+    if (unsafe) {
       throw Error(ErrorKind::kBadArtifact, "manifest lists an unsafe path '" + f.path + "'",
                   "the artifact is damaged or forged; take a new checkpoint");
     }

@@ -5,6 +5,7 @@
 
 #include <filesystem>
 
+#include "common/fd.h"
 #include "gpusnap/artifact.h"
 
 namespace gpusnap {
@@ -27,12 +28,25 @@ class ArtifactWriter {
   void commit(const Manifest& manifest, Phases& phases);
 
   // Staging directories are named ".NAME.staging-PID-RANDOM". Removes those in `dir` whose
-  // owner is gone (a gpusnap killed before it could clean up). Never throws.
+  // owner is gone (a gpusnap killed before it could clean up): those nobody holds the flock
+  // of. Never throws.
   static void remove_stale_staging(const std::filesystem::path& dir) noexcept;
 
  private:
+  // Opens and flocks staging_ into staging_lock_. False when the directory was removed before
+  // the lock was taken; throws (having removed the directory) when it cannot be locked.
+  bool lock_staging();
+
   std::filesystem::path final_;
   std::filesystem::path staging_;
+  // The staging directory, opened and flock(LOCK_EX)ed for the writer's lifetime: the proof
+  // that its owner lives, valid across PID namespaces (containers sharing the volume), where
+  // the PID in the name says nothing. Released when the writer is destroyed or its process
+  // dies. The CRIU dump guardian (engine/dump_guard.h) may outlive it, CRIU still writing into
+  // the directory without holding the lock. That is acceptable: such a dump is abandoned, the
+  // guardian removes the directory itself once CRIU is done, and a sweep that removes it first
+  // costs nothing but a failed dump, after which CRIU resumes the tree as on any failure.
+  UniqueFd staging_lock_;
   bool committed_ = false;
 };
 

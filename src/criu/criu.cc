@@ -1,5 +1,6 @@
 #include "criu/criu.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -54,17 +55,27 @@ bool version_at_least(const std::string& version, int major, int minor) {
 
 Binary locate(const std::string& explicit_path) {
   std::vector<std::string> candidates;
+  // A path the user named (--criu, GPUSNAP_CRIU) is reported even when nothing is there; a
+  // default location only when something unusable is there (else CRIU is just not installed).
+  bool named = true;
   if (!explicit_path.empty()) {
     candidates.push_back(explicit_path);
   } else if (const char* env = std::getenv("GPUSNAP_CRIU"); env != nullptr && *env != '\0') {
     candidates.push_back(env);
   } else {
+    named = false;
     candidates.push_back(kDefaultPrefixBinary);
     if (auto on_path = find_on_path("criu"); !on_path.empty()) candidates.push_back(on_path);
   }
   std::string seen;
   for (const auto& path : candidates) {
-    if (::access(path.c_str(), X_OK) != 0) continue;
+    struct stat st{};
+    bool exists = ::stat(path.c_str(), &st) == 0;
+    if (!exists || !S_ISREG(st.st_mode) || ::access(path.c_str(), X_OK) != 0) {
+      // Skipping it silently would leave "CRIU was not found" for a path the user can see.
+      if (named || exists) seen += (seen.empty() ? "" : ", ") + path + " is not an executable file";
+      continue;
+    }
     auto version = probe_version(path);
     if (version_at_least(version, kMinMajor, kMinMinor)) return {path, version};
     seen += (seen.empty() ? "" : ", ") + path + " is " +
@@ -110,9 +121,11 @@ std::vector<std::string> restore_args(const Binary& criu, const RestoreOptions& 
       // The copy runs on after criu exits, as a child of gpusnap's namespace init.
       "--restore-detached", "--restore-sibling",
       "--pidfile", o.pidfile.string(),
-      // A copy lives in a fresh network namespace: the source's peers are not there, so its
-      // established connections are closed rather than resurrected.
-      "--tcp-close", "--ext-unix-sk", "--file-locks",
+      // Established connections come back: those between processes of the tree (NCCL's and
+      // gloo's between ranks, a server and its workers) must keep working. A connection to a
+      // peer outside the tree finds nobody in the copy's fresh network namespace and is reset
+      // at its first packet, as after a peer's restart.
+      "--tcp-established", "--ext-unix-sk", "--file-locks",
   };
   if (o.shell_job) args.push_back("--shell-job");
   for (const auto& inherit : o.inherit) {

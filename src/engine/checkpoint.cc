@@ -85,11 +85,14 @@ class Checkpoint {
     }
     ArtifactWriter writer(options_.output);
     auto tree = phases_.run("resolve", [&] { return resolve(); });
-    phases_.run("preflight", [&] { preflight(tree); });
+    auto cuda = engine::cuda_processes(driver, tree);
+    phases_.run("preflight", [&] {
+      preflight(tree);
+      engine::refuse_unsafe_nccl(tree, cuda);
+    });
     Manifest manifest = describe(tree, criu);
 
     std::optional<engine::GpuCapture> gpu;
-    auto cuda = engine::cuda_processes(driver, tree);
     if (!cuda.empty()) {
       phases_.run("gpu-facts", [&] { describe_gpu(driver, cuda, manifest); });
       gpu.emplace(driver, cuda, options_.gpu_lock_timeout, options_.run_dir, phases_.reporter());

@@ -11,11 +11,12 @@ namespace {
 // CPU flags that name instruction-set extensions: a process that used one at checkpoint time
 // may execute it again after restore, so the target must have every one the source had. Other
 // cpuinfo flags (hypervisor, constant_tsc, ...) describe the machine, not what code may run.
+// ("pni", Prescott New Instructions, is how cpuinfo spells SSE3.)
 bool is_instruction_set_flag(const std::string& flag) {
-  static const char* kPrefixes[] = {"sse", "ssse3", "avx", "fma", "f16c", "bmi", "adx", "aes",
-                                    "sha", "pclmulqdq", "popcnt", "movbe", "rdrand", "rdseed",
-                                    "vaes", "vpclmulqdq", "gfni", "amx", "xsave", "abm", "lzcnt",
-                                    "erms", "fsrm", "cx16", "mmx", "sve", "asimd"};
+  static const char* kPrefixes[] = {"sse", "pni", "ssse3", "avx", "fma", "f16c", "bmi", "adx",
+                                    "aes", "sha", "pclmulqdq", "popcnt", "movbe", "rdrand",
+                                    "rdseed", "vaes", "vpclmulqdq", "gfni", "amx", "xsave", "abm",
+                                    "lzcnt", "erms", "fsrm", "cx16", "mmx", "sve", "asimd"};
   return std::any_of(std::begin(kPrefixes), std::end(kPrefixes),
                      [&](const char* p) { return flag.rfind(p, 0) == 0; });
 }
@@ -34,10 +35,14 @@ void check_host_compatible(const Manifest& m, const HostFacts& here) {
                     "-byte pages, this host uses " + std::to_string(here.page_size),
                 "restore it on a host with the same page size");
   }
+  // HostFacts::probe sorts cpu_flags, but a HostFacts may come from elsewhere (a caller, a
+  // test): binary_search needs a sorted copy, not a promise.
+  std::vector<std::string> here_flags = here.cpu_flags;
+  std::sort(here_flags.begin(), here_flags.end());
   std::vector<std::string> missing;
   for (const auto& flag : m.host.cpu_flags) {
     if (is_instruction_set_flag(flag) &&
-        !std::binary_search(here.cpu_flags.begin(), here.cpu_flags.end(), flag)) {
+        !std::binary_search(here_flags.begin(), here_flags.end(), flag)) {
       missing.push_back(flag);
     }
   }

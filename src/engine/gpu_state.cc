@@ -58,6 +58,32 @@ std::vector<pid_t> cuda_processes(gpu::Driver& driver, const std::vector<proc::P
   return pids;
 }
 
+// The GPUs a CUDA process can see: all of the host's, unless CUDA_VISIBLE_DEVICES narrows
+// them (indexes or full UUIDs; the first CUDA process's setting stands for the tree).
+std::set<std::string> visible_gpus(const gpu::DriverFacts& facts, const std::vector<pid_t>& pids) {
+  std::set<std::string> all;
+  for (const auto& g : facts.gpus) all.insert(g.uuid);
+  std::string environ;
+  if (pids.empty() || !fs::try_read_file("/proc/" + std::to_string(pids.front()) + "/environ",
+                                         &environ)) {
+    return all;
+  }
+  const std::string key = "CUDA_VISIBLE_DEVICES=";
+  auto at = environ.find(key);
+  if (at == std::string::npos || (at != 0 && environ[at - 1] != '\0')) return all;
+  auto value = environ.substr(at + key.size(), environ.find('\0', at) - at - key.size());
+  std::set<std::string> chosen;
+  for (size_t start = 0; start <= value.size();) {
+    auto comma = std::min(value.find(',', start), value.size());
+    auto item = value.substr(start, comma - start);
+    for (const auto& g : facts.gpus) {
+      if (item == g.uuid || item == std::to_string(g.index)) chosen.insert(g.uuid);
+    }
+    start = comma + 1;
+  }
+  return chosen.empty() ? all : chosen;
+}
+
 json describe_gpu_state(gpu::Driver& driver, const std::vector<pid_t>& pids) {
   auto facts = driver.facts();
   auto usage = driver.usage();
@@ -74,12 +100,16 @@ json describe_gpu_state(gpu::Driver& driver, const std::vector<pid_t>& pids) {
     }
     processes.push_back({{"pid", pid}, {"bytes", bytes}, {"gpus", gpus}});
   }
+  // Every GPU the processes can see is recorded, used or not: the driver's restore onto other
+  // GPUs takes a map of all of them (a permutation), not only of those holding memory.
   // Without per-process usage (NVML cannot always see processes in other namespaces), every
-  // GPU of the host is taken as used: the checks at restore then err on the safe side.
+  // visible GPU counts as used: the checks at restore then err on the safe side.
+  auto visible = visible_gpus(facts, pids);
   json gpus = json::array();
   for (const auto& g : facts.gpus) {
-    if (!used.empty() && !used.count(g.uuid)) continue;
+    if (!visible.count(g.uuid)) continue;
     gpus.push_back({{"index", g.index},
+                    {"used", used.empty() || used.count(g.uuid) > 0},
                     {"uuid", g.uuid},
                     {"name", g.name},
                     {"bus_id", g.bus_id},
@@ -278,7 +308,17 @@ GpuPlan plan_gpu_restore(const json& gpu_facts, gpu::Driver& driver,
     target[from->at("uuid").get<std::string>()] = to->at("uuid").get<std::string>();
     taken.insert(to->at("uuid").get<std::string>());
   }
+  // GPUs holding memory are placed first; the others the process could see then take the
+  // remaining GPUs, so that the map given to the driver covers every GPU it knows of.
+  std::vector<const json*> order;
   for (const auto& g : source_gpus) {
+    if (g.value("used", true)) order.push_back(&g);
+  }
+  for (const auto& g : source_gpus) {
+    if (!g.value("used", true)) order.push_back(&g);
+  }
+  for (const json* gp : order) {
+    const json& g = *gp;
     auto uuid = g.at("uuid").get<std::string>();
     if (target.count(uuid)) continue;
     if (find_gpu(local, uuid) != nullptr && !taken.count(uuid)) {
@@ -297,8 +337,9 @@ GpuPlan plan_gpu_restore(const json& gpu_facts, gpu::Driver& driver,
     }
     if (!target.count(uuid)) {
       throw Error(ErrorKind::kIncompatible,
-                  "no free GPU of model " + g.at("name").get<std::string>() +
-                      " on this host for the artifact's GPU " + uuid,
+                  "no GPU of model " + g.at("name").get<std::string>() +
+                      " left on this host for the artifact's GPU " + uuid + " (the workload saw " +
+                      std::to_string(source_gpus.size()) + " GPU(s))",
                   "restore it on a host with " + std::to_string(source_gpus.size()) + " " +
                       g.at("name").get<std::string>() + " GPU(s)");
     }

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include "common/fs.h"
 #include "gpusnap/error.h"
 
 namespace gpusnap::engine {
@@ -52,6 +53,47 @@ bool uses_terminal(const std::vector<proc::Process>& tree) {
     }
   }
   return false;
+}
+
+void refuse_unsafe_nccl(const std::vector<proc::Process>& tree, const std::vector<pid_t>& cuda) {
+  // One CUDA process has no peers; NCCL within one process needs no cross-process transport.
+  if (cuda.size() < 2) return;
+  // The settings that keep NCCL on transports the checkpoint can carry: sockets between ranks.
+  static const std::pair<const char*, const char*> kRequired[] = {
+      {"NCCL_P2P_DISABLE", "1"}, {"NCCL_SHM_DISABLE", "1"},
+      {"NCCL_NVLS_ENABLE", "0"}, {"NCCL_CUMEM_ENABLE", "0"}};
+  for (pid_t pid : cuda) {
+    std::string maps, environ;
+    auto dir = "/proc/" + std::to_string(pid);
+    if (!fs::try_read_file(dir + "/maps", &maps) || maps.find("libnccl") == std::string::npos) {
+      continue;
+    }
+    fs::try_read_file(dir + "/environ", &environ);
+    std::string missing;
+    for (const auto& [key, value] : kRequired) {
+      std::string want = std::string(key) + "=" + value;
+      bool set = false;
+      for (size_t start = 0; start < environ.size();) {
+        auto end = environ.find('\0', start);
+        if (end == std::string::npos) end = environ.size();
+        set |= environ.compare(start, end - start, want) == 0;
+        start = end + 1;
+      }
+      if (!set) missing += (missing.empty() ? "" : " ") + want;
+    }
+    if (!missing.empty()) {
+      std::string comm;
+      for (const auto& p : tree) {
+        if (p.pid == pid) comm = p.comm;
+      }
+      throw Error(ErrorKind::kNotCapturable,
+                  "process " + std::to_string(pid) + " (" + comm + ") uses NCCL across " +
+                      std::to_string(cuda.size()) +
+                      " CUDA processes with transports the driver cannot checkpoint "
+                      "(peer-to-peer, shared memory, NVLink SHARP)",
+                  "start the workload with " + missing);
+    }
+  }
 }
 
 void refuse_bad_root(pid_t root) {

@@ -12,6 +12,9 @@ namespace gpusnap::engine {
 void refuse_uncapturable(const std::vector<proc::Process>& tree);
 // Whether any process of the tree has a terminal on its standard descriptors (a shell job).
 bool uses_terminal(const std::vector<proc::Process>& tree);
+// Refuses CUDA processes that talk to each other through NCCL transports the driver cannot
+// checkpoint (peer-to-peer, shared memory, NVLink SHARP, cuMem handles), naming the settings.
+void refuse_unsafe_nccl(const std::vector<proc::Process>& tree, const std::vector<pid_t>& cuda);
 // Refuses a root that is gpusnap itself, one of its ancestors, or the host's init.
 void refuse_bad_root(pid_t root);
 

@@ -114,6 +114,7 @@ class ChecksumTest : public ::testing::Test {
 
   // Seals the tree into a manifest.json, as the writer does, and opens it.
   Artifact seal() {
+    stdfs::remove(root / kManifestName);  // a manifest does not list itself
     Manifest m;
     m.id = "checksum-test";
     m.chunk_bytes = kChunk;
@@ -132,8 +133,8 @@ TEST_F(ChecksumTest, OneChunkPerChunkBytesAndAtLeastOne) {
   std::vector<std::string> paths;
   for (const auto& f : files) paths.push_back(f.path);
   // Sorted, relative, regular files only (no directory records).
-  EXPECT_EQ(paths, (std::vector<std::string>{"criu/a", "criu/b", "criu/deep/c",
-                                             "criu/pages-1.img", "empty", "one"}));
+  EXPECT_EQ(paths, (std::vector<std::string>{"criu/a", "criu/b", "criu/deep/c", "criu/pages-1.img",
+                                             "empty", "one"}));
   struct Want {
     const char* path;
     uint64_t size;
@@ -161,7 +162,9 @@ TEST_F(ChecksumTest, ChunksCoverTheirOwnByteRange) {
   EXPECT_NE(find(files, "empty").chunks[0], one.chunks[0]);
   const FileRecord& pages = find(files, "criu/pages-1.img");
   for (size_t i = 0; i < pages.chunks.size(); ++i) {
-    for (size_t j = i + 1; j < pages.chunks.size(); ++j) EXPECT_NE(pages.chunks[i], pages.chunks[j]);
+    for (size_t j = i + 1; j < pages.chunks.size(); ++j) {
+      EXPECT_NE(pages.chunks[i], pages.chunks[j]) << "chunks " << i << " and " << j;
+    }
   }
 }
 
@@ -213,13 +216,85 @@ TEST_F(ChecksumTest, VerifyProgressReachesTotalWithManyThreads) {
   // verify reads every file under the root, the manifest included.
   uint64_t total = stdfs::file_size(root / kManifestName) + a.manifest().total_bytes();
   ASSERT_FALSE(reporter.calls.empty());
-  bool reached = false;
+  uint64_t last = 0;
   for (const auto& c : reporter.calls) {
     EXPECT_EQ(c.total, total);
     EXPECT_LE(c.done, total);
-    reached |= c.done == total;
+    EXPECT_GE(c.done, last) << "progress went backwards";
+    last = c.done;
   }
-  EXPECT_TRUE(reached);
+  EXPECT_EQ(reporter.calls.back().done, total) << "the last report is done == total";
+}
+
+TEST_F(ChecksumTest, ProgressNeverGoesBackwardsWithManyThreads) {
+  // Many small chunks over many threads: reports race each other unless they are ordered.
+  write(root / "criu/pages-2.img", pattern(1 << 20, 4));
+  for (int round = 0; round < 20; ++round) {
+    RecordingReporter reporter;
+    auto files = checksum_tree(root, 512, VerifyOptions{8, &reporter});
+    uint64_t total = 0;
+    for (const auto& f : files) total += f.size;
+    ASSERT_FALSE(reporter.calls.empty());
+    uint64_t last = 0;
+    for (const auto& c : reporter.calls) {
+      ASSERT_GE(c.done, last) << "round " << round << ": progress went backwards";
+      ASSERT_EQ(c.total, total);
+      last = c.done;
+    }
+    EXPECT_EQ(reporter.calls.back().done, total);
+  }
+}
+
+TEST(ChecksumTreeTest, OnlyEmptyFilesStillReportsTheEnd) {
+  TempDir dir;
+  write(dir.path() / "a", "");
+  write(dir.path() / "sub/b", "");
+  RecordingReporter reporter;
+  auto files = checksum_tree(dir.path(), kChunk, VerifyOptions{2, &reporter});
+  ASSERT_EQ(files.size(), 2u);
+  ASSERT_EQ(reporter.calls.size(), 1u);
+  EXPECT_EQ(reporter.calls[0].name, "checksum");
+  EXPECT_EQ(reporter.calls[0].done, 0u);
+  EXPECT_EQ(reporter.calls[0].total, 0u);
+}
+
+TEST(ChecksumTreeTest, EmptyTreeReportsTheEnd) {
+  TempDir dir;
+  RecordingReporter reporter;
+  EXPECT_TRUE(checksum_tree(dir.path(), kChunk, VerifyOptions{0, &reporter}).empty());
+  ASSERT_EQ(reporter.calls.size(), 1u);
+  EXPECT_EQ(reporter.calls[0].done, 0u);
+  EXPECT_EQ(reporter.calls[0].total, 0u);
+}
+
+TEST(ChecksumTreeTest, MissingRootIsAnErrorNotAFilesystemError) {
+  TempDir dir;
+  const stdfs::path missing = dir.path() / "nope";
+  try {
+    checksum_tree(missing, kChunk);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+    EXPECT_EQ(std::string(e.what()),
+              "cannot list the files of " + missing.string() + ": No such file or directory");
+    EXPECT_FALSE(e.hint().empty());
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "not a gpusnap::Error: " << e.what();
+  }
+}
+
+TEST(ChecksumTreeTest, RootThatIsAFileIsAnError) {
+  TempDir dir;
+  write(dir.path() / "file", "x");
+  try {
+    checksum_tree(dir.path() / "file", kChunk);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+    EXPECT_NE(std::string(e.what()).find("Not a directory"), std::string::npos) << e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "not a gpusnap::Error: " << e.what();
+  }
 }
 
 TEST_F(ChecksumTest, VerifyFindsNothingInIntactArtifact) {
@@ -235,10 +310,10 @@ TEST_F(ChecksumTest, VerifyNamesFileAndChunkOfFlippedByte) {
     uint64_t offset;
     const char* range;
   };
-  for (const Case& c : {Case{"criu/pages-1.img", 5000, "bytes 4096-8192"},
-                        Case{"criu/pages-1.img", 3 * kChunk + 9, "bytes 12288-12298"},
-                        Case{"criu/deep/c", 4096, "bytes 4096-4097"},
-                        Case{"criu/a", 0, "bytes 0-4095"}, Case{"one", 0, "bytes 0-1"}}) {
+  for (const Case& c : {Case{"criu/pages-1.img", 5000, "4096-8192"},
+                        Case{"criu/pages-1.img", 3 * kChunk + 9, "12288-12298"},
+                        Case{"criu/deep/c", 4096, "4096-4097"}, Case{"criu/a", 0, "0-4095"},
+                        Case{"one", 0, "0-1"}}) {
     SCOPED_TRACE(std::string(c.path) + " @" + std::to_string(c.offset));
     Artifact a = seal();
     flip_byte(root / c.path, c.offset);

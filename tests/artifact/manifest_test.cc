@@ -5,10 +5,9 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "gpusnap/artifact.h"
 #include "gpusnap/error.h"
@@ -180,12 +179,18 @@ TEST(ManifestTest, MissingFieldIsNamed) {
     const char* pointer;  // JSON pointer of the object to remove the field from
     const char* field;
   };
-  const Case cases[] = {{"", "format"},           {"", "id"},
-                        {"", "files"},            {"", "checkpoint_phases"},
-                        {"/host", "arch"},        {"/host", "page_size"},
-                        {"/source", "pid"},       {"/criu", "shell_job"},
-                        {"/checksum", "chunk_bytes"}, {"/processes/1", "comm"},
-                        {"/processes/0/stdio/2", "target"}, {"/files/1", "chunks"}};
+  const Case cases[] = {{"", "format"},
+                        {"", "id"},
+                        {"", "files"},
+                        {"", "checkpoint_phases"},
+                        {"/host", "arch"},
+                        {"/host", "page_size"},
+                        {"/source", "pid"},
+                        {"/criu", "shell_job"},
+                        {"/checksum", "chunk_bytes"},
+                        {"/processes/1", "comm"},
+                        {"/processes/0/stdio/2", "target"},
+                        {"/files/1", "chunks"}};
   for (const auto& c : cases) {
     SCOPED_TRACE(std::string(c.pointer) + "/" + c.field);
     json doc = full_manifest().to_json();
@@ -216,10 +221,100 @@ TEST(ManifestTest, WrongTypeIsNamed) {
     doc[json::json_pointer(c.pointer)] = c.value;
     Error e = catch_error([&] { Manifest::from_json(doc); });
     EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
-    EXPECT_TRUE(Contains(e.what(), std::string("manifest field '") + c.field +
-                                       "' has the wrong type: "));
+    EXPECT_TRUE(
+        Contains(e.what(), std::string("manifest field '") + c.field + "' has the wrong type: "));
     EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << "message is one line";
   }
+}
+
+TEST(ManifestTest, NonObjectWhereAnObjectBelongsIsTheWrongTypeOfThatField) {
+  struct Case {
+    const char* pointer;  // JSON pointer of the field to replace
+    json value;
+    const char* message;
+  };
+  const Case cases[] = {
+      {"/host", "x86_64",
+       "manifest field 'host' has the wrong type: "
+       "expected an object, found string"},
+      {"/source", 4242,
+       "manifest field 'source' has the wrong type: "
+       "expected an object, found number"},
+      {"/criu", json::array(),
+       "manifest field 'criu' has the wrong type: "
+       "expected an object, found array"},
+      {"/checksum", nullptr,
+       "manifest field 'checksum' has the wrong type: "
+       "expected an object, found null"},
+      {"/processes", "python3",
+       "manifest field 'processes' has the wrong type: "
+       "expected an array, found string"},
+      {"/processes/1", "worker",
+       "manifest field 'processes' has the wrong type: "
+       "expected an array of objects, found string"},
+      {"/processes/0/stdio", json::object(),
+       "manifest field 'stdio' has the wrong type: "
+       "expected an array, found object"},
+      {"/processes/0/stdio/1", 1,
+       "manifest field 'stdio' has the wrong type: "
+       "expected an array of objects, found number"},
+      {"/files", json::object({{"path", "x"}}),
+       "manifest field 'files' has the wrong type: "
+       "expected an array, found object"},
+      {"/files/0", "criu/pages-1.img",
+       "manifest field 'files' has the wrong type: "
+       "expected an array of objects, found string"},
+      {"/checkpoint_phases/1", 1.5,
+       "manifest field 'checkpoint_phases' has the wrong type: "
+       "expected an array of objects, found number"}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.pointer);
+    json doc = full_manifest().to_json();
+    doc[json::json_pointer(c.pointer)] = c.value;
+    Error e = catch_error([&] { Manifest::from_json(doc); });
+    EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+    EXPECT_STREQ(e.what(), c.message);
+    EXPECT_FALSE(e.hint().empty());
+  }
+}
+
+TEST(ManifestTest, NegativeOrFractionalNumbersAreTheWrongType) {
+  struct Case {
+    const char* pointer;
+    json value;
+    const char* field;
+  };
+  const Case cases[] = {{"/files/0/size", -1, "size"},
+                        {"/files/1/size", 1.5, "size"},
+                        {"/checksum/chunk_bytes", -4096, "chunk_bytes"},
+                        {"/checksum/chunk_bytes", 4096.5, "chunk_bytes"},
+                        {"/processes/0/rss_bytes", -1, "rss_bytes"},
+                        {"/processes/1/gpu_bytes", -5, "gpu_bytes"},
+                        {"/format_version", 1.9, "format_version"},
+                        {"/format_version", 1.0, "format_version"},
+                        {"/host/page_size", 4096.5, "page_size"},
+                        {"/processes/0/threads", 2.5, "threads"}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(std::string(c.pointer) + " = " + c.value.dump());
+    json doc = full_manifest().to_json();
+    doc[json::json_pointer(c.pointer)] = c.value;
+    Error e = catch_error([&] { Manifest::from_json(doc); });
+    EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+    EXPECT_TRUE(
+        Contains(e.what(), std::string("manifest field '") + c.field + "' has the wrong type: "));
+  }
+}
+
+TEST(ManifestTest, NonNegativeSignedNumbersAreAccepted) {
+  // A JSON integer built from a signed value is not "unsigned" to nlohmann: still a size.
+  json doc = full_manifest().to_json();
+  doc["files"][0]["size"] = static_cast<int64_t>(7);
+  doc["checksum"]["chunk_bytes"] = static_cast<int>(4096);
+  doc["processes"][0]["rss_bytes"] = static_cast<int64_t>(0);
+  Manifest m = Manifest::from_json(doc);
+  EXPECT_EQ(m.files[0].size, 7u);
+  EXPECT_EQ(m.chunk_bytes, 4096u);
+  EXPECT_EQ(m.processes[0].rss_bytes, 0u);
 }
 
 TEST(ManifestTest, RefusesUnknownChecksumAlgorithm) {
@@ -282,7 +377,8 @@ TEST_F(ArtifactOpenTest, OpensIntactArtifact) {
 TEST_F(ArtifactOpenTest, MissingDirectoryIsNotFound) {
   Error e = catch_error([&] { Artifact::open(dir.path() / "nope"); });
   EXPECT_EQ(e.kind(), ErrorKind::kNotFound);
-  EXPECT_EQ(std::string(e.what()), "artifact " + (dir.path() / "nope").string() + " does not exist");
+  EXPECT_EQ(std::string(e.what()),
+            "artifact " + (dir.path() / "nope").string() + " does not exist");
 }
 
 TEST_F(ArtifactOpenTest, RefusesPlainFile) {
@@ -326,14 +422,16 @@ TEST_F(ArtifactOpenTest, RefusesTruncatedFile) {
   stdfs::resize_file(root / "criu/pages-1.img", 4096);
   Error e = open_error();
   EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
-  EXPECT_STREQ(e.what(),
-               "artifact file criu/pages-1.img has 4096 bytes, the manifest says 5000 (truncated?)");
+  EXPECT_STREQ(
+      e.what(),
+      "artifact file criu/pages-1.img has 4096 bytes, the manifest says 5000 (truncated?)");
 }
 
 TEST_F(ArtifactOpenTest, RefusesUnsafePaths) {
   // Each of these exists (or would) with the listed size: only the path itself is wrong.
   write(dir.path() / "outside", "core");
-  for (const std::string path : {"../outside", "/etc/passwd", "criu/../../outside", ""}) {
+  for (const std::string path :
+       {"../outside", "/etc/passwd", "criu/../../outside", "", "..", "criu/..", "./../outside"}) {
     SCOPED_TRACE(path);
     manifest.files = {{path, path == "/etc/passwd" ? stdfs::file_size("/etc/passwd") : 4, {"x"}}};
     write_manifest();
@@ -341,6 +439,19 @@ TEST_F(ArtifactOpenTest, RefusesUnsafePaths) {
     EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
     EXPECT_EQ(std::string(e.what()), "manifest lists an unsafe path '" + path + "'");
   }
+}
+
+TEST_F(ArtifactOpenTest, AcceptsNamesThatOnlyContainDots) {
+  // Only a ".." component leaves the artifact: these are ordinary names.
+  for (const std::string name : {"criu/a..b", "criu/..hidden", "criu/x...img", "criu/dots.."}) {
+    write(root / name, "abc");
+  }
+  stdfs::remove(root / kManifestName);  // a manifest does not list itself
+  manifest.files = checksum_tree(root, manifest.chunk_bytes, VerifyOptions{1, nullptr});
+  write_manifest();
+  Artifact a = Artifact::open(root);
+  EXPECT_EQ(a.manifest().files.size(), 6u);
+  EXPECT_TRUE(a.verify().empty());
 }
 
 }  // namespace

@@ -2,8 +2,11 @@
 // leaves no trace, and stale staging directories of dead writers are swept.
 #include "artifact/writer.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <limits.h>
 #include <stdlib.h>
+#include <sys/file.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -14,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "common/fd.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/error.h"
 #include "gpusnap/phases.h"
@@ -222,6 +226,83 @@ TEST_F(WriterTest, RemoveStaleStagingRemovesOnlyDeadWritersDirectories) {
   }
   ArtifactWriter::remove_stale_staging(dir.path());
   EXPECT_EQ(entries(dir.path()), (std::vector<std::string>{".cache", live, "snap", unhidden}));
+}
+
+// Takes LOCK_EX|LOCK_NB on a directory through a new open file description, as a writer in
+// another process (or PID namespace) would see it.
+bool lockable(const stdfs::path& path) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  return fd && ::flock(fd.get(), LOCK_EX | LOCK_NB) == 0;
+}
+
+TEST_F(WriterTest, WriterHoldsTheLockOfItsStagingUntilDestroyed) {
+  stdfs::path staging;
+  {
+    ArtifactWriter w(dir.path() / "snap");
+    staging = w.staging();
+    EXPECT_FALSE(lockable(staging)) << "a live writer's staging directory must be locked";
+  }
+  EXPECT_FALSE(stdfs::exists(staging));
+}
+
+TEST_F(WriterTest, CommittedArtifactIsNotLockedAfterTheWriter) {
+  const auto final_path = dir.path() / "snap";
+  {
+    ArtifactWriter w(final_path);
+    Manifest m;
+    w.seal(m, phases);
+    w.commit(m, phases);
+  }
+  EXPECT_TRUE(lockable(final_path));
+}
+
+TEST_F(WriterTest, RemoveStaleStagingSparesLockedDirectoryOfAnOwnerItCannotSee) {
+  // The owner's pid is not visible here (as for a writer in another container sharing the
+  // volume), but the directory is locked: it is in use and must stay.
+  const auto staging = dir.path() / (".snap.staging-" + std::to_string(dead_pid()) + "-beef");
+  stdfs::create_directories(staging / "criu");
+  {
+    UniqueFd held(::open(staging.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    ASSERT_TRUE(held);
+    ASSERT_EQ(::flock(held.get(), LOCK_EX), 0);
+    ArtifactWriter::remove_stale_staging(dir.path());
+    EXPECT_TRUE(stdfs::is_directory(staging / "criu"));
+    ArtifactWriter w(dir.path() / "other");  // a new writer's sweep spares it too
+    EXPECT_TRUE(stdfs::is_directory(staging / "criu"));
+  }
+  // Its owner is gone (lock released): now it is stale.
+  ArtifactWriter::remove_stale_staging(dir.path());
+  EXPECT_FALSE(stdfs::exists(staging));
+}
+
+TEST_F(WriterTest, RemoveStaleStagingSkipsStagingNamedSymlink) {
+  const auto target = dir.path() / "target";
+  stdfs::create_directory(target);
+  write(target / "file", "x");
+  const auto link = dir.path() / (".snap.staging-" + std::to_string(dead_pid()) + "-1ink");
+  stdfs::create_directory_symlink(target, link);
+  ArtifactWriter::remove_stale_staging(dir.path());
+  EXPECT_TRUE(stdfs::exists(target / "file"));
+}
+
+TEST_F(WriterTest, FailureToCreateCriuDirLeavesNoStaging) {
+  // A parent path so long that the staging directory fits within PATH_MAX but its criu/
+  // subdirectory does not: creating criu/ fails with ENAMETOOLONG.
+  stdfs::path parent = dir.path();
+  const std::string name = "s";
+  const size_t staging_component =
+      1 + name.size() + 9 + std::to_string(::getpid()).size() + 1 + 8;  // .s.staging-PID-XXXXXXXX
+  const size_t want_parent = PATH_MAX - 3 - 1 - staging_component;      // staging: PATH_MAX - 3
+  while (parent.string().size() < want_parent) {
+    size_t left = want_parent - parent.string().size() - 1;
+    parent /= std::string(std::min<size_t>(left, 200), 'd');
+  }
+  ASSERT_EQ(parent.string().size(), want_parent);
+  stdfs::create_directories(parent);
+  Error e = catch_error([&] { ArtifactWriter w(parent / name); });
+  EXPECT_EQ(e.kind(), ErrorKind::kInternal);
+  EXPECT_TRUE(Contains(e.what(), "/criu: ")) << e.what();
+  EXPECT_TRUE(entries(parent).empty()) << "the staging directory was left behind";
 }
 
 TEST_F(WriterTest, RemoveStaleStagingNeverThrows) {

@@ -354,7 +354,7 @@ TEST(Faults, KilledMidCheckpointLeavesSourceRunningAndNoArtifact) {
   Workload source(dir, {"--mib", "1024", "--threads", "2"});
   auto snap = dir / "snap";
   SpawnOptions o;
-  o.argv = {GPUSNAP_BIN, "checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
+  o.argv = {gpusnap_bin(), "checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
             "--quiet"};
   Subprocess cp(o);
   // Kill gpusnap while CRIU is dumping (and so has the source frozen).
@@ -404,7 +404,7 @@ TEST(Faults, KilledMidRestoreLeavesNoProcessOrNamespace) {
                      "--leave-running"}).exit_code, 0);
   auto before = pid_namespaces();
   SpawnOptions o;
-  o.argv = {GPUSNAP_BIN, "restore", snap.string(), "--replicas", "2", "--no-verify", "--quiet"};
+  o.argv = {gpusnap_bin(), "restore", snap.string(), "--replicas", "2", "--no-verify", "--quiet"};
   Subprocess rs(o);
   // CRIU's restore command line names the artifact's image directory.
   auto mine = (snap / "criu").string();

@@ -2,8 +2,9 @@
 // descriptors and environment a child is given.
 #include "common/subprocess.h"
 
-#include <gtest/gtest.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -12,9 +13,11 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "common/fd.h"
 #include "gpusnap/error.h"
@@ -53,24 +56,10 @@ std::string read_all(int fd) {
   }
 }
 
-int threads_now() {
-  int threads = -1;
-  FILE* f = std::fopen("/proc/self/status", "re");
-  if (f == nullptr) return -1;
-  char line[256];
-  while (std::fgets(line, sizeof line, f) != nullptr) {
-    if (std::sscanf(line, "Threads: %d", &threads) == 1) break;
-  }
-  std::fclose(f);
-  return threads;
-}
-
-// Function-mode spawns need a single-threaded caller, and a thread that was just joined can
-// still be counted for a moment (see the report on Subprocess): wait until it is gone.
-void wait_single_threaded() {
-  auto deadline = Clock::now() + 2s;
-  while (threads_now() != 1 && Clock::now() < deadline) std::this_thread::sleep_for(1ms);
-  ASSERT_EQ(threads_now(), 1);
+SpawnOptions command(std::vector<std::string> argv) {
+  SpawnOptions o;
+  o.argv = std::move(argv);
+  return o;
 }
 
 // Whether a process with this pid exists (a zombie counts).
@@ -138,11 +127,47 @@ TEST(RunCaptureTest, TimeoutKillsTheCommand) {
   EXPECT_LT(elapsed, 1s);
 }
 
+TEST(RunCaptureTest, TimeoutAppliesAfterTheCommandClosesItsOutput) {
+  // EOF comes at once, but the command runs on: the timeout must still hold.
+  auto start = Clock::now();
+  Error e = catch_error([] { run_capture({"/bin/sh", "-c", "exec >&- 2>&-; sleep 10"}, 200ms); });
+  auto elapsed = Clock::now() - start;
+  EXPECT_EQ(e.kind(), ErrorKind::kTimeout);
+  EXPECT_STREQ(e.what(), "/bin/sh did not finish within 200 ms");
+  EXPECT_GE(elapsed, 200ms);
+  EXPECT_LT(elapsed, 2s);
+}
+
+TEST(RunCaptureTest, CommandThatClosesItsOutputAndExitsIsNotATimeout) {
+  RunResult r = run_capture({"/bin/sh", "-c", "echo early; exec >&- 2>&-; sleep 0.2; exit 5"}, 5s);
+  EXPECT_TRUE(r.status.exited);
+  EXPECT_EQ(r.status.code, 5);
+  EXPECT_EQ(r.output, "early\n");
+}
+
+TEST(RunCaptureTest, GrandchildHoldingTheOutputOpenDoesNotDelayTheResult) {
+  // The command exits at once but leaves a background process with its stdout: EOF would come
+  // only when that one ends, after the timeout. The command finished, so that is no timeout.
+  auto start = Clock::now();
+  RunResult r = run_capture(
+      {"/bin/sh", "-c", "head -c 100000 /dev/zero | tr '\\0' x; sleep 5 & echo $!; exit 3"}, 2s);
+  auto elapsed = Clock::now() - start;
+  EXPECT_LT(elapsed, 1500ms);
+  EXPECT_TRUE(r.status.exited);
+  EXPECT_EQ(r.status.code, 3);
+  // All the command wrote before it exited is there: 100000 x, then the background pid.
+  ASSERT_GT(r.output.size(), 100000u);
+  EXPECT_EQ(r.output.substr(0, 100000), std::string(100000, 'x'));
+  pid_t grandchild = static_cast<pid_t>(std::stol(r.output.substr(100000)));
+  ASSERT_GT(grandchild, 0);
+  EXPECT_EQ(::kill(grandchild, SIGKILL), 0) << "the background process should still run";
+}
+
 TEST(SubprocessTest, DestructionKillsAndReapsARunningChild) {
   pid_t pid = 0;
   auto start = Clock::now();
   {
-    Subprocess child(SpawnOptions{.argv = {"/bin/sleep", "10"}});
+    Subprocess child(command({"/bin/sleep", "10"}));
     pid = child.pid();
     ASSERT_GT(pid, 0);
     EXPECT_TRUE(child.running());
@@ -155,7 +180,7 @@ TEST(SubprocessTest, DestructionKillsAndReapsARunningChild) {
 }
 
 TEST(SubprocessTest, WaitWithTimeoutLeavesTheChildRunning) {
-  Subprocess child(SpawnOptions{.argv = {"/bin/sleep", "10"}});
+  Subprocess child(command({"/bin/sleep", "10"}));
   auto start = Clock::now();
   EXPECT_EQ(child.wait(50ms), std::nullopt);
   EXPECT_GE(Clock::now() - start, 50ms);
@@ -169,10 +194,21 @@ TEST(SubprocessTest, WaitWithTimeoutLeavesTheChildRunning) {
   EXPECT_EQ(child.poll()->code, SIGTERM) << "the status is kept";
 }
 
+TEST(SubprocessTest, WaitWithTimeoutNeverReturnsEarly) {
+  Subprocess child(command({"/bin/sleep", "10"}));
+  for (auto timeout : {1ms, 2ms, 3ms, 5ms, 7ms, 10ms, 13ms}) {
+    for (int i = 0; i < 5; ++i) {
+      auto start = Clock::now();
+      EXPECT_EQ(child.wait(timeout), std::nullopt);
+      EXPECT_GE(Clock::now() - start, timeout) << timeout.count() << " ms";
+    }
+  }
+}
+
 TEST(SubprocessTest, ReleasedChildOutlivesItsSubprocess) {
   pid_t pid = 0;
   {
-    Subprocess child(SpawnOptions{.argv = {"/bin/sleep", "10"}});
+    Subprocess child(command({"/bin/sleep", "10"}));
     pid = child.release();
     EXPECT_FALSE(child.running());
   }
@@ -185,7 +221,7 @@ TEST(SubprocessTest, ReleasedChildOutlivesItsSubprocess) {
 }
 
 TEST(SubprocessTest, MovedFromSubprocessDoesNotKill) {
-  Subprocess a(SpawnOptions{.argv = {"/bin/sh", "-c", "exit 4"}});
+  Subprocess a(command({"/bin/sh", "-c", "exit 4"}));
   pid_t pid = a.pid();
   Subprocess b(std::move(a));
   EXPECT_EQ(b.pid(), pid);
@@ -203,7 +239,6 @@ TEST(SubprocessTest, RefusesEmptyCommand) {
 }
 
 TEST(SubprocessTest, KeptFdArrivesAtTheRequestedNumber) {
-  wait_single_threaded();
   Pipe pipe = Pipe::make();
   SpawnOptions o;
   o.keep_fds = {{pipe.write.get(), 5}};
@@ -237,7 +272,6 @@ TEST(SubprocessTest, KeptFdsSurviveExecAndMayCrossNumbers) {
 }
 
 TEST(SubprocessTest, FunctionChildHasOnlyKeptFds) {
-  wait_single_threaded();
   Pipe parent_pipe = Pipe::make();  // O_CLOEXEC, but a helper never execs: closed explicitly
   UniqueFd inheritable(::dup(parent_pipe.read.get()));  // no O_CLOEXEC
   ASSERT_TRUE(inheritable);
@@ -265,7 +299,6 @@ TEST(SubprocessTest, FunctionChildHasOnlyKeptFds) {
 }
 
 TEST(SubprocessTest, FunctionResultIsTheExitCodeAndExceptionsExitOne) {
-  wait_single_threaded();
   Pipe err = Pipe::make();
   SpawnOptions o;
   o.stderr_fd = err.write.get();
@@ -278,7 +311,6 @@ TEST(SubprocessTest, FunctionResultIsTheExitCodeAndExceptionsExitOne) {
   EXPECT_TRUE(status->exited);
   EXPECT_EQ(status->code, 1);
 
-  wait_single_threaded();
   o = SpawnOptions{};
   o.function = [] { return 7; };
   EXPECT_EQ(Subprocess(o).wait()->code, 7);
@@ -296,6 +328,38 @@ TEST(SubprocessTest, FunctionModeRefusedWhileOtherThreadsRun) {
   other.join();
   EXPECT_EQ(e.kind(), ErrorKind::kInternal);
   EXPECT_STREQ(e.what(), "spawn of an in-process helper while other threads run");
+}
+
+TEST(SubprocessTest, FunctionModeRightAfterJoiningAThread) {
+  // A joined thread can still be counted in /proc/self/status for a moment: the spawn must
+  // wait for that rather than refuse.
+  for (int i = 0; i < 50; ++i) {
+    std::thread([] {}).join();
+    SpawnOptions o;
+    o.function = [] { return 3; };
+    std::optional<ExitStatus> status;
+    try {
+      status = Subprocess(o).wait();
+    } catch (const Error& e) {
+      FAIL() << "round " << i << ": " << e.what();
+    }
+    ASSERT_TRUE(status.has_value());
+    EXPECT_EQ(status->code, 3);
+  }
+}
+
+TEST(SubprocessTest, ForkFailureOfAFunctionHelperIsNamedHelper) {
+  SpawnOptions o;
+  o.function = [] { return 0; };
+  o.clone_flags = CLONE_SIGHAND;  // without CLONE_VM: clone fails with EINVAL
+  Error e = catch_error([&] { Subprocess child(o); });
+  EXPECT_EQ(e.kind(), ErrorKind::kInternal);
+  EXPECT_EQ(std::string(e.what()), std::string("fork helper: ") + std::strerror(EINVAL));
+
+  SpawnOptions c = command({"/bin/true"});
+  c.clone_flags = CLONE_SIGHAND;
+  e = catch_error([&] { Subprocess child(c); });
+  EXPECT_EQ(std::string(e.what()), std::string("fork /bin/true: ") + std::strerror(EINVAL));
 }
 
 TEST(SubprocessTest, StdioGoesWhereAsked) {

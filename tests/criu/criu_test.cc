@@ -119,8 +119,8 @@ TEST(CriuArgsTest, DumpKeepsTheSourceRunningAndCapturesServerState) {
   EXPECT_EQ(value_of(args, "--images-dir"), "/tmp/snap/criu");
   EXPECT_EQ(value_of(args, "--log-file"), "/tmp/snap/dump.log");
   EXPECT_EQ(value_of(args, "--ghost-limit"), "1048576");
-  for (const char* flag : {"--leave-running", "--tcp-established", "--ext-unix-sk",
-                           "--file-locks", "-v4"}) {
+  for (const char* flag :
+       {"--leave-running", "--tcp-established", "--ext-unix-sk", "--file-locks", "-v4"}) {
     EXPECT_EQ(count(args, flag), 1u) << flag;
   }
   EXPECT_EQ(count(args, "--shell-job"), 0u);
@@ -136,7 +136,7 @@ TEST(CriuArgsTest, DumpShellJobOnlyWhenAsked) {
   EXPECT_EQ(value_of(args, "--tree"), "7");
 }
 
-TEST(CriuArgsTest, RestoreDetachesClosesConnectionsAndInheritsFds) {
+TEST(CriuArgsTest, RestoreDetachesKeepsConnectionsAndInheritsFds) {
   RestoreOptions o;
   o.images = "/a/criu";
   o.log = "/run/gpusnap/1/restore.log";
@@ -149,11 +149,13 @@ TEST(CriuArgsTest, RestoreDetachesClosesConnectionsAndInheritsFds) {
   EXPECT_EQ(value_of(args, "--images-dir"), "/a/criu");
   EXPECT_EQ(value_of(args, "--log-file"), "/run/gpusnap/1/restore.log");
   EXPECT_EQ(value_of(args, "--pidfile"), "/run/gpusnap/1/pid");
-  for (const char* flag : {"--restore-detached", "--restore-sibling", "--tcp-close",
+  // Connections within the tree come back (--tcp-established); outside peers are absent in
+  // the copy's network namespace and reset the connection themselves.
+  for (const char* flag : {"--restore-detached", "--restore-sibling", "--tcp-established",
                            "--ext-unix-sk", "--file-locks"}) {
     EXPECT_EQ(count(args, flag), 1u) << flag;
   }
-  EXPECT_EQ(count(args, "--tcp-established"), 0u);
+  EXPECT_EQ(count(args, "--tcp-close"), 0u);
   EXPECT_EQ(count(args, "--shell-job"), 0u);
   // Each --inherit-fd is followed by its "fd[N]:KEY", in the order given.
   Strings inherit;
@@ -256,12 +258,29 @@ class CriuLocateTest : public ::testing::Test {
   TempDir dir;
 };
 
-TEST_F(CriuLocateTest, MissingExplicitPathIsAnEnvironmentError) {
+TEST_F(CriuLocateTest, MissingExplicitPathIsAnEnvironmentErrorNamingIt) {
   Error e = catch_error([] { locate("/nonexistent/criu"); });
   EXPECT_EQ(e.kind(), ErrorKind::kEnvironment);
-  EXPECT_STREQ(e.what(), "CRIU was not found");
+  EXPECT_STREQ(e.what(), "no usable CRIU >= 4.2: /nonexistent/criu is not an executable file");
   EXPECT_TRUE(Contains(e.hint(), "scripts/install-criu"));
   EXPECT_TRUE(Contains(e.hint(), "--criu"));
+}
+
+TEST_F(CriuLocateTest, MissingPathFromEnvironmentIsNamed) {
+  ScopedEnv env("GPUSNAP_CRIU", "/nonexistent/env-criu");
+  Error e = catch_error([] { locate(); });
+  EXPECT_EQ(e.kind(), ErrorKind::kEnvironment);
+  EXPECT_STREQ(e.what(), "no usable CRIU >= 4.2: /nonexistent/env-criu is not an executable file");
+  EXPECT_TRUE(Contains(e.hint(), "scripts/install-criu"));
+}
+
+TEST_F(CriuLocateTest, DirectoryIsNotAnExecutableFile) {
+  // A directory passes access(X_OK): it must still be refused, by name.
+  Error e = catch_error([&] { locate(dir.path().string()); });
+  EXPECT_EQ(e.kind(), ErrorKind::kEnvironment);
+  EXPECT_EQ(std::string(e.what()),
+            "no usable CRIU >= 4.2: " + dir.path().string() + " is not an executable file");
+  EXPECT_TRUE(Contains(e.hint(), "scripts/install-criu"));
 }
 
 TEST_F(CriuLocateTest, AcceptsNewEnoughCriu) {
@@ -293,7 +312,9 @@ TEST_F(CriuLocateTest, RefusesFileThatIsNotExecutable) {
   stdfs::permissions(path, stdfs::perms::owner_read | stdfs::perms::owner_write);
   Error e = catch_error([&] { locate(path.string()); });
   EXPECT_EQ(e.kind(), ErrorKind::kEnvironment);
-  EXPECT_STREQ(e.what(), "CRIU was not found");
+  EXPECT_EQ(std::string(e.what()),
+            "no usable CRIU >= 4.2: " + path.string() + " is not an executable file");
+  EXPECT_TRUE(Contains(e.hint(), "scripts/install-criu"));
 }
 
 TEST_F(CriuLocateTest, UsesGpusnapCriuFromEnvironment) {

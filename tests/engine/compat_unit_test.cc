@@ -36,8 +36,8 @@ HostFacts facts() {
   h.kernel = "6.8.0";
   h.arch = "x86_64";
   h.cpu_model = "Intel(R) Xeon(R) Platinum 8480+";
-  h.cpu_flags = {"aes", "avx", "avx2", "avx512f", "constant_tsc", "fpu", "hypervisor", "sse",
-                 "sse2", "sse4_2"};
+  h.cpu_flags = {"aes", "avx",        "avx2", "avx512f", "constant_tsc",
+                 "fpu", "hypervisor", "sse",  "sse2",    "sse4_2"};
   h.criu_version = "4.2";
   h.page_size = 4096;
   return h;
@@ -111,8 +111,8 @@ TEST(CompatTest, ListsEveryMissingInstructionSetInOrder) {
 
 TEST(CompatTest, LongListOfMissingInstructionSetsIsCut) {
   HostFacts source = facts();
-  source.cpu_flags = {"avx",  "avx2", "avx512bw", "avx512cd", "avx512dq",
-                      "avx512f", "avx512vl", "bmi1", "bmi2", "fma"};
+  source.cpu_flags = {"avx",     "avx2",     "avx512bw", "avx512cd", "avx512dq",
+                      "avx512f", "avx512vl", "bmi1",     "bmi2",     "fma"};
   HostFacts here = facts();
   here.cpu_flags = {"fpu", "sse", "sse2"};
   Error e = incompatible(manifest_from(source), here);
@@ -125,6 +125,32 @@ TEST(CompatTest, IgnoresMissingFlagsThatAreNotInstructionSets) {
   HostFacts here = facts();
   here.cpu_flags = without(here.cpu_flags, {"hypervisor", "constant_tsc", "fpu"});
   EXPECT_NO_THROW(check_host_compatible(manifest_from(facts()), here));
+}
+
+TEST(CompatTest, Sse3IsAnInstructionSetUnderItsCpuinfoNamePni) {
+  HostFacts source = facts();
+  source.cpu_flags.push_back("pni");
+  std::sort(source.cpu_flags.begin(), source.cpu_flags.end());
+  Error e = incompatible(manifest_from(source), facts());
+  EXPECT_STREQ(e.what(), "this host's CPU lacks instruction sets the source used: pni");
+  EXPECT_NO_THROW(check_host_compatible(manifest_from(source), source));
+}
+
+TEST(CompatTest, ToleratesUnsortedFlagsOnThisHost) {
+  // probe() sorts cpu_flags; a HostFacts from elsewhere may not be sorted.
+  HostFacts here = facts();
+  std::reverse(here.cpu_flags.begin(), here.cpu_flags.end());
+  ASSERT_FALSE(std::is_sorted(here.cpu_flags.begin(), here.cpu_flags.end()));
+  EXPECT_NO_THROW(check_host_compatible(manifest_from(facts()), here));
+
+  here.cpu_flags = without(here.cpu_flags, {"avx2"});
+  Error e = incompatible(manifest_from(facts()), here);
+  EXPECT_STREQ(e.what(), "this host's CPU lacks instruction sets the source used: avx2");
+}
+
+TEST(CompatTest, ProbeReportsSortedCpuFlags) {
+  HostFacts h = HostFacts::probe("4.2");
+  EXPECT_TRUE(std::is_sorted(h.cpu_flags.begin(), h.cpu_flags.end()));
 }
 
 TEST(CompatTest, RefusesOlderCriu) {

@@ -43,8 +43,12 @@ proc::Process process(pid_t pid, const std::string& comm, std::vector<proc::Open
 // A server and its worker, holding only what CRIU captures.
 std::vector<proc::Process> capturable_tree() {
   return {process(100, "server",
-                  {{0, "/dev/null"}, {1, "/tmp/out.log"}, {2, "pipe:[55]"}, {3, "socket:[77]"},
-                   {4, "anon_inode:[eventfd]"}, {5, "anon_inode:[eventpoll]"}}),
+                  {{0, "/dev/null"},
+                   {1, "/tmp/out.log"},
+                   {2, "pipe:[55]"},
+                   {3, "socket:[77]"},
+                   {4, "anon_inode:[eventfd]"},
+                   {5, "anon_inode:[eventpoll]"}}),
           process(101, "worker", {{0, "/dev/null"}, {6, "anon_inode:[timerfd]"}})};
 }
 

@@ -6,11 +6,13 @@
 
 #include <filesystem>
 #include <iostream>
+#include <map>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include "common/fs.h"
+#include "common/proc.h"
 #include "gpu/driver.h"
 #include "testing/harness.h"
 
@@ -176,6 +178,71 @@ TEST(Remap, SnapshotFromGpu0RestoresOntoGpu1) {
   bool on_gpu1 = false;
   for (const auto& u : driver->usage()) on_gpu1 |= u.host_pid == pid && u.gpu_uuid == facts.gpus[1].uuid;
   EXPECT_TRUE(on_gpu1);
+}
+
+std::vector<std::string> torch_tp(int ranks, double gib, bool nccl_defaults = false) {
+  std::vector<std::string> argv = {"python3", build_path("tests/torch_tp.py"), "--ranks",
+                                   std::to_string(ranks), "--gib", std::to_string(gib)};
+  if (nccl_defaults) argv.push_back("--nccl-defaults");
+  return argv;
+}
+
+// The GPU each process of a copy uses now, by host pid.
+std::map<pid_t, std::string> gpu_of(gpu::Driver& driver) {
+  std::map<pid_t, std::string> out;
+  for (const auto& u : driver.usage()) out[u.host_pid] = u.gpu_uuid;
+  return out;
+}
+
+TEST(MultiGpu, TensorParallelWorkloadCapturedAndRestoredAsOne) {
+  SKIP_WITHOUT_GPU(2);
+  TempDir dir;
+  Workload source(dir, torch_tp(2, 2), std::chrono::seconds(600));
+  auto before = ask(source.port(), "CHECK", std::chrono::seconds(60));
+  ASSERT_EQ(before, "OK ranks=2 max_err=0");
+  auto snap = dir / "snap";
+  auto cp = gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
+                     "--json"});
+  ASSERT_EQ(cp.exit_code, 0) << cp.err;
+  record("torch-tp2-checkpoint", json::parse(cp.out));
+  auto inspect = json::parse(gpusnap({"inspect", snap.string(), "--json"}).out);
+  ASSERT_EQ(inspect["gpu"]["processes"].size(), 2u);
+  ASSERT_EQ(inspect["gpu"]["gpus"].size(), 2u);
+
+  auto driver = gpu::open_nvidia_driver();
+  auto facts = driver->facts();
+  for (const std::string map : {"", "0=1,1=0"}) {
+    std::vector<std::string> args = {"restore", snap.string(), "--publish",
+                                      std::to_string(source.port()), "--json"};
+    if (!map.empty()) args.insert(args.end(), {"--gpu-map", map});
+    auto rs = gpusnap(args);
+    ASSERT_EQ(rs.exit_code, 0) << rs.err;
+    Copies copies{json::parse(rs.out)};
+    record(map.empty() ? "torch-tp2-restore" : "torch-tp2-restore-swapped", copies.doc);
+    EXPECT_EQ(ask(copies.port(0), "CHECK", std::chrono::seconds(60)), before) << "map " << map;
+    if (!map.empty()) {
+      // Rank 0 was on GPU 0 at the checkpoint; it now runs on GPU 1, and rank 1 on GPU 0.
+      auto now = gpu_of(*driver);
+      std::vector<std::string> rank_gpus;
+      for (const auto& p : inspect["gpu"]["processes"]) {
+        auto init = copies.doc["copies"][0]["init_pid"].get<pid_t>();
+        pid_t host = proc::host_pid_in_namespace(init, p["pid"].get<pid_t>());
+        rank_gpus.push_back(now[host]);
+      }
+      EXPECT_EQ(rank_gpus, (std::vector<std::string>{facts.gpus[1].uuid, facts.gpus[0].uuid}));
+    }
+  }
+}
+
+TEST(MultiGpu, RefusesNcclTransportsTheDriverCannotCarry) {
+  SKIP_WITHOUT_GPU(2);
+  TempDir dir;
+  Workload source(dir, torch_tp(2, 1, /*nccl_defaults=*/true), std::chrono::seconds(600));
+  auto cp = gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o",
+                     (dir / "snap").string()});
+  EXPECT_EQ(cp.exit_code, 6) << cp.err;
+  EXPECT_NE(cp.err.find("NCCL_P2P_DISABLE=1"), std::string::npos) << cp.err;
+  EXPECT_EQ(ask(source.port(), "CHECK", std::chrono::seconds(60)), "OK ranks=2 max_err=0");
 }
 
 }  // namespace

@@ -1,0 +1,984 @@
+// System tests of the library's GPU path: gpusnap::checkpoint() and gpusnap::restore() called
+// directly, on the real test workload (tests/workload) with real CRIU, with a FakeDriver playing
+// the NVIDIA driver. Each test registers the workload's real pids as CUDA processes on a fake
+// GPU, then asserts the exact sequence of driver state transitions and the real outcome: which
+// processes run, what is on disk, whether the workload's memory and threads are intact.
+//
+// The copies a restore starts get host pids nobody knows in advance, so the fake does not know
+// them either: a restore against a plain fake fails at the GPU restore, which these tests use to
+// check that such a failure leaves nothing behind. To restore successfully, a test registers the
+// copies' processes with the fake when the "gpu-restore" phase starts (via the Reporter), which
+// is where the real driver would first see them, in the CHECKPOINTED state CRIU restored.
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "common/fs.h"
+#include "common/proc.h"
+#include "common/subprocess.h"
+#include "criu/criu.h"
+#include "engine/gpu_state.h"
+#include "gpu/fake_driver.h"
+#include "gpusnap/artifact.h"
+#include "gpusnap/checkpoint.h"
+#include "gpusnap/error.h"
+#include "gpusnap/restore.h"
+#include "testing/harness.h"
+
+namespace gpusnap::testing {
+namespace {
+
+using gpu::FakeDriver;
+using gpu::ProcessState;
+using nlohmann::json;
+
+#define SKIP_WITHOUT_CRIU()                                                    \
+  do {                                                                         \
+    if (auto why = system_test_blocker()) GTEST_SKIP() << "skipped: " << *why; \
+  } while (0)
+
+constexpr const char* kGpuA = "GPU-0a0a0a0a-1111-2222-3333-444444444444";
+constexpr const char* kGpuB = "GPU-0b0b0b0b-5555-6666-7777-888888888888";
+constexpr const char* kDriverVersion = "580.159.04";  // FakeDriver's default
+constexpr uint64_t kMiB = 1ull << 20;
+
+// Records notes and phases; optionally runs a hook when a phase starts or finishes.
+class RecordingReporter : public Reporter {
+ public:
+  std::function<void(std::string_view phase, bool started)> hook;
+
+  void phase_started(std::string_view name) override {
+    {
+      std::lock_guard lock(mutex_);
+      phases_.emplace_back(name);
+    }
+    if (hook) hook(name, true);
+  }
+  void phase_finished(std::string_view name, double) override {
+    if (hook) hook(name, false);
+  }
+  void note(std::string_view text) override {
+    std::lock_guard lock(mutex_);
+    notes_.emplace_back(text);
+  }
+  std::vector<std::string> notes() const {
+    std::lock_guard lock(mutex_);
+    return notes_;
+  }
+  std::vector<std::string> phases() const {
+    std::lock_guard lock(mutex_);
+    return phases_;
+  }
+  bool noted(const std::string& part) const {
+    for (const auto& n : notes()) {
+      if (n.find(part) != std::string::npos) return true;
+    }
+    return false;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<std::string> notes_;
+  std::vector<std::string> phases_;
+};
+
+std::string join(const std::vector<std::string>& lines) {
+  std::string out;
+  for (const auto& l : lines) out += (out.empty() ? "" : " | ") + l;
+  return "[" + out + "]";
+}
+
+std::string call(const char* name, pid_t pid) { return std::string(name) + " " + std::to_string(pid); }
+
+// The expected driver calls: groups in order; inside a group, any order (they run in parallel).
+struct Calls {
+  std::vector<std::vector<std::string>> groups;
+  Calls& then(std::string c) {
+    groups.push_back({std::move(c)});
+    return *this;
+  }
+  Calls& any_order(std::vector<std::string> cs) {
+    groups.push_back(std::move(cs));
+    return *this;
+  }
+};
+
+::testing::AssertionResult Matches(const std::vector<std::string>& actual, const Calls& want) {
+  size_t at = 0;
+  for (const auto& group : want.groups) {
+    if (at + group.size() > actual.size()) {
+      return ::testing::AssertionFailure() << "too few calls: " << join(actual);
+    }
+    std::vector<std::string> got(actual.begin() + static_cast<long>(at),
+                                 actual.begin() + static_cast<long>(at + group.size()));
+    auto expected = group;
+    std::sort(got.begin(), got.end());
+    std::sort(expected.begin(), expected.end());
+    if (got != expected) {
+      return ::testing::AssertionFailure() << "calls " << at << ".." << at + group.size() - 1
+                                           << " should be " << join(group) << " in any order; "
+                                           << "all calls: " << join(actual);
+    }
+    at += group.size();
+  }
+  if (at != actual.size()) {
+    return ::testing::AssertionFailure() << "extra calls after " << at << ": " << join(actual);
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// Where `c` is in `calls` (-1 when absent).
+long position(const std::vector<std::string>& calls, const std::string& c) {
+  auto it = std::find(calls.begin(), calls.end(), c);
+  return it == calls.end() ? -1 : static_cast<long>(it - calls.begin());
+}
+
+template <class Fn>
+std::optional<Error> error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e;
+  }
+  return std::nullopt;
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+template <class Pred>
+bool eventually(Pred pred, std::chrono::milliseconds limit = std::chrono::seconds(15)) {
+  auto deadline = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return pred();
+}
+
+std::set<std::string> pid_namespaces() {
+  std::set<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    char link[64];
+    auto ns = e.path() / "ns" / "pid";
+    ssize_t n = ::readlink(ns.c_str(), link, sizeof link - 1);
+    if (n > 0) out.insert(std::string(link, static_cast<size_t>(n)));
+  }
+  return out;
+}
+
+std::vector<pid_t> tree_pids(pid_t root) {
+  std::vector<pid_t> out;
+  for (const auto& p : proc::read_tree(root)) out.push_back(p.pid);
+  return out;
+}
+
+// Registers `pids` as CUDA processes on GPU kGpuA, the i-th holding (i+1) * 256 MiB.
+void register_cuda(FakeDriver& fake, const std::vector<pid_t>& pids) {
+  for (size_t i = 0; i < pids.size(); ++i) {
+    fake.add_process(pids[i]);
+    fake.set_usage(pids[i], kGpuA, (i + 1) * 256 * kMiB);
+  }
+}
+
+// Processes of restored copies: host pid -> pid inside the copy's namespace, for every process
+// one PID namespace down whose inner pid is one of `ns_pids`. With `ours`, only those whose
+// ancestors include this test process (the copies' inits are its children).
+std::map<pid_t, pid_t> copy_processes(const std::set<pid_t>& ns_pids, bool ours) {
+  std::map<pid_t, pid_t> out;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    pid_t pid = std::atoi(e.path().filename().c_str());
+    if (pid <= 0) continue;
+    try {
+      auto p = proc::read_process(pid);
+      if (p.nspid.size() != 2 || !ns_pids.count(p.nspid[1])) continue;
+      if (p.state == 'Z') continue;
+      if (ours) {
+        bool found = false;
+        pid_t up = p.ppid;
+        for (int depth = 0; depth < 8 && up > 1 && !found; ++depth) {
+          if (up == ::getpid()) found = true;
+          else up = proc::read_process(up).ppid;
+        }
+        if (!found) continue;
+      }
+      out[pid] = p.nspid[1];
+    } catch (const std::exception&) {
+    }
+  }
+  return out;
+}
+
+// Entries of `dir` that are staging directories of the artifact named `name`.
+std::vector<std::string> staging_left(const std::filesystem::path& dir, const std::string& name) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    auto n = e.path().filename().string();
+    if (n.rfind("." + name + ".staging-", 0) == 0) out.push_back(n);
+  }
+  return out;
+}
+
+bool journal_empty(const std::filesystem::path& run_dir) {
+  std::error_code ec;
+  auto dir = run_dir / "journal";
+  return !std::filesystem::exists(dir) || std::filesystem::is_empty(dir, ec);
+}
+
+pid_t dead_pid() {
+  pid_t pid = ::fork();
+  if (pid == 0) ::_exit(0);
+  ::waitpid(pid, nullptr, 0);
+  return pid;
+}
+
+CheckpointOptions checkpoint_options(pid_t pid, const std::filesystem::path& output,
+                                     FakeDriver& fake, const std::filesystem::path& run_dir) {
+  CheckpointOptions o;
+  o.pid = pid;
+  o.output = output;
+  o.driver = &fake;
+  o.helper_binary = gpusnap_bin();
+  o.run_dir = run_dir;
+  return o;
+}
+
+RestoreOptions restore_options(const std::filesystem::path& artifact, gpu::Driver& driver,
+                               const std::filesystem::path& run_dir) {
+  RestoreOptions o;
+  o.artifact = artifact;
+  o.driver = &driver;
+  o.helper_binary = gpusnap_bin();
+  o.run_dir = run_dir;
+  o.timeout = std::chrono::seconds(60);
+  return o;
+}
+
+// Ends restored copies whatever the test's outcome. A copy's init is a child of the process
+// that called restore() (here, this test), so besides killing it we reap it: harness end_copy()
+// alone would wait its full 10 s for a zombie that nobody else reaps.
+struct CopyReaper {
+  std::vector<CopyInfo> copies;
+  ~CopyReaper() {
+    for (const auto& c : copies) {
+      if (c.init_pid <= 0) continue;
+      ::kill(c.init_pid, SIGKILL);
+      ::waitpid(c.init_pid, nullptr, 0);
+    }
+  }
+};
+
+// --- 1. The happy path ---------------------------------------------------------------------------
+
+TEST(GpuEngine, LeaveRunningLocksAllThenCheckpointsThenResumesAfterTheDump) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Workload source(dir, {"--mib", "8", "--threads", "2", "--children", "1"});
+  auto pids = tree_pids(source.pid());
+  ASSERT_EQ(pids.size(), 2u);
+  FakeDriver fake;
+  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
+  register_cuda(fake, pids);
+
+  auto o = checkpoint_options(source.pid(), dir / "snap", fake, dir / "run");
+  o.leave_running = true;
+  o.gpu_lock_timeout = std::chrono::milliseconds(4321);
+  RecordingReporter reporter;
+  std::vector<std::string> at_dump_start, at_dump_end;
+  reporter.hook = [&](std::string_view phase, bool started) {
+    if (phase == "dump") (started ? at_dump_start : at_dump_end) = fake.transitions();
+  };
+  auto result = checkpoint(o, reporter);
+
+  // Every process locked (in tree order) before any is checkpointed; CRIU dumps them
+  // checkpointed; only then does each get its GPU state back and is unlocked.
+  auto locked_and_checkpointed = Calls()
+                                     .then(call("lock", pids[0]))
+                                     .then(call("lock", pids[1]))
+                                     .any_order({call("checkpoint", pids[0]),
+                                                 call("checkpoint", pids[1])});
+  EXPECT_TRUE(Matches(at_dump_start, locked_and_checkpointed));
+  EXPECT_TRUE(Matches(at_dump_end, locked_and_checkpointed));
+  auto all = fake.transitions();
+  EXPECT_TRUE(Matches(all, Calls(locked_and_checkpointed)
+                               .any_order({call("restore", pids[0]), call("unlock", pids[0]),
+                                           call("restore", pids[1]), call("unlock", pids[1])})));
+  for (pid_t pid : pids) {
+    EXPECT_LT(position(all, call("restore", pid)), position(all, call("unlock", pid))) << join(all);
+  }
+  EXPECT_EQ(fake.last_lock_timeout(), std::chrono::milliseconds(4321));
+
+  // The manifest, as returned and as written.
+  for (const auto& m : {result.manifest, Artifact::open(dir / "snap").manifest()}) {
+    const json& g = m.gpu;
+    ASSERT_TRUE(g.is_object()) << g.dump();
+    EXPECT_EQ(g.at("driver_version"), kDriverVersion);
+    EXPECT_EQ(g.at("cuda_driver_version"), 13000);
+    ASSERT_EQ(g.at("gpus").size(), 1u);
+    EXPECT_EQ(g.at("gpus")[0].at("uuid"), kGpuA);
+    EXPECT_EQ(g.at("gpus")[0].at("name"), "NVIDIA H200");
+    ASSERT_EQ(g.at("processes").size(), 2u);
+    for (size_t i = 0; i < 2; ++i) {
+      EXPECT_EQ(g.at("processes")[i].at("pid").get<pid_t>(), pids[i]);
+      EXPECT_EQ(g.at("processes")[i].at("bytes").get<uint64_t>(), (i + 1) * 256 * kMiB);
+      ASSERT_EQ(m.processes.size(), 2u);
+      EXPECT_EQ(m.processes[i].gpu_bytes, (i + 1) * 256 * kMiB);
+    }
+  }
+  EXPECT_EQ(result.artifact, std::filesystem::absolute(dir / "snap"));
+  EXPECT_TRUE(Artifact::open(dir / "snap").verify().empty());
+
+  for (pid_t pid : pids) {
+    EXPECT_EQ(fake.peek_state(pid), ProcessState::kRunning);
+    EXPECT_TRUE(running(pid));
+  }
+  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
+  EXPECT_TRUE(journal_empty(dir / "run"));
+  EXPECT_TRUE(reporter.notes().empty()) << join(reporter.notes());
+}
+
+TEST(GpuEngine, WithoutLeaveRunningTheSourceStopsCheckpointedAndARestoreOfUnknownPidsFails) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Workload source(dir, {"--mib", "8", "--children", "1"});
+  auto pids = tree_pids(source.pid());
+  ASSERT_EQ(pids.size(), 2u);
+  FakeDriver fake;
+  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
+  register_cuda(fake, pids);
+
+  RecordingReporter reporter;
+  auto result = checkpoint(checkpoint_options(source.pid(), dir / "snap", fake, dir / "run"),
+                           reporter);
+  // No restore, no unlock: the source is stopped with its GPU state in the artifact.
+  EXPECT_TRUE(Matches(fake.transitions(),
+                      Calls()
+                          .then(call("lock", pids[0]))
+                          .then(call("lock", pids[1]))
+                          .any_order({call("checkpoint", pids[0]), call("checkpoint", pids[1])})));
+  for (pid_t pid : pids) {
+    EXPECT_EQ(fake.peek_state(pid), ProcessState::kCheckpointed);
+    EXPECT_TRUE(eventually([&] { return !running(pid); })) << pid << " still runs";
+  }
+  EXPECT_EQ(result.phases.back().name, "stop");
+  EXPECT_TRUE(journal_empty(dir / "run"));
+
+  // The copy's processes have host pids the fake does not know: the GPU restore is attempted
+  // on them (not on the source's pids) and fails; nothing of the restore is left.
+  auto before = pid_namespaces();
+  fake.clear_calls();
+  RecordingReporter restore_reporter;
+  auto e = error_of([&] {
+    restore(restore_options(dir / "snap", fake, dir / "run"), restore_reporter);
+  });
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->kind(), ErrorKind::kGpu) << e->what();
+  EXPECT_TRUE(contains(e->what(), "cuCheckpointProcessRestore")) << e->what();
+  auto restores = fake.transitions();
+  ASSERT_EQ(restores.size(), 2u) << join(restores);  // both processes of the copy, in parallel
+  for (const auto& c : restores) {
+    EXPECT_TRUE(c.starts_with("restore ")) << c;
+    pid_t pid = std::atoi(c.c_str() + 8);
+    EXPECT_EQ(std::count(pids.begin(), pids.end(), pid), 0) << "restored the source's pid: " << c;
+  }
+  EXPECT_TRUE(eventually([&] { return pid_namespaces() == before; }))
+      << "a copy's namespace outlived the failed restore";
+  EXPECT_TRUE(copy_processes({pids.begin(), pids.end()}, false).empty());
+}
+
+// The real driver first sees a restored copy's processes after CRIU restored them, CHECKPOINTED.
+// Registering them with the fake at that moment lets the whole restore run, on real copies.
+TEST(GpuEngine, RestoreReturnsEveryCopyProcessToRunning) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Workload source(dir, {"--mib", "8", "--children", "1"});
+  auto pids = tree_pids(source.pid());
+  ASSERT_EQ(pids.size(), 2u);
+  FakeDriver fake;
+  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
+  register_cuda(fake, pids);
+  auto o = checkpoint_options(source.pid(), dir / "snap", fake, dir / "run");
+  o.leave_running = true;
+  RecordingReporter cp_reporter;
+  auto cp = checkpoint(o, cp_reporter);
+  fake.clear_calls();
+
+  std::map<pid_t, pid_t> registered;  // host pid -> ns pid
+  RecordingReporter reporter;
+  reporter.hook = [&](std::string_view phase, bool started) {
+    if (phase != "gpu-restore" || !started) return;
+    registered = copy_processes({pids.begin(), pids.end()}, true);
+    for (const auto& [host, ns] : registered) {
+      fake.add_process(host, ProcessState::kCheckpointed);
+      for (const auto& p : cp.manifest.gpu.at("processes")) {
+        if (p.at("pid").get<pid_t>() == ns) fake.set_usage(host, kGpuA, p.at("bytes").get<uint64_t>());
+      }
+    }
+  };
+  auto ro = restore_options(dir / "snap", fake, dir / "run");
+  ro.replicas = 2;
+  ro.publish = {PortPublish::parse(std::to_string(source.port()))};
+  auto rs = restore(ro, reporter);
+  CopyReaper reaper{rs.copies};
+
+  ASSERT_EQ(registered.size(), 4u);  // 2 copies x (workload + child)
+  Calls want;
+  std::vector<std::string> group;
+  for (const auto& [host, ns] : registered) {
+    group.push_back(call("restore", host));  // no GPU pairs: the same GPU is here
+    group.push_back(call("unlock", host));
+  }
+  auto all = fake.transitions();
+  EXPECT_TRUE(Matches(all, want.any_order(group)));
+  for (const auto& [host, ns] : registered) {
+    EXPECT_LT(position(all, call("restore", host)), position(all, call("unlock", host)));
+    EXPECT_EQ(fake.peek_state(host), ProcessState::kRunning);
+  }
+  ASSERT_EQ(rs.copies.size(), 2u);
+  for (const auto& c : rs.copies) {
+    EXPECT_TRUE(registered.count(c.host_pid)) << c.host_pid;
+    EXPECT_EQ(c.ns_pid, source.pid());
+    ASSERT_EQ(c.ports.size(), 1u);
+    EXPECT_EQ(ask(c.ports[0].host_port, "CHECK").substr(0, 2), "OK");
+  }
+  for (pid_t pid : pids) EXPECT_EQ(fake.peek_state(pid), ProcessState::kRunning);
+  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
+}
+
+// --- 2-4. A GPU phase fails mid-way: every process is put back --------------------------------
+
+TEST(GpuEngine, LockTimeoutOnTheSecondOfThreeUnlocksTheFirst) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Workload source(dir, {"--mib", "8", "--children", "2"});
+  auto pids = tree_pids(source.pid());
+  ASSERT_EQ(pids.size(), 3u);
+  FakeDriver fake;
+  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
+  register_cuda(fake, pids);
+  fake.time_out_next_lock(pids[1]);
+
+  RecordingReporter reporter;
+  auto e = error_of([&] {
+    checkpoint(checkpoint_options(source.pid(), dir / "snap", fake, dir / "run"), reporter);
+  });
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->kind(), ErrorKind::kTimeout) << e->what();
+  EXPECT_TRUE(contains(e->what(), "cuCheckpointProcessLock(pid " + std::to_string(pids[1]) +
+                                      ") failed: the lock timed out"))
+      << e->what();
+  EXPECT_TRUE(contains(e->what(), "unlocked process " + std::to_string(pids[0]))) << e->what();
+  EXPECT_FALSE(contains(e->what(), "unlocked process " + std::to_string(pids[1]))) << e->what();
+  EXPECT_TRUE(Matches(fake.transitions(), Calls()
+                                              .then(call("lock", pids[0]))
+                                              .then(call("lock", pids[1]))
+                                              .then(call("unlock", pids[0]))));
+  for (pid_t pid : pids) {
+    EXPECT_EQ(fake.peek_state(pid), ProcessState::kRunning);
+    EXPECT_TRUE(running(pid));
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  EXPECT_TRUE(staging_left(dir.path(), "snap").empty()) << staging_left(dir.path(), "snap")[0];
+  EXPECT_TRUE(journal_empty(dir / "run"));
+  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
+}
+
+TEST(GpuEngine, CheckpointFailingLockedIsUnlockedAndTheCheckpointedOneRestored) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Workload source(dir, {"--mib", "8", "--children", "1"});
+  auto pids = tree_pids(source.pid());
+  ASSERT_EQ(pids.size(), 2u);
+  FakeDriver fake;
+  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
+  register_cuda(fake, pids);
+  fake.fail_next("checkpoint", pids[1], ProcessState::kLocked);
+
+  RecordingReporter reporter;
+  auto e = error_of([&] {
+    checkpoint(checkpoint_options(source.pid(), dir / "snap", fake, dir / "run"), reporter);
+  });
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->kind(), ErrorKind::kGpu) << e->what();
+  EXPECT_TRUE(contains(e->what(), "cuCheckpointProcessCheckpoint(pid " + std::to_string(pids[1])))
+      << e->what();
+  EXPECT_TRUE(contains(e->what(), "restored the GPU state of process " + std::to_string(pids[0])))
+      << e->what();
+  EXPECT_TRUE(contains(e->what(), "unlocked process " + std::to_string(pids[0]))) << e->what();
+  EXPECT_TRUE(contains(e->what(), "unlocked process " + std::to_string(pids[1]))) << e->what();
+  EXPECT_TRUE(Matches(fake.transitions(),
+                      Calls()
+                          .then(call("lock", pids[0]))
+                          .then(call("lock", pids[1]))
+                          .any_order({call("checkpoint", pids[0]), call("checkpoint", pids[1])})
+                          .then(call("restore", pids[0]))
+                          .then(call("unlock", pids[0]))
+                          .then(call("unlock", pids[1]))));
+  for (pid_t pid : pids) {
+    EXPECT_EQ(fake.peek_state(pid), ProcessState::kRunning);
+    EXPECT_TRUE(running(pid));
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  EXPECT_TRUE(staging_left(dir.path(), "snap").empty());
+  EXPECT_TRUE(journal_empty(dir / "run"));
+  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
+}
+
+TEST(GpuEngine, ProcessMarkedFailedIsKilledAndTheOthersResume) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Workload source(dir, {"--mib", "8", "--children", "1"});
+  auto pids = tree_pids(source.pid());
+  ASSERT_EQ(pids.size(), 2u);
+  pid_t root = pids[0], child = pids[1];
+  FakeDriver fake;
+  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
+  register_cuda(fake, pids);
+  fake.fail_next("checkpoint", child, ProcessState::kFailed);
+
+  RecordingReporter reporter;
+  auto e = error_of([&] {
+    checkpoint(checkpoint_options(source.pid(), dir / "snap", fake, dir / "run"), reporter);
+  });
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->kind(), ErrorKind::kGpu) << e->what();
+  EXPECT_TRUE(contains(e->what(), "process " + std::to_string(child) +
+                                      " was marked FAILED by the driver and has been killed"))
+      << e->what();
+  EXPECT_TRUE(Matches(fake.transitions(),
+                      Calls()
+                          .then(call("lock", root))
+                          .then(call("lock", child))
+                          .any_order({call("checkpoint", root), call("checkpoint", child)})
+                          .then(call("restore", root))
+                          .then(call("unlock", root))));
+  EXPECT_EQ(fake.peek_state(root), ProcessState::kRunning);
+  EXPECT_EQ(fake.peek_state(child), ProcessState::kFailed);
+  EXPECT_TRUE(eventually([&] { return !running(child); })) << "the FAILED process still runs";
+  EXPECT_TRUE(running(root));
+  EXPECT_EQ(ask(source.port(), "PING"), "PONG");
+  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  EXPECT_TRUE(staging_left(dir.path(), "snap").empty());
+  EXPECT_TRUE(journal_empty(dir / "run"));
+}
+
+// With --leave-running, a restore that fails while giving the source its GPU state back: the
+// rollback retries it, the source runs on, and no artifact appears.
+TEST(GpuEngine, ResumeFailingAfterTheDumpIsRetriedAndNoArtifactAppears) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Workload source(dir, {"--mib", "8", "--children", "1"});
+  auto pids = tree_pids(source.pid());
+  ASSERT_EQ(pids.size(), 2u);
+  FakeDriver fake;
+  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
+  register_cuda(fake, pids);
+  fake.fail_next("restore", pids[1]);  // stays CHECKPOINTED
+  auto o = checkpoint_options(source.pid(), dir / "snap", fake, dir / "run");
+  o.leave_running = true;
+  RecordingReporter reporter;
+  auto e = error_of([&] { checkpoint(o, reporter); });
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->kind(), ErrorKind::kGpu) << e->what();
+  EXPECT_TRUE(contains(e->what(), "restored the GPU state of process " + std::to_string(pids[1])))
+      << e->what();
+  EXPECT_TRUE(Matches(fake.transitions(),
+                      Calls()
+                          .then(call("lock", pids[0]))
+                          .then(call("lock", pids[1]))
+                          .any_order({call("checkpoint", pids[0]), call("checkpoint", pids[1])})
+                          .any_order({call("restore", pids[0]), call("unlock", pids[0]),
+                                      call("restore", pids[1])})
+                          .then(call("restore", pids[1]))
+                          .then(call("unlock", pids[1]))));
+  for (pid_t pid : pids) {
+    EXPECT_EQ(fake.peek_state(pid), ProcessState::kRunning);
+    EXPECT_TRUE(running(pid));
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  EXPECT_TRUE(eventually([&] { return staging_left(dir.path(), "snap").empty(); }));
+  EXPECT_TRUE(journal_empty(dir / "run"));
+  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
+}
+
+// KNOWN BUG (src/engine/gpu_state.cc, GpuCapture::fail / ~GpuCapture): the rollback returns
+// EVERY process of the tree to RUNNING, including ones this checkpoint never moved. A process
+// another checkpoint holds LOCKED (a second gpusnap on the same tree) makes our lock fail, and
+// our rollback then unlocks it under the other checkpoint (or, were it CHECKPOINTED, restores
+// it in the middle of the other's CRIU dump). Disabled until fixed; run it with
+// --gtest_also_run_disabled_tests.
+TEST(GpuEngine, DISABLED_RollbackLeavesAloneAProcessItDidNotMove) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Workload source(dir, {"--mib", "8", "--children", "1"});
+  auto pids = tree_pids(source.pid());
+  ASSERT_EQ(pids.size(), 2u);
+  FakeDriver fake;
+  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
+  register_cuda(fake, pids);
+  fake.lock(pids[1], std::chrono::seconds(1));  // held by someone else
+  fake.clear_calls();
+
+  RecordingReporter reporter;
+  auto e = error_of([&] {
+    checkpoint(checkpoint_options(source.pid(), dir / "snap", fake, dir / "run"), reporter);
+  });
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->kind(), ErrorKind::kGpu) << e->what();
+  EXPECT_TRUE(Matches(fake.transitions(), Calls()
+                                              .then(call("lock", pids[0]))
+                                              .then(call("lock", pids[1]))
+                                              .then(call("unlock", pids[0]))));
+  EXPECT_EQ(fake.peek_state(pids[0]), ProcessState::kRunning);
+  EXPECT_EQ(fake.peek_state(pids[1]), ProcessState::kLocked) << "unlocked under its owner";
+}
+
+// KNOWN BUG (src/engine/gpu_state.cc, GpuCapture's journal): the journal entry is named after
+// the process (run_dir/journal/<getpid()>.json), so two checkpoints in one process (a library
+// user such as an agent, checkpointing two workloads at once) share one entry: the second
+// overwrites the first's, and the first to finish removes it while the other still has
+// processes LOCKED/CHECKPOINTED. Were the process killed then, recover_abandoned would find
+// nothing for them. Disabled until fixed; run it with --gtest_also_run_disabled_tests.
+TEST(GpuEngine, DISABLED_TwoCheckpointsInOneProcessKeepTheirOwnJournal) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Workload first(dir, {"--mib", "4", "--children", "0"});
+  Workload second(dir, {"--mib", "4", "--children", "0"});
+  FakeDriver fake;
+  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
+  register_cuda(fake, {first.pid()});
+  register_cuda(fake, {second.pid()});
+  auto run_dir = dir / "run";
+
+  // While the first checkpoint dumps (its process CHECKPOINTED), a second one runs to the end.
+  std::vector<pid_t> journaled_during_first;
+  RecordingReporter reporter;
+  reporter.hook = [&](std::string_view phase, bool started) {
+    if (phase != "dump" || !started) return;
+    auto o2 = checkpoint_options(second.pid(), dir / "snap2", fake, run_dir);
+    o2.leave_running = true;
+    RecordingReporter r2;
+    checkpoint(o2, r2);
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(run_dir / "journal", ec)) {
+      for (pid_t p : json::parse(fs::read_file(e.path())).at("pids").get<std::vector<pid_t>>()) {
+        journaled_during_first.push_back(p);
+      }
+    }
+  };
+  auto o1 = checkpoint_options(first.pid(), dir / "snap1", fake, run_dir);
+  o1.leave_running = true;
+  checkpoint(o1, reporter);
+  EXPECT_EQ(journaled_during_first, std::vector<pid_t>{first.pid()})
+      << "the first checkpoint's processes were CHECKPOINTED with no journal entry naming them";
+}
+
+// --- 5. Refused before any GPU call; CRIU failing after the GPU phases -------------------------
+
+TEST(GpuEngine, IoUringIsRefusedBeforeAnyDriverCall) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  std::unique_ptr<Workload> source;
+  try {
+    source = std::make_unique<Workload>(
+        dir, std::vector<std::string>{"--mib", "4", "--children", "0", "--io-uring"});
+  } catch (const std::exception&) {
+    GTEST_SKIP() << "skipped: io_uring is disabled on this host";
+  }
+  FakeDriver fake;
+  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
+  register_cuda(fake, tree_pids(source->pid()));
+  RecordingReporter reporter;
+  auto e = error_of([&] {
+    checkpoint(checkpoint_options(source->pid(), dir / "snap", fake, dir / "run"), reporter);
+  });
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->kind(), ErrorKind::kNotCapturable) << e->what();
+  EXPECT_TRUE(contains(e->what(), "io_uring")) << e->what();
+  EXPECT_TRUE(fake.calls().empty()) << join(fake.calls());
+  EXPECT_EQ(fake.peek_state(source->pid()), ProcessState::kRunning);
+  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  EXPECT_TRUE(staging_left(dir.path(), "snap").empty());
+  EXPECT_EQ(ask(source->port(), "CHECK").substr(0, 2), "OK");
+}
+
+TEST(GpuEngine, CriuDumpFailingAfterTheGpuCheckpointResumesTheGpuState) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  // A CRIU whose dump fails (after writing an error to its log); everything else is the real one.
+  auto script = dir / "criu-failing-dump";
+  fs::write_file(script, "#!/bin/sh\n"
+                         "if [ \"$1\" = dump ]; then\n"
+                         "  log=; prev=\n"
+                         "  for a in \"$@\"; do\n"
+                         "    [ \"$prev\" = --log-file ] && log=$a\n"
+                         "    prev=$a\n"
+                         "  done\n"
+                         "  echo '(00.000100) Error (criu/cr-dump.c:2100): fake-criu refused "
+                         "the dump' >> \"$log\"\n"
+                         "  exit 1\n"
+                         "fi\n"
+                         "exec '" + criu::locate().path + "' \"$@\"\n");
+  std::filesystem::permissions(script, std::filesystem::perms::owner_all);
+
+  Workload source(dir, {"--mib", "8", "--children", "1"});
+  auto pids = tree_pids(source.pid());
+  ASSERT_EQ(pids.size(), 2u);
+  FakeDriver fake;
+  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
+  register_cuda(fake, pids);
+  auto o = checkpoint_options(source.pid(), dir / "snap", fake, dir / "run");
+  o.criu_path = script.string();
+  o.leave_running = true;
+  RecordingReporter reporter;
+  auto e = error_of([&] { checkpoint(o, reporter); });
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->kind(), ErrorKind::kCriu) << e->what();
+  EXPECT_TRUE(contains(e->what(), "fake-criu refused the dump")) << e->what();
+  EXPECT_TRUE(Matches(fake.transitions(),
+                      Calls()
+                          .then(call("lock", pids[0]))
+                          .then(call("lock", pids[1]))
+                          .any_order({call("checkpoint", pids[0]), call("checkpoint", pids[1])})
+                          .then(call("restore", pids[0]))
+                          .then(call("unlock", pids[0]))
+                          .then(call("restore", pids[1]))
+                          .then(call("unlock", pids[1]))));
+  for (pid_t pid : pids) {
+    EXPECT_EQ(fake.peek_state(pid), ProcessState::kRunning);
+    EXPECT_TRUE(running(pid));
+    EXPECT_TRUE(reporter.noted("restored the GPU state of process " + std::to_string(pid)))
+        << join(reporter.notes());
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  EXPECT_TRUE(eventually([&] { return staging_left(dir.path(), "snap").empty(); }));
+  auto kept_log = dir / "snap.criu-dump.log";
+  ASSERT_TRUE(std::filesystem::exists(kept_log));
+  EXPECT_TRUE(contains(fs::read_file(kept_log), "fake-criu refused the dump"));
+  EXPECT_TRUE(journal_empty(dir / "run"));
+  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
+}
+
+// --- 6. Restore refusals, before any copy starts ------------------------------------------------
+
+TEST(GpuEngine, RestoreRefusesWhatThisHostsGpusCannotTake) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Workload source(dir, {"--mib", "8", "--children", "1"});
+  auto pids = tree_pids(source.pid());
+  ASSERT_EQ(pids.size(), 2u);  // 256 + 512 MiB of GPU memory on kGpuA
+  FakeDriver fake;
+  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
+  register_cuda(fake, pids);
+  auto cpo = checkpoint_options(source.pid(), dir / "snap", fake, dir / "run");
+  cpo.leave_running = true;
+  RecordingReporter cp_reporter;
+  checkpoint(cpo, cp_reporter);
+
+  auto before = pid_namespaces();
+  auto run_dir = dir / "restore-run";
+  // Each refusal: its kind and message, and no copy was started.
+  auto refused = [&](gpu::Driver& driver, ErrorKind kind, std::vector<std::string> parts,
+                     int replicas = 1, std::vector<std::string> map = {}) {
+    auto o = restore_options(dir / "snap", driver, run_dir);
+    o.replicas = replicas;
+    o.gpu_map = std::move(map);
+    RecordingReporter reporter;
+    auto e = error_of([&] { restore(o, reporter); });
+    if (!e) {
+      ADD_FAILURE() << "restore was not refused";
+      return;
+    }
+    EXPECT_EQ(e->kind(), kind) << e->what();
+    for (const auto& p : parts) EXPECT_TRUE(contains(e->what(), p)) << e->what();
+    EXPECT_FALSE(std::filesystem::exists(run_dir / "copies")) << "a copy was started";
+    EXPECT_EQ(pid_namespaces(), before);
+    auto phases = reporter.phases();
+    EXPECT_EQ(std::count(phases.begin(), phases.end(), "criu-restore"), 0);
+  };
+
+  {
+    SCOPED_TRACE("no driver");
+    FakeDriver none;
+    none.set_unavailable("libcuda.so.1: cannot open shared object file");
+    refused(none, ErrorKind::kEnvironment, {"holds GPU state", "libcuda.so.1: cannot open"});
+  }
+  {
+    SCOPED_TRACE("another driver version");
+    FakeDriver other;
+    other.set_versions("570.86.15", 12080);
+    other.add_gpu(FakeDriver::make_gpu(kGpuA));
+    refused(other, ErrorKind::kIncompatible, {kDriverVersion, "570.86.15"});
+  }
+  {
+    SCOPED_TRACE("same GPU uuid, another model");
+    FakeDriver other;
+    other.add_gpu(FakeDriver::make_gpu(kGpuA, "NVIDIA A100-SXM4-80GB"));
+    refused(other, ErrorKind::kIncompatible, {"NVIDIA H200", "NVIDIA A100-SXM4-80GB"});
+  }
+  {
+    SCOPED_TRACE("another GPU of another model");
+    FakeDriver other;
+    other.add_gpu(FakeDriver::make_gpu(kGpuB, "NVIDIA A100-SXM4-80GB"));
+    refused(other, ErrorKind::kIncompatible, {"of model NVIDIA H200", kGpuA});
+  }
+  {
+    SCOPED_TRACE("not enough free memory for 3 copies");
+    FakeDriver small;
+    small.add_gpu(FakeDriver::make_gpu(kGpuA));
+    small.set_free_memory(kGpuA, 2048 * kMiB);  // 3 x 768 MiB needed
+    refused(small, ErrorKind::kIncompatible, {kGpuA, "free", "3 copy(ies)"}, 3);
+  }
+  {
+    SCOPED_TRACE("--gpu-map entries naming unknown GPUs");
+    FakeDriver other;
+    other.add_gpu(FakeDriver::make_gpu(kGpuA));
+    refused(other, ErrorKind::kUsage, {"no GPU '" + std::string(kGpuB) + "' on this host"}, 1,
+            {std::string(kGpuA) + "=" + kGpuB});
+    refused(other, ErrorKind::kUsage, {"no GPU '" + std::string(kGpuB) + "' in the artifact"}, 1,
+            {std::string(kGpuB) + "=0"});
+    refused(other, ErrorKind::kUsage, {"expected OLD=NEW"}, 1, {kGpuA});
+  }
+  EXPECT_TRUE(fake.peek_state(pids[0]) == ProcessState::kRunning);
+
+  {
+    SCOPED_TRACE("automatic remap onto a GPU of the same model");
+    FakeDriver other;
+    other.add_gpu(FakeDriver::make_gpu(kGpuB));
+    RecordingReporter reporter;
+    auto e = error_of([&] { restore(restore_options(dir / "snap", other, run_dir), reporter); });
+    ASSERT_TRUE(e);
+    // The copy's pids are unknown to this fake: the remapped restore is attempted, then fails.
+    EXPECT_EQ(e->kind(), ErrorKind::kGpu) << e->what();
+    EXPECT_TRUE(reporter.noted(std::string("GPU ") + kGpuA + " maps to " + kGpuB))
+        << join(reporter.notes());
+    auto restores = other.transitions();
+    ASSERT_EQ(restores.size(), 2u) << join(restores);
+    for (const auto& c : restores) {
+      EXPECT_TRUE(c.starts_with("restore ")) << c;
+      EXPECT_TRUE(c.ends_with(std::string(" ") + kGpuA + "->" + kGpuB)) << c;
+      pid_t pid = std::atoi(c.c_str() + 8);
+      EXPECT_EQ(std::count(pids.begin(), pids.end(), pid), 0) << "the source's pid: " << c;
+    }
+    EXPECT_TRUE(eventually([&] { return pid_namespaces() == before; }))
+        << "a copy's namespace outlived the failed restore";
+    EXPECT_TRUE(copy_processes({pids.begin(), pids.end()}, false).empty());
+  }
+  for (pid_t pid : pids) EXPECT_EQ(fake.peek_state(pid), ProcessState::kRunning);
+  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
+}
+
+TEST(GpuEngine, GpuMapOnACpuOnlyArtifactIsAUsageError) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Workload source(dir, {"--mib", "4", "--children", "0"});
+  FakeDriver fake;  // the workload is not registered: no CUDA process
+  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
+  auto cpo = checkpoint_options(source.pid(), dir / "snap", fake, dir / "run");
+  cpo.leave_running = true;
+  RecordingReporter cp_reporter;
+  auto cp = checkpoint(cpo, cp_reporter);
+  EXPECT_TRUE(cp.manifest.gpu.is_null()) << cp.manifest.gpu.dump();
+  EXPECT_TRUE(fake.calls().empty()) << join(fake.calls());
+  auto phases = cp_reporter.phases();
+  EXPECT_EQ(std::count(phases.begin(), phases.end(), "gpu-lock"), 0);
+
+  auto before = pid_namespaces();
+  auto o = restore_options(dir / "snap", fake, dir / "restore-run");
+  o.gpu_map = {"0=0"};
+  RecordingReporter reporter;
+  auto e = error_of([&] { restore(o, reporter); });
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->kind(), ErrorKind::kUsage) << e->what();
+  EXPECT_TRUE(contains(e->what(), "holds no GPU state")) << e->what();
+  EXPECT_FALSE(std::filesystem::exists(dir / "restore-run" / "copies"));
+  EXPECT_EQ(pid_namespaces(), before);
+  EXPECT_TRUE(fake.calls().empty()) << join(fake.calls());
+}
+
+// --- 7. Journal recovery --------------------------------------------------------------------------
+
+Subprocess sleeper() {
+  SpawnOptions o;
+  o.argv = {"/bin/sleep", "120"};
+  return Subprocess(o);
+}
+
+void write_journal(const std::filesystem::path& run_dir, pid_t owner,
+                   const std::vector<pid_t>& pids) {
+  std::filesystem::create_directories(run_dir / "journal");
+  fs::write_file(run_dir / "journal" / (std::to_string(owner) + ".json"),
+                 json{{"owner", owner}, {"pids", pids}}.dump());
+}
+
+TEST(GpuEngine, JournalOfAKilledGpusnapIsRecoveredAndALiveOnesIsLeftAlone) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  auto run_dir = dir / "run";
+  Subprocess locked = sleeper(), checkpointed = sleeper(), busy = sleeper();
+  pid_t gone = dead_pid();  // a process of the journal that exited meanwhile
+  FakeDriver fake;
+  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
+  fake.add_process(locked.pid(), ProcessState::kLocked);
+  fake.add_process(checkpointed.pid(), ProcessState::kCheckpointed);
+  fake.add_process(busy.pid(), ProcessState::kLocked);
+  fake.add_process(gone, ProcessState::kLocked);
+
+  pid_t killed_owner = dead_pid();
+  write_journal(run_dir, killed_owner, {locked.pid(), checkpointed.pid(), gone});
+  write_journal(run_dir, ::getpid(), {busy.pid()});  // its owner is alive: still at work
+
+  auto lines = engine::recover_abandoned(fake, run_dir);
+  auto l = [](const std::string& s) { return "recovered after a killed gpusnap: " + s; };
+  std::vector<std::string> want = {
+      l("unlocked process " + std::to_string(locked.pid())),
+      l("restored the GPU state of process " + std::to_string(checkpointed.pid())),
+      l("unlocked process " + std::to_string(checkpointed.pid())),
+  };
+  EXPECT_EQ(lines, want) << join(lines);
+  EXPECT_TRUE(Matches(fake.transitions(), Calls()
+                                              .then(call("unlock", locked.pid()))
+                                              .then(call("restore", checkpointed.pid()))
+                                              .then(call("unlock", checkpointed.pid()))));
+  EXPECT_EQ(fake.peek_state(locked.pid()), ProcessState::kRunning);
+  EXPECT_EQ(fake.peek_state(checkpointed.pid()), ProcessState::kRunning);
+  EXPECT_EQ(fake.peek_state(busy.pid()), ProcessState::kLocked);
+  EXPECT_EQ(fake.peek_state(gone), ProcessState::kLocked);  // not a process any more: skipped
+  EXPECT_FALSE(std::filesystem::exists(run_dir / "journal" / (std::to_string(killed_owner) + ".json")));
+  EXPECT_TRUE(std::filesystem::exists(run_dir / "journal" / (std::to_string(::getpid()) + ".json")));
+  EXPECT_TRUE(running(locked.pid()) && running(checkpointed.pid()) && running(busy.pid()));
+
+  // The library entry points recover first thing, and tell the reporter.
+  std::filesystem::remove(run_dir / "journal" / (std::to_string(::getpid()) + ".json"));
+  write_journal(run_dir, dead_pid(), {busy.pid()});
+  fake.clear_calls();
+  RecordingReporter reporter;
+  auto e = error_of([&] { restore(restore_options(dir / "nothing", fake, run_dir), reporter); });
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->kind(), ErrorKind::kNotFound) << e->what();
+  EXPECT_EQ(reporter.notes(),
+            std::vector<std::string>{l("unlocked process " + std::to_string(busy.pid()))});
+  EXPECT_EQ(fake.peek_state(busy.pid()), ProcessState::kRunning);
+  EXPECT_TRUE(journal_empty(run_dir));
+}
+
+}  // namespace
+}  // namespace gpusnap::testing

@@ -1,0 +1,168 @@
+"""A tensor-parallel PyTorch workload for gpusnap's multi-GPU tests: one process per GPU.
+
+The launcher (the root of the process tree, no CUDA of its own) starts --ranks rank processes.
+Each rank joins an NCCL group (the collective) and a gloo group (CPU control), loads its shard
+of the weights (--gib GiB per rank), captures its part of the forward pass in a CUDA graph, and
+computes the full answer once: its graph's output summed over all ranks with an all-reduce.
+Rank 0 serves line commands on TCP 127.0.0.1:--port:
+
+  CHECK -> OK ranks=<n> max_err=<e>   every rank replays its graph, all-reduces, and compares
+           FAIL ...                    with the answer computed before any checkpoint
+  INFO  -> ranks=<n> gib=<g> pids=<rank pids> gpus=<rank GPU bus ids>
+  QUIT  -> BYE (every rank and the launcher exit)
+
+The launcher sets NCCL's transports to sockets only (P2P, SHM, NVLS and cuMem off), which is what
+the driver's checkpoint can carry across processes; --nccl-defaults leaves NCCL's defaults, for
+the test that gpusnap refuses such a workload with the setting to change.
+"""
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+
+
+def parse_args():
+    p = argparse.ArgumentParser()
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--gib", type=float, default=2.0)
+    p.add_argument("--dim", type=int, default=8192)
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--ready-file")
+    p.add_argument("--nccl-defaults", action="store_true")
+    p.add_argument("--rank", type=int, default=-1)  # internal: this process is a rank
+    p.add_argument("--master-port", type=int, default=0)
+    return p.parse_args()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher(args):
+    env = dict(os.environ)
+    if not args.nccl_defaults:
+        env.update(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1", NCCL_NVLS_ENABLE="0",
+                   NCCL_CUMEM_ENABLE="0", NCCL_IB_DISABLE="1", NCCL_SOCKET_IFNAME="lo")
+    # PyTorch's libuv-based TCPStore may use io_uring, which CRIU cannot capture.
+    env.update(USE_LIBUV="0")
+    master = free_port()
+    procs = []
+    for r in range(args.ranks):
+        argv = [sys.executable, __file__, "--rank", str(r), "--ranks", str(args.ranks),
+                "--gib", str(args.gib), "--dim", str(args.dim), "--port", str(args.port),
+                "--master-port", str(master)]
+        if r == 0 and args.ready_file:
+            argv += ["--ready-file", args.ready_file]
+        procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL))
+    codes = [p.wait() for p in procs]
+    sys.exit(max(codes))
+
+
+def rank_main(args):
+    import torch
+    import torch.distributed as dist
+
+    rank, world = args.rank, args.ranks
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{args.master_port}",
+                            rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    control = dist.new_group(backend="gloo")
+    layers = max(1, int(args.gib * (1 << 30) / (args.dim * args.dim * 2)))
+    gen = torch.Generator("cuda").manual_seed(100 + rank)
+    weights = [(torch.randn(args.dim, args.dim, device="cuda", generator=gen) / args.dim**0.5)
+               .to(torch.bfloat16) for _ in range(layers)]
+    x = torch.randn(16, args.dim, device="cuda",
+                    generator=torch.Generator("cuda").manual_seed(7)).to(torch.bfloat16)
+
+    def local_forward(v):
+        for w in weights:
+            v = torch.tanh(v @ w)
+        return v
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        local_forward(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        partial = local_forward(x)
+
+    def answer():
+        graph.replay()
+        out = partial.float().clone()
+        dist.all_reduce(out)  # NCCL: the collective must survive the checkpoint
+        torch.cuda.synchronize()
+        return out
+
+    reference = answer().cpu()
+    bus = torch.cuda.get_device_properties(rank).pci_bus_id if hasattr(
+        torch.cuda.get_device_properties(rank), "pci_bus_id") else str(rank)
+    info = torch.tensor([os.getpid()], dtype=torch.int64)
+    pids = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(pids, info, group=control)
+
+    def run(cmd):
+        # rank 0 tells every rank what to do over the CPU group: a rank waiting here has no GPU
+        # work in flight, so the driver's lock never waits on it.
+        c = torch.tensor([cmd], dtype=torch.int64)
+        dist.broadcast(c, src=0, group=control)
+        if c.item() == 1:
+            err = torch.tensor([(answer().cpu() - reference).abs().max().item()], dtype=torch.float64)
+            dist.all_reduce(err, op=dist.ReduceOp.MAX, group=control)
+            return err.item()
+        return None
+
+    if rank != 0:
+        while True:
+            c = torch.tensor([0], dtype=torch.int64)
+            dist.broadcast(c, src=0, group=control)
+            if c.item() == 1:
+                err = torch.tensor([(answer().cpu() - reference).abs().max().item()],
+                                   dtype=torch.float64)
+                dist.all_reduce(err, op=dist.ReduceOp.MAX, group=control)
+            elif c.item() == 2:
+                return
+
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", args.port))
+    srv.listen(8)
+    port = srv.getsockname()[1]
+    print(f"ready port={port} ranks={world}", flush=True)
+    if args.ready_file:
+        with open(args.ready_file + ".tmp", "w") as f:
+            f.write(f"{port}\n")
+        os.rename(args.ready_file + ".tmp", args.ready_file)
+    while True:
+        conn, _ = srv.accept()
+        with conn, conn.makefile("rw") as io:
+            for line in io:
+                cmd = line.strip()
+                if cmd == "CHECK":
+                    err = run(1)
+                    reply = f"OK ranks={world} max_err={err:g}" if err == 0 else f"FAIL max_err={err:g}"
+                elif cmd == "INFO":
+                    reply = (f"ranks={world} gib={args.gib:g} pids={','.join(str(int(p.item())) for p in pids)} "
+                             f"gpu0={bus}")
+                elif cmd == "QUIT":
+                    run(2)
+                    io.write("BYE\n")
+                    io.flush()
+                    return
+                else:
+                    reply = "ERR unknown command"
+                io.write(reply + "\n")
+                io.flush()
+
+
+if __name__ == "__main__":
+    a = parse_args()
+    if a.rank >= 0:
+        rank_main(a)
+    else:
+        launcher(a)
