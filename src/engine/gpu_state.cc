@@ -177,21 +177,28 @@ GpuCapture::GpuCapture(gpu::Driver& driver, std::vector<pid_t> pids,
                        const std::filesystem::path& run_dir, Reporter& reporter)
     : driver_(driver), pids_(std::move(pids)), lock_timeout_(lock_timeout), reporter_(reporter) {
   // Written before the first lock: from here until done, a killed gpusnap is repairable.
+  // One entry per capture (an agent may run several at once), naming only the processes this
+  // capture has moved away from RUNNING, so a recovery never touches another capture's.
   std::filesystem::create_directories(journal_dir(run_dir));
-  journal_ = journal_dir(run_dir) / (std::to_string(::getpid()) + ".json");
-  fs::write_file_durable(journal_, json{{"owner", ::getpid()}, {"pids", pids_}}.dump());
+  journal_ = journal_dir(run_dir) /
+             (std::to_string(::getpid()) + "-" + fs::random_id().substr(0, 8) + ".json");
+  write_journal();
+}
+
+void GpuCapture::write_journal() {
+  fs::write_file_durable(journal_, json{{"owner", ::getpid()}, {"pids", moved_}}.dump());
 }
 
 GpuCapture::~GpuCapture() {
   if (!done_) {
-    for (const auto& line : return_to_running(driver_, pids_)) reporter_.note(line);
+    for (const auto& line : return_to_running(driver_, moved_)) reporter_.note(line);
   }
   std::error_code ec;
   std::filesystem::remove(journal_, ec);
 }
 
 void GpuCapture::fail(const std::exception& error) {
-  auto log = return_to_running(driver_, pids_);
+  auto log = return_to_running(driver_, moved_);
   done_ = true;
   std::string what = error.what();
   what += log.empty() ? "; no process was left locked"
@@ -206,8 +213,29 @@ void GpuCapture::fail(const std::exception& error) {
 
 void GpuCapture::lock_all() {
   try {
+    // A process that is not RUNNING belongs to another checkpoint in flight: leave it be.
+    for (pid_t pid : pids_) {
+      auto state = driver_.state(pid);
+      if (state != gpu::ProcessState::kRunning) {
+        throw Error(ErrorKind::kGpu,
+                    "process " + std::to_string(pid) + " is " + gpu::state_name(state) +
+                        ", not RUNNING: another checkpoint of it is in progress",
+                    "wait for it to finish, or run `gpusnap recover --pid " +
+                        std::to_string(pid) + "` if no gpusnap is running");
+      }
+    }
     // One by one, in tree order: each lock waits for that process's submitted work to drain.
-    for (pid_t pid : pids_) driver_.lock(pid, lock_timeout_);
+    for (pid_t pid : pids_) {
+      try {
+        driver_.lock(pid, lock_timeout_);
+      } catch (...) {
+        // A lock that failed half-way is ours to undo too.
+        if (driver_.state(pid) != gpu::ProcessState::kRunning) moved_.push_back(pid);
+        throw;
+      }
+      moved_.push_back(pid);
+      write_journal();
+    }
   } catch (const std::exception& e) {
     fail(e);
   }

@@ -65,9 +65,11 @@ class GpuCapture {
  private:
   // Rolls back and rethrows `error` with what the rollback did appended.
   [[noreturn]] void fail(const std::exception& error);
+  void write_journal();
 
   gpu::Driver& driver_;
   std::vector<pid_t> pids_;
+  std::vector<pid_t> moved_;  // locked by this capture, so ours to return to RUNNING
   std::chrono::milliseconds lock_timeout_;
   std::filesystem::path journal_;
   Reporter& reporter_;
