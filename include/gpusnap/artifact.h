@@ -70,6 +70,9 @@ struct Manifest {
   bool shell_job = false;
   std::vector<ProcessRecord> processes;
   nlohmann::json gpu;  // GPU facts (null: the snapshot holds no GPU state)
+  // The workload's handshake control directory at capture time (empty: captured without the
+  // handshake). Restored copies get their own directory mounted at this path.
+  std::string control_dir;
   std::string checksum_algorithm = "xxh3-128";
   uint64_t chunk_bytes = 64ull << 20;
   std::vector<FileRecord> files;

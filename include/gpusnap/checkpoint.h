@@ -31,12 +31,18 @@ struct CheckpointOptions {
   std::string helper_binary;
   std::chrono::milliseconds gpu_lock_timeout{10000};
   std::filesystem::path run_dir = "/run/gpusnap";  // gpusnap's journal of work in flight
+  // The workload handshake (docs/handshake.md): used when the workload has a control
+  // directory (this one, or its GPUSNAP_CONTROL_DIR) and has said READY.
+  std::filesystem::path control_dir;
+  bool handshake = true;
+  std::chrono::milliseconds handshake_timeout{std::chrono::seconds(60)};
 };
 
 struct CheckpointResult {
   std::filesystem::path artifact;
   Manifest manifest;
   std::vector<PhaseTiming> phases;
+  bool handshake = false;  // the workload was paused (and, if left running, resumed)
 };
 
 // Captures the tree. On any failure nothing is visible at `output` and the source is running

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,10 @@ struct RestoreOptions {
   // "OLD=NEW" GPU pairs (UUIDs or indexes). Empty: the same GPUs where present, else GPUs of
   // the same model.
   std::vector<std::string> gpu_map;
+  // Per-copy settings handed to the workload in its resume context (docs/handshake.md):
+  // CRIU restores the old environment, so environment variables cannot carry them.
+  std::map<std::string, std::string> settings;
+  std::chrono::milliseconds handshake_timeout{std::chrono::seconds(60)};
   // The gpusnap binary, which also runs gpusnap's helper processes (the dump guardian, a
   // copy's namespace init). Empty: this program (/proc/self/exe).
   std::string helper_binary;
@@ -66,6 +71,7 @@ struct RestoreResult {
   Manifest manifest;
   std::vector<CopyInfo> copies;
   std::vector<PhaseTiming> phases;
+  bool handshake = false;  // every copy answered RESUMED: it serves
 };
 
 // Starts the copies. Either all start, or none is left running (and no namespace remains).

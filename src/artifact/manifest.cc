@@ -88,6 +88,7 @@ json Manifest::to_json() const {
       {"criu", {{"shell_job", shell_job}}},
       {"processes", processes_json},
       {"gpu", gpu},
+      {"handshake", control_dir.empty() ? json(nullptr) : json{{"control_dir", control_dir}}},
       {"checksum", {{"algorithm", checksum_algorithm}, {"chunk_bytes", chunk_bytes}}},
       {"files", files_json},
       {"checkpoint_phases", phases_json},
@@ -188,6 +189,9 @@ Manifest Manifest::from_json(const json& doc) {
       m.processes.push_back(std::move(rec));
     }
     m.gpu = get(doc, "gpu");
+    if (const auto& hs = get(doc, "handshake"); !hs.is_null()) {
+      m.control_dir = get(hs, "control_dir").get<std::string>();
+    }
     const auto& checksum = object(doc, "checksum");
     m.checksum_algorithm = get(checksum, "algorithm").get<std::string>();
     if (m.checksum_algorithm != "xxh3-128") {

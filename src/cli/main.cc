@@ -14,6 +14,8 @@
 #include "engine/copy_init.h"
 #include "engine/dump_guard.h"
 #include "engine/gpu_state.h"
+#include "engine/handshake.h"
+#include "engine/launch.h"
 #include "gpu/driver.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/checkpoint.h"
@@ -67,6 +69,8 @@ struct Command {
   std::function<int(const Args&)> run;
 };
 
+void print_checkpoint(const Output& out, const CheckpointResult& r, bool leave_running);
+
 int cmd_checkpoint(const Args& args) {
   Output out(args);
   CheckpointOptions o;
@@ -82,23 +86,32 @@ int cmd_checkpoint(const Args& args) {
   o.criu_path = args.get("--criu");
   o.ghost_limit = static_cast<uint64_t>(args.get_int("--ghost-limit-mib", 256, 0, 1 << 20)) << 20;
   o.gpu_lock_timeout = std::chrono::seconds(args.get_int("--gpu-lock-timeout", 10, 1, 3600));
+  o.handshake = !args.has("--no-handshake");
+  o.handshake_timeout = std::chrono::seconds(args.get_int("--handshake-timeout", 60, 1, 86400));
   auto r = checkpoint(o, *out.reporter);
+  print_checkpoint(out, r, o.leave_running);
+  return 0;
+}
+
+void print_checkpoint(const Output& out, const CheckpointResult& r, bool leave_running) {
   if (out.json) {
     std::cout << json{{"artifact", r.artifact.string()},
                       {"id", r.manifest.id},
+                      {"pid", r.manifest.source_pid},
                       {"processes", r.manifest.processes.size()},
                       {"bytes", r.manifest.total_bytes()},
-                      {"source_left_running", o.leave_running},
+                      {"source_left_running", leave_running},
+                      {"handshake", r.handshake},
                       {"phases", phases_json(r.phases)},
                       {"seconds", sum(r.phases)}}
                      .dump(2)
               << "\n";
   } else if (!out.quiet) {
-    std::printf("checkpoint %s: %zu process(es), %s, %.2f s; source %s\n", r.artifact.c_str(),
+    std::printf("checkpoint %s: %zu process(es), %s, %.2f s; source %s%s\n", r.artifact.c_str(),
                 r.manifest.processes.size(), fs::human_bytes(r.manifest.total_bytes()).c_str(),
-                sum(r.phases), o.leave_running ? "left running" : "stopped");
+                sum(r.phases), leave_running ? "left running" : "stopped",
+                r.handshake ? " (paused through the handshake)" : "");
   }
-  return 0;
 }
 
 int cmd_restore(const Args& args) {
@@ -121,6 +134,14 @@ int cmd_restore(const Args& args) {
   }
   if (args.has("--run-dir")) o.run_dir = args.get("--run-dir");
   o.timeout = std::chrono::seconds(args.get_int("--timeout", 300, 1, 86400));
+  o.handshake_timeout = std::chrono::seconds(args.get_int("--handshake-timeout", 60, 1, 86400));
+  for (const auto& kv : args.all("--set")) {
+    auto eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      throw Error(ErrorKind::kUsage, "bad --set '" + kv + "'", "use --set KEY=VALUE");
+    }
+    o.settings[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
   auto r = restore(o, *out.reporter);
   if (out.json) {
     json copies = json::array();
@@ -134,7 +155,8 @@ int cmd_restore(const Args& args) {
                         {"init_pid", c.init_pid}, {"dir", c.dir.string()}, {"ports", ports}});
     }
     std::cout << json{{"artifact", o.artifact.string()}, {"id", r.manifest.id},
-                      {"copies", copies}, {"phases", phases_json(r.phases)},
+                      {"copies", copies}, {"handshake", r.handshake},
+                      {"phases", phases_json(r.phases)},
                       {"seconds", sum(r.phases)}}
                      .dump(2)
               << "\n";
@@ -146,7 +168,10 @@ int cmd_restore(const Args& args) {
       }
       std::printf(", logs %s\n", c.dir.c_str());
     }
-    if (!out.quiet) std::printf("restored %zu copy(ies) in %.2f s\n", r.copies.size(), sum(r.phases));
+    if (!out.quiet) {
+      std::printf("restored %zu copy(ies) in %.2f s%s\n", r.copies.size(), sum(r.phases),
+                  r.handshake ? ", each resumed and ready to serve" : "");
+    }
   }
   return 0;
 }
@@ -242,6 +267,50 @@ int cmd_verify(const Args& args) {
   return 0;
 }
 
+int cmd_run(const Args& args) {
+  Output out(args);
+  if (!args.has("--output")) {
+    throw Error(ErrorKind::kUsage, "run needs -o ARTIFACT", "see `gpusnap run --help`");
+  }
+  if (args.rest().empty()) {
+    throw Error(ErrorKind::kUsage, "run needs a command after --", "see `gpusnap run --help`");
+  }
+  CheckpointOptions o;
+  o.output = args.get("--output");
+  o.leave_running = args.has("--leave-running");
+  o.criu_path = args.get("--criu");
+  o.handshake_timeout = std::chrono::seconds(args.get_int("--handshake-timeout", 60, 1, 86400));
+  auto ready_timeout = std::chrono::seconds(args.get_int("--ready-timeout", 600, 1, 86400));
+  engine::LaunchedWorkload workload(args.rest(), "/run/gpusnap");
+  out.reporter->note("launched pid " + std::to_string(workload.pid()) + ", output in " +
+                     workload.log().string());
+  engine::Handshake handshake(workload.control_dir());
+  Phases phases(*out.reporter);
+  try {
+    phases.run("wait-ready", [&] { handshake.wait_ready(workload.pid(), ready_timeout); });
+  } catch (const Error& e) {
+    // It never became capturable: it is ours, and of no use.
+    throw Error(e.kind(), std::string(e.what()) + "; its output: " + workload.output_tail(),
+                e.hint());
+  }
+  o.pid = workload.pid();
+  o.control_dir = workload.control_dir();
+  try {
+    auto r = checkpoint(o, *out.reporter);
+    workload.release();  // stopped by the capture, or left running as asked
+    auto all = phases.timings();
+    all.insert(all.end(), r.phases.begin(), r.phases.end());
+    r.phases = all;
+    print_checkpoint(out, r, o.leave_running);
+  } catch (const Error& e) {
+    workload.release();  // a failed capture leaves the workload running as it was
+    throw Error(e.kind(), std::string(e.what()) + " (the workload, pid " +
+                              std::to_string(workload.pid()) + ", was left running)",
+                e.hint());
+  }
+  return 0;
+}
+
 int cmd_recover(const Args& args) {
   Output out(args);
   auto driver = gpu::open_nvidia_driver();
@@ -278,8 +347,20 @@ std::vector<Command> commands() {
         {"--ghost-limit-mib", "", "MIB", "largest unlinked-but-open file to store (default 256)"},
         {"--gpu-lock-timeout", "", "SECONDS",
          "how long each CUDA process may take to drain its GPU work (default 10)"},
+        {"--no-handshake", "", "", "capture as it runs even if the workload speaks the handshake"},
+        {"--handshake-timeout", "", "SECONDS", "how long the workload may take to pause (default 60)"},
         kCriu, kJson, kQuiet, kHelp},
        cmd_checkpoint},
+      {"run", "gpusnap run -o ARTIFACT [--leave-running] -- COMMAND [ARGS...]",
+       "Launch a workload so that it can be captured (own session, output to a log, io_uring\n"
+       "refused, a handshake directory in $GPUSNAP_CONTROL_DIR), wait until it says READY,\n"
+       "pause it, capture it, then stop it or, with --leave-running, resume it.",
+       {{"--output", "-o", "ARTIFACT", "artifact directory to create (must not exist)"},
+        {"--leave-running", "", "", "resume the workload after the capture"},
+        {"--ready-timeout", "", "SECONDS", "how long it may take to say READY (default 600)"},
+        {"--handshake-timeout", "", "SECONDS", "how long it may take to pause (default 60)"},
+        kCriu, kJson, kQuiet, kHelp},
+       cmd_run},
       {"restore", "gpusnap restore ARTIFACT [--replicas N] [--publish [ADDR:][HOSTPORT:]PORT]...",
        "Start N copies of the captured workload. Each copy runs in fresh PID, mount, network,\n"
        "IPC and UTS namespaces, so copies and the source never clash. --publish makes a port of\n"
@@ -290,6 +371,8 @@ std::vector<Command> commands() {
          true},
         {"--gpu-map", "", "OLD=NEW[,...]",
          "restore GPU OLD of the artifact onto GPU NEW here (UUIDs or indexes)", true},
+        {"--set", "", "KEY=VALUE", "a setting for the copies' resume context (handshake)", true},
+        {"--handshake-timeout", "", "SECONDS", "how long each copy may take to resume (default 60)"},
         {"--no-verify", "", "", "skip the byte check (the format checks still run)"},
         {"--run-dir", "", "DIR", "where copies keep logs and state (default /run/gpusnap)"},
         {"--timeout", "", "SECONDS", "give up on CRIU's restore after this long (default 300)"},

@@ -4,6 +4,10 @@
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
+#include <linux/audit.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <stddef.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -54,7 +58,22 @@ struct ChildPlan {
   std::vector<char*> envp;
   std::vector<std::pair<int, int>> moves;  // {fd in parent, fd in child}, stdio first
   std::vector<int> kept;                   // fd numbers in the child, sorted
+  std::vector<sock_filter> filter;         // seccomp program (deny_io_uring)
 };
+
+// A seccomp program: io_uring_setup fails with ENOSYS; everything else is allowed. On another
+// architecture than the one gpusnap was built for, everything is allowed (the syscall number
+// would mean something else).
+std::vector<sock_filter> io_uring_filter() {
+  return {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_X86_64, 0, 3),
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_io_uring_setup, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (ENOSYS & SECCOMP_RET_DATA)),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+}
 
 [[noreturn]] void child_main(const SpawnOptions& o, ChildPlan& plan, pid_t parent) {
   if (o.kill_with_parent) {
@@ -91,6 +110,15 @@ struct ChildPlan {
   sigset_t none;
   sigemptyset(&none);
   ::sigprocmask(SIG_SETMASK, &none, nullptr);
+  if (o.deny_io_uring) {
+    // Once set, no_new_privs and the filter hold for every descendant. Failure is fatal: the
+    // caller asked for a capturable process.
+    struct sock_fprog prog{static_cast<unsigned short>(plan.filter.size()), plan.filter.data()};
+    if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 ||
+        ::prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) != 0) {
+      ::_exit(125);
+    }
+  }
   if (o.function) {
     int code = 1;
     try {
@@ -151,6 +179,7 @@ Subprocess::Subprocess(const SpawnOptions& o) {
     plan.kept.push_back(dst);
   }
   std::sort(plan.kept.begin(), plan.kept.end());
+  if (o.deny_io_uring) plan.filter = io_uring_filter();
   pid_t parent = ::getpid();
   if (o.clone_flags != 0) {
     // clone with namespace flags but fork semantics (no new stack: the child gets a copy).

@@ -24,6 +24,10 @@ struct SpawnOptions {
   bool kill_with_parent = true;      // PR_SET_PDEATHSIG(SIGKILL)
   bool new_session = false;          // setsid(): no terminal signals from ours
   int clone_flags = 0;               // CLONE_NEW* namespaces for the child
+  // Refuse io_uring to the child and its descendants (seccomp: io_uring_setup fails with
+  // ENOSYS, as on a kernel without it), so libraries fall back to plain system calls and the
+  // process stays capturable by CRIU.
+  bool deny_io_uring = false;
   // Instead of exec'ing argv, run this function in the child and exit with its result. Only
   // for a caller that is single-threaded at the time (checked): after fork only the calling
   // thread exists, and a lock held by another thread would never be released.

@@ -103,7 +103,8 @@ std::vector<std::string> dump_args(const Binary& criu, const DumpOptions& o) {
       "--tcp-established", "--ext-unix-sk", "--file-locks", "--skip-in-flight",
       "--ghost-limit", std::to_string(o.ghost_limit),
       // iptables/nftables binaries are often absent (they are on the GPU machines); the
-      // connections are repaired in place and restored copies never reuse them (--tcp-close).
+      // connections are repaired in place, and copies restore theirs in a fresh network
+      // namespace where nothing can race with them.
       "--network-lock", "skip",
   };
   if (o.shell_job) args.push_back("--shell-job");

@@ -2,11 +2,13 @@
 //
 //   resolve      read the process tree from /proc
 //   preflight    refuse what CRIU cannot capture, before anything is frozen
+//   pause        (workloads speaking the handshake) finish in-flight work, release the KV cache
 //   gpu-facts    (CUDA processes only) driver, GPUs and GPU bytes per process
 //   gpu-lock     every CUDA process locked, all before any is checkpointed
 //   gpu-checkpoint  the driver moves GPU memory into each process's host memory
 //   dump         CRIU dumps the tree into the staging directory (--leave-running)
 //   gpu-resume   with --leave-running: the source's GPU state goes back, unlocked
+//   resume       with --leave-running and the handshake: the source serves again
 //   checksum     every staged file, in parallel
 //   commit       manifest, fsync, rename into place: the artifact becomes visible
 //   stop         without --leave-running, the source is stopped, only now
@@ -23,6 +25,7 @@
 #include "criu/criu.h"
 #include "engine/dump_guard.h"
 #include "engine/gpu_state.h"
+#include "engine/handshake.h"
 #include "gpu/driver.h"
 #include "engine/preflight.h"
 #include "gpusnap/checkpoint.h"
@@ -72,6 +75,51 @@ void stop_tree(const std::vector<proc::Process>& tree) {
   }
 }
 
+// A workload that answered PAUSED. Whatever happens next, it is asked to resume (as the
+// source, restored=false) unless it is about to be stopped: no failure leaves it paused.
+class PausedWorkload {
+ public:
+  PausedWorkload(engine::Handshake handshake, pid_t pid, std::chrono::milliseconds timeout,
+                 Reporter& reporter)
+      : handshake_(std::move(handshake)), pid_(pid), timeout_(timeout), reporter_(reporter) {}
+  PausedWorkload(const PausedWorkload&) = delete;
+  PausedWorkload& operator=(const PausedWorkload&) = delete;
+  ~PausedWorkload() {
+    if (done_) return;
+    try {
+      resume();
+    } catch (const Error& e) {
+      reporter_.note(std::string("the workload did not resume after the failed capture: ") +
+                     e.what());
+    }
+  }
+
+  const std::filesystem::path& dir() const { return handshake_.dir(); }
+  // The artifact the source was captured into, for its resume context (empty: none made).
+  void set_artifact_id(std::string id) { artifact_id_ = std::move(id); }
+  void resume() {
+    done_ = true;
+    handshake_.clear_exchange();
+    handshake_.resume(pid_, {{"restored", false}, {"copy", 0}, {"copies", 1},
+                             {"artifact_id", artifact_id_}, {"gpu_map", nlohmann::json::object()},
+                             {"settings", nlohmann::json::object()}},
+                      timeout_);
+    handshake_.clear_exchange();
+  }
+  void release() {
+    done_ = true;
+    handshake_.clear_exchange();
+  }
+
+ private:
+  engine::Handshake handshake_;
+  pid_t pid_;
+  std::chrono::milliseconds timeout_;
+  Reporter& reporter_;
+  std::string artifact_id_;
+  bool done_ = false;
+};
+
 class Checkpoint {
  public:
   Checkpoint(const CheckpointOptions& options, Reporter& reporter)
@@ -91,6 +139,17 @@ class Checkpoint {
       engine::refuse_unsafe_nccl(tree, cuda);
     });
     Manifest manifest = describe(tree, criu);
+
+    std::optional<PausedWorkload> paused;
+    if (auto handshake = find_handshake()) {
+      phases_.run("pause", [&] { handshake->pause(options_.pid, options_.handshake_timeout); });
+      paused.emplace(std::move(*handshake), options_.pid, options_.handshake_timeout,
+                     phases_.reporter());
+      manifest.control_dir = paused->dir().string();
+    } else {
+      phases_.reporter().note("capturing pid " + std::to_string(options_.pid) +
+                              " as it runs: it does not speak the workload handshake");
+    }
 
     std::optional<engine::GpuCapture> gpu;
     if (!cuda.empty()) {
@@ -113,6 +172,10 @@ class Checkpoint {
     });
     // The source waits for nothing more: its GPU state goes back before the bookkeeping.
     if (gpu && options_.leave_running) phases_.run("gpu-resume", [&] { gpu->resume_all(); });
+    if (paused && options_.leave_running) {
+      paused->set_artifact_id(manifest.id);
+      phases_.run("resume", [&] { paused->resume(); });
+    }
     manifest.checkpoint_phases = phases_.timings();
     writer.seal(manifest, phases_);
     // The manifest records its own phases up to the commit; the commit itself is reported.
@@ -121,12 +184,24 @@ class Checkpoint {
     dump->commit();
     if (!options_.leave_running) {
       if (gpu) gpu->release();
+      if (paused) paused->release();
       phases_.run("stop", [&] { stop_tree(tree); });
     }
-    return {writer.final_path(), std::move(manifest), phases_.timings()};
+    return {writer.final_path(), std::move(manifest), phases_.timings(), paused.has_value()};
   }
 
  private:
+  // The handshake to use: the workload has a control directory and has said READY.
+  std::optional<engine::Handshake> find_handshake() {
+    if (!options_.handshake) return std::nullopt;
+    auto dir = options_.control_dir.empty() ? engine::control_dir_of(options_.pid)
+                                            : std::optional(options_.control_dir);
+    if (!dir) return std::nullopt;
+    engine::Handshake handshake(*dir);
+    if (!handshake.ready()) return std::nullopt;
+    return handshake;
+  }
+
   gpu::Driver& open_driver() {
     if (options_.driver != nullptr) return *options_.driver;
     owned_driver_ = gpu::open_nvidia_driver();

@@ -34,7 +34,7 @@ void send_line(int fd, const std::string& line) {
   (void)::send(fd, data.data(), data.size(), MSG_NOSIGNAL);
 }
 
-void prepare_namespaces() {
+void prepare_namespaces(const CopyInitSpec& spec) {
   // Our mounts must not propagate back to the host, and CRIU needs a /proc of this PID
   // namespace to find the pids it restores.
   if (::mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) {
@@ -50,6 +50,16 @@ void prepare_namespaces() {
   if (!sock || ::ioctl(sock.get(), SIOCGIFFLAGS, &ifr) != 0) throw sys_error("query lo", errno);
   ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
   if (::ioctl(sock.get(), SIOCSIFFLAGS, &ifr) != 0) throw sys_error("bring lo up", errno);
+  // The workload polls its handshake directory by path: in this mount namespace that path
+  // shows the copy's own directory, so copies never read each other's (or the source's)
+  // requests. The path may not exist on this host yet (a copy restored elsewhere).
+  if (!spec.handshake_target.empty()) {
+    std::filesystem::create_directories(spec.handshake_target);
+    if (::mount(spec.handshake_source.c_str(), spec.handshake_target.c_str(), nullptr, MS_BIND,
+                nullptr) != 0) {
+      throw sys_error("mount the copy's handshake directory", errno);
+    }
+  }
 }
 
 // One forwarded connection: bytes both ways between a host client and the copy's port.
@@ -125,6 +135,9 @@ int supervise(pid_t root, const std::vector<ForwardSpec>& forwards) {
         if (pid == root) return WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
       }
     }
+    // Only the relays that were polled have results in fds; ones accepted below wait for the
+    // next round.
+    const size_t polled = relays.size();
     for (size_t i = 0; i < forwards.size(); ++i) {
       if (!(fds[1 + i].revents & POLLIN)) continue;
       UniqueFd client(::accept4(forwards[i].listen_fd, nullptr, nullptr,
@@ -138,7 +151,8 @@ int supervise(pid_t root, const std::vector<ForwardSpec>& forwards) {
       relays.push_back(std::move(relay));
     }
     size_t k = 1 + forwards.size();
-    for (auto it = relays.begin(); it != relays.end(); k += 2) {
+    size_t seen = 0;
+    for (auto it = relays.begin(); it != relays.end() && seen < polled; k += 2, ++seen) {
       Relay& r = *it;
       short out_rev = fds[k].revents, in_rev = fds[k + 1].revents;
       bool ok = true;
@@ -176,6 +190,8 @@ std::string to_json(const CopyInitSpec& spec) {
                         {"criu_output", spec.criu_output.string()},
                         {"inherit_fds", spec.inherit_fds},
                         {"forwards", forwards},
+                        {"handshake_source", spec.handshake_source.string()},
+                        {"handshake_target", spec.handshake_target.string()},
                         {"control_fd", spec.control_fd}}
       .dump();
 }
@@ -190,6 +206,8 @@ CopyInitSpec copy_init_spec_from_json(const std::string& text) {
   for (const auto& f : doc.at("forwards")) {
     spec.forwards.push_back({f.at("fd").get<int>(), f.at("port").get<uint16_t>()});
   }
+  spec.handshake_source = doc.at("handshake_source").get<std::string>();
+  spec.handshake_target = doc.at("handshake_target").get<std::string>();
   spec.control_fd = doc.at("control_fd").get<int>();
   return spec;
 }
@@ -207,7 +225,7 @@ int copy_init_main(const CopyInitSpec& spec) {
 
   pid_t root = 0;
   try {
-    prepare_namespaces();
+    prepare_namespaces(spec);
     UniqueFd out(::open(spec.criu_output.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
     SpawnOptions o;
     o.argv = spec.criu_argv;

@@ -26,6 +26,9 @@ struct CopyInitSpec {
   std::filesystem::path criu_output;
   std::vector<int> inherit_fds;  // descriptors CRIU hands to the restored tree (closed after)
   std::vector<ForwardSpec> forwards;
+  // The copy's own handshake directory, mounted over the path the workload knows (empty: none).
+  std::filesystem::path handshake_source;
+  std::filesystem::path handshake_target;
   int control_fd;  // to gpusnap: we send "R <nspid>" or "F <reason>", await G, then ack "A"
 };
 

@@ -22,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <thread>
 
 #include "common/fd.h"
 #include "common/fs.h"
@@ -30,6 +31,7 @@
 #include "criu/criu.h"
 #include "engine/copy_init.h"
 #include "engine/gpu_state.h"
+#include "engine/handshake.h"
 #include "gpu/driver.h"
 #include "gpusnap/error.h"
 #include "gpusnap/restore.h"
@@ -145,6 +147,11 @@ class Copy {
     UniqueFd child_end(sv[1]);
 
     engine::CopyInitSpec spec;
+    if (!manifest.control_dir.empty()) {
+      spec.handshake_source = info_.dir / "control";
+      spec.handshake_target = manifest.control_dir;
+      std::filesystem::create_directories(spec.handshake_source);
+    }
     spec.criu_argv = criu::restore_args(criu, ro);
     spec.pidfile = ro.pidfile;
     spec.criu_output = info_.dir / "criu.out";
@@ -235,10 +242,12 @@ class Copy {
 
 class Restore {
  public:
-  Restore(const RestoreOptions& options, Reporter& reporter)
-      : options_(options), phases_(reporter) {}
+  Restore(RestoreOptions options, Reporter& reporter)
+      : options_(std::move(options)), phases_(reporter) {}
 
   RestoreResult run() {
+    // CRIU resolves relative paths from its own working directory, not ours.
+    options_.run_dir = std::filesystem::absolute(options_.run_dir);
     if (options_.replicas < 1) {
       throw Error(ErrorKind::kUsage, "--replicas must be at least 1");
     }
@@ -280,6 +289,10 @@ class Restore {
       });
     }
     RestoreResult result;
+    if (!artifact.manifest().control_dir.empty()) {
+      phases_.run("resume", [&] { resume(copies, artifact.manifest(), gpu_plan); });
+      result.handshake = true;
+    }
     phases_.run("release", [&] {
       for (auto& c : copies) {
         c->release();
@@ -296,6 +309,41 @@ class Restore {
     if (options_.driver != nullptr) return *options_.driver;
     owned_driver_ = gpu::open_nvidia_driver();
     return *owned_driver_;
+  }
+
+  // Every copy is asked to resume with its own context, all at once; each must say RESUMED.
+  void resume(std::vector<std::unique_ptr<Copy>>& copies, const Manifest& manifest,
+              const engine::GpuPlan& gpu_plan) {
+    nlohmann::json gpu_map = nlohmann::json::object();
+    for (const auto& p : gpu_plan.pairs) gpu_map[p.old_uuid] = p.new_uuid;
+    std::vector<std::optional<Error>> errors(copies.size());
+    {
+      std::vector<std::jthread> threads;
+      for (size_t i = 0; i < copies.size(); ++i) {
+        threads.emplace_back([&, i] {
+          try {
+            engine::Handshake handshake(copies[i]->info().dir / "control");
+            handshake.resume(copies[i]->info().host_pid,
+                             {{"restored", true},
+                              {"copy", static_cast<int>(i)},
+                              {"copies", static_cast<int>(copies.size())},
+                              {"artifact_id", manifest.id},
+                              {"gpu_map", gpu_map},
+                              {"settings", options_.settings}},
+                             options_.handshake_timeout);
+            handshake.clear_exchange();
+          } catch (const Error& e) {
+            errors[i] = e;
+          }
+        });
+      }
+    }
+    for (size_t i = 0; i < errors.size(); ++i) {
+      if (errors[i]) {
+        throw Error(errors[i]->kind(), "copy " + std::to_string(i) + ": " + errors[i]->what(),
+                    errors[i]->hint());
+      }
+    }
   }
 
   void verify(const Artifact& artifact) {
@@ -340,7 +388,7 @@ class Restore {
     }
   }
 
-  const RestoreOptions& options_;
+  RestoreOptions options_;
   Phases phases_;
   std::unique_ptr<gpu::Driver> owned_driver_;
 };

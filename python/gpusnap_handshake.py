@@ -1,0 +1,410 @@
+"""The workload's side of the gpusnap handshake, protocol version 1.
+
+docs/handshake.md is the specification. Standard library only: copy this one file next to
+your server.
+
+    import gpusnap_handshake
+
+    hs = gpusnap_handshake.Client.from_environment()   # GPUSNAP_CONTROL_DIR
+    ...load weights, capture graphs...
+    hs.ready()
+    hs.serve(on_pause=release_kv_cache, on_resume=recreate_kv_cache)  # a background thread
+
+on_pause() and on_resume(context) succeed unless they return False or raise (the exception's
+text is the reason gpusnap reports). Without GPUSNAP_CONTROL_DIR the client is disabled
+(client.enabled is False) and every call is a no-op.
+
+Why it is built this way:
+- Every message is a file, written NAME.tmp then renamed to NAME, and read by path. Nothing is
+  kept open in the control directory: what the workload holds open when it is checkpointed ends
+  up in the snapshot, and at restore each copy gets a different directory at the same path.
+- While paused, only `resume` is read, which gpusnap writes after the capture: no descriptor
+  into the directory is open when CRIU freezes the process.
+- The serving thread sleeps with select() and a relative timeout, not time.sleep() or
+  Event.wait(), which wait for a deadline on the monotonic clock: a restored copy may run on a
+  machine whose monotonic clock is behind the source's, and a deadline taken before the
+  checkpoint would then lie far in the future.
+- Nothing here touches CUDA: the thread runs while gpusnap holds the GPU state locked.
+"""
+
+import dataclasses
+import json
+import os
+import select
+import stat
+import threading
+
+PROTOCOL_VERSION = 1
+CONTROL_DIR_VARIABLE = "GPUSNAP_CONTROL_DIR"
+POLL_INTERVAL_S = 0.02  # the protocol asks for every 20-50 ms
+MAX_MESSAGE_BYTES = 1 << 20
+MAX_REASON_CHARS = 1000
+_MAX_ANSWERED = 256
+
+
+@dataclasses.dataclass
+class ResumeContext:
+    restored: bool = False  # False: the source itself goes on after a capture (--leave-running)
+    copy: int = 0  # this copy's index, 0..copies-1
+    copies: int = 1
+    artifact_id: str = ""
+    gpu_map: dict = dataclasses.field(default_factory=dict)  # old GPU uuid -> new GPU uuid
+    settings: dict = dataclasses.field(default_factory=dict)  # per-copy settings (str -> str)
+
+
+@dataclasses.dataclass
+class Request:
+    kind: str  # "pause" or "resume"
+    id: str
+    timeout_ms: int = 0  # pause: gpusnap's deadline for the answer; 0 when not given
+    context: ResumeContext = None  # resume only
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def _read_message(directory, name):
+    """The bytes of DIRECTORY/NAME, or None when absent or unreadable (ENOENT included: the
+    directory may be gone for a moment while it is swapped; the caller just polls again)."""
+    try:
+        # O_NONBLOCK: a FIFO put there by mistake must not block the poller.
+        fd = os.open(os.path.join(directory, name),
+                     os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MESSAGE_BYTES:
+            return None
+        chunks, size = [], 0
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > MAX_MESSAGE_BYTES:
+                return None
+            chunks.append(chunk)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _write_message(directory, name, obj):
+    """Writes DIRECTORY/NAME atomically (NAME.tmp, then rename). False on any error, e.g. while
+    the directory is gone; no NAME.tmp is left behind."""
+    path = os.path.join(directory, name)
+    tmp = path + ".tmp"
+    data = (json.dumps(obj, separators=(",", ":")) + "\n").encode()  # ASCII: \u escapes
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)  # closed before the rename: nothing stays open in the directory
+        os.rename(tmp, path)
+        return True
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return False
+
+
+def _string_map(ctx, key):
+    value = ctx.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadRequest(f"context.{key} is not an object")
+    for k, v in value.items():
+        if not isinstance(v, str):
+            raise BadRequest(f"context.{key}[{k!r}] is not a string")
+    return dict(value)
+
+
+def _int(obj, key, default, where=""):
+    value = obj.get(key, default)
+    # bool is an int in Python, not in JSON.
+    if type(value) is not int:
+        raise BadRequest(f"{where}{key} is not an integer")
+    return value
+
+
+def _parse_request(kind, data):
+    """A Request, or None if the message cannot be answered (not a JSON object with a string
+    "id"). Raises BadRequest (with .id set) when a field has the wrong type."""
+    try:
+        obj = json.loads(data)
+    except ValueError:  # includes UnicodeDecodeError
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("id"), str) or not obj["id"]:
+        return None
+    rid = obj["id"]
+    try:
+        if kind == "pause":
+            timeout_ms = _int(obj, "timeout_ms", 0)
+            if timeout_ms < 0:
+                raise BadRequest("timeout_ms is negative")
+            return Request("pause", rid, timeout_ms=timeout_ms)
+        ctx = obj.get("context")
+        if not isinstance(ctx, dict):
+            raise BadRequest("no context object")
+        restored = ctx.get("restored", False)
+        if not isinstance(restored, bool):
+            raise BadRequest("context.restored is not a bool")
+        artifact_id = ctx.get("artifact_id", "")
+        if not isinstance(artifact_id, str):
+            raise BadRequest("context.artifact_id is not a string")
+        context = ResumeContext(restored=restored,
+                                copy=_int(ctx, "copy", 0, "context."),
+                                copies=_int(ctx, "copies", 1, "context."),
+                                artifact_id=artifact_id,
+                                gpu_map=_string_map(ctx, "gpu_map"),
+                                settings=_string_map(ctx, "settings"))
+        return Request("resume", rid, context=context)
+    except BadRequest as e:
+        e.id = rid
+        raise
+
+
+def _short(reason):
+    reason = str(reason) if reason else "unspecified"
+    return reason if len(reason) <= MAX_REASON_CHARS else reason[:MAX_REASON_CHARS] + "..."
+
+
+def _relative_sleep(seconds):
+    # select() with a relative timeout: see the module docstring.
+    select.select([], [], [], seconds)
+
+
+class Client:
+    """The workload's handshake client. Two styles, not to be mixed on one client:
+
+    - serve(on_pause, on_resume): a daemon thread polls and calls the callbacks (on that
+      thread), in protocol order, and writes the answers.
+    - poll() and answer_*(): the caller polls from its own loop (every 20-50 ms) and answers.
+
+    One client per control directory: children inherit GPUSNAP_CONTROL_DIR, but only the process
+    that coordinates the workload may speak.
+    """
+
+    def __init__(self, control_dir):
+        """A client for an explicit directory; disabled when it is empty/None or relative."""
+        control_dir = control_dir or ""
+        if len(control_dir) > 1:
+            control_dir = control_dir.rstrip("/") or "/"
+        # Relative: disabled, as it would change meaning with the working directory.
+        self._dir = control_dir if control_dir.startswith("/") else ""
+        self._lock = threading.RLock()
+        self._paused = False  # answered `paused`, and no `resumed` since
+        self._ready_wanted = False
+        self._ready_written = False
+        self._answered = []  # ("pause"|"resume", id), the last few
+        self._outstanding = None  # (kind, id) handed out by poll() and not answered yet
+        self._unsent = None  # (request name, id, answer name, body) whose write failed
+        self._thread = None
+        self._stop = threading.Event()
+
+    @classmethod
+    def from_environment(cls):
+        """A client for $GPUSNAP_CONTROL_DIR; disabled when it is unset, empty or relative."""
+        return cls(os.environ.get(CONTROL_DIR_VARIABLE))
+
+    @property
+    def enabled(self):
+        return bool(self._dir)
+
+    @property
+    def control_dir(self):
+        return self._dir
+
+    # ---- announcing ----------------------------------------------------------------------
+
+    def ready(self):
+        """Writes `ready`: the workload is initialised and capturable. Retried on every poll
+        while the directory is not there."""
+        if not self.enabled:
+            return
+        with self._lock:
+            self._ready_wanted = True
+            self._write_ready()
+
+    def _write_ready(self):
+        self._ready_written = _write_message(
+            self._dir, "ready", {"protocol": PROTOCOL_VERSION, "pid": os.getpid()})
+
+    # ---- the background style -------------------------------------------------------------
+
+    def serve(self, on_pause, on_resume):
+        """Starts the serving thread and returns at once. No-op when disabled."""
+        if not self.enabled:
+            return
+        if self._thread is not None:
+            raise RuntimeError("gpusnap handshake: serve() called twice")
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._serve_loop, args=(on_pause, on_resume),
+                                        name="gpusnap-handshake", daemon=True)
+        self._thread.start()
+
+    def stop(self):
+        """Stops the serving thread (from inside a callback: after that callback)."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def _serve_loop(self, on_pause, on_resume):
+        while not self._stop.is_set():
+            try:
+                self._serve_once(on_pause, on_resume)
+            except Exception:  # keep the handshake alive whatever happens
+                pass
+            if self._stop.is_set():
+                break
+            _relative_sleep(POLL_INTERVAL_S)
+
+    def _serve_once(self, on_pause, on_resume):
+        # Several requests may be waiting (a pause, then a resume): handle them in order.
+        while not self._stop.is_set():
+            req = self._poll()
+            if req is None:
+                return
+            try:
+                if req.kind == "pause":
+                    ok = on_pause() if on_pause else True
+                else:
+                    ok = on_resume(req.context) if on_resume else True
+                reason = f"on_{req.kind} returned False"
+            except Exception as e:  # noqa: BLE001 - any failure is reported to gpusnap
+                ok, reason = False, str(e) or type(e).__name__
+            if ok is False:
+                self.answer_failed(req.id, reason)
+            elif req.kind == "pause":
+                self.answer_paused(req.id)
+            else:
+                self.answer_resumed(req.id)
+
+    # ---- the polling style ----------------------------------------------------------------
+
+    def poll(self):
+        """The next Request to act on, or None. While running that is a new `pause`; while
+        paused, a new `resume`. The client itself ignores requests already answered and a
+        `pause` while paused, answers `failed` to malformed requests, and answers `resumed` at
+        once to a `resume` that finds the workload running. The same request is returned until
+        it is answered."""
+        if not self.enabled:
+            return None
+        if self._thread is not None:
+            raise RuntimeError("gpusnap handshake: poll() while serving")
+        return self._poll()
+
+    def answer_paused(self, request_id):
+        """In-flight work done, memory released, no more GPU work until resume."""
+        if not self.enabled:
+            return
+        with self._lock:
+            self._answer("pause", request_id, "paused", {"id": request_id})
+            self._paused = True
+
+    def answer_resumed(self, request_id):
+        """Memory re-created, settings applied, serving again."""
+        if not self.enabled:
+            return
+        with self._lock:
+            # `ready` first: whoever sees `resumed` also sees the workload capturable again, in
+            # this directory (a restored copy's directory starts empty).
+            if self._ready_wanted:
+                self._write_ready()
+            self._answer("resume", request_id, "resumed", {"id": request_id})
+            self._paused = False
+
+    def answer_failed(self, request_id, reason):
+        """The pause or resume could not be done. After a failed pause the workload must be
+        serving as before; after a failed resume it stays paused (gpusnap may resume again)."""
+        if not self.enabled:
+            return
+        with self._lock:
+            kind = "resume" if self._paused else "pause"
+            if self._outstanding and self._outstanding[1] == request_id:
+                kind = self._outstanding[0]
+            self._answer(kind, request_id, "failed", {"id": request_id, "reason": _short(reason)})
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _answer(self, kind, request_id, name, body):
+        # Marked answered whether or not the write works: the workload did what was asked and
+        # must not do it twice. A failed write is retried while the request is still there.
+        self._answered.append((kind, request_id))
+        del self._answered[:-_MAX_ANSWERED]
+        if self._outstanding == (kind, request_id):
+            self._outstanding = None
+        if _write_message(self._dir, name, body):
+            self._unsent = None
+        else:
+            self._unsent = (kind, request_id, name, body)
+
+    def _retry_writes(self):
+        # Not `ready` while paused: nothing but `resume` may be touched then (a capture may be
+        # freezing the process).
+        if self._ready_wanted and not self._ready_written and not self._paused:
+            self._write_ready()
+        if self._unsent is None:
+            return
+        kind, request_id, name, body = self._unsent
+        data = _read_message(self._dir, kind)
+        if data is None:
+            return  # the directory may be gone for a moment: keep the answer
+        try:
+            req = _parse_request(kind, data)
+            current = req.id if req else None
+        except BadRequest as e:
+            current = e.id
+        if current != request_id:
+            self._unsent = None  # a newer request, or none: the old answer is moot
+        elif _write_message(self._dir, name, body):
+            self._unsent = None
+
+    def _next(self, kind):
+        data = _read_message(self._dir, kind)
+        if data is None:
+            return None
+        try:
+            req = _parse_request(kind, data)
+        except BadRequest as e:
+            if (kind, e.id) not in self._answered:
+                self._answer(kind, e.id, "failed", {"id": e.id, "reason": f"bad request: {e}"})
+            return None
+        if req is None or (kind, req.id) in self._answered:
+            return None
+        return req
+
+    def _poll(self):
+        with self._lock:
+            self._retry_writes()
+            if self._paused:
+                # Only `resume`: see the module docstring.
+                req = self._next("resume")
+            else:
+                req = self._next("pause")
+                if req is None:
+                    # A `resume` that finds the workload running (gpusnap gave up waiting for
+                    # `paused`, or the pause failed) needs no work: answer it at once.
+                    resume = self._next("resume")
+                    if resume is not None:
+                        self._answer("resume", resume.id, "resumed", {"id": resume.id})
+            if req is not None:
+                self._outstanding = (req.kind, req.id)
+            return req

@@ -1,0 +1,138 @@
+#include "engine/handshake.h"
+
+#include <thread>
+
+#include "common/fs.h"
+#include "common/proc.h"
+#include "gpusnap/error.h"
+
+namespace gpusnap::engine {
+
+using nlohmann::json;
+
+namespace {
+
+constexpr auto kPoll = std::chrono::milliseconds(10);
+
+void write_message(const std::filesystem::path& dir, const std::string& name, const json& body) {
+  auto tmp = dir / (name + ".tmp");
+  fs::write_file(tmp, body.dump() + "\n");
+  std::filesystem::rename(tmp, dir / name);
+}
+
+std::optional<json> read_message(const std::filesystem::path& path) {
+  std::string text;
+  if (!fs::try_read_file(path, &text)) return std::nullopt;
+  auto doc = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded() || !doc.is_object()) return std::nullopt;
+  return doc;
+}
+
+bool alive(pid_t pid) {
+  try {
+    return proc::read_process(pid).state != 'Z';
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+}  // namespace
+
+std::optional<std::filesystem::path> control_dir_of(pid_t pid) {
+  std::string environ;
+  if (!fs::try_read_file("/proc/" + std::to_string(pid) + "/environ", &environ)) return {};
+  const std::string key = std::string(kControlDirEnv) + "=";
+  for (size_t start = 0; start < environ.size();) {
+    auto end = environ.find('\0', start);
+    if (end == std::string::npos) end = environ.size();
+    if (environ.compare(start, key.size(), key) == 0) {
+      auto value = environ.substr(start + key.size(), end - start - key.size());
+      if (!value.empty() && value.front() == '/') return std::filesystem::path(value);
+    }
+    start = end + 1;
+  }
+  return {};
+}
+
+bool Handshake::ready() const { return read_message(dir_ / "ready").has_value(); }
+
+void Handshake::wait_ready(pid_t pid, std::chrono::milliseconds timeout) const {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!ready()) {
+    if (!alive(pid)) {
+      throw Error(ErrorKind::kHandshake,
+                  "the workload (pid " + std::to_string(pid) + ") exited before it said READY",
+                  "read its output; it must write `ready` in $GPUSNAP_CONTROL_DIR");
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      throw Error(ErrorKind::kTimeout,
+                  "the workload did not say READY within " +
+                      std::to_string(timeout.count() / 1000) + " s",
+                  "give it more time (--ready-timeout), or make it write `ready` in "
+                  "$GPUSNAP_CONTROL_DIR once initialised");
+    }
+    std::this_thread::sleep_for(kPoll);
+  }
+}
+
+void Handshake::exchange(pid_t pid, const std::string& request, json body,
+                         const std::string& answer, std::chrono::milliseconds timeout) {
+  std::string id = fs::random_id().substr(0, 12);
+  body["id"] = id;
+  body["timeout_ms"] = timeout.count();
+  std::error_code ec;
+  std::filesystem::remove(dir_ / answer, ec);
+  std::filesystem::remove(dir_ / "failed", ec);
+  write_message(dir_, request, body);
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    if (auto a = read_message(dir_ / answer); a && a->value("id", "") == id) return;
+    if (auto f = read_message(dir_ / "failed"); f && f->value("id", "") == id) {
+      std::filesystem::remove(dir_ / request, ec);
+      throw Error(ErrorKind::kHandshake,
+                  "the workload answered FAILED to " + request + ": " +
+                      f->value("reason", std::string("no reason given")),
+                  "see the workload's own log; it was left as it was");
+    }
+    if (!alive(pid)) {
+      throw Error(ErrorKind::kHandshake,
+                  "the workload (pid " + std::to_string(pid) + ") exited during " + request,
+                  "see the workload's own log");
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      std::filesystem::remove(dir_ / request, ec);
+      if (request == "pause") {
+        // It may still be pausing: once it answers PAUSED it would wait for ever. A resume as
+        // the source is waiting for it (answered at once by a workload that never paused).
+        write_message(dir_, "resume",
+                      {{"id", fs::random_id().substr(0, 12)},
+                       {"context", {{"restored", false}, {"copy", 0}, {"copies", 1},
+                                    {"artifact_id", ""}, {"gpu_map", json::object()},
+                                    {"settings", json::object()}}}});
+      }
+      throw Error(ErrorKind::kTimeout,
+                  "the workload did not answer " + request + " within " +
+                      std::to_string(timeout.count()) + " ms",
+                  "give it more time (--handshake-timeout) or check that it polls "
+                  "$GPUSNAP_CONTROL_DIR");
+    }
+    std::this_thread::sleep_for(kPoll);
+  }
+}
+
+void Handshake::pause(pid_t pid, std::chrono::milliseconds timeout) {
+  exchange(pid, "pause", json::object(), "paused", timeout);
+}
+
+void Handshake::resume(pid_t pid, const json& context, std::chrono::milliseconds timeout) {
+  exchange(pid, "resume", {{"context", context}}, "resumed", timeout);
+}
+
+void Handshake::clear_exchange() const noexcept {
+  std::error_code ec;
+  for (const char* name : {"pause", "paused", "resume", "resumed", "failed"}) {
+    std::filesystem::remove(dir_ / name, ec);
+  }
+}
+
+}  // namespace gpusnap::engine

@@ -1,0 +1,48 @@
+// gpusnap's side of the workload handshake (docs/handshake.md): files in the workload's control
+// directory, written atomically, polled by path. Nothing the workload holds open points at
+// gpusnap, so the handshake survives the capture; each restored copy gets its own directory
+// mounted at the same path.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <filesystem>
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace gpusnap::engine {
+
+inline constexpr const char* kControlDirEnv = "GPUSNAP_CONTROL_DIR";
+
+// The control directory a process was started with (its GPUSNAP_CONTROL_DIR), if any.
+std::optional<std::filesystem::path> control_dir_of(pid_t pid);
+
+class Handshake {
+ public:
+  explicit Handshake(std::filesystem::path dir) : dir_(std::move(dir)) {}
+  const std::filesystem::path& dir() const { return dir_; }
+
+  // Whether the workload has said READY.
+  bool ready() const;
+  // Waits for READY while `pid` lives. Throws kTimeout, or kHandshake when the process exits.
+  void wait_ready(pid_t pid, std::chrono::milliseconds timeout) const;
+  // Asks the workload to pause and waits for PAUSED. Throws kHandshake (FAILED, or the process
+  // died) or kTimeout; the workload is then left as it was.
+  void pause(pid_t pid, std::chrono::milliseconds timeout);
+  // Asks it to resume with `context` and waits for RESUMED. Throws like pause().
+  void resume(pid_t pid, const nlohmann::json& context, std::chrono::milliseconds timeout);
+  // Removes the request and answer files of finished steps.
+  void clear_exchange() const noexcept;
+
+ private:
+  // Writes `request` (with a new id) and waits for `answer` or `failed` with that id.
+  void exchange(pid_t pid, const std::string& request, nlohmann::json body,
+                const std::string& answer, std::chrono::milliseconds timeout);
+
+  std::filesystem::path dir_;
+};
+
+}  // namespace gpusnap::engine

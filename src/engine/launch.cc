@@ -1,0 +1,52 @@
+#include "engine/launch.h"
+
+#include <fcntl.h>
+
+#include <cerrno>
+#include <sstream>
+
+#include "common/fd.h"
+#include "common/fs.h"
+#include "engine/handshake.h"
+#include "gpusnap/error.h"
+
+namespace gpusnap::engine {
+
+LaunchedWorkload::LaunchedWorkload(const std::vector<std::string>& argv,
+                                   const std::filesystem::path& run_dir) {
+  if (argv.empty()) {
+    throw Error(ErrorKind::kUsage, "no command to run", "give it after --: gpusnap run -o ART -- CMD");
+  }
+  auto dir = std::filesystem::absolute(run_dir) / "launched" / fs::random_id().substr(0, 12);
+  control_dir_ = dir / "control";
+  log_ = dir / "output.log";
+  std::filesystem::create_directories(control_dir_);
+  UniqueFd log(::open(log_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+  if (!log) throw sys_error("create " + log_.string(), errno);
+  SpawnOptions o;
+  o.argv = argv;
+  o.env_add = {std::string(kControlDirEnv) + "=" + control_dir_.string()};
+  o.stdout_fd = log.get();
+  o.stderr_fd = log.get();
+  // A service's life: no terminal (so no shell-job restore), not killed with gpusnap.
+  o.new_session = true;
+  o.kill_with_parent = false;
+  o.deny_io_uring = true;
+  process_.emplace(o);
+  pid_ = process_->pid();
+}
+
+std::string LaunchedWorkload::output_tail(size_t lines) const {
+  std::string text;
+  fs::try_read_file(log_, &text);
+  std::vector<std::string> all;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) all.push_back(line);
+  std::string out;
+  for (size_t i = all.size() > lines ? all.size() - lines : 0; i < all.size(); ++i) {
+    out += (out.empty() ? "" : " | ") + all[i];
+  }
+  return out.empty() ? "(no output)" : out;
+}
+
+}  // namespace gpusnap::engine

@@ -1,0 +1,214 @@
+// The workload handshake end to end, with real processes and real CRIU: `gpusnap run` and
+// `gpusnap checkpoint` pausing workloads that speak it (the C++ and Python examples), copies
+// resuming with their own contexts, and every way a workload can fail the handshake.
+#include <signal.h>
+
+#include <filesystem>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "common/fs.h"
+#include "common/proc.h"
+#include "testing/harness.h"
+
+namespace gpusnap::testing {
+namespace {
+
+using nlohmann::json;
+
+#define SKIP_WITHOUT_CRIU()                                                    \
+  do {                                                                         \
+    if (auto why = system_test_blocker()) GTEST_SKIP() << "skipped: " << *why; \
+  } while (0)
+
+std::string cxx_worker() { return build_path("tests/gpusnap-example-handshake-worker"); }
+
+std::string field(const std::string& reply, const std::string& key) {
+  auto at = reply.find(key + "=");
+  if (at == std::string::npos) return {};
+  auto start = at + key.size() + 1;
+  return reply.substr(start, reply.find(' ', start) - start);
+}
+
+template <class Pred>
+bool eventually(Pred pred, std::chrono::milliseconds limit = std::chrono::seconds(15)) {
+  auto deadline = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return pred();
+}
+
+// Kills a process tree we did not start ourselves (a workload launched by `gpusnap run`).
+struct TreeKiller {
+  pid_t pid = 0;
+  ~TreeKiller() {
+    if (pid <= 0) return;
+    try {
+      for (const auto& p : proc::read_tree(pid)) ::kill(p.pid, SIGKILL);
+    } catch (const std::exception&) {
+    }
+  }
+};
+
+struct Copies {
+  json doc;
+  ~Copies() {
+    if (doc.contains("copies")) {
+      for (const auto& c : doc["copies"]) end_copy(c["init_pid"].get<pid_t>());
+    }
+  }
+  uint16_t port(size_t i) const {
+    return doc["copies"][i]["ports"][0]["host_port"].get<uint16_t>();
+  }
+};
+
+uint16_t read_port(const std::filesystem::path& ready) {
+  std::string text;
+  if (!eventually([&] { return fs::try_read_file(ready, &text); })) return 0;
+  return static_cast<uint16_t>(std::stoi(text));
+}
+
+void run_capture_and_restore(const std::vector<std::string>& worker) {
+  TempDir dir;
+  auto ready = dir / "port";
+  auto snap = dir / "snap";
+  std::vector<std::string> args = {"run", "-o", snap.string(), "--leave-running", "--json", "--"};
+  args.insert(args.end(), worker.begin(), worker.end());
+  args.insert(args.end(), {"--cache-mib", "256", "--ready-file", ready.string()});
+  auto run = gpusnap(args);
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  auto doc = json::parse(run.out);
+  TreeKiller source{doc["pid"].get<pid_t>()};
+  EXPECT_TRUE(doc["handshake"].get<bool>());
+  uint16_t port = read_port(ready);
+  ASSERT_NE(port, 0);
+
+  // The source was paused, captured and resumed as itself; its cache is back.
+  auto info = ask(port, "INFO");
+  EXPECT_EQ(field(info, "restored"), "0") << info;
+  EXPECT_EQ(field(info, "cache_mib"), "256") << info;
+  EXPECT_EQ(ask(port, "INCR"), "1");
+  // The 256 MiB cache was released before the capture: it is not in the artifact.
+  auto manifest = json::parse(gpusnap({"inspect", snap.string(), "--json"}).out);
+  EXPECT_LT(manifest["total_bytes"].get<uint64_t>(), 128ull << 20);
+  EXPECT_FALSE(manifest["handshake"].is_null());
+
+  auto rs = gpusnap({"restore", snap.string(), "--replicas", "2", "--set", "greeting=hello",
+                     "--publish", std::to_string(port), "--json"});
+  ASSERT_EQ(rs.exit_code, 0) << rs.err;
+  Copies copies{json::parse(rs.out)};
+  EXPECT_TRUE(copies.doc["handshake"].get<bool>());
+  for (size_t i = 0; i < 2; ++i) {
+    // RESUMED came before restore returned: the copy serves at once, with its own context.
+    auto copy_info = ask(copies.port(i), "INFO");
+    EXPECT_EQ(field(copy_info, "copy"), std::to_string(i)) << copy_info;
+    EXPECT_EQ(field(copy_info, "restored"), "1") << copy_info;
+    EXPECT_EQ(field(copy_info, "cache_mib"), "256") << copy_info;
+    EXPECT_EQ(field(copy_info, "greeting"), "hello") << copy_info;
+    EXPECT_EQ(ask(copies.port(i), "INCR"), "1");  // the counter as it was at the capture
+  }
+  EXPECT_EQ(ask(port, "INCR"), "2");
+}
+
+TEST(Handshake, RunCapturesAtReadyAndCopiesResumeWithTheirOwnContext) {
+  SKIP_WITHOUT_CRIU();
+  run_capture_and_restore({cxx_worker()});
+}
+
+TEST(Handshake, PythonClientDoesTheSame) {
+  SKIP_WITHOUT_CRIU();
+  run_capture_and_restore({"python3", build_path("tests/handshake_worker.py")});
+}
+
+TEST(Handshake, WorkloadThatNeverSaysReadyTimesOutAndIsStopped) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  auto marker = (dir / "never-ready-port").string();
+  auto run = gpusnap({"run", "-o", (dir / "snap").string(), "--ready-timeout", "2", "--",
+                      "/usr/bin/env", "GPUSNAP_EXAMPLE_NEVER_READY=1", cxx_worker(),
+                      "--ready-file", marker});
+  EXPECT_EQ(run.exit_code, 11) << run.err;
+  EXPECT_NE(run.err.find("did not say READY within 2 s"), std::string::npos) << run.err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  // gpusnap launched it and it never became capturable: it is gone.
+  EXPECT_TRUE(eventually([&] {
+    for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+      std::string cmdline;
+      if (fs::try_read_file(e.path() / "cmdline", &cmdline) &&
+          cmdline.find(marker) != std::string::npos) {
+        return false;
+      }
+    }
+    return true;
+  }));
+}
+
+// A worker started by the test (not by gpusnap) that speaks the handshake.
+struct HandshakeWorker {
+  TempDir& dir;
+  std::filesystem::path control;
+  std::unique_ptr<Workload> process;
+  HandshakeWorker(TempDir& d, const std::string& pause_mode) : dir(d), control(d / "control") {
+    std::filesystem::create_directories(control);
+    process = std::make_unique<Workload>(
+        dir,
+        std::vector<std::string>{"/usr/bin/env", "GPUSNAP_CONTROL_DIR=" + control.string(),
+                                 "GPUSNAP_EXAMPLE_PAUSE=" + pause_mode, cxx_worker()},
+        std::chrono::seconds(30));
+    EXPECT_TRUE(eventually([&] { return std::filesystem::exists(control / "ready"); }));
+  }
+};
+
+TEST(Handshake, FailedPauseAbortsTheCaptureAndLeavesTheSourceServing) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  HandshakeWorker worker(dir, "fail");
+  ASSERT_EQ(ask(worker.process->port(), "INCR"), "1");
+  auto cp = gpusnap({"checkpoint", "-p", std::to_string(worker.process->pid()), "-o",
+                     (dir / "snap").string()});
+  EXPECT_EQ(cp.exit_code, 9) << cp.err;
+  EXPECT_NE(cp.err.find("answered FAILED to pause: refused by test"), std::string::npos) << cp.err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  EXPECT_EQ(ask(worker.process->port(), "INCR"), "2");
+  EXPECT_TRUE(running(worker.process->pid()));
+}
+
+TEST(Handshake, WorkloadDyingDuringThePauseAbortsTheCapture) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  HandshakeWorker worker(dir, "die");
+  auto cp = gpusnap({"checkpoint", "-p", std::to_string(worker.process->pid()), "-o",
+                     (dir / "snap").string()});
+  EXPECT_EQ(cp.exit_code, 9) << cp.err;
+  EXPECT_NE(cp.err.find("exited during pause"), std::string::npos) << cp.err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+}
+
+TEST(Handshake, CheckpointSaysWhenItCapturesWithoutTheHandshake) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Workload plain(dir, {"--mib", "4"});
+  auto cp = gpusnap({"checkpoint", "-p", std::to_string(plain.pid()), "-o",
+                     (dir / "snap").string(), "--leave-running"});
+  ASSERT_EQ(cp.exit_code, 0) << cp.err;
+  EXPECT_NE(cp.err.find("does not speak the workload handshake"), std::string::npos) << cp.err;
+}
+
+TEST(Handshake, RunRefusesIoUringToTheWorkload) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  auto run = gpusnap({"run", "-o", (dir / "snap").string(), "--ready-timeout", "10", "--",
+                      build_path("tests/gpusnap-test-workload"), "--io-uring"});
+  // The test workload insists on io_uring: under `gpusnap run` the kernel says ENOSYS, as it
+  // would where io_uring is absent, and the workload says so.
+  EXPECT_EQ(run.exit_code, 9) << run.err;
+  EXPECT_NE(run.err.find("exited before it said READY"), std::string::npos) << run.err;
+  EXPECT_NE(run.err.find("io_uring"), std::string::npos) << run.err;
+}
+
+}  // namespace
+}  // namespace gpusnap::testing

@@ -1,0 +1,390 @@
+"""The Python handshake client (python/gpusnap_handshake.py), and the Python example worker,
+against a temporary control directory, with this test playing gpusnap's side.
+
+Plain unittest, standard library only:  python3 tests/handshake/test_python_client.py
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+
+import gpusnap_handshake as hs  # noqa: E402
+
+FULL_CONTEXT = {"id": "r1", "context": {
+    "restored": True, "copy": 2, "copies": 4, "artifact_id": "art-7",
+    "gpu_map": {"GPU-aaa": "GPU-bbb"}, "settings": {"greeting": 'hi "there"', "port": "8001"}}}
+
+
+class ControlDir(unittest.TestCase):
+    """A temporary control directory and gpusnap's side of the files."""
+
+    def setUp(self):
+        self.root = tempfile.mkdtemp(prefix="gpusnap-handshake-")
+        self.dir = os.path.join(self.root, "control")
+        os.mkdir(self.dir)
+        self._saved_env = os.environ.get(hs.CONTROL_DIR_VARIABLE)
+        os.environ[hs.CONTROL_DIR_VARIABLE] = self.dir
+
+    def tearDown(self):
+        if self._saved_env is None:
+            os.environ.pop(hs.CONTROL_DIR_VARIABLE, None)
+        else:
+            os.environ[hs.CONTROL_DIR_VARIABLE] = self._saved_env
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def put(self, name, obj):
+        tmp = os.path.join(self.dir, name + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(obj if isinstance(obj, str) else json.dumps(obj))
+        os.rename(tmp, os.path.join(self.dir, name))
+
+    def get(self, name):
+        try:
+            with open(os.path.join(self.dir, name)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def remove(self, name):
+        os.unlink(os.path.join(self.dir, name))
+
+    def wait_answer(self, name, request_id, timeout=3.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            answer = self.get(name)
+            if answer and answer.get("id") == request_id:
+                return answer
+            time.sleep(0.005)
+        self.fail(f"no {name} with id {request_id!r} in {os.listdir(self.dir)}")
+
+    def assert_absent_for(self, name, seconds=0.3):
+        time.sleep(seconds)
+        self.assertIsNone(self.get(name), f"{name} appeared")
+
+
+class Recorder:
+    def __init__(self, pause_ok=True, resume_ok=True, reason=None):
+        self.pauses = 0
+        self.contexts = []
+        self.pause_ok, self.resume_ok, self.reason = pause_ok, resume_ok, reason
+
+    def on_pause(self):
+        self.pauses += 1
+        if not self.pause_ok and self.reason:
+            raise RuntimeError(self.reason)
+        return self.pause_ok
+
+    def on_resume(self, context):
+        self.contexts.append(context)
+        if not self.resume_ok and self.reason:
+            raise RuntimeError(self.reason)
+        return self.resume_ok
+
+    def serve(self, client):
+        client.serve(self.on_pause, self.on_resume)
+        return client
+
+
+class ClientTest(ControlDir):
+    def client(self):
+        c = hs.Client.from_environment()
+        self.addCleanup(c.stop)
+        return c
+
+    def test_no_control_dir_is_noop(self):
+        del os.environ[hs.CONTROL_DIR_VARIABLE]
+        c = hs.Client.from_environment()
+        self.assertFalse(c.enabled)
+        c.ready()
+        Recorder().serve(c)
+        self.assertIsNone(c.poll())
+        c.answer_paused("x")
+        c.answer_resumed("x")
+        c.answer_failed("x", "y")
+        c.stop()
+        self.assertEqual(os.listdir(self.dir), [])
+        os.environ[hs.CONTROL_DIR_VARIABLE] = ""
+        self.assertFalse(hs.Client.from_environment().enabled)
+        os.environ[hs.CONTROL_DIR_VARIABLE] = "relative/dir"
+        self.assertFalse(hs.Client.from_environment().enabled)
+
+    def test_ready_has_protocol_and_pid(self):
+        c = self.client()
+        self.assertTrue(c.enabled)
+        self.assertEqual(c.control_dir, self.dir)
+        c.ready()
+        self.assertEqual(self.get("ready"), {"protocol": 1, "pid": os.getpid()})
+        self.assertFalse([n for n in os.listdir(self.dir) if n.endswith(".tmp")])
+
+    def test_ready_is_written_once_the_directory_is_there(self):
+        os.rmdir(self.dir)
+        c = self.client()
+        c.ready()  # the directory is missing: retried by the serving thread
+        Recorder().serve(c)
+        time.sleep(0.1)
+        os.mkdir(self.dir)
+        self.assertEqual(self.wait_answer("ready", None)["protocol"], 1)
+
+    def test_pause_is_answered_paused_with_the_same_id(self):
+        rec = Recorder()
+        c = rec.serve(self.client())
+        c.ready()
+        self.put("pause", {"id": "cap-1", "timeout_ms": 5000})
+        self.assertEqual(self.wait_answer("paused", "cap-1"), {"id": "cap-1"})
+        self.assertEqual(rec.pauses, 1)
+
+    def test_a_pause_with_an_answered_id_is_ignored(self):
+        rec = Recorder()
+        rec.serve(self.client())
+        self.put("pause", {"id": "p1", "timeout_ms": 5000})
+        self.wait_answer("paused", "p1")
+        self.remove("pause")
+        self.remove("paused")
+        self.put("resume", {"id": "r1", "context": {"restored": False, "copy": 0, "copies": 1}})
+        self.wait_answer("resumed", "r1")
+        self.remove("resume")
+        self.remove("resumed")
+        # The same pause again (a stale file): never answered twice.
+        self.put("pause", {"id": "p1", "timeout_ms": 5000})
+        self.assert_absent_for("paused")
+        self.assertEqual(rec.pauses, 1)
+        # A new id is a new request.
+        self.put("pause", {"id": "p2", "timeout_ms": 5000})
+        self.wait_answer("paused", "p2")
+        self.assertEqual(rec.pauses, 2)
+
+    def test_failed_with_reason_when_on_pause_returns_false(self):
+        rec = Recorder(pause_ok=False)
+        rec.serve(self.client())
+        self.put("pause", {"id": "p1", "timeout_ms": 100})
+        answer = self.wait_answer("failed", "p1")
+        self.assertEqual(answer["reason"], "on_pause returned False")
+        self.assertIsNone(self.get("paused"))
+        # A failed pause leaves the workload running: the next pause is handled again.
+        rec.pause_ok = True
+        self.put("pause", {"id": "p2"})
+        self.wait_answer("paused", "p2")
+        self.assertEqual(rec.pauses, 2)
+
+    def test_an_exception_is_a_failure_with_its_text(self):
+        reason = 'busy: "batch" in flight\n\\ok \u00e9'
+        rec = Recorder(pause_ok=False, reason=reason)
+        rec.serve(self.client())
+        self.put("pause", {"id": "p1"})
+        self.assertEqual(self.wait_answer("failed", "p1")["reason"], reason)
+
+    def test_resume_context_is_parsed_and_answered(self):
+        rec = Recorder()
+        c = rec.serve(self.client())
+        c.ready()
+        self.put("pause", {"id": "p1", "timeout_ms": 5000})
+        self.wait_answer("paused", "p1")
+        self.remove("ready")  # to see it written again
+        self.put("resume", FULL_CONTEXT)
+        self.assertEqual(self.wait_answer("resumed", "r1"), {"id": "r1"})
+        self.assertIsNotNone(self.get("ready"))  # capturable again
+        self.assertEqual(rec.contexts, [hs.ResumeContext(
+            restored=True, copy=2, copies=4, artifact_id="art-7",
+            gpu_map={"GPU-aaa": "GPU-bbb"}, settings={"greeting": 'hi "there"', "port": "8001"})])
+
+    def test_a_failed_resume_stays_paused_and_may_be_retried(self):
+        rec = Recorder(resume_ok=False, reason="no memory")
+        rec.serve(self.client())
+        self.put("pause", {"id": "p1"})
+        self.wait_answer("paused", "p1")
+        self.put("resume", {"id": "r1", "context": {"restored": False}})
+        self.assertEqual(self.wait_answer("failed", "r1")["reason"], "no memory")
+        rec.resume_ok = True
+        self.put("resume", {"id": "r2", "context": {"restored": False}})
+        self.wait_answer("resumed", "r2")
+        self.assertEqual((rec.pauses, len(rec.contexts)), (1, 2))
+
+    def test_control_dir_removed_and_recreated_mid_wait(self):
+        rec = Recorder()
+        c = rec.serve(self.client())
+        c.ready()
+        # Gone while the workload waits for a pause: it keeps polling.
+        shutil.rmtree(self.dir)
+        time.sleep(0.15)
+        os.mkdir(self.dir)
+        self.put("pause", {"id": "p1", "timeout_ms": 5000})
+        self.wait_answer("paused", "p1")
+        # A restore: the paused workload finds a fresh directory at the same path, here with a
+        # stale copy of the pause it already answered, which must not be answered again.
+        shutil.rmtree(self.dir)
+        time.sleep(0.15)
+        os.mkdir(self.dir)
+        self.put("pause", {"id": "p1", "timeout_ms": 5000})
+        self.put("resume", FULL_CONTEXT)
+        self.wait_answer("resumed", "r1")
+        self.assertIsNone(self.get("paused"))
+        self.assertIsNotNone(self.get("ready"))
+        self.assertEqual((rec.pauses, len(rec.contexts)), (1, 1))
+
+    def test_poll_style(self):
+        c = self.client()
+        c.ready()
+        self.assertIsNone(c.poll())
+        self.put("pause", {"id": "p1", "timeout_ms": 1234})
+        req = c.poll()
+        self.assertEqual((req.kind, req.id, req.timeout_ms), ("pause", "p1", 1234))
+        self.assertEqual(c.poll(), req)  # handed out again until answered
+        c.answer_paused("p1")
+        self.wait_answer("paused", "p1")
+        self.assertIsNone(c.poll())  # the pause file is still there: already answered
+        self.put("resume", FULL_CONTEXT)
+        req = c.poll()
+        self.assertEqual((req.kind, req.id, req.context.copy), ("resume", "r1", 2))
+        self.assertEqual(req.context.settings["port"], "8001")
+        c.answer_resumed("r1")
+        self.wait_answer("resumed", "r1")
+        self.assertIsNone(c.poll())
+        self.put("pause", {"id": "p2"})
+        self.assertEqual(c.poll().id, "p2")
+        c.answer_failed("p2", "not now")
+        self.assertEqual(self.wait_answer("failed", "p2")["reason"], "not now")
+        self.assertIsNone(c.poll())
+
+    def test_a_resume_that_finds_the_workload_running_is_answered_at_once(self):
+        c = self.client()
+        self.put("resume", {"id": "r9", "context": {"restored": False}})
+        self.assertIsNone(c.poll())
+        self.wait_answer("resumed", "r9")
+
+    def test_malformed_requests(self):
+        c = self.client()
+        # Not JSON, or no id: cannot be answered, ignored.
+        self.put("pause", '{"id":"p1"')
+        self.assertIsNone(c.poll())
+        self.put("pause", {"timeout_ms": 5})
+        self.assertIsNone(c.poll())
+        self.assertIsNone(self.get("failed"))
+        # An id but a bad field: answered failed, once.
+        self.put("pause", {"id": "p2", "timeout_ms": "soon"})
+        self.assertIsNone(c.poll())
+        self.assertTrue(self.wait_answer("failed", "p2")["reason"].startswith("bad request: "))
+        self.remove("failed")
+        self.assertIsNone(c.poll())
+        self.assertIsNone(self.get("failed"))
+        self.remove("pause")
+        self.put("pause", {"id": "p3"})
+        self.assertIsNotNone(c.poll())
+        c.answer_paused("p3")
+        self.put("resume", {"id": "r1", "context": {"settings": {"n": 1}}})
+        self.assertIsNone(c.poll())
+        self.assertIn("settings", self.wait_answer("failed", "r1")["reason"])
+        self.put("resume", {"id": "r2", "context": {"copy": True}})
+        self.assertIsNone(c.poll())
+        self.wait_answer("failed", "r2")
+        self.put("resume", {"id": "r3"})
+        self.assertIsNone(c.poll())
+        self.wait_answer("failed", "r3")
+        # Still paused: a good resume is handed out; unknown fields are ignored.
+        self.put("resume", {"id": "r4", "context": {}, "extra": [1, {"x": None}]})
+        req = c.poll()
+        self.assertEqual((req.id, req.context), ("r4", hs.ResumeContext()))
+
+    def test_serve_twice_or_poll_while_serving_is_an_error(self):
+        c = Recorder().serve(self.client())
+        with self.assertRaises(RuntimeError):
+            Recorder().serve(c)
+        with self.assertRaises(RuntimeError):
+            c.poll()
+
+    def test_stop_from_inside_a_callback(self):
+        c = self.client()
+        calls = []
+
+        def on_pause():
+            calls.append(1)
+            c.stop()
+
+        c.serve(on_pause, lambda ctx: True)
+        self.put("pause", {"id": "p1"})
+        self.wait_answer("paused", "p1")
+        self.put("resume", {"id": "r1", "context": {}})
+        self.assert_absent_for("resumed", 0.15)
+        self.assertEqual(calls, [1])
+
+    def test_long_reasons_are_cut(self):
+        c = self.client()
+        self.put("pause", {"id": "p1"})
+        c.poll()
+        c.answer_failed("p1", "r" * 5000)
+        self.assertEqual(len(self.wait_answer("failed", "p1")["reason"]), hs.MAX_REASON_CHARS + 3)
+
+
+class ExampleWorkerTest(ControlDir):
+    """examples/handshake_worker.py end to end: pause releases the cache, resume re-creates it
+    and applies the settings, the counter survives."""
+
+    def start_worker(self, *args, env=None):
+        ready_file = os.path.join(self.root, "port")
+        full_env = dict(os.environ, **(env or {}))
+        proc = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "examples", "handshake_worker.py"),
+             "--ready-file", ready_file, "--cache-mib", "8", *args],
+            env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.addCleanup(lambda: (proc.kill(), proc.wait()))
+        deadline = time.monotonic() + 10
+        while not os.path.exists(ready_file):
+            self.assertIsNone(proc.poll(), "worker exited")
+            self.assertLess(time.monotonic(), deadline, "worker not ready")
+            time.sleep(0.01)
+        with open(ready_file) as f:
+            return proc, int(f.read())
+
+    @staticmethod
+    def ask(port, line):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(line.encode() + b"\n")
+            return s.makefile().readline().strip()
+
+    def test_pause_and_resume(self):
+        _, port = self.start_worker()
+        self.assertEqual(self.ask(port, "PING"), "PONG")
+        self.assertEqual(self.ask(port, "INCR"), "1")
+        info = self.ask(port, "INFO")
+        self.assertRegex(info, r"^pid=\d+ copy=-1 restored=0 cache_mib=8 greeting=-$")
+        self.assertEqual(self.get("ready")["protocol"], 1)
+        self.put("pause", {"id": "p1", "timeout_ms": 5000})
+        self.wait_answer("paused", "p1")
+        self.assertIn("cache_mib=0", self.ask(port, "INFO"))
+        self.put("resume", {"id": "r1", "context": {
+            "restored": True, "copy": 1, "copies": 2, "artifact_id": "a",
+            "gpu_map": {}, "settings": {"greeting": "hola"}}})
+        self.wait_answer("resumed", "r1")
+        self.assertRegex(self.ask(port, "INFO"), r"copy=1 restored=1 cache_mib=8 greeting=hola$")
+        self.assertEqual(self.ask(port, "HELLO"), "hola")
+        self.assertEqual(self.ask(port, "INCR"), "2")
+        self.assertEqual(self.ask(port, "CHECK"), "OK")
+
+    def test_pause_refused(self):
+        self.start_worker(env={"GPUSNAP_EXAMPLE_PAUSE": "fail"})
+        self.put("pause", {"id": "p1", "timeout_ms": 5000})
+        self.assertEqual(self.wait_answer("failed", "p1")["reason"], "refused by test")
+
+    def test_pause_dies(self):
+        proc, _ = self.start_worker(env={"GPUSNAP_EXAMPLE_PAUSE": "die"})
+        self.put("pause", {"id": "p1", "timeout_ms": 5000})
+        self.assertEqual(proc.wait(timeout=5), 3)
+        self.assertIsNone(self.get("paused"))
+
+    def test_never_ready(self):
+        _, port = self.start_worker(env={"GPUSNAP_EXAMPLE_NEVER_READY": "1"})
+        self.assertEqual(self.ask(port, "PING"), "PONG")
+        self.assertIsNone(self.get("ready"))
+
+
+if __name__ == "__main__":
+    unittest.main()
