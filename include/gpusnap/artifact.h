@@ -26,8 +26,8 @@ inline constexpr const char* kCriuImageDir = "criu";
 // What a restore depends on about the machine that took the snapshot.
 struct HostFacts {
   std::string hostname;
-  std::string kernel;        // uname -r
-  std::string arch;          // uname -m
+  std::string kernel;  // uname -r
+  std::string arch;    // uname -m
   std::string cpu_model;
   std::vector<std::string> cpu_flags;
   std::string criu_version;
@@ -53,7 +53,7 @@ struct ProcessRecord {
 };
 
 struct FileRecord {
-  std::string path;                 // relative to the artifact root
+  std::string path;  // relative to the artifact root
   uint64_t size = 0;
   std::vector<std::string> chunks;  // checksum of each chunk, hex
 };

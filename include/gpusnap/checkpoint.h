@@ -19,10 +19,10 @@ class Driver;
 }
 
 struct CheckpointOptions {
-  pid_t pid = 0;                      // root of the tree to capture
-  std::filesystem::path output;       // the artifact directory to create (must not exist)
-  bool leave_running = false;         // keep the source running after the capture
-  std::string criu_path;              // empty: locate CRIU (see criu::locate)
+  pid_t pid = 0;                 // root of the tree to capture
+  std::filesystem::path output;  // the artifact directory to create (must not exist)
+  bool leave_running = false;    // keep the source running after the capture
+  std::string criu_path;         // empty: locate CRIU (see criu::locate)
   uint64_t ghost_limit = 256ull << 20;
   // GPU: the driver seam; nullptr means "the real NVIDIA driver, if any".
   gpu::Driver* driver = nullptr;

@@ -9,17 +9,17 @@ namespace gpusnap {
 
 // The kinds double as the CLI's exit codes, so they are stable: tools script against them.
 enum class ErrorKind : int {
-  kInternal = 1,      // a bug or an unexpected system failure
-  kUsage = 2,         // bad flags or arguments
-  kNotFound = 3,      // no such process or artifact
-  kBadArtifact = 4,   // corrupt, truncated or foreign artifact
-  kIncompatible = 5,  // the artifact cannot run on this host (arch, CPU, GPU, driver)
-  kNotCapturable = 6, // the workload holds something that cannot be captured
-  kCriu = 7,          // CRIU failed
-  kGpu = 8,           // the GPU driver failed or refused
-  kHandshake = 9,     // the workload answered FAILED or did not answer in time
-  kEnvironment = 10,  // the host lacks something gpusnap needs (CRIU, root, a GPU)
-  kTimeout = 11,      // an operation ran out of time
+  kInternal = 1,       // a bug or an unexpected system failure
+  kUsage = 2,          // bad flags or arguments
+  kNotFound = 3,       // no such process or artifact
+  kBadArtifact = 4,    // corrupt, truncated or foreign artifact
+  kIncompatible = 5,   // the artifact cannot run on this host (arch, CPU, GPU, driver)
+  kNotCapturable = 6,  // the workload holds something that cannot be captured
+  kCriu = 7,           // CRIU failed
+  kGpu = 8,            // the GPU driver failed or refused
+  kHandshake = 9,      // the workload answered FAILED or did not answer in time
+  kEnvironment = 10,   // the host lacks something gpusnap needs (CRIU, root, a GPU)
+  kTimeout = 11,       // an operation ran out of time
 };
 
 class Error : public std::runtime_error {

@@ -34,7 +34,7 @@ struct PortPublish {
 struct RestoreOptions {
   std::filesystem::path artifact;
   int replicas = 1;
-  bool verify = true;                 // re-check every byte before starting anything
+  bool verify = true;  // re-check every byte before starting anything
   std::string criu_path;
   std::vector<PortPublish> publish;
   std::filesystem::path run_dir = "/run/gpusnap";  // per-copy logs and state
@@ -60,10 +60,10 @@ struct PublishedPort {
 
 struct CopyInfo {
   int index = 0;
-  pid_t host_pid = 0;   // the restored root process, as the host sees it
-  pid_t ns_pid = 0;     // the same process inside its namespace (its original pid)
-  pid_t init_pid = 0;   // the copy's namespace init (host pid): kill it to end the copy
-  std::filesystem::path dir;         // logs: restore.log (CRIU), output.log (the workload)
+  pid_t host_pid = 0;         // the restored root process, as the host sees it
+  pid_t ns_pid = 0;           // the same process inside its namespace (its original pid)
+  pid_t init_pid = 0;         // the copy's namespace init (host pid): kill it to end the copy
+  std::filesystem::path dir;  // logs: restore.log (CRIU), output.log (the workload)
   std::vector<PublishedPort> ports;
 };
 

@@ -16,7 +16,7 @@ using nlohmann::json;
 
 HostFacts HostFacts::probe(const std::string& criu_version) {
   HostFacts h;
-  struct utsname u{};
+  struct utsname u {};
   ::uname(&u);
   h.kernel = u.release;
   h.arch = u.machine;
@@ -147,8 +147,7 @@ Manifest Manifest::from_json(const json& doc) {
   try {
     m.format = get(doc, "format").get<std::string>();
     if (m.format != kArtifactFormat) {
-      throw Error(ErrorKind::kBadArtifact,
-                  "not a gpusnap artifact (format '" + m.format + "')",
+      throw Error(ErrorKind::kBadArtifact, "not a gpusnap artifact (format '" + m.format + "')",
                   "point gpusnap at a directory written by `gpusnap checkpoint`");
     }
     m.format_version = integer(doc, "format_version").get<int>();
@@ -212,8 +211,8 @@ Manifest Manifest::from_json(const json& doc) {
       m.files.push_back(std::move(rec));
     }
     for (const auto& p : objects(doc, "checkpoint_phases")) {
-      m.checkpoint_phases.push_back({get(p, "name").get<std::string>(),
-                                     get(p, "seconds").get<double>()});
+      m.checkpoint_phases.push_back(
+          {get(p, "name").get<std::string>(), get(p, "seconds").get<double>()});
     }
   } catch (const json::exception& e) {
     throw Error(ErrorKind::kBadArtifact,
@@ -295,8 +294,8 @@ std::vector<VerifyProblem> Artifact::verify(const VerifyOptions& options) const 
       if (c >= want.chunks.size() || got.chunks[c] != want.chunks[c]) {
         uint64_t begin = c * manifest_.chunk_bytes;
         uint64_t end = std::min(got.size, begin + manifest_.chunk_bytes);
-        problems.push_back({got.path, "checksum mismatch in bytes " + std::to_string(begin) +
-                                          "-" + std::to_string(end)});
+        problems.push_back({got.path, "checksum mismatch in bytes " + std::to_string(begin) + "-" +
+                                          std::to_string(end)});
       }
     }
   }

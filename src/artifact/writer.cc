@@ -67,7 +67,8 @@ bool ArtifactWriter::lock_staging() {
   }
   // Between mkdir and flock, the directory was unlocked: still ours only if it is still there.
   // (A sweeper holds its own lock while it removes, so our flock waited for it to finish.)
-  struct stat held{}, named{};
+  struct stat held {
+  }, named{};
   if (::fstat(fd.get(), &held) != 0 || ::stat(staging_.c_str(), &named) != 0 ||
       held.st_dev != named.st_dev || held.st_ino != named.st_ino) {
     return false;
@@ -82,8 +83,8 @@ ArtifactWriter::~ArtifactWriter() {
 
 void ArtifactWriter::seal(Manifest& manifest, Phases& phases) {
   phases.run("checksum", [&] {
-    manifest.files = checksum_tree(staging_, manifest.chunk_bytes,
-                                   VerifyOptions{0, &phases.reporter()});
+    manifest.files =
+        checksum_tree(staging_, manifest.chunk_bytes, VerifyOptions{0, &phases.reporter()});
   });
 }
 
@@ -92,8 +93,7 @@ void ArtifactWriter::commit(const Manifest& manifest, Phases& phases) {
     fs::write_file(staging_ / kManifestName, manifest.to_json().dump(2) + "\n");
     fs::fsync_tree(staging_);
     // RENAME_NOREPLACE: two checkpoints racing for one name must not overwrite each other.
-    if (::renameat2(AT_FDCWD, staging_.c_str(), AT_FDCWD, final_.c_str(), RENAME_NOREPLACE) !=
-        0) {
+    if (::renameat2(AT_FDCWD, staging_.c_str(), AT_FDCWD, final_.c_str(), RENAME_NOREPLACE) != 0) {
       if (errno == EEXIST || errno == ENOTEMPTY) {
         throw Error(ErrorKind::kUsage, "output " + final_.string() + " appeared meanwhile",
                     "choose another -o path");

@@ -77,8 +77,10 @@ std::string format_help(const std::string& usage, const std::string& summary,
   for (const auto& s : specs) {
     std::string left = "  " + (s.short_name.empty() ? "" : s.short_name + ", ") + s.name;
     if (!s.value_name.empty()) left += " " + s.value_name;
-    if (left.size() < 30) left.resize(30, ' ');
-    else left += "\n" + std::string(30, ' ');
+    if (left.size() < 30)
+      left.resize(30, ' ');
+    else
+      left += "\n" + std::string(30, ' ');
     out += left + s.help + "\n";
   }
   return out;

@@ -30,8 +30,9 @@ using nlohmann::json;
 
 const FlagSpec kJson{"--json", "", "", "print the result as one JSON document on stdout"};
 const FlagSpec kQuiet{"--quiet", "-q", "", "print no progress"};
-const FlagSpec kCriu{"--criu", "", "PATH", "the criu binary (default: $GPUSNAP_CRIU, "
-                                           "/opt/gpusnap/criu/criu, criu on PATH)"};
+const FlagSpec kCriu{"--criu", "", "PATH",
+                     "the criu binary (default: $GPUSNAP_CRIU, "
+                     "/opt/gpusnap/criu/criu, criu on PATH)"};
 const FlagSpec kHelp{"--help", "-h", "", "show this help"};
 
 // Output settings shared by every command.
@@ -78,7 +79,8 @@ int cmd_checkpoint(const Args& args) {
     throw Error(ErrorKind::kUsage, "checkpoint needs --pid PID", "see `gpusnap checkpoint --help`");
   }
   if (!args.has("--output")) {
-    throw Error(ErrorKind::kUsage, "checkpoint needs -o ARTIFACT", "see `gpusnap checkpoint --help`");
+    throw Error(ErrorKind::kUsage, "checkpoint needs -o ARTIFACT",
+                "see `gpusnap checkpoint --help`");
   }
   o.pid = static_cast<pid_t>(args.get_int("--pid", 0, 1, 1L << 22));
   o.output = args.get("--output");
@@ -95,17 +97,14 @@ int cmd_checkpoint(const Args& args) {
 
 void print_checkpoint(const Output& out, const CheckpointResult& r, bool leave_running) {
   if (out.json) {
-    std::cout << json{{"artifact", r.artifact.string()},
-                      {"id", r.manifest.id},
-                      {"pid", r.manifest.source_pid},
-                      {"processes", r.manifest.processes.size()},
-                      {"bytes", r.manifest.total_bytes()},
-                      {"source_left_running", leave_running},
-                      {"handshake", r.handshake},
-                      {"phases", phases_json(r.phases)},
-                      {"seconds", sum(r.phases)}}
-                     .dump(2)
-              << "\n";
+    std::cout
+        << json{{"artifact", r.artifact.string()},   {"id", r.manifest.id},
+                {"pid", r.manifest.source_pid},      {"processes", r.manifest.processes.size()},
+                {"bytes", r.manifest.total_bytes()}, {"source_left_running", leave_running},
+                {"handshake", r.handshake},          {"phases", phases_json(r.phases)},
+                {"seconds", sum(r.phases)}}
+               .dump(2)
+        << "\n";
   } else if (!out.quiet) {
     std::printf("checkpoint %s: %zu process(es), %s, %.2f s; source %s%s\n", r.artifact.c_str(),
                 r.manifest.processes.size(), fs::human_bytes(r.manifest.total_bytes()).c_str(),
@@ -117,7 +116,8 @@ void print_checkpoint(const Output& out, const CheckpointResult& r, bool leave_r
 int cmd_restore(const Args& args) {
   Output out(args);
   if (args.positional().size() != 1) {
-    throw Error(ErrorKind::kUsage, "restore needs exactly one ARTIFACT", "see `gpusnap restore --help`");
+    throw Error(ErrorKind::kUsage, "restore needs exactly one ARTIFACT",
+                "see `gpusnap restore --help`");
   }
   RestoreOptions o;
   o.artifact = args.positional()[0];
@@ -148,14 +148,20 @@ int cmd_restore(const Args& args) {
     for (const auto& c : r.copies) {
       json ports = json::array();
       for (const auto& p : c.ports) {
-        ports.push_back({{"host_address", p.host_address}, {"host_port", p.host_port},
-                         {"port", p.port}});
+        ports.push_back(
+            {{"host_address", p.host_address}, {"host_port", p.host_port}, {"port", p.port}});
       }
-      copies.push_back({{"index", c.index}, {"pid", c.host_pid}, {"ns_pid", c.ns_pid},
-                        {"init_pid", c.init_pid}, {"dir", c.dir.string()}, {"ports", ports}});
+      copies.push_back({{"index", c.index},
+                        {"pid", c.host_pid},
+                        {"ns_pid", c.ns_pid},
+                        {"init_pid", c.init_pid},
+                        {"dir", c.dir.string()},
+                        {"ports", ports}});
     }
-    std::cout << json{{"artifact", o.artifact.string()}, {"id", r.manifest.id},
-                      {"copies", copies}, {"handshake", r.handshake},
+    std::cout << json{{"artifact", o.artifact.string()},
+                      {"id", r.manifest.id},
+                      {"copies", copies},
+                      {"handshake", r.handshake},
                       {"phases", phases_json(r.phases)},
                       {"seconds", sum(r.phases)}}
                      .dump(2)
@@ -179,7 +185,8 @@ int cmd_restore(const Args& args) {
 int cmd_inspect(const Args& args) {
   Output out(args);
   if (args.positional().size() != 1) {
-    throw Error(ErrorKind::kUsage, "inspect needs exactly one ARTIFACT", "see `gpusnap inspect --help`");
+    throw Error(ErrorKind::kUsage, "inspect needs exactly one ARTIFACT",
+                "see `gpusnap inspect --help`");
   }
   auto a = Artifact::open(args.positional()[0]);
   const Manifest& m = a.manifest();
@@ -193,7 +200,8 @@ int cmd_inspect(const Args& args) {
   std::printf("artifact   %s\n", a.root().c_str());
   std::printf("id         %s\n", m.id.c_str());
   std::printf("created    %s by gpusnap %s\n", m.created.c_str(), m.gpusnap_version.c_str());
-  std::printf("source     pid %d: %s\n", m.source_pid, proc::join_cmdline(m.source_cmdline).c_str());
+  std::printf("source     pid %d: %s\n", m.source_pid,
+              proc::join_cmdline(m.source_cmdline).c_str());
   std::printf("host       %s, %s, kernel %s, CRIU %s\n", m.host.hostname.c_str(),
               m.host.arch.c_str(), m.host.kernel.c_str(), m.host.criu_version.c_str());
   std::printf("cpu        %s (%zu flags)\n", m.host.cpu_model.c_str(), m.host.cpu_flags.size());
@@ -236,7 +244,8 @@ int cmd_inspect(const Args& args) {
 int cmd_verify(const Args& args) {
   Output out(args);
   if (args.positional().size() != 1) {
-    throw Error(ErrorKind::kUsage, "verify needs exactly one ARTIFACT", "see `gpusnap verify --help`");
+    throw Error(ErrorKind::kUsage, "verify needs exactly one ARTIFACT",
+                "see `gpusnap verify --help`");
   }
   auto a = Artifact::open(args.positional()[0]);
   Phases phases(*out.reporter);
@@ -244,8 +253,10 @@ int cmd_verify(const Args& args) {
   if (out.json) {
     json list = json::array();
     for (const auto& p : problems) list.push_back({{"path", p.path}, {"problem", p.problem}});
-    std::cout << json{{"artifact", a.root().string()}, {"ok", problems.empty()},
-                      {"bytes", a.manifest().total_bytes()}, {"problems", list},
+    std::cout << json{{"artifact", a.root().string()},
+                      {"ok", problems.empty()},
+                      {"bytes", a.manifest().total_bytes()},
+                      {"problems", list},
                       {"seconds", phases.total_seconds()}}
                      .dump(2)
               << "\n";
@@ -304,8 +315,9 @@ int cmd_run(const Args& args) {
     print_checkpoint(out, r, o.leave_running);
   } catch (const Error& e) {
     workload.release();  // a failed capture leaves the workload running as it was
-    throw Error(e.kind(), std::string(e.what()) + " (the workload, pid " +
-                              std::to_string(workload.pid()) + ", was left running)",
+    throw Error(e.kind(),
+                std::string(e.what()) + " (the workload, pid " + std::to_string(workload.pid()) +
+                    ", was left running)",
                 e.hint());
   }
   return 0;
@@ -337,7 +349,8 @@ int cmd_recover(const Args& args) {
 
 std::vector<Command> commands() {
   return {
-      {"checkpoint", "gpusnap checkpoint --pid PID -o ARTIFACT [options]",
+      {"checkpoint",
+       "gpusnap checkpoint --pid PID -o ARTIFACT [options]",
        "Capture the process tree rooted at PID into a new artifact directory. The source is\n"
        "stopped after a successful capture unless --leave-running is given; on any failure it\n"
        "is left running and nothing appears at ARTIFACT.",
@@ -348,10 +361,15 @@ std::vector<Command> commands() {
         {"--gpu-lock-timeout", "", "SECONDS",
          "how long each CUDA process may take to drain its GPU work (default 10)"},
         {"--no-handshake", "", "", "capture as it runs even if the workload speaks the handshake"},
-        {"--handshake-timeout", "", "SECONDS", "how long the workload may take to pause (default 60)"},
-        kCriu, kJson, kQuiet, kHelp},
+        {"--handshake-timeout", "", "SECONDS",
+         "how long the workload may take to pause (default 60)"},
+        kCriu,
+        kJson,
+        kQuiet,
+        kHelp},
        cmd_checkpoint},
-      {"run", "gpusnap run -o ARTIFACT [--leave-running] -- COMMAND [ARGS...]",
+      {"run",
+       "gpusnap run -o ARTIFACT [--leave-running] -- COMMAND [ARGS...]",
        "Launch a workload so that it can be captured (own session, output to a log, io_uring\n"
        "refused, a handshake directory in $GPUSNAP_CONTROL_DIR), wait until it says READY,\n"
        "pause it, capture it, then stop it or, with --leave-running, resume it.",
@@ -359,9 +377,13 @@ std::vector<Command> commands() {
         {"--leave-running", "", "", "resume the workload after the capture"},
         {"--ready-timeout", "", "SECONDS", "how long it may take to say READY (default 600)"},
         {"--handshake-timeout", "", "SECONDS", "how long it may take to pause (default 60)"},
-        kCriu, kJson, kQuiet, kHelp},
+        kCriu,
+        kJson,
+        kQuiet,
+        kHelp},
        cmd_run},
-      {"restore", "gpusnap restore ARTIFACT [--replicas N] [--publish [ADDR:][HOSTPORT:]PORT]...",
+      {"restore",
+       "gpusnap restore ARTIFACT [--replicas N] [--publish [ADDR:][HOSTPORT:]PORT]...",
        "Start N copies of the captured workload. Each copy runs in fresh PID, mount, network,\n"
        "IPC and UTS namespaces, so copies and the source never clash. --publish makes a port of\n"
        "each copy reachable from the host: copy i listens on HOSTPORT+i (or a free port).\n"
@@ -372,25 +394,33 @@ std::vector<Command> commands() {
         {"--gpu-map", "", "OLD=NEW[,...]",
          "restore GPU OLD of the artifact onto GPU NEW here (UUIDs or indexes)", true},
         {"--set", "", "KEY=VALUE", "a setting for the copies' resume context (handshake)", true},
-        {"--handshake-timeout", "", "SECONDS", "how long each copy may take to resume (default 60)"},
+        {"--handshake-timeout", "", "SECONDS",
+         "how long each copy may take to resume (default 60)"},
         {"--no-verify", "", "", "skip the byte check (the format checks still run)"},
         {"--run-dir", "", "DIR", "where copies keep logs and state (default /run/gpusnap)"},
         {"--timeout", "", "SECONDS", "give up on CRIU's restore after this long (default 300)"},
-        kCriu, kJson, kQuiet, kHelp},
+        kCriu,
+        kJson,
+        kQuiet,
+        kHelp},
        cmd_restore},
-      {"recover", "gpusnap recover [--pid PID]",
+      {"recover",
+       "gpusnap recover [--pid PID]",
        "Return to RUNNING every CUDA process a killed gpusnap left locked or checkpointed (from\n"
        "gpusnap's journal), or those of the tree at PID. Checkpoint and restore do this by\n"
        "themselves when they start.",
        {{"--pid", "-p", "PID", "also return this process tree's CUDA processes to RUNNING"},
         {"--run-dir", "", "DIR", "gpusnap's state directory (default /run/gpusnap)"},
-        kJson, kHelp},
+        kJson,
+        kHelp},
        cmd_recover},
-      {"inspect", "gpusnap inspect ARTIFACT [--json]",
+      {"inspect",
+       "gpusnap inspect ARTIFACT [--json]",
        "Show what an artifact holds: processes, memory, sizes, the host facts a restore needs.",
        {kJson, kHelp},
        cmd_inspect},
-      {"verify", "gpusnap verify ARTIFACT [--json]",
+      {"verify",
+       "gpusnap verify ARTIFACT [--json]",
        "Check every byte of an artifact against its manifest.",
        {kJson, kQuiet, kHelp},
        cmd_verify},
@@ -443,10 +473,11 @@ int main(int argc, char** argv) {
     throw Error(ErrorKind::kUsage, "unknown command '" + all[0] + "'", "see `gpusnap --help`");
   } catch (const Error& e) {
     if (json_wanted) {
-      std::cout << json{{"error", {{"kind", Error::kind_name(e.kind())},
-                                   {"message", e.what()},
-                                   {"hint", e.hint()},
-                                   {"exit_code", e.exit_code()}}}}
+      std::cout << json{{"error",
+                         {{"kind", Error::kind_name(e.kind())},
+                          {"message", e.what()},
+                          {"hint", e.hint()},
+                          {"exit_code", e.exit_code()}}}}
                        .dump(2)
                 << "\n";
     }

@@ -10,8 +10,7 @@ Phases::Timer::Timer(Phases& phases, std::string_view name)
 }
 
 Phases::Timer::~Timer() {
-  double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   phases_.timings_.push_back({name_, seconds});
   phases_.reporter_.phase_finished(name_, seconds);
 }
@@ -30,8 +29,8 @@ void TerminalReporter::phase_started(std::string_view name) {
 
 void TerminalReporter::phase_finished(std::string_view name, double seconds) {
   if (!live_) return;  // not a terminal: --json carries the timings for tools
-  std::fprintf(stderr, "  %-22.*s %8.3f s%s\n", static_cast<int>(name.size()), name.data(),
-               seconds, "          ");
+  std::fprintf(stderr, "  %-22.*s %8.3f s%s\n", static_cast<int>(name.size()), name.data(), seconds,
+               "          ");
 }
 
 void TerminalReporter::progress(std::string_view name, uint64_t done, uint64_t total) {

@@ -20,10 +20,10 @@ struct Process {
   pid_t ppid = 0;
   std::string comm;
   std::vector<std::string> cmdline;
-  char state = '?';            // /proc/PID/stat state letter
+  char state = '?';  // /proc/PID/stat state letter
   int threads = 0;
   uint64_t rss_bytes = 0;
-  std::vector<pid_t> nspid;    // NSpid: this pid in every PID namespace, outermost first
+  std::vector<pid_t> nspid;  // NSpid: this pid in every PID namespace, outermost first
   std::vector<OpenFile> files;
 };
 

@@ -1,12 +1,12 @@
 #include "common/subprocess.h"
 
 #include <fcntl.h>
-#include <poll.h>
-#include <sched.h>
-#include <signal.h>
 #include <linux/audit.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
 #include <stddef.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
@@ -100,7 +100,8 @@ std::vector<sock_filter> io_uring_filter() {
   unsigned next = 3;
   for (int keep : plan.kept) {
     if (keep >= static_cast<int>(next)) {
-      if (static_cast<unsigned>(keep) > next) ::close_range(next, static_cast<unsigned>(keep) - 1, 0);
+      if (static_cast<unsigned>(keep) > next)
+        ::close_range(next, static_cast<unsigned>(keep) - 1, 0);
       next = static_cast<unsigned>(keep) + 1;
     }
   }
@@ -113,7 +114,9 @@ std::vector<sock_filter> io_uring_filter() {
   if (o.deny_io_uring) {
     // Once set, no_new_privs and the filter hold for every descendant. Failure is fatal: the
     // caller asked for a capturable process.
-    struct sock_fprog prog{static_cast<unsigned short>(plan.filter.size()), plan.filter.data()};
+    struct sock_fprog prog {
+      static_cast<unsigned short>(plan.filter.size()), plan.filter.data()
+    };
     if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 ||
         ::prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) != 0) {
       ::_exit(125);
@@ -183,8 +186,8 @@ Subprocess::Subprocess(const SpawnOptions& o) {
   pid_t parent = ::getpid();
   if (o.clone_flags != 0) {
     // clone with namespace flags but fork semantics (no new stack: the child gets a copy).
-    pid_ = static_cast<pid_t>(::syscall(SYS_clone, o.clone_flags | SIGCHLD, nullptr, nullptr,
-                                        nullptr, nullptr));
+    pid_ = static_cast<pid_t>(
+        ::syscall(SYS_clone, o.clone_flags | SIGCHLD, nullptr, nullptr, nullptr, nullptr));
   } else {
     pid_ = ::fork();
   }
@@ -230,11 +233,13 @@ std::optional<ExitStatus> Subprocess::wait(std::optional<std::chrono::millisecon
   auto deadline = std::chrono::steady_clock::now() + *timeout;
   while (!poll()) {
     // Rounded up: truncating to whole milliseconds would return up to 1 ms before the timeout.
-    auto left = std::chrono::ceil<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
+    auto left =
+        std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) return std::nullopt;
     if (pidfd) {
-      struct pollfd p{pidfd.get(), POLLIN, 0};
+      struct pollfd p {
+        pidfd.get(), POLLIN, 0
+      };
       ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), 1000)));
     } else {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -265,7 +270,7 @@ RunResult run_capture(const std::vector<std::string>& argv, std::chrono::millise
   auto deadline = std::chrono::steady_clock::now() + timeout;
   auto remaining = [&] {
     return std::chrono::ceil<std::chrono::milliseconds>(deadline -
-                                                         std::chrono::steady_clock::now());
+                                                        std::chrono::steady_clock::now());
   };
   auto timed_out = [&]() -> Error {
     child.kill(SIGKILL);
@@ -288,7 +293,9 @@ RunResult run_capture(const std::vector<std::string>& argv, std::chrono::millise
     }
   };
   auto readable_now = [&] {
-    struct pollfd p{out.read.get(), POLLIN, 0};
+    struct pollfd p {
+      out.read.get(), POLLIN, 0
+    };
     int r;
     while ((r = ::poll(&p, 1, 0)) < 0 && errno == EINTR) {
     }

@@ -21,9 +21,9 @@ struct SpawnOptions {
   int stderr_fd = -1;                // -1: /dev/null
   // Descriptors the child gets at fixed numbers: {source fd in parent, number in child}.
   std::vector<std::pair<int, int>> keep_fds;
-  bool kill_with_parent = true;      // PR_SET_PDEATHSIG(SIGKILL)
-  bool new_session = false;          // setsid(): no terminal signals from ours
-  int clone_flags = 0;               // CLONE_NEW* namespaces for the child
+  bool kill_with_parent = true;  // PR_SET_PDEATHSIG(SIGKILL)
+  bool new_session = false;      // setsid(): no terminal signals from ours
+  int clone_flags = 0;           // CLONE_NEW* namespaces for the child
   // Refuse io_uring to the child and its descendants (seccomp: io_uring_setup fails with
   // ENOSYS, as on a kernel without it), so libraries fall back to plain system calls and the
   // process stays capturable by CRIU.

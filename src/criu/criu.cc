@@ -69,7 +69,7 @@ Binary locate(const std::string& explicit_path) {
   }
   std::string seen;
   for (const auto& path : candidates) {
-    struct stat st{};
+    struct stat st {};
     bool exists = ::stat(path.c_str(), &st) == 0;
     if (!exists || !S_ISREG(st.st_mode) || ::access(path.c_str(), X_OK) != 0) {
       // Skipping it silently would leave "CRIU was not found" for a path the user can see.
@@ -91,21 +91,31 @@ Binary locate(const std::string& explicit_path) {
 
 std::vector<std::string> dump_args(const Binary& criu, const DumpOptions& o) {
   std::vector<std::string> args = {
-      criu.path, "dump",
-      "--tree", std::to_string(o.pid),
-      "--images-dir", o.images.string(),
-      "--log-file", o.log.string(), "-v4",
+      criu.path,
+      "dump",
+      "--tree",
+      std::to_string(o.pid),
+      "--images-dir",
+      o.images.string(),
+      "--log-file",
+      o.log.string(),
+      "-v4",
       // gpusnap always keeps the source alive through CRIU; it stops the source itself only
       // after the artifact is committed, so a failure at any point leaves the workload running.
       "--leave-running",
       // What a real server holds: established connections, sockets to the outside world,
       // file locks, files it unlinked but keeps open, and half-accepted connections.
-      "--tcp-established", "--ext-unix-sk", "--file-locks", "--skip-in-flight",
-      "--ghost-limit", std::to_string(o.ghost_limit),
+      "--tcp-established",
+      "--ext-unix-sk",
+      "--file-locks",
+      "--skip-in-flight",
+      "--ghost-limit",
+      std::to_string(o.ghost_limit),
       // iptables/nftables binaries are often absent (they are on the GPU machines); the
       // connections are repaired in place, and copies restore theirs in a fresh network
       // namespace where nothing can race with them.
-      "--network-lock", "skip",
+      "--network-lock",
+      "skip",
   };
   if (o.shell_job) args.push_back("--shell-job");
   return args;
@@ -113,20 +123,29 @@ std::vector<std::string> dump_args(const Binary& criu, const DumpOptions& o) {
 
 std::vector<std::string> restore_args(const Binary& criu, const RestoreOptions& o) {
   std::vector<std::string> args = {
-      criu.path, "restore",
-      "--images-dir", o.images.string(),
+      criu.path,
+      "restore",
+      "--images-dir",
+      o.images.string(),
       // CRIU writes its statistics into the work directory: by default that is the images
       // directory, i.e. the artifact, which restore must never modify (copies share it).
-      "--work-dir", o.log.parent_path().string(),
-      "--log-file", o.log.string(), "-v4",
+      "--work-dir",
+      o.log.parent_path().string(),
+      "--log-file",
+      o.log.string(),
+      "-v4",
       // The copy runs on after criu exits, as a child of gpusnap's namespace init.
-      "--restore-detached", "--restore-sibling",
-      "--pidfile", o.pidfile.string(),
+      "--restore-detached",
+      "--restore-sibling",
+      "--pidfile",
+      o.pidfile.string(),
       // Established connections come back: those between processes of the tree (NCCL's and
       // gloo's between ranks, a server and its workers) must keep working. A connection to a
       // peer outside the tree finds nobody in the copy's fresh network namespace and is reset
       // at its first packet, as after a peer's restart.
-      "--tcp-established", "--ext-unix-sk", "--file-locks",
+      "--tcp-established",
+      "--ext-unix-sk",
+      "--file-locks",
   };
   if (o.shell_job) args.push_back("--shell-job");
   for (const auto& inherit : o.inherit) {

@@ -26,8 +26,8 @@
 #include "engine/dump_guard.h"
 #include "engine/gpu_state.h"
 #include "engine/handshake.h"
-#include "gpu/driver.h"
 #include "engine/preflight.h"
+#include "gpu/driver.h"
 #include "gpusnap/checkpoint.h"
 #include "gpusnap/error.h"
 
@@ -38,7 +38,7 @@ namespace {
 std::string utc_now() {
   char buf[32];
   time_t now = ::time(nullptr);
-  struct tm tm{};
+  struct tm tm {};
   ::gmtime_r(&now, &tm);
   std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
   return buf;
@@ -100,9 +100,13 @@ class PausedWorkload {
   void resume() {
     done_ = true;
     handshake_.clear_exchange();
-    handshake_.resume(pid_, {{"restored", false}, {"copy", 0}, {"copies", 1},
-                             {"artifact_id", artifact_id_}, {"gpu_map", nlohmann::json::object()},
-                             {"settings", nlohmann::json::object()}},
+    handshake_.resume(pid_,
+                      {{"restored", false},
+                       {"copy", 0},
+                       {"copies", 1},
+                       {"artifact_id", artifact_id_},
+                       {"gpu_map", nlohmann::json::object()},
+                       {"settings", nlohmann::json::object()}},
                       timeout_);
     handshake_.clear_exchange();
   }

@@ -13,10 +13,11 @@ namespace {
 // cpuinfo flags (hypervisor, constant_tsc, ...) describe the machine, not what code may run.
 // ("pni", Prescott New Instructions, is how cpuinfo spells SSE3.)
 bool is_instruction_set_flag(const std::string& flag) {
-  static const char* kPrefixes[] = {"sse", "pni", "ssse3", "avx", "fma", "f16c", "bmi", "adx",
-                                    "aes", "sha", "pclmulqdq", "popcnt", "movbe", "rdrand",
-                                    "rdseed", "vaes", "vpclmulqdq", "gfni", "amx", "xsave", "abm",
-                                    "lzcnt", "erms", "fsrm", "cx16", "mmx", "sve", "asimd"};
+  static const char* kPrefixes[] = {"sse",   "pni",    "ssse3",  "avx",   "fma",        "f16c",
+                                    "bmi",   "adx",    "aes",    "sha",   "pclmulqdq",  "popcnt",
+                                    "movbe", "rdrand", "rdseed", "vaes",  "vpclmulqdq", "gfni",
+                                    "amx",   "xsave",  "abm",    "lzcnt", "erms",       "fsrm",
+                                    "cx16",  "mmx",    "sve",    "asimd"};
   return std::any_of(std::begin(kPrefixes), std::end(kPrefixes),
                      [&](const char* p) { return flag.rfind(p, 0) == 0; });
 }

@@ -45,7 +45,7 @@ void prepare_namespaces(const CopyInitSpec& spec) {
   }
   // A fresh network namespace starts with loopback down; CRIU's TCP checks need it up.
   UniqueFd sock(::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
-  struct ifreq ifr{};
+  struct ifreq ifr {};
   std::strncpy(ifr.ifr_name, "lo", IFNAMSIZ - 1);
   if (!sock || ::ioctl(sock.get(), SIOCGIFFLAGS, &ifr) != 0) throw sys_error("query lo", errno);
   ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
@@ -93,7 +93,7 @@ bool drain(int to, std::string& buffer) {
 
 UniqueFd connect_inside(uint16_t port) {
   UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-  struct sockaddr_in addr{};
+  struct sockaddr_in addr {};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(port);
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -116,8 +116,8 @@ int supervise(pid_t root, const std::vector<ForwardSpec>& forwards) {
     fds.push_back({sfd.get(), POLLIN, 0});
     for (const auto& f : forwards) fds.push_back({f.listen_fd, POLLIN, 0});
     for (auto& r : relays) {
-      short out_events = static_cast<short>((r.outside_eof ? 0 : POLLIN) |
-                                            (r.to_outside.empty() ? 0 : POLLOUT));
+      short out_events =
+          static_cast<short>((r.outside_eof ? 0 : POLLIN) | (r.to_outside.empty() ? 0 : POLLOUT));
       short in_events = static_cast<short>((r.inside_eof || !r.connected ? 0 : POLLIN) |
                                            (!r.connected || !r.to_inside.empty() ? POLLOUT : 0));
       fds.push_back({r.outside.get(), out_events, 0});
@@ -140,8 +140,8 @@ int supervise(pid_t root, const std::vector<ForwardSpec>& forwards) {
     const size_t polled = relays.size();
     for (size_t i = 0; i < forwards.size(); ++i) {
       if (!(fds[1 + i].revents & POLLIN)) continue;
-      UniqueFd client(::accept4(forwards[i].listen_fd, nullptr, nullptr,
-                                SOCK_NONBLOCK | SOCK_CLOEXEC));
+      UniqueFd client(
+          ::accept4(forwards[i].listen_fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
       if (!client) continue;
       UniqueFd inside = connect_inside(forwards[i].port);
       if (!inside) continue;  // closing the client tells it the copy does not listen
@@ -215,7 +215,7 @@ CopyInitSpec copy_init_spec_from_json(const std::string& text) {
 int copy_init_main(const CopyInitSpec& spec) {
   // SIGTERM sent from the host to a namespace init is dropped unless the init handles it: a
   // no-op handler makes it deliverable; blocking it routes it to the signalfd.
-  struct sigaction sa{};
+  struct sigaction sa {};
   sa.sa_handler = [](int) {};
   for (int sig : {SIGTERM, SIGINT, SIGHUP}) ::sigaction(sig, &sa, nullptr);
   sigset_t mask;

@@ -16,8 +16,8 @@
 namespace gpusnap::engine {
 
 struct ForwardSpec {
-  int listen_fd;      // a listening socket in the HOST network namespace (inherited)
-  uint16_t port;      // where to connect inside the copy
+  int listen_fd;  // a listening socket in the HOST network namespace (inherited)
+  uint16_t port;  // where to connect inside the copy
 };
 
 struct CopyInitSpec {

@@ -65,8 +65,10 @@ GuardedDump::GuardedDump(const std::string& helper, std::vector<std::string> cri
   Pipe status = Pipe::make();
   SpawnOptions o;
   // A separate program rather than a forked function: gpusnap may have driver threads by now.
-  nlohmann::json spec{{"argv", criu_argv}, {"staging", staging.string()},
-                      {"output", criu_output.string()}, {"gpu_pids", gpu_pids}};
+  nlohmann::json spec{{"argv", criu_argv},
+                      {"staging", staging.string()},
+                      {"output", criu_output.string()},
+                      {"gpu_pids", gpu_pids}};
   o.argv = {helper, "__dump-guard", spec.dump()};
   o.keep_fds = {{control.read.get(), kControlFd}, {status.write.get(), kStatusFd}};
   o.kill_with_parent = false;

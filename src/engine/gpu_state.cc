@@ -64,8 +64,8 @@ std::set<std::string> visible_gpus(const gpu::DriverFacts& facts, const std::vec
   std::set<std::string> all;
   for (const auto& g : facts.gpus) all.insert(g.uuid);
   std::string environ;
-  if (pids.empty() || !fs::try_read_file("/proc/" + std::to_string(pids.front()) + "/environ",
-                                         &environ)) {
+  if (pids.empty() ||
+      !fs::try_read_file("/proc/" + std::to_string(pids.front()) + "/environ", &environ)) {
     return all;
   }
   const std::string key = "CUDA_VISIBLE_DEVICES=";
@@ -108,14 +108,14 @@ json describe_gpu_state(gpu::Driver& driver, const std::vector<pid_t>& pids) {
   json gpus = json::array();
   for (const auto& g : facts.gpus) {
     if (!visible.count(g.uuid)) continue;
-    gpus.push_back({{"index", g.index},
-                    {"used", used.empty() || used.count(g.uuid) > 0},
-                    {"uuid", g.uuid},
-                    {"name", g.name},
-                    {"bus_id", g.bus_id},
-                    {"compute_capability", std::to_string(g.cc_major) + "." +
-                                               std::to_string(g.cc_minor)},
-                    {"memory_total", g.memory_total}});
+    gpus.push_back(
+        {{"index", g.index},
+         {"used", used.empty() || used.count(g.uuid) > 0},
+         {"uuid", g.uuid},
+         {"name", g.name},
+         {"bus_id", g.bus_id},
+         {"compute_capability", std::to_string(g.cc_major) + "." + std::to_string(g.cc_minor)},
+         {"memory_total", g.memory_total}});
   }
   return {{"driver_version", facts.driver_version},
           {"cuda_driver_version", facts.cuda_driver_version},
@@ -145,8 +145,8 @@ std::vector<std::string> return_to_running(gpu::Driver& driver,
                       " was marked FAILED by the driver and has been killed");
       }
     } catch (const std::exception& e) {
-      log.push_back("process " + std::to_string(pid) + " could not be returned to RUNNING: " +
-                    e.what());
+      log.push_back("process " + std::to_string(pid) +
+                    " could not be returned to RUNNING: " + e.what());
     }
   }
   return log;
@@ -173,8 +173,8 @@ std::vector<std::string> recover_abandoned(gpu::Driver& driver,
 }
 
 GpuCapture::GpuCapture(gpu::Driver& driver, std::vector<pid_t> pids,
-                       std::chrono::milliseconds lock_timeout,
-                       const std::filesystem::path& run_dir, Reporter& reporter)
+                       std::chrono::milliseconds lock_timeout, const std::filesystem::path& run_dir,
+                       Reporter& reporter)
     : driver_(driver), pids_(std::move(pids)), lock_timeout_(lock_timeout), reporter_(reporter) {
   // Written before the first lock: from here until done, a killed gpusnap is repairable.
   // One entry per capture (an agent may run several at once), naming only the processes this
@@ -201,12 +201,11 @@ void GpuCapture::fail(const std::exception& error) {
   auto log = return_to_running(driver_, moved_);
   done_ = true;
   std::string what = error.what();
-  what += log.empty() ? "; no process was left locked"
-                      : "; then: " + [&] {
-                          std::string s;
-                          for (const auto& l : log) s += (s.empty() ? "" : ", ") + l;
-                          return s;
-                        }();
+  what += log.empty() ? "; no process was left locked" : "; then: " + [&] {
+    std::string s;
+    for (const auto& l : log) s += (s.empty() ? "" : ", ") + l;
+    return s;
+  }();
   const auto* e = dynamic_cast<const Error*>(&error);
   throw Error(e ? e->kind() : ErrorKind::kGpu, what, e ? e->hint() : "");
 }
@@ -220,8 +219,8 @@ void GpuCapture::lock_all() {
         throw Error(ErrorKind::kGpu,
                     "process " + std::to_string(pid) + " is " + gpu::state_name(state) +
                         ", not RUNNING: another checkpoint of it is in progress",
-                    "wait for it to finish, or run `gpusnap recover --pid " +
-                        std::to_string(pid) + "` if no gpusnap is running");
+                    "wait for it to finish, or run `gpusnap recover --pid " + std::to_string(pid) +
+                        "` if no gpusnap is running");
       }
     }
     // One by one, in tree order: each lock waits for that process's submitted work to drain.
@@ -277,8 +276,8 @@ const json* find_gpu(const json& gpus, const std::string& key) {
 json local_gpus_json(const gpu::DriverFacts& facts) {
   json out = json::array();
   for (const auto& g : facts.gpus) {
-    out.push_back({{"uuid", g.uuid}, {"index", g.index}, {"name", g.name},
-                   {"memory_free", g.memory_free}});
+    out.push_back(
+        {{"uuid", g.uuid}, {"index", g.index}, {"name", g.name}, {"memory_free", g.memory_free}});
   }
   return out;
 }
@@ -307,8 +306,8 @@ GpuPlan plan_gpu_restore(const json& gpu_facts, gpu::Driver& driver,
   auto want_driver = gpu_facts.at("driver_version").get<std::string>();
   if (facts.driver_version != want_driver) {
     throw Error(ErrorKind::kIncompatible,
-                "the artifact was taken with NVIDIA driver " + want_driver +
-                    ", this host has " + facts.driver_version,
+                "the artifact was taken with NVIDIA driver " + want_driver + ", this host has " +
+                    facts.driver_version,
                 "restore it on a host with driver " + want_driver);
   }
   const json& source_gpus = gpu_facts.at("gpus");
@@ -320,16 +319,15 @@ GpuPlan plan_gpu_restore(const json& gpu_facts, gpu::Driver& driver,
   std::set<std::string> taken;
   for (const auto& entry : map) {
     auto eq = entry.find('=');
-    const json* from = eq == std::string::npos ? nullptr : find_gpu(source_gpus, entry.substr(0, eq));
+    const json* from =
+        eq == std::string::npos ? nullptr : find_gpu(source_gpus, entry.substr(0, eq));
     const json* to = eq == std::string::npos ? nullptr : find_gpu(local, entry.substr(eq + 1));
     if (eq == std::string::npos || from == nullptr || to == nullptr) {
       throw Error(ErrorKind::kUsage,
                   "bad --gpu-map entry '" + entry + "': " +
                       (eq == std::string::npos ? "expected OLD=NEW"
-                       : from == nullptr       ? "no GPU '" + entry.substr(0, eq) +
-                                                     "' in the artifact"
-                                               : "no GPU '" + entry.substr(eq + 1) +
-                                                     "' on this host"),
+                       : from == nullptr ? "no GPU '" + entry.substr(0, eq) + "' in the artifact"
+                                         : "no GPU '" + entry.substr(eq + 1) + "' on this host"),
                   "use OLD=NEW with GPU UUIDs or indexes (`gpusnap inspect` lists the "
                   "artifact's GPUs, nvidia-smi -L this host's)");
     }

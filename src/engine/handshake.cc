@@ -65,11 +65,11 @@ void Handshake::wait_ready(pid_t pid, std::chrono::milliseconds timeout) const {
                   "read its output; it must write `ready` in $GPUSNAP_CONTROL_DIR");
     }
     if (std::chrono::steady_clock::now() > deadline) {
-      throw Error(ErrorKind::kTimeout,
-                  "the workload did not say READY within " +
-                      std::to_string(timeout.count() / 1000) + " s",
-                  "give it more time (--ready-timeout), or make it write `ready` in "
-                  "$GPUSNAP_CONTROL_DIR once initialised");
+      throw Error(
+          ErrorKind::kTimeout,
+          "the workload did not say READY within " + std::to_string(timeout.count() / 1000) + " s",
+          "give it more time (--ready-timeout), or make it write `ready` in "
+          "$GPUSNAP_CONTROL_DIR once initialised");
     }
     std::this_thread::sleep_for(kPoll);
   }
@@ -106,9 +106,13 @@ void Handshake::exchange(pid_t pid, const std::string& request, json body,
         // the source is waiting for it (answered at once by a workload that never paused).
         write_message(dir_, "resume",
                       {{"id", fs::random_id().substr(0, 12)},
-                       {"context", {{"restored", false}, {"copy", 0}, {"copies", 1},
-                                    {"artifact_id", ""}, {"gpu_map", json::object()},
-                                    {"settings", json::object()}}}});
+                       {"context",
+                        {{"restored", false},
+                         {"copy", 0},
+                         {"copies", 1},
+                         {"artifact_id", ""},
+                         {"gpu_map", json::object()},
+                         {"settings", json::object()}}}});
       }
       throw Error(ErrorKind::kTimeout,
                   "the workload did not answer " + request + " within " +

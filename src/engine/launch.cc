@@ -15,7 +15,8 @@ namespace gpusnap::engine {
 LaunchedWorkload::LaunchedWorkload(const std::vector<std::string>& argv,
                                    const std::filesystem::path& run_dir) {
   if (argv.empty()) {
-    throw Error(ErrorKind::kUsage, "no command to run", "give it after --: gpusnap run -o ART -- CMD");
+    throw Error(ErrorKind::kUsage, "no command to run",
+                "give it after --: gpusnap run -o ART -- CMD");
   }
   auto dir = std::filesystem::absolute(run_dir) / "launched" / fs::random_id().substr(0, 12);
   control_dir_ = dir / "control";

@@ -59,9 +59,10 @@ void refuse_unsafe_nccl(const std::vector<proc::Process>& tree, const std::vecto
   // One CUDA process has no peers; NCCL within one process needs no cross-process transport.
   if (cuda.size() < 2) return;
   // The settings that keep NCCL on transports the checkpoint can carry: sockets between ranks.
-  static const std::pair<const char*, const char*> kRequired[] = {
-      {"NCCL_P2P_DISABLE", "1"}, {"NCCL_SHM_DISABLE", "1"},
-      {"NCCL_NVLS_ENABLE", "0"}, {"NCCL_CUMEM_ENABLE", "0"}};
+  static const std::pair<const char*, const char*> kRequired[] = {{"NCCL_P2P_DISABLE", "1"},
+                                                                  {"NCCL_SHM_DISABLE", "1"},
+                                                                  {"NCCL_NVLS_ENABLE", "0"},
+                                                                  {"NCCL_CUMEM_ENABLE", "0"}};
   for (pid_t pid : cuda) {
     std::string maps, environ;
     auto dir = "/proc/" + std::to_string(pid);

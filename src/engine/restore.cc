@@ -76,7 +76,7 @@ UniqueFd listen_on(const std::string& address, uint16_t port, uint16_t* bound) {
   UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   int one = 1;
   ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  struct sockaddr_in addr{};
+  struct sockaddr_in addr {};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(port);
   if (::inet_pton(AF_INET, address.c_str(), &addr.sin_addr) != 1) {
@@ -84,10 +84,10 @@ UniqueFd listen_on(const std::string& address, uint16_t port, uint16_t* bound) {
                 "give an IPv4 address such as 127.0.0.1");
   }
   if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    throw Error(ErrorKind::kUsage,
-                "cannot publish on " + address + ":" + std::to_string(port) + ": " +
-                    std::strerror(errno),
-                "choose a free host port, or give only the copy's port to pick one");
+    throw Error(
+        ErrorKind::kUsage,
+        "cannot publish on " + address + ":" + std::to_string(port) + ": " + std::strerror(errno),
+        "choose a free host port, or give only the copy's port to pick one");
   }
   if (::listen(fd.get(), 128) != 0) throw sys_error("listen", errno);
   socklen_t len = sizeof addr;
@@ -196,8 +196,8 @@ class Copy {
     std::string why = line.size() > 2 ? line.substr(2) : "its init died";
     if (std::filesystem::exists(log)) why += ": " + criu::summarize_failure(log);
     throw Error(ErrorKind::kCriu,
-                "copy " + std::to_string(index_) + " failed to restore: " + why + " (log: " +
-                    log.string() + ")",
+                "copy " + std::to_string(index_) + " failed to restore: " + why +
+                    " (log: " + log.string() + ")",
                 "read the log; nothing of this restore is left running");
   }
 
@@ -206,7 +206,8 @@ class Copy {
     if (info_.host_pid == 0) {
       throw Error(ErrorKind::kCriu, "copy " + std::to_string(index_) +
                                         ": the restored process exited right after restore "
-                                        "(output: " + (info_.dir / "output.log").string() + ")");
+                                        "(output: " +
+                                        (info_.dir / "output.log").string() + ")");
     }
   }
 
@@ -260,8 +261,8 @@ class Restore {
     auto artifact = phases_.run("open", [&] {
       auto a = Artifact::open(options_.artifact);
       check_host_compatible(a.manifest(), HostFacts::probe(criu.version));
-      gpu_plan = engine::plan_gpu_restore(a.manifest().gpu, driver, options_.gpu_map,
-                                          options_.replicas);
+      gpu_plan =
+          engine::plan_gpu_restore(a.manifest().gpu, driver, options_.gpu_map, options_.replicas);
       return a;
     });
     for (const auto& line : gpu_plan.notes) phases_.reporter().note(line);
@@ -269,8 +270,8 @@ class Restore {
     std::vector<std::unique_ptr<Copy>> copies;
     phases_.run("criu-restore", [&] {
       for (int i = 0; i < options_.replicas; ++i) {
-        copies.push_back(std::make_unique<Copy>(i, artifact.manifest(), artifact.criu_dir(),
-                                                criu, options_));
+        copies.push_back(
+            std::make_unique<Copy>(i, artifact.manifest(), artifact.criu_dir(), criu, options_));
       }
       wait_reports(copies);
     });
@@ -351,8 +352,8 @@ class Restore {
     if (problems.empty()) return;
     std::string what = problems[0].path + ": " + problems[0].problem;
     if (problems.size() > 1) what += " (and " + std::to_string(problems.size() - 1) + " more)";
-    throw Error(ErrorKind::kBadArtifact, "artifact " + options_.artifact.string() +
-                                             " is corrupt: " + what,
+    throw Error(ErrorKind::kBadArtifact,
+                "artifact " + options_.artifact.string() + " is corrupt: " + what,
                 "copy it again or take a new checkpoint (--no-verify skips this check)");
   }
 
@@ -369,7 +370,8 @@ class Restore {
         which.push_back(i);
       }
       auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                    deadline - std::chrono::steady_clock::now()).count();
+                    deadline - std::chrono::steady_clock::now())
+                    .count();
       if (ms <= 0) {
         throw Error(ErrorKind::kTimeout,
                     "criu restore did not finish within " +

@@ -107,7 +107,8 @@ struct CUcheckpointLockArgs {
 static_assert(sizeof(CUcheckpointLockArgs) == 64);
 static_assert(offsetof(CUcheckpointLockArgs, reserved1) == 8);
 
-// typedef struct CUcheckpointCheckpointArgs_st { cuuint64_t reserved[8]; } CUcheckpointCheckpointArgs;
+// typedef struct CUcheckpointCheckpointArgs_st { cuuint64_t reserved[8]; }
+// CUcheckpointCheckpointArgs;
 struct CUcheckpointCheckpointArgs {
   cuuint64_t reserved[8];
 };
@@ -247,7 +248,8 @@ class DynamicLibrary {
   DynamicLibrary() = default;
   DynamicLibrary(const DynamicLibrary&) = delete;
   DynamicLibrary& operator=(const DynamicLibrary&) = delete;
-  DynamicLibrary(DynamicLibrary&& other) noexcept : handle_(std::exchange(other.handle_, nullptr)) {}
+  DynamicLibrary(DynamicLibrary&& other) noexcept
+      : handle_(std::exchange(other.handle_, nullptr)) {}
   DynamicLibrary& operator=(DynamicLibrary&& other) noexcept {
     if (this != &other) {
       close();
@@ -433,8 +435,8 @@ class CudaDriver final : public Driver {
     int raw = -1;
     const CUresult r = call_initialised([&] { return cu_.cuCheckpointProcessGetState(pid, &raw); });
     if (r != CUDA_SUCCESS) {
-      throw Error(ErrorKind::kGpu, call_name("cuCheckpointProcessGetState", pid) +
-                                       " failed: " + cu_error_text(r),
+      throw Error(ErrorKind::kGpu,
+                  call_name("cuCheckpointProcessGetState", pid) + " failed: " + cu_error_text(r),
                   hint_for(r, pid, false));
     }
     switch (raw) {
@@ -443,8 +445,9 @@ class CudaDriver final : public Driver {
       case CU_PROCESS_STATE_CHECKPOINTED: return ProcessState::kCheckpointed;
       case CU_PROCESS_STATE_FAILED: return ProcessState::kFailed;
     }
-    throw Error(ErrorKind::kGpu, call_name("cuCheckpointProcessGetState", pid) +
-                                     " returned an unknown state " + std::to_string(raw),
+    throw Error(ErrorKind::kGpu,
+                call_name("cuCheckpointProcessGetState", pid) + " returned an unknown state " +
+                    std::to_string(raw),
                 "this driver is newer than gpusnap knows: upgrade gpusnap");
   }
 
@@ -459,8 +462,8 @@ class CudaDriver final : public Driver {
     }
     CUcheckpointLockArgs args;
     std::memset(&args, 0, sizeof(args));
-    args.timeoutMs = timeout.count() > UINT_MAX ? UINT_MAX
-                                                : static_cast<unsigned int>(timeout.count());
+    args.timeoutMs =
+        timeout.count() > UINT_MAX ? UINT_MAX : static_cast<unsigned int>(timeout.count());
 
     const CUresult r = call_initialised([&] { return cu_.cuCheckpointProcessLock(pid, &args); });
     if (r == CUDA_SUCCESS) return;
@@ -514,9 +517,10 @@ class CudaDriver final : public Driver {
       int version = 0;
       if (cu_.cuDriverGetVersion(&version) == CUDA_SUCCESS && version < 13000) {
         throw Error(ErrorKind::kIncompatible,
-                    call + ": restoring onto other GPUs needs a driver for CUDA 13.0 (r580) or "
-                           "newer; this one is for CUDA " + std::to_string(version / 1000) + "." +
-                        std::to_string(version % 1000 / 10),
+                    call +
+                        ": restoring onto other GPUs needs a driver for CUDA 13.0 (r580) or "
+                        "newer; this one is for CUDA " +
+                        std::to_string(version / 1000) + "." + std::to_string(version % 1000 / 10),
                     "upgrade the NVIDIA driver, or restore onto the GPUs the checkpoint was "
                     "taken on");
       }
@@ -570,7 +574,8 @@ class CudaDriver final : public Driver {
 
     nvml_lib_ = DynamicLibrary::open(kLibNvml, &error);
     if (!nvml_lib_) {
-      reason_ = std::string(kLibNvml) + " not found: the NVIDIA driver is incomplete (" + error + ")";
+      reason_ =
+          std::string(kLibNvml) + " not found: the NVIDIA driver is incomplete (" + error + ")";
       unusable_ = "NVIDIA driver unusable: " + reason_;
       return;
     }
@@ -612,8 +617,7 @@ class CudaDriver final : public Driver {
           "CUDA_VISIBLE_DEVICES is unset or names them, /dev/nvidia* are accessible)";
       if (r == CUDA_ERROR_STUB_LIBRARY) hint = stub_hint();
       throw Error(ErrorKind::kGpu,
-                  "cuInit(0) failed: " + cu_error_text(r) + " (needed by " + needed_by + ")",
-                  hint);
+                  "cuInit(0) failed: " + cu_error_text(r) + " (needed by " + needed_by + ")", hint);
     }
     cu_initialised_ = true;
   }
@@ -690,8 +694,7 @@ class CudaDriver final : public Driver {
     return "; the process is now in unknown state " + std::to_string(raw);
   }
 
-  [[noreturn]] void fail(const std::string& call, pid_t pid, CUresult r,
-                         bool with_pairs = false) {
+  [[noreturn]] void fail(const std::string& call, pid_t pid, CUresult r, bool with_pairs = false) {
     const std::string now = state_suffix(pid);
     std::string hint = hint_for(r, pid, with_pairs);
     if (now == "; the process is now FAILED") {
@@ -713,8 +716,11 @@ class CudaDriver final : public Driver {
         return "the call does not fit the process's state: the sequence is lock (RUNNING) -> "
                "checkpoint (LOCKED) -> restore (CHECKPOINTED) -> unlock (LOCKED)";
       case CUDA_ERROR_NOT_INITIALIZED:
-        return "process " + p + " has not initialised CUDA: it is not a CUDA process (or not "
-               "yet), or " + p + " is a namespace pid; the driver takes HOST pids (NSpid in "
+        return "process " + p +
+               " has not initialised CUDA: it is not a CUDA process (or not "
+               "yet), or " +
+               p +
+               " is a namespace pid; the driver takes HOST pids (NSpid in "
                "/proc/PID/status translates a container's)";
       case CUDA_ERROR_OPERATING_SYSTEM:
         return "the driver found no process " + p + ": it has exited, or " + p +
@@ -736,8 +742,7 @@ class CudaDriver final : public Driver {
                "before restoring";
       case CUDA_ERROR_NO_DEVICE:
         return "gpusnap itself sees no GPU: unset CUDA_VISIBLE_DEVICES for gpusnap";
-      case CUDA_ERROR_STUB_LIBRARY:
-        return stub_hint();
+      case CUDA_ERROR_STUB_LIBRARY: return stub_hint();
     }
     return {};
   }

@@ -19,11 +19,11 @@ enum class ProcessState { kRunning, kLocked, kCheckpointed, kFailed };
 const char* state_name(ProcessState state);
 
 struct GpuInfo {
-  int index = -1;          // the driver's ordinal on this host
-  std::string uuid;        // "GPU-xxxxxxxx-...", the stable identity used in GPU maps
-  std::string name;        // model name, e.g. "NVIDIA H200"
-  std::string bus_id;      // PCI bus id
-  int cc_major = 0;        // compute capability
+  int index = -1;      // the driver's ordinal on this host
+  std::string uuid;    // "GPU-xxxxxxxx-...", the stable identity used in GPU maps
+  std::string name;    // model name, e.g. "NVIDIA H200"
+  std::string bus_id;  // PCI bus id
+  int cc_major = 0;    // compute capability
   int cc_minor = 0;
   uint64_t memory_total = 0;  // bytes
   uint64_t memory_free = 0;   // bytes, at the time of the query

@@ -35,7 +35,8 @@ GpuInfo FakeDriver::make_gpu(std::string uuid, std::string name, uint64_t memory
   return gpu;
 }
 
-// --- Set-up ---------------------------------------------------------------------------------------
+// --- Set-up
+// ---------------------------------------------------------------------------------------
 
 void FakeDriver::set_unavailable(std::string reason) {
   std::lock_guard<std::mutex> guard(mutex_);
@@ -94,7 +95,8 @@ void FakeDriver::set_usage(pid_t pid, const std::string& gpu_uuid, uint64_t byte
   held = bytes;
 }
 
-// --- Failure injection ----------------------------------------------------------------------------
+// --- Failure injection
+// ----------------------------------------------------------------------------
 
 void FakeDriver::inject(Fault fault) {
   std::lock_guard<std::mutex> guard(mutex_);
@@ -120,7 +122,8 @@ void FakeDriver::time_out_next_lock(pid_t pid) {
   inject(std::move(fault));
 }
 
-// --- Inspection -----------------------------------------------------------------------------------
+// --- Inspection
+// -----------------------------------------------------------------------------------
 
 std::vector<std::string> FakeDriver::calls() const {
   std::lock_guard<std::mutex> guard(mutex_);
@@ -154,7 +157,8 @@ std::optional<std::chrono::milliseconds> FakeDriver::last_lock_timeout() const {
   return last_lock_timeout_;
 }
 
-// --- Driver ---------------------------------------------------------------------------------------
+// --- Driver
+// ---------------------------------------------------------------------------------------
 
 bool FakeDriver::available() const {
   std::lock_guard<std::mutex> guard(mutex_);
@@ -308,7 +312,8 @@ void FakeDriver::unlock(pid_t pid) {
   process.state = ProcessState::kRunning;
 }
 
-// --- Helpers (mutex_ held) ------------------------------------------------------------------------
+// --- Helpers (mutex_ held)
+// ------------------------------------------------------------------------
 
 void FakeDriver::require_available() const {
   if (!unavailable_reason_.empty()) {
@@ -374,8 +379,8 @@ void FakeDriver::fail(const std::string& text, pid_t pid, const std::string& err
   throw Error(ErrorKind::kGpu, message, hint);
 }
 
-void FakeDriver::require_state(const Process& process, ProcessState needed,
-                               const std::string& call, pid_t pid, const std::string& text) const {
+void FakeDriver::require_state(const Process& process, ProcessState needed, const std::string& call,
+                               pid_t pid, const std::string& text) const {
   if (process.state == needed) return;
   fail(text, pid, "CUDA_ERROR_ILLEGAL_STATE",
        call + " needs a " + state_name(needed) + " process, this one is " +

@@ -56,12 +56,14 @@ class FakeDriver final : public Driver {
   // The process exited: later calls for it fail as for an unknown pid; its GPU memory is freed.
   void remove_process(pid_t pid);
   // GPU memory `pid` holds on `gpu_uuid`, taken from that GPU's free memory while the process
-  // holds GPU state (RUNNING or LOCKED); usage() reports it then. Checkpoint returns it to the GPU's free memory; restore takes it from
-  // the target GPU's and fails with CUDA_ERROR_OUT_OF_MEMORY, leaving the process FAILED, when
-  // the target has too little: the hazard gpusnap must check for before restoring.
+  // holds GPU state (RUNNING or LOCKED); usage() reports it then. Checkpoint returns it to the
+  // GPU's free memory; restore takes it from the target GPU's and fails with
+  // CUDA_ERROR_OUT_OF_MEMORY, leaving the process FAILED, when the target has too little: the
+  // hazard gpusnap must check for before restoring.
   void set_usage(pid_t pid, const std::string& gpu_uuid, uint64_t bytes);
 
-  // --- Failure injection --------------------------------------------------------------------------
+  // --- Failure injection
+  // --------------------------------------------------------------------------
 
   void inject(Fault fault);
   // Shorthand: the nth `call` for `pid` fails, leaving the process in `after` (or as it was).
@@ -70,7 +72,8 @@ class FakeDriver final : public Driver {
   // Shorthand: the next lock of `pid` times out.
   void time_out_next_lock(pid_t pid);
 
-  // --- Inspection ---------------------------------------------------------------------------------
+  // --- Inspection
+  // ---------------------------------------------------------------------------------
 
   // Every call in order: "facts", "usage", "state 1234", "lock 1234", "checkpoint 1234",
   // "restore 1234", "restore 1234 GPU-a->GPU-b GPU-c->GPU-d", "unlock 1234". A call is recorded
@@ -84,7 +87,8 @@ class FakeDriver final : public Driver {
   // The timeout of the last lock call, if any.
   std::optional<std::chrono::milliseconds> last_lock_timeout() const;
 
-  // --- Driver -------------------------------------------------------------------------------------
+  // --- Driver
+  // -------------------------------------------------------------------------------------
 
   bool available() const override;
   std::string reason() const override;
