@@ -230,9 +230,20 @@ int cmd_inspect(const Args& args) {
                   fs::human_bytes(g.at("memory_total").get<uint64_t>()).c_str(),
                   g.at("bus_id").get<std::string>().c_str());
     }
+    // CUDA processes in tree order: for a tensor-parallel workload, its ranks.
+    int rank = 0;
     for (const auto& p : m.gpu.at("processes")) {
-      std::printf("  pid %d: %s of GPU memory\n", p.at("pid").get<pid_t>(),
-                  fs::human_bytes(p.at("bytes").get<uint64_t>()).c_str());
+      std::string where;
+      for (const auto& u : p.at("gpus")) {
+        std::string index = "?";
+        for (const auto& g : m.gpu.at("gpus")) {
+          if (g.at("uuid") == u.at("uuid")) index = std::to_string(g.at("index").get<int>());
+        }
+        where += (where.empty() ? "" : ", ") + fs::human_bytes(u.at("bytes").get<uint64_t>()) +
+                 " on GPU " + index;
+      }
+      std::printf("  CUDA process %d (pid %d): %s\n", rank++, p.at("pid").get<pid_t>(),
+                  where.empty() ? "no per-GPU usage reported" : where.c_str());
     }
   }
   std::printf("checkpoint");
