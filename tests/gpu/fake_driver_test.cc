@@ -12,10 +12,12 @@
 
 #include "gpu/uuid.h"
 #include "gpusnap/error.h"
+#include "testing/unit.h"
 
 namespace gpusnap::gpu {
 namespace {
 
+using namespace gpusnap::testing;  // testing/unit.h
 using Calls = std::vector<std::string>;
 using namespace std::chrono_literals;
 
@@ -24,24 +26,6 @@ constexpr pid_t kOtherPid = 5678;
 const std::string kGpuA = "GPU-aaaaaaaa-0000-0000-0000-000000000001";
 const std::string kGpuB = "GPU-bbbbbbbb-0000-0000-0000-000000000002";
 constexpr uint64_t kGiB = 1ULL << 30;
-
-// Whether `text` contains `part`; on failure the assertion prints both.
-::testing::AssertionResult Contains(const std::string& text, const std::string& part) {
-  if (text.find(part) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "'" << text << "' does not contain '" << part << "'";
-}
-
-// Runs `body`, which must throw gpusnap::Error, and returns the error.
-template <typename Body>
-Error catch_error(Body&& body) {
-  try {
-    body();
-  } catch (const Error& e) {
-    return e;
-  }
-  ADD_FAILURE() << "no gpusnap::Error thrown";
-  return Error(ErrorKind::kInternal, "no error");
-}
 
 class FakeDriverTest : public ::testing::Test {
  protected:
