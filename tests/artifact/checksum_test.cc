@@ -1,7 +1,6 @@
 // Chunked checksums and Artifact::verify on a small artifact built by hand: chunk boundaries,
 // determinism across thread counts, and the problems verify names.
 #include <gtest/gtest.h>
-#include <stdlib.h>
 
 #include <filesystem>
 #include <fstream>
@@ -11,39 +10,16 @@
 
 #include "gpusnap/artifact.h"
 #include "gpusnap/error.h"
+#include "testing/unit.h"
 
 namespace gpusnap {
 namespace {
 
+using namespace gpusnap::testing;  // testing/unit.h
+
 namespace stdfs = std::filesystem;
 
 constexpr uint64_t kChunk = 4096;
-
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (stdfs::temp_directory_path() / "gpusnap-checksum-XXXXXX").string();
-    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = tmpl;
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  ~TempDir() {
-    std::error_code ec;
-    stdfs::remove_all(path_, ec);
-  }
-  const stdfs::path& path() const { return path_; }
-
- private:
-  stdfs::path path_;
-};
-
-void write(const stdfs::path& path, const std::string& data) {
-  stdfs::create_directories(path.parent_path());
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << data;
-  ASSERT_TRUE(out.good()) << path;
-}
 
 // Flips every bit of the byte at `offset`, in place.
 void flip_byte(const stdfs::path& path, uint64_t offset) {

@@ -5,14 +5,11 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <limits.h>
-#include <stdlib.h>
 #include <sys/file.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <optional>
 #include <string>
 #include <vector>
@@ -21,68 +18,20 @@
 #include "gpusnap/artifact.h"
 #include "gpusnap/error.h"
 #include "gpusnap/phases.h"
+#include "testing/unit.h"
 
 namespace gpusnap {
 namespace {
 
+using namespace gpusnap::testing;  // testing/unit.h
+
 namespace stdfs = std::filesystem;
-
-::testing::AssertionResult Contains(const std::string& text, const std::string& part) {
-  if (text.find(part) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "'" << text << "' does not contain '" << part << "'";
-}
-
-template <typename Body>
-Error catch_error(Body&& body) {
-  try {
-    body();
-  } catch (const Error& e) {
-    return e;
-  }
-  ADD_FAILURE() << "no gpusnap::Error thrown";
-  return Error(ErrorKind::kInternal, "no error");
-}
-
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (stdfs::temp_directory_path() / "gpusnap-writer-XXXXXX").string();
-    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = tmpl;
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  ~TempDir() {
-    std::error_code ec;
-    stdfs::remove_all(path_, ec);
-  }
-  const stdfs::path& path() const { return path_; }
-
- private:
-  stdfs::path path_;
-};
-
-void write(const stdfs::path& path, const std::string& data) {
-  stdfs::create_directories(path.parent_path());
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << data;
-  ASSERT_TRUE(out.good()) << path;
-}
 
 std::vector<std::string> entries(const stdfs::path& dir) {
   std::vector<std::string> names;
   for (const auto& e : stdfs::directory_iterator(dir)) names.push_back(e.path().filename());
   std::sort(names.begin(), names.end());
   return names;
-}
-
-// A pid that certainly belonged to a process which is gone: a child we forked and reaped.
-pid_t dead_pid() {
-  pid_t pid = ::fork();
-  if (pid == 0) ::_exit(0);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  return pid;
 }
 
 class WriterTest : public ::testing::Test {

@@ -10,22 +10,13 @@
 #include "cli/args.cc"  // NOLINT(bugprone-suspicious-include)
 #include "cli/args.h"
 #include "gpusnap/error.h"
+#include "testing/unit.h"
 
 namespace gpusnap::cli {
 namespace {
 
+using namespace gpusnap::testing;  // testing/unit.h
 using Strings = std::vector<std::string>;
-
-template <typename Body>
-Error catch_error(Body&& body) {
-  try {
-    body();
-  } catch (const Error& e) {
-    return e;
-  }
-  ADD_FAILURE() << "no gpusnap::Error thrown";
-  return Error(ErrorKind::kInternal, "no error");
-}
 
 const std::vector<FlagSpec> kSpecs = {
     {"--output", "-o", "PATH", "where to write the artifact"},

@@ -27,64 +27,6 @@ namespace {
 
 using nlohmann::json;
 
-#define SKIP_WITHOUT_CRIU()                                                 \
-  do {                                                                      \
-    if (auto why = system_test_blocker()) GTEST_SKIP() << "skipped: " << *why; \
-  } while (0)
-
-std::string field(const std::string& reply, const std::string& key) {
-  auto at = reply.find(key + "=");
-  if (at == std::string::npos) return {};
-  auto start = at + key.size() + 1;
-  return reply.substr(start, reply.find(' ', start) - start);
-}
-
-struct Copy {
-  pid_t pid;
-  pid_t init_pid;
-  uint16_t port;
-};
-
-std::vector<Copy> copies_of(const CliResult& r) {
-  std::vector<Copy> out;
-  auto doc = json::parse(r.out);
-  for (const auto& c : doc.at("copies")) {
-    out.push_back({c.at("pid").get<pid_t>(), c.at("init_pid").get<pid_t>(),
-                   c.at("ports").empty() ? uint16_t{0}
-                                         : c.at("ports")[0].at("host_port").get<uint16_t>()});
-  }
-  return out;
-}
-
-// Ends the copies whatever the test's outcome.
-struct CopyReaper {
-  std::vector<Copy> copies;
-  ~CopyReaper() {
-    for (const auto& c : copies) end_copy(c.init_pid);
-  }
-};
-
-std::set<std::string> pid_namespaces() {
-  std::set<std::string> out;
-  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
-    char link[64];
-    auto ns = e.path() / "ns" / "pid";
-    ssize_t n = ::readlink(ns.c_str(), link, sizeof link - 1);
-    if (n > 0) out.insert(std::string(link, static_cast<size_t>(n)));
-  }
-  return out;
-}
-
-template <class Pred>
-bool eventually(Pred pred, std::chrono::milliseconds limit = std::chrono::seconds(15)) {
-  auto deadline = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return pred();
-}
-
 TEST(CheckpointRestore, TwoCopiesRunBesideTheSource) {
   SKIP_WITHOUT_CRIU();
   TempDir dir;
@@ -106,7 +48,7 @@ TEST(CheckpointRestore, TwoCopiesRunBesideTheSource) {
   auto rs = gpusnap({"restore", snap.string(), "--replicas", "2", "--publish",
                      std::to_string(source.port()), "--json"});
   ASSERT_EQ(rs.exit_code, 0) << rs.err;
-  CopyReaper reaper{copies_of(rs)};
+  Copies reaper{json::parse(rs.out)};
   ASSERT_EQ(reaper.copies.size(), 2u);
   EXPECT_NE(reaper.copies[0].pid, reaper.copies[1].pid);
 
@@ -143,7 +85,7 @@ TEST(CheckpointRestore, WithoutLeaveRunningTheSourceStops) {
   auto rs = gpusnap({"restore", snap.string(), "--publish", std::to_string(source.port()),
                      "--json"});
   ASSERT_EQ(rs.exit_code, 0) << rs.err;
-  CopyReaper reaper{copies_of(rs)};
+  Copies reaper{json::parse(rs.out)};
   EXPECT_EQ(ask(reaper.copies[0].port, "CHECK").substr(0, 2), "OK");
 }
 
@@ -177,7 +119,7 @@ TEST(CheckpointRestore, EstablishedConnectionSurvivesTheCapture) {
   auto rs = gpusnap({"restore", snap.string(), "--publish", std::to_string(source.port()),
                      "--json"});
   ASSERT_EQ(rs.exit_code, 0) << rs.err;
-  CopyReaper reaper{copies_of(rs)};
+  Copies reaper{json::parse(rs.out)};
   EXPECT_EQ(ask(reaper.copies[0].port, "PING"), "PONG");
 }
 

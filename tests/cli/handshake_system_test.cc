@@ -18,29 +18,7 @@ namespace {
 
 using nlohmann::json;
 
-#define SKIP_WITHOUT_CRIU()                                                    \
-  do {                                                                         \
-    if (auto why = system_test_blocker()) GTEST_SKIP() << "skipped: " << *why; \
-  } while (0)
-
 std::string cxx_worker() { return build_path("tests/gpusnap-example-handshake-worker"); }
-
-std::string field(const std::string& reply, const std::string& key) {
-  auto at = reply.find(key + "=");
-  if (at == std::string::npos) return {};
-  auto start = at + key.size() + 1;
-  return reply.substr(start, reply.find(' ', start) - start);
-}
-
-template <class Pred>
-bool eventually(Pred pred, std::chrono::milliseconds limit = std::chrono::seconds(15)) {
-  auto deadline = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return pred();
-}
 
 // Kills a process tree we did not start ourselves (a workload launched by `gpusnap run`).
 struct TreeKiller {
@@ -51,18 +29,6 @@ struct TreeKiller {
       for (const auto& p : proc::read_tree(pid)) ::kill(p.pid, SIGKILL);
     } catch (const std::exception&) {
     }
-  }
-};
-
-struct Copies {
-  json doc;
-  ~Copies() {
-    if (doc.contains("copies")) {
-      for (const auto& c : doc["copies"]) end_copy(c["init_pid"].get<pid_t>());
-    }
-  }
-  uint16_t port(size_t i) const {
-    return doc["copies"][i]["ports"][0]["host_port"].get<uint16_t>();
   }
 };
 

@@ -17,22 +17,13 @@
 
 #include "common/fd.h"
 #include "gpusnap/error.h"
+#include "testing/unit.h"
 
 namespace gpusnap::proc {
 namespace {
 
+using namespace gpusnap::testing;  // testing/unit.h
 using namespace std::chrono_literals;
-
-template <typename Body>
-Error catch_error(Body&& body) {
-  try {
-    body();
-  } catch (const Error& e) {
-    return e;
-  }
-  ADD_FAILURE() << "no gpusnap::Error thrown";
-  return Error(ErrorKind::kInternal, "no error");
-}
 
 std::string first_line(const std::string& path) {
   std::ifstream in(path);

@@ -21,28 +21,14 @@
 
 #include "common/fd.h"
 #include "gpusnap/error.h"
+#include "testing/unit.h"
 
 namespace gpusnap {
 namespace {
 
+using namespace gpusnap::testing;  // testing/unit.h
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
-
-::testing::AssertionResult Contains(const std::string& text, const std::string& part) {
-  if (text.find(part) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "'" << text << "' does not contain '" << part << "'";
-}
-
-template <typename Body>
-Error catch_error(Body&& body) {
-  try {
-    body();
-  } catch (const Error& e) {
-    return e;
-  }
-  ADD_FAILURE() << "no gpusnap::Error thrown";
-  return Error(ErrorKind::kInternal, "no error");
-}
 
 // Everything until EOF.
 std::string read_all(int fd) {

@@ -8,59 +8,20 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "gpusnap/error.h"
+#include "testing/unit.h"
 
 namespace gpusnap::criu {
 namespace {
 
+using namespace gpusnap::testing;  // testing/unit.h
+
 namespace stdfs = std::filesystem;
 using Strings = std::vector<std::string>;
-
-::testing::AssertionResult Contains(const std::string& text, const std::string& part) {
-  if (text.find(part) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "'" << text << "' does not contain '" << part << "'";
-}
-
-template <typename Body>
-Error catch_error(Body&& body) {
-  try {
-    body();
-  } catch (const Error& e) {
-    return e;
-  }
-  ADD_FAILURE() << "no gpusnap::Error thrown";
-  return Error(ErrorKind::kInternal, "no error");
-}
-
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (stdfs::temp_directory_path() / "gpusnap-criu-XXXXXX").string();
-    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = tmpl;
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  ~TempDir() {
-    std::error_code ec;
-    stdfs::remove_all(path_, ec);
-  }
-  const stdfs::path& path() const { return path_; }
-
- private:
-  stdfs::path path_;
-};
-
-void write(const stdfs::path& path, const std::string& data) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << data;
-  ASSERT_TRUE(out.good()) << path;
-}
 
 size_t count(const Strings& args, const std::string& arg) {
   return static_cast<size_t>(std::count(args.begin(), args.end(), arg));

@@ -9,25 +9,12 @@
 #include "gpusnap/artifact.h"
 #include "gpusnap/error.h"
 #include "gpusnap/restore.h"
+#include "testing/unit.h"
 
 namespace gpusnap {
 namespace {
 
-::testing::AssertionResult Contains(const std::string& text, const std::string& part) {
-  if (text.find(part) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "'" << text << "' does not contain '" << part << "'";
-}
-
-template <typename Body>
-Error catch_error(Body&& body) {
-  try {
-    body();
-  } catch (const Error& e) {
-    return e;
-  }
-  ADD_FAILURE() << "no gpusnap::Error thrown";
-  return Error(ErrorKind::kInternal, "no error");
-}
+using namespace gpusnap::testing;  // testing/unit.h
 
 // As HostFacts::probe reports them: cpu_flags sorted.
 HostFacts facts() {

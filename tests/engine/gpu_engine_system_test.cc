@@ -49,11 +49,6 @@ using gpu::FakeDriver;
 using gpu::ProcessState;
 using nlohmann::json;
 
-#define SKIP_WITHOUT_CRIU()                                                    \
-  do {                                                                         \
-    if (auto why = system_test_blocker()) GTEST_SKIP() << "skipped: " << *why; \
-  } while (0)
-
 constexpr const char* kGpuA = "GPU-0a0a0a0a-1111-2222-3333-444444444444";
 constexpr const char* kGpuB = "GPU-0b0b0b0b-5555-6666-7777-888888888888";
 constexpr const char* kDriverVersion = "580.159.04";  // FakeDriver's default
@@ -150,39 +145,8 @@ long position(const std::vector<std::string>& calls, const std::string& c) {
   return it == calls.end() ? -1 : static_cast<long>(it - calls.begin());
 }
 
-template <class Fn>
-std::optional<Error> error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e;
-  }
-  return std::nullopt;
-}
-
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
-}
-
-template <class Pred>
-bool eventually(Pred pred, std::chrono::milliseconds limit = std::chrono::seconds(15)) {
-  auto deadline = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return pred();
-}
-
-std::set<std::string> pid_namespaces() {
-  std::set<std::string> out;
-  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
-    char link[64];
-    auto ns = e.path() / "ns" / "pid";
-    ssize_t n = ::readlink(ns.c_str(), link, sizeof link - 1);
-    if (n > 0) out.insert(std::string(link, static_cast<size_t>(n)));
-  }
-  return out;
 }
 
 std::vector<pid_t> tree_pids(pid_t root) {
@@ -243,13 +207,6 @@ bool journal_empty(const std::filesystem::path& run_dir) {
   return !std::filesystem::exists(dir) || std::filesystem::is_empty(dir, ec);
 }
 
-pid_t dead_pid() {
-  pid_t pid = ::fork();
-  if (pid == 0) ::_exit(0);
-  ::waitpid(pid, nullptr, 0);
-  return pid;
-}
-
 CheckpointOptions checkpoint_options(pid_t pid, const std::filesystem::path& output,
                                      FakeDriver& fake, const std::filesystem::path& run_dir) {
   CheckpointOptions o;
@@ -271,20 +228,6 @@ RestoreOptions restore_options(const std::filesystem::path& artifact, gpu::Drive
   o.timeout = std::chrono::seconds(60);
   return o;
 }
-
-// Ends restored copies whatever the test's outcome. A copy's init is a child of the process
-// that called restore() (here, this test), so besides killing it we reap it: harness end_copy()
-// alone would wait its full 10 s for a zombie that nobody else reaps.
-struct CopyReaper {
-  std::vector<CopyInfo> copies;
-  ~CopyReaper() {
-    for (const auto& c : copies) {
-      if (c.init_pid <= 0) continue;
-      ::kill(c.init_pid, SIGKILL);
-      ::waitpid(c.init_pid, nullptr, 0);
-    }
-  }
-};
 
 // --- 1. The happy path ---------------------------------------------------------------------------
 
@@ -439,7 +382,7 @@ TEST(GpuEngine, RestoreReturnsEveryCopyProcessToRunning) {
   ro.replicas = 2;
   ro.publish = {PortPublish::parse(std::to_string(source.port()))};
   auto rs = restore(ro, reporter);
-  CopyReaper reaper{rs.copies};
+  Copies reaper{rs.copies};
 
   ASSERT_EQ(registered.size(), 4u);  // 2 copies x (workload + child)
   Calls want;

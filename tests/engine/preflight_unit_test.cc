@@ -11,25 +11,12 @@
 
 #include "common/proc.h"
 #include "gpusnap/error.h"
+#include "testing/unit.h"
 
 namespace gpusnap::engine {
 namespace {
 
-::testing::AssertionResult Contains(const std::string& text, const std::string& part) {
-  if (text.find(part) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "'" << text << "' does not contain '" << part << "'";
-}
-
-template <typename Body>
-Error catch_error(Body&& body) {
-  try {
-    body();
-  } catch (const Error& e) {
-    return e;
-  }
-  ADD_FAILURE() << "no gpusnap::Error thrown";
-  return Error(ErrorKind::kInternal, "no error");
-}
+using namespace gpusnap::testing;  // testing/unit.h
 
 proc::Process process(pid_t pid, const std::string& comm, std::vector<proc::OpenFile> files) {
   proc::Process p;

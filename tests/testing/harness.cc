@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -20,14 +21,6 @@
 #include "gpusnap/error.h"
 
 namespace gpusnap::testing {
-
-TempDir::TempDir() {
-  std::string tmpl = (std::filesystem::temp_directory_path() / "gpusnap-test-XXXXXX").string();
-  if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-  path_ = tmpl;
-}
-
-TempDir::~TempDir() { fs::remove_tree_noexcept(path_); }
 
 std::optional<std::string> system_test_blocker() {
   if (::geteuid() != 0) return "not root";
@@ -148,11 +141,31 @@ CliResult gpusnap(const std::vector<std::string>& args, std::chrono::millisecond
   return r;
 }
 
+std::string field(const std::string& reply, const std::string& key) {
+  auto at = reply.find(key + "=");
+  if (at == std::string::npos) return {};
+  auto start = at + key.size() + 1;
+  return reply.substr(start, reply.find(' ', start) - start);
+}
+
+std::set<std::string> pid_namespaces() {
+  std::set<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    char link[64];
+    auto ns = e.path() / "ns" / "pid";
+    ssize_t n = ::readlink(ns.c_str(), link, sizeof link - 1);
+    if (n > 0) out.insert(std::string(link, static_cast<size_t>(n)));
+  }
+  return out;
+}
+
 void end_copy(pid_t init_pid) {
   if (init_pid <= 0) return;
   ::kill(init_pid, SIGKILL);
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (proc::exists(init_pid) && std::chrono::steady_clock::now() < deadline) {
+  while (std::chrono::steady_clock::now() < deadline) {
+    // Our own child would stay a zombie (and "exist") until reaped; anyone else's fails ECHILD.
+    if (::waitpid(init_pid, nullptr, WNOHANG) == init_pid || !proc::exists(init_pid)) return;
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
 }
@@ -164,6 +177,30 @@ bool running(pid_t pid) {
   } catch (const Error&) {
     return false;
   }
+}
+
+Copies::Copies(nlohmann::json restore_json) : doc(std::move(restore_json)) {
+  if (!doc.is_object() || !doc.contains("copies")) return;
+  for (const auto& c : doc["copies"]) {
+    RestoredCopy copy;
+    copy.pid = c.value("pid", pid_t{0});
+    copy.init_pid = c.value("init_pid", pid_t{0});
+    if (c.contains("ports") && !c["ports"].empty()) {
+      copy.port = c["ports"][0].value("host_port", uint16_t{0});
+    }
+    copies.push_back(copy);
+  }
+}
+
+Copies::Copies(const std::vector<CopyInfo>& restored) {
+  for (const auto& c : restored) {
+    copies.push_back(
+        {c.host_pid, c.init_pid, c.ports.empty() ? uint16_t{0} : c.ports[0].host_port});
+  }
+}
+
+Copies::~Copies() {
+  for (const auto& c : copies) end_copy(c.init_pid);
 }
 
 }  // namespace gpusnap::testing

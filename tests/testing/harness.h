@@ -2,32 +2,36 @@
 // component; it only starts them and talks to them.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <sys/types.h>
 
 #include <chrono>
 #include <filesystem>
 #include <optional>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
+#include <nlohmann/json.hpp>
 
 #include "common/subprocess.h"
+#include "gpusnap/restore.h"
+#include "testing/unit.h"  // TempDir, error_of, catch_error, Contains, write, dead_pid
 
 namespace gpusnap::testing {
 
-// A scratch directory removed at the end of the test.
-class TempDir {
- public:
-  TempDir();
-  ~TempDir();
-  const std::filesystem::path& path() const { return path_; }
-  std::filesystem::path operator/(const std::string& leaf) const { return path_ / leaf; }
-
- private:
-  std::filesystem::path path_;
-};
-
 // Whether this machine can run the system tests (root and a working CRIU); the reason if not.
 std::optional<std::string> system_test_blocker();
+
+// Skips the test, reporting "skipped: WHY", when `blocker` (an std::optional<std::string>) holds
+// the reason it cannot run here.
+#define GPUSNAP_SKIP_IF_BLOCKED(blocker)                           \
+  do {                                                             \
+    if (auto why = (blocker)) GTEST_SKIP() << "skipped: " << *why; \
+  } while (0)
+
+// Skips the test where there is no root or no working CRIU.
+#define SKIP_WITHOUT_CRIU() GPUSNAP_SKIP_IF_BLOCKED(::gpusnap::testing::system_test_blocker())
 
 // Paths of built programs, found from the test binary's own location (build/tests/), so the
 // build tree can be copied to another machine (the GPU machine) and run there.
@@ -66,10 +70,54 @@ struct CliResult {
 CliResult gpusnap(const std::vector<std::string>& args,
                   std::chrono::milliseconds timeout = std::chrono::minutes(3));
 
-// Kills a restored copy (its namespace init) and waits until it is gone.
+// The value of `key` in a workload reply of the form "key=value key2=value2"; "" if absent.
+std::string field(const std::string& reply, const std::string& key);
+
+// Whether `pred` becomes true within `limit`, asking every 20 ms (and once more at the end).
+template <class Pred>
+bool eventually(Pred pred, std::chrono::milliseconds limit = std::chrono::seconds(15)) {
+  auto deadline = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return pred();
+}
+
+// The PID namespaces of every process on the host (their /proc/PID/ns/pid links).
+std::set<std::string> pid_namespaces();
+
+// Kills a restored copy (its namespace init) and waits until it is gone; an init that is a child
+// of this process (restore() called in-process) is reaped as well.
 void end_copy(pid_t init_pid);
 
 // Whether a process is running (exists, not stopped, not a zombie).
 bool running(pid_t pid);
+
+// One restored copy: its root process and namespace init (host pids), its first published port
+// (0 if none).
+struct RestoredCopy {
+  pid_t pid = 0;
+  pid_t init_pid = 0;
+  uint16_t port = 0;
+};
+
+// The copies a restore started, ended (end_copy) whatever the test's outcome.
+class Copies {
+ public:
+  // From `gpusnap restore --json`'s output.
+  explicit Copies(nlohmann::json restore_json);
+  // From gpusnap::restore()'s result.
+  explicit Copies(const std::vector<CopyInfo>& restored);
+  Copies(const Copies&) = delete;
+  Copies& operator=(const Copies&) = delete;
+  ~Copies();
+
+  // The first published port of copy `i`.
+  uint16_t port(size_t i) const { return copies.at(i).port; }
+
+  nlohmann::json doc;  // the JSON it came from (null for restore()'s result)
+  std::vector<RestoredCopy> copies;
+};
 
 }  // namespace gpusnap::testing
