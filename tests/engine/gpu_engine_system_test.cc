@@ -288,6 +288,17 @@ TEST(GpuEngine, LeaveRunningLocksAllThenCheckpointsThenResumesAfterTheDump) {
   }
   EXPECT_EQ(result.artifact, std::filesystem::absolute(dir / "snap"));
   EXPECT_TRUE(Artifact::open(dir / "snap").verify().empty());
+  // `inspect` shows each CUDA process (a rank) with its bytes per GPU.
+  auto shown = gpusnap({"inspect", (dir / "snap").string()});
+  ASSERT_EQ(shown.exit_code, 0) << shown.err;
+  EXPECT_NE(shown.out.find("CUDA process 0 (pid " + std::to_string(pids[0]) +
+                           "): 256.0 MiB on GPU 0"),
+            std::string::npos)
+      << shown.out;
+  EXPECT_NE(shown.out.find("CUDA process 1 (pid " + std::to_string(pids[1]) +
+                           "): 512.0 MiB on GPU 0"),
+            std::string::npos)
+      << shown.out;
 
   for (pid_t pid : pids) {
     EXPECT_EQ(fake.peek_state(pid), ProcessState::kRunning);
