@@ -47,6 +47,15 @@ Args::Args(const std::string& command, const std::vector<FlagSpec>& specs,
   }
 }
 
+Error Args::usage_error(const std::string& what) const {
+  return Error(ErrorKind::kUsage, what, "see `gpusnap " + command_ + " --help`");
+}
+
+std::string Args::only_artifact() const {
+  if (positional_.size() != 1) throw usage_error(command_ + " needs exactly one ARTIFACT");
+  return positional_[0];
+}
+
 std::string Args::get(const std::string& name, const std::string& fallback) const {
   auto it = values_.find(name);
   return it == values_.end() ? fallback : it->second.back();

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "gpusnap/error.h"
+
 namespace gpusnap::cli {
 
 struct FlagSpec {
@@ -29,6 +31,11 @@ class Args {
   long get_int(const std::string& name, long fallback, long min, long max) const;
   const std::vector<std::string>& positional() const { return positional_; }
   const std::vector<std::string>& rest() const { return rest_; }
+  const std::string& command() const { return command_; }
+  // A usage error for this command: `what`, and a hint pointing at its --help.
+  Error usage_error(const std::string& what) const;
+  // The single positional ARTIFACT argument, or a usage error.
+  std::string only_artifact() const;
 
  private:
   std::string command_;

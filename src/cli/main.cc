@@ -72,17 +72,11 @@ struct Command {
 
 void print_checkpoint(const Output& out, const CheckpointResult& r, bool leave_running);
 
-int cmd_checkpoint(const Args& args) {
-  Output out(args);
+// The capture settings `checkpoint` and `run` share; flags a command does not declare keep
+// their defaults.
+CheckpointOptions capture_options(const Args& args) {
+  if (!args.has("--output")) throw args.usage_error(args.command() + " needs -o ARTIFACT");
   CheckpointOptions o;
-  if (!args.has("--pid")) {
-    throw Error(ErrorKind::kUsage, "checkpoint needs --pid PID", "see `gpusnap checkpoint --help`");
-  }
-  if (!args.has("--output")) {
-    throw Error(ErrorKind::kUsage, "checkpoint needs -o ARTIFACT",
-                "see `gpusnap checkpoint --help`");
-  }
-  o.pid = static_cast<pid_t>(args.get_int("--pid", 0, 1, 1L << 22));
   o.output = args.get("--output");
   o.leave_running = args.has("--leave-running");
   o.criu_path = args.get("--criu");
@@ -90,6 +84,14 @@ int cmd_checkpoint(const Args& args) {
   o.gpu_lock_timeout = std::chrono::seconds(args.get_int("--gpu-lock-timeout", 10, 1, 3600));
   o.handshake = !args.has("--no-handshake");
   o.handshake_timeout = std::chrono::seconds(args.get_int("--handshake-timeout", 60, 1, 86400));
+  return o;
+}
+
+int cmd_checkpoint(const Args& args) {
+  Output out(args);
+  if (!args.has("--pid")) throw args.usage_error("checkpoint needs --pid PID");
+  CheckpointOptions o = capture_options(args);
+  o.pid = static_cast<pid_t>(args.get_int("--pid", 0, 1, 1L << 22));
   auto r = checkpoint(o, *out.reporter);
   print_checkpoint(out, r, o.leave_running);
   return 0;
@@ -115,12 +117,8 @@ void print_checkpoint(const Output& out, const CheckpointResult& r, bool leave_r
 
 int cmd_restore(const Args& args) {
   Output out(args);
-  if (args.positional().size() != 1) {
-    throw Error(ErrorKind::kUsage, "restore needs exactly one ARTIFACT",
-                "see `gpusnap restore --help`");
-  }
   RestoreOptions o;
-  o.artifact = args.positional()[0];
+  o.artifact = args.only_artifact();
   o.replicas = static_cast<int>(args.get_int("--replicas", 1, 1, 1024));
   o.verify = !args.has("--no-verify");
   o.criu_path = args.get("--criu");
@@ -184,11 +182,7 @@ int cmd_restore(const Args& args) {
 
 int cmd_inspect(const Args& args) {
   Output out(args);
-  if (args.positional().size() != 1) {
-    throw Error(ErrorKind::kUsage, "inspect needs exactly one ARTIFACT",
-                "see `gpusnap inspect --help`");
-  }
-  auto a = Artifact::open(args.positional()[0]);
+  auto a = Artifact::open(args.only_artifact());
   const Manifest& m = a.manifest();
   if (out.json) {
     json doc = m.to_json();
@@ -254,11 +248,7 @@ int cmd_inspect(const Args& args) {
 
 int cmd_verify(const Args& args) {
   Output out(args);
-  if (args.positional().size() != 1) {
-    throw Error(ErrorKind::kUsage, "verify needs exactly one ARTIFACT",
-                "see `gpusnap verify --help`");
-  }
-  auto a = Artifact::open(args.positional()[0]);
+  auto a = Artifact::open(args.only_artifact());
   Phases phases(*out.reporter);
   auto problems = phases.run("verify", [&] { return a.verify({0, out.reporter.get()}); });
   if (out.json) {
@@ -291,17 +281,8 @@ int cmd_verify(const Args& args) {
 
 int cmd_run(const Args& args) {
   Output out(args);
-  if (!args.has("--output")) {
-    throw Error(ErrorKind::kUsage, "run needs -o ARTIFACT", "see `gpusnap run --help`");
-  }
-  if (args.rest().empty()) {
-    throw Error(ErrorKind::kUsage, "run needs a command after --", "see `gpusnap run --help`");
-  }
-  CheckpointOptions o;
-  o.output = args.get("--output");
-  o.leave_running = args.has("--leave-running");
-  o.criu_path = args.get("--criu");
-  o.handshake_timeout = std::chrono::seconds(args.get_int("--handshake-timeout", 60, 1, 86400));
+  if (args.rest().empty()) throw args.usage_error("run needs a command after --");
+  CheckpointOptions o = capture_options(args);
   auto ready_timeout = std::chrono::seconds(args.get_int("--ready-timeout", 600, 1, 86400));
   engine::LaunchedWorkload workload(args.rest(), "/run/gpusnap");
   out.reporter->note("launched pid " + std::to_string(workload.pid()) + ", output in " +
