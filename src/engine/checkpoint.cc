@@ -170,7 +170,8 @@ class Checkpoint {
       dump.emplace(options_.helper_binary.empty() ? "/proc/self/exe" : options_.helper_binary,
                    criu::dump_args(criu, {options_.pid, writer.criu_dir(), log, manifest.shell_job,
                                           options_.ghost_limit}),
-                   writer.staging(), log.parent_path() / "criu-dump.out", cuda);
+                   writer.staging(), log.parent_path() / "criu-dump.out", cuda,
+                   paused ? paused->dir() : std::filesystem::path());
       auto status = dump->wait();
       if (!status.ok()) fail_dump(status, log);
     });

@@ -10,6 +10,7 @@
 
 #include "common/fs.h"
 #include "engine/gpu_state.h"
+#include "engine/handshake.h"
 #include "gpu/driver.h"
 #include "gpusnap/error.h"
 
@@ -54,13 +55,18 @@ int dump_guard_main(const std::string& spec_json) {
       auto driver = gpu::open_nvidia_driver();
       if (driver->available()) return_to_running(*driver, gpu_pids);
     }
+    // GPU first, then the workload's own resume: the order gpusnap itself keeps.
+    if (auto dir = spec.at("control_dir").get<std::string>(); !dir.empty()) {
+      Handshake(dir).request_resume_as_source();
+    }
   }
   return 0;
 }
 
 GuardedDump::GuardedDump(const std::string& helper, std::vector<std::string> criu_argv,
                          std::filesystem::path staging, std::filesystem::path criu_output,
-                         const std::vector<pid_t>& gpu_pids) {
+                         const std::vector<pid_t>& gpu_pids,
+                         const std::filesystem::path& control_dir) {
   Pipe control = Pipe::make();
   Pipe status = Pipe::make();
   SpawnOptions o;
@@ -68,7 +74,8 @@ GuardedDump::GuardedDump(const std::string& helper, std::vector<std::string> cri
   nlohmann::json spec{{"argv", criu_argv},
                       {"staging", staging.string()},
                       {"output", criu_output.string()},
-                      {"gpu_pids", gpu_pids}};
+                      {"gpu_pids", gpu_pids},
+                      {"control_dir", control_dir.string()}};
   o.argv = {helper, "__dump-guard", spec.dump()};
   o.keep_fds = {{control.read.get(), kControlFd}, {status.write.get(), kStatusFd}};
   o.kill_with_parent = false;
@@ -80,7 +87,7 @@ GuardedDump::GuardedDump(const std::string& helper, std::vector<std::string> cri
 
 GuardedDump::~GuardedDump() {
   control_.reset();  // EOF without 'C': the guardian cleans up after CRIU
-  if (guardian_) guardian_->wait();
+  guardian_->wait();
   guardian_->release();
 }
 

@@ -20,10 +20,11 @@ namespace gpusnap::engine {
 class GuardedDump {
  public:
   // `helper` is the gpusnap binary, which runs the guardian as `gpusnap __dump-guard SPEC`.
-  // `gpu_pids`: CUDA processes the guardian returns to RUNNING if gpusnap dies mid-way.
+  // If gpusnap dies mid-way, the guardian returns `gpu_pids` (CUDA processes) to RUNNING and,
+  // when `control_dir` is set, asks the paused workload to resume.
   GuardedDump(const std::string& helper, std::vector<std::string> criu_argv,
               std::filesystem::path staging, std::filesystem::path criu_output,
-              const std::vector<pid_t>& gpu_pids);
+              const std::vector<pid_t>& gpu_pids, const std::filesystem::path& control_dir);
   GuardedDump(const GuardedDump&) = delete;
   GuardedDump& operator=(const GuardedDump&) = delete;
   // Without commit(): the guardian removes the staging directory once CRIU has finished.

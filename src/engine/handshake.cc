@@ -101,19 +101,8 @@ void Handshake::exchange(pid_t pid, const std::string& request, json body,
     }
     if (std::chrono::steady_clock::now() > deadline) {
       std::filesystem::remove(dir_ / request, ec);
-      if (request == "pause") {
-        // It may still be pausing: once it answers PAUSED it would wait for ever. A resume as
-        // the source is waiting for it (answered at once by a workload that never paused).
-        write_message(dir_, "resume",
-                      {{"id", fs::random_id().substr(0, 12)},
-                       {"context",
-                        {{"restored", false},
-                         {"copy", 0},
-                         {"copies", 1},
-                         {"artifact_id", ""},
-                         {"gpu_map", json::object()},
-                         {"settings", json::object()}}}});
-      }
+      // It may still be pausing: once it answers PAUSED it would wait for ever.
+      if (request == "pause") request_resume_as_source();
       throw Error(ErrorKind::kTimeout,
                   "the workload did not answer " + request + " within " +
                       std::to_string(timeout.count()) + " ms",
@@ -130,6 +119,22 @@ void Handshake::pause(pid_t pid, std::chrono::milliseconds timeout) {
 
 void Handshake::resume(pid_t pid, const json& context, std::chrono::milliseconds timeout) {
   exchange(pid, "resume", {{"context", context}}, "resumed", timeout);
+}
+
+void Handshake::request_resume_as_source() const noexcept {
+  try {
+    write_message(dir_, "resume",
+                  {{"id", fs::random_id().substr(0, 12)},
+                   {"context",
+                    {{"restored", false},
+                     {"copy", 0},
+                     {"copies", 1},
+                     {"artifact_id", ""},
+                     {"gpu_map", json::object()},
+                     {"settings", json::object()}}}});
+  } catch (const std::exception&) {
+    // Best effort by contract: the caller is already failing or dying.
+  }
 }
 
 void Handshake::clear_exchange() const noexcept {
