@@ -19,7 +19,8 @@
 namespace gpusnap {
 
 inline constexpr const char* kArtifactFormat = "gpusnap-artifact";
-inline constexpr int kArtifactFormatVersion = 1;
+// 2 added host images; version 1 artifacts (none) are still read.
+inline constexpr int kArtifactFormatVersion = 2;
 inline constexpr const char* kManifestName = "manifest.json";
 inline constexpr const char* kCriuImageDir = "criu";
 
@@ -52,6 +53,19 @@ struct ProcessRecord {
   uint64_t gpu_bytes = 0;  // GPU memory the driver moved into this process (0: no CUDA)
 };
 
+// A range of a CUDA process's memory that gpusnap stored itself instead of through CRIU: the
+// copy of its GPU memory that the driver's checkpoint left in host memory. The file holds the
+// range byte for byte (zero blocks as holes); CRIU's images map it back at `start`, privately,
+// as the external file `criu_key`.
+struct HostImageRecord {
+  pid_t pid = 0;
+  uint64_t start = 0;
+  uint64_t end = 0;
+  std::string file;           // relative to the artifact root
+  std::string criu_key;       // "file[MNT_ID:INODE]" as CRIU's dump named it
+  uint64_t stored_bytes = 0;  // bytes not in holes
+};
+
 struct FileRecord {
   std::string path;  // relative to the artifact root
   uint64_t size = 0;
@@ -76,6 +90,7 @@ struct Manifest {
   std::string checksum_algorithm = "xxh3-128";
   uint64_t chunk_bytes = 64ull << 20;
   std::vector<FileRecord> files;
+  std::vector<HostImageRecord> host_images;
   std::vector<PhaseTiming> checkpoint_phases;
 
   uint64_t total_bytes() const;

@@ -36,6 +36,10 @@ struct CheckpointOptions {
   std::filesystem::path control_dir;
   bool handshake = true;
   std::chrono::milliseconds handshake_timeout{std::chrono::seconds(60)};
+  // Store the GPU memory that the driver's checkpoint leaves in host memory as host images
+  // (many threads, mapped back on restore without a copy) rather than through CRIU's pages.
+  bool host_images = true;
+  int io_threads = 0;  // 0: one per core, at least 4
 };
 
 struct CheckpointResult {

@@ -66,6 +66,15 @@ json Manifest::to_json() const {
   for (const auto& f : files) {
     files_json.push_back({{"path", f.path}, {"size", f.size}, {"chunks", f.chunks}});
   }
+  json images_json = json::array();
+  for (const auto& i : host_images) {
+    images_json.push_back({{"pid", i.pid},
+                           {"start", i.start},
+                           {"end", i.end},
+                           {"file", i.file},
+                           {"criu_key", i.criu_key},
+                           {"stored_bytes", i.stored_bytes}});
+  }
   json phases_json = json::array();
   for (const auto& p : checkpoint_phases) {
     phases_json.push_back({{"name", p.name}, {"seconds", p.seconds}});
@@ -91,6 +100,7 @@ json Manifest::to_json() const {
       {"handshake", control_dir.empty() ? json(nullptr) : json{{"control_dir", control_dir}}},
       {"checksum", {{"algorithm", checksum_algorithm}, {"chunk_bytes", chunk_bytes}}},
       {"files", files_json},
+      {"host_images", images_json},
       {"checkpoint_phases", phases_json},
   };
 }
@@ -151,10 +161,10 @@ Manifest Manifest::from_json(const json& doc) {
                   "point gpusnap at a directory written by `gpusnap checkpoint`");
     }
     m.format_version = integer(doc, "format_version").get<int>();
-    if (m.format_version != kArtifactFormatVersion) {
+    if (m.format_version < 1 || m.format_version > kArtifactFormatVersion) {
       throw Error(ErrorKind::kBadArtifact,
                   "artifact format version " + std::to_string(m.format_version) +
-                      " is not supported (this gpusnap reads version " +
+                      " is not supported (this gpusnap reads versions 1 to " +
                       std::to_string(kArtifactFormatVersion) + ")",
                   "use the gpusnap version that wrote it, or take a new checkpoint");
     }
@@ -209,6 +219,21 @@ Manifest Manifest::from_json(const json& doc) {
       rec.size = size(f, "size");
       rec.chunks = get(f, "chunks").get<std::vector<std::string>>();
       m.files.push_back(std::move(rec));
+    }
+    if (m.format_version >= 2) {
+      for (const auto& i : objects(doc, "host_images")) {
+        HostImageRecord rec;
+        rec.pid = integer(i, "pid").get<pid_t>();
+        rec.start = size(i, "start");
+        rec.end = size(i, "end");
+        rec.file = get(i, "file").get<std::string>();
+        rec.criu_key = get(i, "criu_key").get<std::string>();
+        rec.stored_bytes = size(i, "stored_bytes");
+        if (rec.end <= rec.start) {
+          throw Error(ErrorKind::kBadArtifact, "manifest has an empty host image range", kHint);
+        }
+        m.host_images.push_back(std::move(rec));
+      }
     }
     for (const auto& p : objects(doc, "checkpoint_phases")) {
       m.checkpoint_phases.push_back(

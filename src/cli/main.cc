@@ -34,6 +34,10 @@ const FlagSpec kCriu{"--criu", "", "PATH",
                      "the criu binary (default: $GPUSNAP_CRIU, "
                      "/opt/gpusnap/criu/criu, criu on PATH)"};
 const FlagSpec kHelp{"--help", "-h", "", "show this help"};
+const FlagSpec kNoHostImages{"--no-host-images", "", "",
+                             "store GPU memory through CRIU's pages, not as host images"};
+const FlagSpec kIoThreads{"--io-threads", "", "N",
+                          "threads that write host images (default: one per core, at least 4)"};
 
 // Output settings shared by every command.
 struct Output {
@@ -84,6 +88,8 @@ CheckpointOptions capture_options(const Args& args) {
   o.gpu_lock_timeout = std::chrono::seconds(args.get_int("--gpu-lock-timeout", 10, 1, 3600));
   o.handshake = !args.has("--no-handshake");
   o.handshake_timeout = std::chrono::seconds(args.get_int("--handshake-timeout", 60, 1, 86400));
+  o.host_images = !args.has("--no-host-images");
+  o.io_threads = static_cast<int>(args.get_int("--io-threads", 0, 0, 256));
   return o;
 }
 
@@ -355,6 +361,8 @@ std::vector<Command> commands() {
         {"--no-handshake", "", "", "capture as it runs even if the workload speaks the handshake"},
         {"--handshake-timeout", "", "SECONDS",
          "how long the workload may take to pause (default 60)"},
+        kNoHostImages,
+        kIoThreads,
         kCriu,
         kJson,
         kQuiet,
@@ -369,6 +377,8 @@ std::vector<Command> commands() {
         {"--leave-running", "", "", "resume the workload after the capture"},
         {"--ready-timeout", "", "SECONDS", "how long it may take to say READY (default 600)"},
         {"--handshake-timeout", "", "SECONDS", "how long it may take to pause (default 60)"},
+        kNoHostImages,
+        kIoThreads,
         kCriu,
         kJson,
         kQuiet,

@@ -118,6 +118,10 @@ std::vector<std::string> dump_args(const Binary& criu, const DumpOptions& o) {
       "skip",
   };
   if (o.shell_job) args.push_back("--shell-job");
+  for (const auto& key : o.external_files) {
+    args.push_back("--external");
+    args.push_back(key);
+  }
   return args;
 }
 

@@ -29,6 +29,9 @@ struct DumpOptions {
   std::filesystem::path log;  // absolute
   bool shell_job = false;
   uint64_t ghost_limit = 256ull << 20;  // unlinked files kept open are stored up to this size
+  // Files CRIU records by reference only, "file[MNT_ID:INODE]" (hex): restore must hand each
+  // one over as an inherited descriptor under the same key.
+  std::vector<std::string> external_files;
 };
 std::vector<std::string> dump_args(const Binary& criu, const DumpOptions& options);
 

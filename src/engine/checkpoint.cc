@@ -6,6 +6,8 @@
 //   gpu-facts    (CUDA processes only) driver, GPUs and GPU bytes per process
 //   gpu-lock     every CUDA process locked, all before any is checkpointed
 //   gpu-checkpoint  the driver moves GPU memory into each process's host memory
+//   host-images  that memory goes into files of the artifact, mapped back in place
+//                (engine/host_images.h): CRIU then records the mapping, not the bytes
 //   dump         CRIU dumps the tree into the staging directory (--leave-running)
 //   gpu-resume   with --leave-running: the source's GPU state goes back, unlocked
 //   resume       with --leave-running and the handshake: the source serves again
@@ -17,6 +19,7 @@
 #include <signal.h>
 #include <time.h>
 
+#include <map>
 #include <thread>
 
 #include "artifact/writer.h"
@@ -26,6 +29,7 @@
 #include "engine/dump_guard.h"
 #include "engine/gpu_state.h"
 #include "engine/handshake.h"
+#include "engine/host_images.h"
 #include "engine/preflight.h"
 #include "gpu/driver.h"
 #include "gpusnap/checkpoint.h"
@@ -156,11 +160,18 @@ class Checkpoint {
     }
 
     std::optional<engine::GpuCapture> gpu;
+    std::map<pid_t, std::vector<Mapping>> maps_before;
     if (!cuda.empty()) {
-      phases_.run("gpu-facts", [&] { describe_gpu(driver, cuda, manifest); });
+      phases_.run("gpu-facts", [&] {
+        describe_gpu(driver, cuda, manifest);
+        for (pid_t pid : cuda) maps_before[pid] = read_mappings(pid);
+      });
       gpu.emplace(driver, cuda, options_.gpu_lock_timeout, options_.run_dir, phases_.reporter());
       phases_.run("gpu-lock", [&] { gpu->lock_all(); });
       phases_.run("gpu-checkpoint", [&] { gpu->checkpoint_all(); });
+      if (options_.host_images) {
+        phases_.run("host-images", [&] { store_host_images(maps_before, writer, manifest); });
+      }
     }
 
     auto log = writer.staging() / "logs" / "criu-dump.log";
@@ -169,7 +180,8 @@ class Checkpoint {
     phases_.run("dump", [&] {
       dump.emplace(options_.helper_binary.empty() ? "/proc/self/exe" : options_.helper_binary,
                    criu::dump_args(criu, {options_.pid, writer.criu_dir(), log, manifest.shell_job,
-                                          options_.ghost_limit}),
+                                          options_.ghost_limit,
+                                          engine::criu_external_keys(manifest.host_images)}),
                    writer.staging(), log.parent_path() / "criu-dump.out", cuda,
                    paused ? paused->dir() : std::filesystem::path());
       auto status = dump->wait();
@@ -225,6 +237,22 @@ class Checkpoint {
       for (auto& rec : manifest.processes) {
         if (rec.pid == p.at("pid").get<pid_t>()) rec.gpu_bytes = p.at("bytes").get<uint64_t>();
       }
+    }
+  }
+
+  // Each CUDA process's new host memory into files of the artifact, one process at a time,
+  // each with every I/O thread.
+  void store_host_images(const std::map<pid_t, std::vector<Mapping>>& before,
+                         const ArtifactWriter& writer, Manifest& manifest) {
+    int threads = options_.io_threads > 0
+                      ? options_.io_threads
+                      : std::max(4, static_cast<int>(std::thread::hardware_concurrency()));
+    for (const auto& [pid, maps] : before) {
+      auto ranges =
+          engine::new_anonymous_ranges(maps, read_mappings(pid), engine::kMinHostImageBytes);
+      auto images =
+          engine::store_host_images(pid, ranges, writer.staging(), threads, phases_.reporter());
+      manifest.host_images.insert(manifest.host_images.end(), images.begin(), images.end());
     }
   }
 

@@ -70,7 +70,7 @@ namespace {
 
 constexpr int kControlFd = 3;
 constexpr int kFirstInheritFd = 10;
-constexpr int kFirstListenFd = 40;
+constexpr int kFirstListenFd = 512;
 
 UniqueFd listen_on(const std::string& address, uint16_t port, uint16_t* bound) {
   UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
@@ -131,6 +131,22 @@ class Copy {
         inherit_.emplace_back(s.fd == 0 ? null_in.get() : output.get(), fd);
         ro.inherit.push_back({fd, key});
       }
+    }
+    // Host images: CRIU maps each one back from the artifact, given to it as a descriptor
+    // under the key it recorded. Read-only: the copy's mapping is private.
+    std::vector<UniqueFd> images_fds;
+    for (const auto& image : manifest.host_images) {
+      UniqueFd fd(::open((images.parent_path() / image.file).c_str(), O_RDONLY | O_CLOEXEC));
+      if (!fd) throw sys_error("open host image " + image.file, errno);
+      int target = kFirstInheritFd + static_cast<int>(key_fds.size());
+      if (target >= kFirstListenFd) {
+        throw Error(ErrorKind::kBadArtifact, "the artifact names too many files to hand to CRIU",
+                    "take the checkpoint with --no-host-images");
+      }
+      key_fds[image.criu_key] = target;
+      inherit_.emplace_back(fd.get(), target);
+      ro.inherit.push_back({target, image.criu_key});
+      images_fds.push_back(std::move(fd));
     }
     for (const auto& pub : options.publish) {
       uint16_t host_port = pub.host_port == 0 ? 0 : static_cast<uint16_t>(pub.host_port + index);

@@ -54,6 +54,8 @@ Manifest full_manifest() {
   m.gpu = {{"driver", "550.54.15"}, {"gpus", json::array({"GPU-0000"})}};
   m.chunk_bytes = 1 << 20;
   m.files = {{"criu/pages-1.img", 3 << 20, {"aa", "bb", "cc"}}, {"criu/empty.img", 0, {"dd"}}};
+  m.host_images = {{4242, 0x7f0000000000, 0x7f0400000000, "host-images/4242-7f0000000000.img",
+                    "file[2a:1f3]", 123 << 20}};
   m.checkpoint_phases = {{"freeze", 0.25}, {"dump", 1.5}};
   return m;
 }
@@ -64,7 +66,10 @@ TEST(ManifestTest, RoundTripsEveryField) {
 
   EXPECT_EQ(back.to_json(), m.to_json());
   EXPECT_EQ(back.format, "gpusnap-artifact");
-  EXPECT_EQ(back.format_version, 1);
+  EXPECT_EQ(back.format_version, 2);
+  ASSERT_EQ(back.host_images.size(), 1u);
+  EXPECT_EQ(back.host_images[0].start, 0x7f0000000000u);
+  EXPECT_EQ(back.host_images[0].criu_key, "file[2a:1f3]");
   EXPECT_EQ(back.id, m.id);
   EXPECT_EQ(back.created, m.created);
   EXPECT_EQ(back.gpusnap_version, "0.1.0");
@@ -124,11 +129,28 @@ TEST(ManifestTest, RefusesForeignFormat) {
 
 TEST(ManifestTest, RefusesUnsupportedFormatVersionNamingBoth) {
   json doc = full_manifest().to_json();
-  doc["format_version"] = 2;
+  doc["format_version"] = 3;
   Error e = catch_error([&] { Manifest::from_json(doc); });
   EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
   EXPECT_STREQ(e.what(),
-               "artifact format version 2 is not supported (this gpusnap reads version 1)");
+               "artifact format version 3 is not supported (this gpusnap reads versions 1 to 2)");
+}
+
+TEST(ManifestTest, ReadsVersionOneWithoutHostImages) {
+  json doc = full_manifest().to_json();
+  doc["format_version"] = 1;
+  doc.erase("host_images");
+  Manifest m = Manifest::from_json(doc);
+  EXPECT_EQ(m.format_version, 1);
+  EXPECT_TRUE(m.host_images.empty());
+}
+
+TEST(ManifestTest, RefusesAnEmptyHostImageRange) {
+  json doc = full_manifest().to_json();
+  doc["host_images"][0]["end"] = doc["host_images"][0]["start"];
+  Error e = catch_error([&] { Manifest::from_json(doc); });
+  EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+  EXPECT_STREQ(e.what(), "manifest has an empty host image range");
 }
 
 TEST(ManifestTest, MissingFieldIsNamed) {

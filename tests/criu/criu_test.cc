@@ -97,6 +97,18 @@ TEST(CriuArgsTest, DumpShellJobOnlyWhenAsked) {
   EXPECT_EQ(value_of(args, "--tree"), "7");
 }
 
+TEST(CriuArgsTest, DumpNamesEachExternalFile) {
+  DumpOptions o;
+  o.pid = 7;
+  o.external_files = {"file[2a:1f3]", "file[2a:1f4]"};
+  const Strings args = dump_args(Binary{"criu", "4.2"}, o);
+  EXPECT_EQ(count(args, "--external"), 2u);
+  auto first = std::find(args.begin(), args.end(), "--external");
+  ASSERT_NE(first, args.end());
+  EXPECT_EQ(*(first + 1), "file[2a:1f3]");
+  EXPECT_EQ(args.back(), "file[2a:1f4]");
+}
+
 TEST(CriuArgsTest, RestoreDetachesKeepsConnectionsAndInheritsFds) {
   RestoreOptions o;
   o.images = "/a/criu";

@@ -1,0 +1,352 @@
+#include "engine/host_images.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "common/fd.h"
+#include "gpusnap/error.h"
+
+namespace gpusnap::engine {
+
+namespace {
+
+constexpr uint64_t kCopyChunk = 64ull << 20;  // unit of work handed to a thread
+constexpr uint64_t kCopyBuffer = 8ull << 20;  // read from the process at once
+constexpr uint64_t kHoleBlock = 64ull << 10;  // zero blocks of this size become holes
+
+bool private_anonymous_rw(const Mapping& m) {
+  return m.path.empty() && m.perms.size() == 4 && m.perms[0] == 'r' && m.perms[1] == 'w' &&
+         m.perms[3] == 'p';
+}
+
+std::string ns_of(const std::string& pid, const char* ns) {
+  std::error_code ec;
+  auto target = std::filesystem::read_symlink("/proc/" + pid + "/ns/" + ns, ec);
+  return ec ? std::string() : target.string();
+}
+
+// The VmFlags line of the smaps entry starting at `start`.
+std::vector<std::string> vm_flags(pid_t pid, uint64_t start) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/smaps");
+  std::string line;
+  bool in_entry = false;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    // An entry's header starts with its hex range; its fields start with a capitalised name.
+    if (std::isxdigit(static_cast<unsigned char>(line[0])) && line.find('-') != std::string::npos &&
+        line.find(':') > line.find(' ')) {
+      in_entry = std::stoull(line.substr(0, line.find('-')), nullptr, 16) == start;
+      continue;
+    }
+    if (in_entry && line.rfind("VmFlags:", 0) == 0) {
+      std::istringstream fields(line.substr(8));
+      std::vector<std::string> flags;
+      for (std::string f; fields >> f;) flags.push_back(f);
+      return flags;
+    }
+  }
+  return {};
+}
+
+int prot_of(const std::string& perms) {
+  int prot = PROT_NONE;
+  if (perms[0] == 'r') prot |= PROT_READ;
+  if (perms[1] == 'w') prot |= PROT_WRITE;
+  if (perms[2] == 'x') prot |= PROT_EXEC;
+  return prot;
+}
+
+// CRIU's name for a file it is told is external: "file[MNT_ID:INODE]", both in hex, the mount
+// id as /proc/*/fdinfo shows it (the one CRIU reads).
+std::string criu_file_key(int fd) {
+  std::ifstream in("/proc/self/fdinfo/" + std::to_string(fd));
+  std::string line;
+  unsigned long mnt_id = 0;
+  bool found = false;
+  while (std::getline(in, line)) {
+    if (line.rfind("mnt_id:", 0) == 0) {
+      mnt_id = std::stoul(line.substr(7));
+      found = true;
+    }
+  }
+  struct stat st {};
+  if (!found || ::fstat(fd, &st) != 0) {
+    throw Error(ErrorKind::kInternal, "cannot read the mount id and inode of a host image");
+  }
+  std::ostringstream key;
+  key << "file[" << std::hex << mnt_id << ":" << static_cast<uint64_t>(st.st_ino) << "]";
+  return key.str();
+}
+
+struct ImageFile {
+  Range range;
+  std::filesystem::path path;
+  UniqueFd fd;
+  std::atomic<uint64_t> stored{0};
+};
+
+// Copies every range of `pid` into its file with `threads` threads, 64 MiB at a time, blocks
+// of zeros left as holes. Throws on the first failure.
+void copy_out(pid_t pid, std::vector<ImageFile>& files, int threads) {
+  struct Job {
+    ImageFile* file;
+    uint64_t offset;
+    uint64_t size;
+  };
+  std::vector<Job> jobs;
+  for (auto& f : files) {
+    for (uint64_t off = 0; off < f.range.size(); off += kCopyChunk) {
+      jobs.push_back({&f, off, std::min(kCopyChunk, f.range.size() - off)});
+    }
+  }
+  std::atomic<size_t> next{0};
+  std::mutex failure_mutex;
+  std::string failure;
+  auto worker = [&] {
+    std::vector<unsigned char> buf(kCopyBuffer);
+    for (size_t j; (j = next.fetch_add(1)) < jobs.size();) {
+      {
+        std::lock_guard<std::mutex> g(failure_mutex);
+        if (!failure.empty()) return;
+      }
+      const Job& job = jobs[j];
+      for (uint64_t done = 0; done < job.size;) {
+        uint64_t len = std::min(kCopyBuffer, job.size - done);
+        uint64_t at = job.file->range.start + job.offset + done;
+        iovec local{buf.data(), len};
+        iovec remote{reinterpret_cast<void*>(at), len};
+        ssize_t got = ::process_vm_readv(pid, &local, 1, &remote, 1, 0);
+        if (got != static_cast<ssize_t>(len)) {
+          std::lock_guard<std::mutex> g(failure_mutex);
+          failure = "cannot read process " + std::to_string(pid) + " memory at 0x" +
+                    (std::ostringstream() << std::hex << at).str() + ": " +
+                    (got < 0 ? std::strerror(errno) : "short read");
+          return;
+        }
+        // Write runs of non-zero blocks; zero blocks stay holes of the sparse file.
+        for (uint64_t b = 0; b < len;) {
+          uint64_t block = std::min(kHoleBlock, len - b);
+          if (all_zero(buf.data() + b, block)) {
+            b += block;
+            continue;
+          }
+          uint64_t run_end = b + block;
+          while (run_end < len) {
+            uint64_t next_block = std::min(kHoleBlock, len - run_end);
+            if (all_zero(buf.data() + run_end, next_block)) break;
+            run_end += next_block;
+          }
+          off_t file_off = static_cast<off_t>(job.offset + done + b);
+          for (uint64_t w = b; w < run_end;) {
+            ssize_t n = ::pwrite(job.file->fd.get(), buf.data() + w, run_end - w,
+                                 file_off + static_cast<off_t>(w - b));
+            if (n <= 0) {
+              std::lock_guard<std::mutex> g(failure_mutex);
+              failure = "cannot write " + job.file->path.string() + ": " + std::strerror(errno);
+              return;
+            }
+            w += static_cast<uint64_t>(n);
+          }
+          job.file->stored += run_end - b;
+          b = run_end;
+        }
+        done += len;
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  int n = std::max(1, std::min<int>(threads, static_cast<int>(jobs.size())));
+  for (int i = 0; i < n; ++i) pool.emplace_back(worker);
+  for (auto& t : pool) t.join();
+  if (!failure.empty()) throw Error(ErrorKind::kEnvironment, failure);
+}
+
+// Replaces each range of `pid` by a private mapping of its file, with the range's protection
+// and madvise flags. Ranges whose flags gpusnap cannot carry over are left alone.
+void remap(pid_t pid, std::vector<ImageFile>& files, const std::vector<Mapping>& maps,
+           Reporter& reporter) {
+  RemoteThread thread(pid);
+  long scratch = thread.syscall(SYS_mmap, 0, 4096, PROT_READ | PROT_WRITE,
+                                MAP_PRIVATE | MAP_ANONYMOUS, static_cast<uint64_t>(-1), 0);
+  if (scratch < 0 && scratch > -4096) {
+    throw Error(ErrorKind::kEnvironment, "cannot map a scratch page in process " +
+                                             std::to_string(pid) + ": " +
+                                             std::strerror(static_cast<int>(-scratch)));
+  }
+  for (auto& f : files) {
+    auto mapping = std::find_if(maps.begin(), maps.end(), [&](const Mapping& m) {
+      return m.start <= f.range.start && f.range.start < m.end;
+    });
+    if (mapping == maps.end()) continue;
+    auto flags = vm_flags(pid, mapping->start);
+    if (std::find(flags.begin(), flags.end(), "lo") != flags.end()) {
+      // mlock on a private file mapping would copy every page: leave this one to CRIU.
+      reporter.note("a locked (mlock) region of process " + std::to_string(pid) +
+                    " is stored through CRIU");
+      continue;
+    }
+    std::string path = std::filesystem::absolute(f.path).string();
+    thread.write_memory(static_cast<uint64_t>(scratch), path.c_str(), path.size() + 1);
+    long fd = thread.syscall(SYS_openat, static_cast<uint64_t>(AT_FDCWD),
+                             static_cast<uint64_t>(scratch), O_RDONLY | O_CLOEXEC, 0);
+    if (fd < 0) {
+      reporter.note("process " + std::to_string(pid) + " cannot open its host image (" +
+                    std::strerror(static_cast<int>(-fd)) + "): stored through CRIU");
+      continue;
+    }
+    long mapped = thread.syscall(SYS_mmap, f.range.start, f.range.size(), prot_of(mapping->perms),
+                                 MAP_PRIVATE | MAP_FIXED, static_cast<uint64_t>(fd), 0);
+    thread.syscall(SYS_close, static_cast<uint64_t>(fd));
+    if (mapped != static_cast<long>(f.range.start)) continue;  // checked from the maps below
+    const std::pair<const char*, int> advice[] = {{"dc", MADV_DONTFORK},
+                                                  {"dd", MADV_DONTDUMP},
+                                                  {"hg", MADV_HUGEPAGE},
+                                                  {"nh", MADV_NOHUGEPAGE}};
+    for (const auto& [flag, advise] : advice) {
+      if (std::find(flags.begin(), flags.end(), flag) != flags.end()) {
+        thread.syscall(SYS_madvise, f.range.start, f.range.size(), static_cast<uint64_t>(advise));
+      }
+    }
+  }
+  thread.syscall(SYS_munmap, static_cast<uint64_t>(scratch), 4096);
+}
+
+// Whether [range) of `pid` is now mapped from `file` only.
+bool mapped_from(const std::vector<Mapping>& maps, const Range& range,
+                 const std::filesystem::path& file) {
+  auto want = std::filesystem::absolute(file).string();
+  uint64_t covered = range.start;
+  for (const auto& m : maps) {
+    if (m.end <= range.start || m.start >= range.end) continue;
+    if (m.path != want || m.start > covered) return false;
+    covered = m.end;
+  }
+  return covered >= range.end;
+}
+
+}  // namespace
+
+bool all_zero(const unsigned char* data, size_t size) {
+  // Word-wise OR: memory speed, and the common case (non-zero data) stops at the first word.
+  size_t i = 0;
+  for (; i + 64 <= size; i += 64) {
+    uint64_t acc = 0;
+    for (size_t k = 0; k < 64; k += 8) {
+      uint64_t w;
+      std::memcpy(&w, data + i + k, 8);
+      acc |= w;
+    }
+    if (acc != 0) return false;
+  }
+  for (; i < size; ++i) {
+    if (data[i] != 0) return false;
+  }
+  return true;
+}
+
+std::vector<Range> new_anonymous_ranges(const std::vector<Mapping>& before,
+                                        const std::vector<Mapping>& after, uint64_t min_bytes) {
+  std::vector<Range> out;
+  for (const auto& m : after) {
+    if (!private_anonymous_rw(m)) continue;
+    // Subtract whatever was mapped before (a new region may have merged with an old one).
+    std::vector<Range> pieces{{m.start, m.end}};
+    for (const auto& old : before) {
+      std::vector<Range> next;
+      for (const auto& p : pieces) {
+        if (old.end <= p.start || old.start >= p.end) {
+          next.push_back(p);
+          continue;
+        }
+        if (old.start > p.start) next.push_back({p.start, old.start});
+        if (old.end < p.end) next.push_back({old.end, p.end});
+      }
+      pieces = std::move(next);
+    }
+    for (const auto& p : pieces) {
+      if (p.size() >= min_bytes) out.push_back(p);
+    }
+  }
+  std::sort(out.begin(), out.end(),
+            [](const Range& a, const Range& b) { return a.start < b.start; });
+  return out;
+}
+
+std::vector<HostImageRecord> store_host_images(pid_t pid, const std::vector<Range>& ranges,
+                                               const std::filesystem::path& artifact_root,
+                                               int threads, Reporter& reporter) {
+  if (ranges.empty()) return {};
+  // The process opens the file by the path gpusnap sees: only in the same mount namespace.
+  if (ns_of(std::to_string(pid), "mnt") != ns_of("self", "mnt")) {
+    reporter.note("process " + std::to_string(pid) +
+                  " lives in another mount namespace: its GPU memory is stored through CRIU");
+    return {};
+  }
+  auto dir = artifact_root / kHostImageDir;
+  std::filesystem::create_directories(dir);
+  std::vector<ImageFile> files(ranges.size());
+  try {
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      auto& f = files[i];
+      f.range = ranges[i];
+      std::ostringstream name;
+      name << pid << "-" << std::hex << ranges[i].start << ".img";
+      f.path = dir / name.str();
+      f.fd.reset(::open(f.path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0444));
+      if (!f.fd)
+        throw Error(ErrorKind::kEnvironment,
+                    "cannot create " + f.path.string() + ": " + std::strerror(errno));
+      if (::ftruncate(f.fd.get(), static_cast<off_t>(ranges[i].size())) != 0) {
+        throw Error(ErrorKind::kEnvironment,
+                    "cannot size " + f.path.string() + ": " + std::strerror(errno));
+      }
+    }
+    copy_out(pid, files, threads);
+    remap(pid, files, read_mappings(pid), reporter);
+  } catch (const Error& e) {
+    // Before the remap nothing of the process changed; a remap that failed part-way is
+    // sorted out below from what the process maps now.
+    reporter.note("process " + std::to_string(pid) + ": " + e.what() +
+                  "; its GPU memory is stored through CRIU");
+  }
+  std::vector<HostImageRecord> out;
+  auto maps = read_mappings(pid);
+  for (auto& f : files) {
+    if (f.path.empty()) continue;
+    if (!f.fd || !mapped_from(maps, f.range, f.path)) {
+      f.fd.reset();
+      std::error_code ec;
+      std::filesystem::remove(f.path, ec);
+      continue;
+    }
+    HostImageRecord rec;
+    rec.pid = pid;
+    rec.start = f.range.start;
+    rec.end = f.range.end;
+    rec.file = std::filesystem::relative(f.path, artifact_root).string();
+    rec.criu_key = criu_file_key(f.fd.get());
+    rec.stored_bytes = f.stored;
+    out.push_back(std::move(rec));
+  }
+  return out;
+}
+
+std::vector<std::string> criu_external_keys(const std::vector<HostImageRecord>& images) {
+  std::vector<std::string> keys;
+  for (const auto& i : images) keys.push_back(i.criu_key);
+  return keys;
+}
+
+}  // namespace gpusnap::engine

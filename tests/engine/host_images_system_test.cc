@@ -1,0 +1,264 @@
+// Host images end to end on the real test workload with real CRIU: the GPU memory that the
+// driver's checkpoint leaves in host memory is stored by gpusnap (not by CRIU), mapped back in
+// the source and in every copy, byte for byte.
+//
+// No GPU here, so StagingDriver plays the part of the driver that matters: on checkpoint it
+// maps a new private anonymous region in the process and fills it with "GPU contents" (what
+// the real driver does, measured on the H200: docs/design.md), on restore it reads the region
+// back from the process, checks every byte and unmaps it. The state machine is FakeDriver's.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/proc.h"
+#include "common/remote.h"
+#include "engine/host_images.h"
+#include "gpu/fake_driver.h"
+#include "gpusnap/artifact.h"
+#include "gpusnap/checkpoint.h"
+#include "gpusnap/restore.h"
+#include "testing/harness.h"
+
+namespace gpusnap::testing {
+namespace {
+
+using gpu::FakeDriver;
+using gpu::ProcessState;
+
+constexpr const char* kGpu = "GPU-0a0a0a0a-1111-2222-3333-444444444444";
+constexpr uint64_t kMiB = 1ull << 20;
+constexpr uint64_t kRegion = 192 * kMiB;
+
+// The word at `index` of the region: every fourth MiB is zero (a hole in the image).
+uint64_t word_at(uint64_t index) {
+  if ((index * 8 / kMiB) % 4 == 3) return 0;
+  uint64_t z = index + 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  return z ^ (z >> 27);
+}
+
+class StagingDriver final : public gpu::Driver {
+ public:
+  explicit StagingDriver(FakeDriver& fake) : fake_(fake) {}
+
+  bool available() const override { return fake_.available(); }
+  std::string reason() const override { return fake_.reason(); }
+  gpu::DriverFacts facts() override { return fake_.facts(); }
+  std::vector<gpu::ProcessGpuUsage> usage() override { return fake_.usage(); }
+  bool uses_gpu(pid_t pid) override { return fake_.uses_gpu(pid); }
+  ProcessState state(pid_t pid) override { return fake_.state(pid); }
+  void lock(pid_t pid, std::chrono::milliseconds t) override { fake_.lock(pid, t); }
+  void unlock(pid_t pid) override { fake_.unlock(pid); }
+
+  void checkpoint(pid_t pid) override {
+    fake_.checkpoint(pid);
+    RemoteThread thread(pid);
+    long at = thread.syscall(SYS_mmap, 0, kRegion, PROT_READ | PROT_WRITE,
+                             MAP_PRIVATE | MAP_ANONYMOUS, static_cast<uint64_t>(-1), 0);
+    ASSERT_GT(at, 0);
+    std::vector<uint64_t> words(kMiB / 8);
+    for (uint64_t off = 0; off < kRegion; off += kMiB) {
+      for (uint64_t i = 0; i < words.size(); ++i) words[i] = word_at(off / 8 + i);
+      thread.write_memory(static_cast<uint64_t>(at) + off, words.data(), kMiB);
+    }
+    std::lock_guard<std::mutex> g(mutex_);
+    region_ = static_cast<uint64_t>(at);
+  }
+
+  void restore(pid_t pid, const std::vector<gpu::GpuPair>& pairs) override {
+    uint64_t region;
+    {
+      std::lock_guard<std::mutex> g(mutex_);
+      region = region_;  // a copy has the source's address space layout
+    }
+    std::string outcome = check_region(pid, region);
+    {
+      RemoteThread thread(pid);
+      thread.syscall(SYS_munmap, region, kRegion);
+    }
+    std::lock_guard<std::mutex> g(mutex_);
+    outcomes_[pid] = outcome;
+    fake_.restore(pid, pairs);
+  }
+
+  std::map<pid_t, std::string> outcomes() const {
+    std::lock_guard<std::mutex> g(mutex_);
+    return outcomes_;
+  }
+
+ private:
+  // "ok", or what differs.
+  static std::string check_region(pid_t pid, uint64_t region) {
+    std::vector<uint64_t> words(kMiB / 8);
+    for (uint64_t off = 0; off < kRegion; off += kMiB) {
+      iovec local{words.data(), kMiB};
+      iovec remote{reinterpret_cast<void*>(region + off), kMiB};
+      if (::process_vm_readv(pid, &local, 1, &remote, 1, 0) != static_cast<ssize_t>(kMiB)) {
+        return "cannot read the region at offset " + std::to_string(off);
+      }
+      for (uint64_t i = 0; i < words.size(); ++i) {
+        if (words[i] != word_at(off / 8 + i)) {
+          return "byte " + std::to_string(off + i * 8) + " differs";
+        }
+      }
+    }
+    return "ok";
+  }
+
+  FakeDriver& fake_;
+  mutable std::mutex mutex_;
+  uint64_t region_ = 0;
+  std::map<pid_t, std::string> outcomes_;
+};
+
+// Sum of the sizes of CRIU's page images.
+uint64_t criu_page_bytes(const std::filesystem::path& artifact) {
+  uint64_t total = 0;
+  for (const auto& e : std::filesystem::directory_iterator(artifact / kCriuImageDir)) {
+    if (e.path().filename().string().rfind("pages-", 0) == 0) total += e.file_size();
+  }
+  return total;
+}
+
+// Copies' processes: host pid of every process one PID namespace down whose inner pid is `ns`.
+std::vector<pid_t> copies_of(pid_t ns) {
+  std::vector<pid_t> out;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    pid_t pid = std::atoi(e.path().filename().c_str());
+    if (pid <= 0) continue;
+    try {
+      auto p = proc::read_process(pid);
+      if (p.nspid.size() == 2 && p.nspid[1] == ns && p.state != 'Z') out.push_back(pid);
+    } catch (const std::exception&) {
+    }
+  }
+  return out;
+}
+
+class Phases final : public Reporter {
+ public:
+  std::function<void(std::string_view)> on_start;
+  std::vector<std::string> names, notes;
+  void phase_started(std::string_view name) override {
+    names.emplace_back(name);
+    if (on_start) on_start(name);
+  }
+  void phase_finished(std::string_view, double) override {}
+  void note(std::string_view text) override { notes.emplace_back(text); }
+};
+
+struct CaptureRun {
+  CheckpointResult checkpoint;
+  RestoreResult restore;
+  std::map<pid_t, std::string> outcomes;
+};
+
+// Checkpoint (leaving the source running) and restore two copies, all through StagingDriver.
+CaptureRun checkpoint_and_restore(const TempDir& dir, Workload& source, bool host_images) {
+  FakeDriver fake;
+  fake.add_gpu(FakeDriver::make_gpu(kGpu));
+  fake.add_process(source.pid());
+  fake.set_usage(source.pid(), kGpu, kRegion);
+  StagingDriver driver(fake);
+
+  CheckpointOptions co;
+  co.pid = source.pid();
+  co.output = dir / "snap";
+  co.driver = &driver;
+  co.helper_binary = gpusnap_bin();
+  co.run_dir = dir / "run";
+  co.leave_running = true;
+  co.host_images = host_images;
+  Phases cp_phases;
+  CaptureRun run;
+  run.checkpoint = checkpoint(co, cp_phases);
+  EXPECT_EQ(std::count(cp_phases.names.begin(), cp_phases.names.end(), "host-images"),
+            host_images ? 1 : 0);
+
+  RestoreOptions ro;
+  ro.artifact = dir / "snap";
+  ro.driver = &driver;
+  ro.helper_binary = gpusnap_bin();
+  ro.run_dir = dir / "run";
+  ro.replicas = 2;
+  ro.timeout = std::chrono::seconds(60);
+  ro.publish = {PortPublish::parse(std::to_string(source.port()))};
+  Phases rs_phases;
+  // The copies' processes become known to the driver when its restore would first see them.
+  rs_phases.on_start = [&](std::string_view phase) {
+    if (phase != "gpu-restore") return;
+    for (pid_t host : copies_of(source.pid())) {
+      fake.add_process(host, ProcessState::kCheckpointed);
+      fake.set_usage(host, kGpu, kRegion);
+    }
+  };
+  run.restore = restore(ro, rs_phases);
+  run.outcomes = driver.outcomes();
+  return run;
+}
+
+TEST(HostImages, GpuMemoryIsStoredBesideCriuAndMappedBackInEveryCopy) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Workload source(dir, {"--mib", "8", "--threads", "2"});
+  CaptureRun run = checkpoint_and_restore(dir, source, true);
+  Copies reaper{run.restore.copies};
+
+  // One image: the whole region, its zero quarter left as holes, none of it in CRIU's pages.
+  const auto& images = run.checkpoint.manifest.host_images;
+  ASSERT_EQ(images.size(), 1u);
+  EXPECT_EQ(images[0].pid, source.pid());
+  EXPECT_EQ(images[0].end - images[0].start, kRegion);
+  EXPECT_EQ(images[0].stored_bytes, kRegion / 4 * 3);
+  EXPECT_TRUE(images[0].criu_key.rfind("file[", 0) == 0) << images[0].criu_key;
+  auto file = dir / "snap" / images[0].file;
+  EXPECT_EQ(std::filesystem::file_size(file), kRegion);
+  struct stat st {};
+  ASSERT_EQ(::stat(file.c_str(), &st), 0);
+  EXPECT_LE(static_cast<uint64_t>(st.st_blocks) * 512, kRegion / 4 * 3 + kMiB) << "not sparse";
+  EXPECT_LT(criu_page_bytes(dir / "snap"), 64 * kMiB) << "CRIU stored the region too";
+
+  // The driver found the exact bytes in the source (gpu-resume) and in both copies.
+  ASSERT_EQ(run.outcomes.size(), 3u);
+  for (const auto& [pid, outcome] : run.outcomes) EXPECT_EQ(outcome, "ok") << "pid " << pid;
+  EXPECT_EQ(run.outcomes.count(source.pid()), 1u);
+
+  // The workload itself is intact everywhere, and the artifact verifies.
+  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
+  ASSERT_EQ(run.restore.copies.size(), 2u);
+  for (const auto& c : run.restore.copies) {
+    EXPECT_EQ(ask(c.ports[0].host_port, "CHECK").substr(0, 2), "OK");
+  }
+  EXPECT_TRUE(Artifact::open(dir / "snap").verify().empty());
+}
+
+TEST(HostImages, WithoutThemCriuStoresTheSameBytes) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Workload source(dir, {"--mib", "8"});
+  CaptureRun run = checkpoint_and_restore(dir, source, false);
+  Copies reaper{run.restore.copies};
+
+  EXPECT_TRUE(run.checkpoint.manifest.host_images.empty());
+  EXPECT_FALSE(std::filesystem::exists(dir / "snap" / engine::kHostImageDir));
+  EXPECT_GE(criu_page_bytes(dir / "snap"), kRegion / 4 * 3);
+  ASSERT_EQ(run.outcomes.size(), 3u);
+  for (const auto& [pid, outcome] : run.outcomes) EXPECT_EQ(outcome, "ok") << "pid " << pid;
+  for (const auto& c : run.restore.copies) {
+    EXPECT_EQ(ask(c.ports[0].host_port, "CHECK").substr(0, 2), "OK");
+  }
+}
+
+}  // namespace
+}  // namespace gpusnap::testing

@@ -1,0 +1,64 @@
+// Which memory becomes a host image: the ranges the driver's checkpoint mapped, nothing else.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "engine/host_images.h"
+
+namespace gpusnap::engine {
+namespace {
+
+constexpr uint64_t kMiB = 1ull << 20;
+
+Mapping anon(uint64_t start, uint64_t end, std::string perms = "rw-p") {
+  return {start, end, std::move(perms), 0, ""};
+}
+
+TEST(HostImageRanges, ANewRegionIsFound) {
+  std::vector<Mapping> before = {anon(0x1000, 0x2000), {0x400000, 0x500000, "r-xp", 0, "/bin/x"}};
+  std::vector<Mapping> after = before;
+  after.push_back(anon(0x7f0000000000, 0x7f0000000000 + 256 * kMiB));
+  auto ranges = new_anonymous_ranges(before, after, 64 * kMiB);
+  ASSERT_EQ(ranges.size(), 1u);
+  EXPECT_EQ(ranges[0], (Range{0x7f0000000000, 0x7f0000000000 + 256 * kMiB}));
+}
+
+TEST(HostImageRanges, OnlyTheGrowthOfAMergedRegionIsFound) {
+  // The kernel merges a new anonymous region with an adjacent one of the same flags.
+  const uint64_t base = 0x7f0000000000;
+  std::vector<Mapping> before = {anon(base, base + 4 * kMiB)};
+  std::vector<Mapping> after = {anon(base - 128 * kMiB, base + 4 * kMiB + 128 * kMiB)};
+  auto ranges = new_anonymous_ranges(before, after, 64 * kMiB);
+  ASSERT_EQ(ranges.size(), 2u);
+  EXPECT_EQ(ranges[0], (Range{base - 128 * kMiB, base}));
+  EXPECT_EQ(ranges[1], (Range{base + 4 * kMiB, base + 4 * kMiB + 128 * kMiB}));
+}
+
+TEST(HostImageRanges, SmallSharedFileAndReadOnlyMemoryIsLeftToCriu) {
+  const uint64_t base = 0x7f0000000000;
+  std::vector<Mapping> after = {
+      anon(base, base + 16 * kMiB),                                          // too small
+      anon(base + 1024 * kMiB, base + 1280 * kMiB, "rw-s"),                  // shared
+      {base + 2048 * kMiB, base + 2304 * kMiB, "rw-p", 0, "/data/weights"},  // a file
+      anon(base + 3072 * kMiB, base + 3328 * kMiB, "r--p"),                  // read-only
+  };
+  EXPECT_TRUE(new_anonymous_ranges({}, after, 64 * kMiB).empty());
+}
+
+TEST(HostImageRanges, NothingNewMeansNothing) {
+  std::vector<Mapping> maps = {anon(0x7f0000000000, 0x7f0000000000 + 512 * kMiB)};
+  EXPECT_TRUE(new_anonymous_ranges(maps, maps, 64 * kMiB).empty());
+}
+
+TEST(HostImageZeroBlocks, OnlyAllZeroIsZero) {
+  std::vector<unsigned char> block(64 * 1024 + 13, 0);
+  EXPECT_TRUE(all_zero(block.data(), block.size()));
+  for (size_t at : {size_t{0}, size_t{63}, size_t{64}, block.size() - 1}) {
+    block[at] = 1;
+    EXPECT_FALSE(all_zero(block.data(), block.size())) << at;
+    block[at] = 0;
+  }
+}
+
+}  // namespace
+}  // namespace gpusnap::engine
