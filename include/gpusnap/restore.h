@@ -34,7 +34,7 @@ struct PortPublish {
 struct RestoreOptions {
   std::filesystem::path artifact;
   int replicas = 1;
-  bool verify = true;  // re-check every byte before starting anything
+  bool verify = true;  // re-check every byte before a copy can run (see restore.cc)
   std::string criu_path;
   std::vector<PortPublish> publish;
   std::filesystem::path run_dir = "/run/gpusnap";  // per-copy logs and state

@@ -39,14 +39,29 @@ const FlagSpec kNoHostImages{"--no-host-images", "", "",
 const FlagSpec kIoThreads{"--io-threads", "", "N",
                           "threads that write host images (default: one per core, at least 4)"};
 
+// Keeps the notes of a command whose output is JSON: they go into the document.
+class NoteCollector final : public Reporter {
+ public:
+  void note(std::string_view text) override { notes.emplace_back(text); }
+  std::vector<std::string> notes;
+};
+
 // Output settings shared by every command.
 struct Output {
   bool json = false;
   bool quiet = false;
   std::unique_ptr<Reporter> reporter;
 
+  // What the command noted on the way (JSON output only; a terminal shows them as they come).
+  std::vector<std::string> notes() const {
+    auto* collector = dynamic_cast<NoteCollector*>(reporter.get());
+    return collector ? collector->notes : std::vector<std::string>{};
+  }
+
   explicit Output(const Args& args) : json(args.has("--json")), quiet(args.has("--quiet")) {
-    if (json || quiet) {
+    if (json) {
+      reporter = std::make_unique<NoteCollector>();
+    } else if (quiet) {
       reporter = std::make_unique<Reporter>();
     } else {
       reporter = std::make_unique<TerminalReporter>(::isatty(STDERR_FILENO) == 1);
@@ -57,6 +72,14 @@ struct Output {
 json phases_json(const std::vector<PhaseTiming>& phases) {
   json out = json::array();
   for (const auto& p : phases) out.push_back({{"name", p.name}, {"seconds", p.seconds}});
+  return out;
+}
+
+json host_images_json(const Manifest& m) {
+  json out = json::array();
+  for (const auto& i : m.host_images) {
+    out.push_back({{"pid", i.pid}, {"bytes", i.end - i.start}, {"stored_bytes", i.stored_bytes}});
+  }
   return out;
 }
 
@@ -110,7 +133,8 @@ void print_checkpoint(const Output& out, const CheckpointResult& r, bool leave_r
                 {"pid", r.manifest.source_pid},      {"processes", r.manifest.processes.size()},
                 {"bytes", r.manifest.total_bytes()}, {"source_left_running", leave_running},
                 {"handshake", r.handshake},          {"phases", phases_json(r.phases)},
-                {"seconds", sum(r.phases)}}
+                {"seconds", sum(r.phases)},          {"host_images", host_images_json(r.manifest)},
+                {"notes", out.notes()}}
                .dump(2)
         << "\n";
   } else if (!out.quiet) {
@@ -167,7 +191,8 @@ int cmd_restore(const Args& args) {
                       {"copies", copies},
                       {"handshake", r.handshake},
                       {"phases", phases_json(r.phases)},
-                      {"seconds", sum(r.phases)}}
+                      {"seconds", sum(r.phases)},
+                      {"notes", out.notes()}}
                      .dump(2)
               << "\n";
   } else {
@@ -389,7 +414,8 @@ std::vector<Command> commands() {
        "Start N copies of the captured workload. Each copy runs in fresh PID, mount, network,\n"
        "IPC and UTS namespaces, so copies and the source never clash. --publish makes a port of\n"
        "each copy reachable from the host: copy i listens on HOSTPORT+i (or a free port).\n"
-       "Every byte is verified against the manifest before anything starts.",
+       "Every byte is verified against the manifest before a copy can run (with GPU state:\n"
+       "while CRIU restores, before any GPU state goes back).",
        {{"--replicas", "-n", "N", "number of copies (default 1)"},
         {"--publish", "", "[ADDR:][HOSTPORT:]PORT", "forward a host port to PORT in each copy",
          true},

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "common/fd.h"
+#include "common/fs.h"
 #include "gpusnap/error.h"
 
 namespace gpusnap::engine {
@@ -94,11 +95,22 @@ struct ImageFile {
   Range range;
   std::filesystem::path path;
   UniqueFd fd;
+  unsigned char* map = nullptr;  // the file, mapped shared for writing
   std::atomic<uint64_t> stored{0};
+  ImageFile() = default;
+  ImageFile(const ImageFile&) = delete;
+  ImageFile& operator=(const ImageFile&) = delete;
+  ~ImageFile() { unmap(); }
+  void unmap() {
+    if (map != nullptr) ::munmap(map, range.size());
+    map = nullptr;
+  }
 };
 
 // Copies every range of `pid` into its file with `threads` threads, 64 MiB at a time, blocks
-// of zeros left as holes. Throws on the first failure.
+// of zeros left as holes. The files are written through shared mappings, not write(): a
+// tmpfs or ext4 write() holds the file's inode lock, which would serialise the threads on the
+// one file of a region; page faults on a mapping do not. Throws on the first failure.
 void copy_out(pid_t pid, std::vector<ImageFile>& files, int threads) {
   struct Job {
     ImageFile* file;
@@ -112,15 +124,18 @@ void copy_out(pid_t pid, std::vector<ImageFile>& files, int threads) {
     }
   }
   std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
   std::mutex failure_mutex;
   std::string failure;
+  auto fail = [&](std::string what) {
+    std::lock_guard<std::mutex> g(failure_mutex);
+    if (failure.empty()) failure = std::move(what);
+    failed = true;
+  };
   auto worker = [&] {
+    // Small enough to stay in the core's cache between the read and the copy into the file.
     std::vector<unsigned char> buf(kCopyBuffer);
-    for (size_t j; (j = next.fetch_add(1)) < jobs.size();) {
-      {
-        std::lock_guard<std::mutex> g(failure_mutex);
-        if (!failure.empty()) return;
-      }
+    for (size_t j; !failed && (j = next.fetch_add(1)) < jobs.size();) {
       const Job& job = jobs[j];
       for (uint64_t done = 0; done < job.size;) {
         uint64_t len = std::min(kCopyBuffer, job.size - done);
@@ -129,38 +144,17 @@ void copy_out(pid_t pid, std::vector<ImageFile>& files, int threads) {
         iovec remote{reinterpret_cast<void*>(at), len};
         ssize_t got = ::process_vm_readv(pid, &local, 1, &remote, 1, 0);
         if (got != static_cast<ssize_t>(len)) {
-          std::lock_guard<std::mutex> g(failure_mutex);
-          failure = "cannot read process " + std::to_string(pid) + " memory at 0x" +
-                    (std::ostringstream() << std::hex << at).str() + ": " +
-                    (got < 0 ? std::strerror(errno) : "short read");
-          return;
+          std::ostringstream where;
+          where << std::hex << at;
+          return fail("cannot read process " + std::to_string(pid) + " memory at 0x" +
+                      where.str() + ": " + (got < 0 ? std::strerror(errno) : "short read"));
         }
-        // Write runs of non-zero blocks; zero blocks stay holes of the sparse file.
-        for (uint64_t b = 0; b < len;) {
+        unsigned char* dest = job.file->map + job.offset + done;
+        for (uint64_t b = 0; b < len; b += kHoleBlock) {
           uint64_t block = std::min(kHoleBlock, len - b);
-          if (all_zero(buf.data() + b, block)) {
-            b += block;
-            continue;
-          }
-          uint64_t run_end = b + block;
-          while (run_end < len) {
-            uint64_t next_block = std::min(kHoleBlock, len - run_end);
-            if (all_zero(buf.data() + run_end, next_block)) break;
-            run_end += next_block;
-          }
-          off_t file_off = static_cast<off_t>(job.offset + done + b);
-          for (uint64_t w = b; w < run_end;) {
-            ssize_t n = ::pwrite(job.file->fd.get(), buf.data() + w, run_end - w,
-                                 file_off + static_cast<off_t>(w - b));
-            if (n <= 0) {
-              std::lock_guard<std::mutex> g(failure_mutex);
-              failure = "cannot write " + job.file->path.string() + ": " + std::strerror(errno);
-              return;
-            }
-            w += static_cast<uint64_t>(n);
-          }
-          job.file->stored += run_end - b;
-          b = run_end;
+          if (all_zero(buf.data() + b, block)) continue;
+          std::memcpy(dest + b, buf.data() + b, block);
+          job.file->stored += block;
         }
         done += len;
       }
@@ -170,7 +164,7 @@ void copy_out(pid_t pid, std::vector<ImageFile>& files, int threads) {
   int n = std::max(1, std::min<int>(threads, static_cast<int>(jobs.size())));
   for (int i = 0; i < n; ++i) pool.emplace_back(worker);
   for (auto& t : pool) t.join();
-  if (!failure.empty()) throw Error(ErrorKind::kEnvironment, failure);
+  if (failed) throw Error(ErrorKind::kEnvironment, failure);
 }
 
 // Replaces each range of `pid` by a private mapping of its file, with the range's protection
@@ -312,8 +306,16 @@ std::vector<HostImageRecord> store_host_images(pid_t pid, const std::vector<Rang
         throw Error(ErrorKind::kEnvironment,
                     "cannot size " + f.path.string() + ": " + std::strerror(errno));
       }
+      void* map = ::mmap(nullptr, ranges[i].size(), PROT_READ | PROT_WRITE, MAP_SHARED,
+                         f.fd.get(), 0);
+      if (map == MAP_FAILED) {
+        throw Error(ErrorKind::kEnvironment,
+                    "cannot map " + f.path.string() + ": " + std::strerror(errno));
+      }
+      f.map = static_cast<unsigned char*>(map);
     }
     copy_out(pid, files, threads);
+    for (auto& f : files) f.unmap();
     remap(pid, files, read_mappings(pid), reporter);
   } catch (const Error& e) {
     // Before the remap nothing of the process changed; a remap that failed part-way is
@@ -338,6 +340,9 @@ std::vector<HostImageRecord> store_host_images(pid_t pid, const std::vector<Rang
     rec.file = std::filesystem::relative(f.path, artifact_root).string();
     rec.criu_key = criu_file_key(f.fd.get());
     rec.stored_bytes = f.stored;
+    reporter.note("process " + std::to_string(pid) + ": " + fs::human_bytes(f.range.size()) +
+                  " of host memory stored as a host image (" + fs::human_bytes(rec.stored_bytes) +
+                  " not zero)");
     out.push_back(std::move(rec));
   }
   return out;

@@ -21,6 +21,7 @@
 #include <cerrno>
 #include <map>
 #include <memory>
+#include <future>
 #include <optional>
 #include <thread>
 
@@ -282,7 +283,24 @@ class Restore {
       return a;
     });
     for (const auto& line : gpu_plan.notes) phases_.reporter().note(line);
-    if (options_.verify) phases_.run("verify", [&] { verify(artifact); });
+    // With GPU state, nothing of a copy serves before its GPU state is restored (its CUDA
+    // processes stay checkpointed, the copy unreleased): the bytes are checked while CRIU
+    // restores, and the check must pass before gpu-restore. Without GPU state CRIU's restore
+    // lets the copies run, so the check comes first.
+    std::future<std::vector<VerifyProblem>> verifying;
+    if (options_.verify && gpu_plan.has_gpu_state) {
+      verifying = std::async(std::launch::async,
+                             [&artifact] { return artifact.verify(VerifyOptions{0, nullptr}); });
+    } else if (options_.verify) {
+      phases_.run("verify", [&] { check(artifact.verify(VerifyOptions{0, &phases_.reporter()})); });
+    }
+    // Whatever happens below, the check is over before the artifact goes out of scope.
+    struct Joiner {
+      std::future<std::vector<VerifyProblem>>& f;
+      ~Joiner() {
+        if (f.valid()) f.wait();
+      }
+    } joiner{verifying};
     std::vector<std::unique_ptr<Copy>> copies;
     phases_.run("criu-restore", [&] {
       for (int i = 0; i < options_.replicas; ++i) {
@@ -294,6 +312,7 @@ class Restore {
     phases_.run("locate", [&] {
       for (auto& c : copies) c->locate();
     });
+    if (verifying.valid()) phases_.run("verify", [&] { check(verifying.get()); });
     if (gpu_plan.has_gpu_state) {
       phases_.run("gpu-restore", [&] {
         std::vector<pid_t> pids;
@@ -363,8 +382,7 @@ class Restore {
     }
   }
 
-  void verify(const Artifact& artifact) {
-    auto problems = artifact.verify(VerifyOptions{0, &phases_.reporter()});
+  void check(const std::vector<VerifyProblem>& problems) {
     if (problems.empty()) return;
     std::string what = problems[0].path + ": " + problems[0].problem;
     if (problems.size() > 1) what += " (and " + std::to_string(problems.size() - 1) + " more)";
