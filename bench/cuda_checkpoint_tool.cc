@@ -1,5 +1,5 @@
 // cuda-checkpoint-tool: the CUDA driver's checkpoint API on one process, and nothing else, for
-// the plain pipeline that gpusnap is measured against (bench/gpu_plain_vs_gpusnap.sh):
+// the plain pipeline that gpusnap is measured against (bench/gpu_bench.sh):
 //
 //   cuda-checkpoint-tool lock|checkpoint|restore|unlock|state PID [TIMEOUT_MS]
 //
