@@ -131,7 +131,10 @@ class Artifact {
 };
 
 // Computes the file records (sizes and chunk checksums) of every file under root, in parallel.
+// Files listed in `known` (same path, size and chunk count) take their checksums from there
+// and are not read: their writer hashed the bytes as it wrote them.
 std::vector<FileRecord> checksum_tree(const std::filesystem::path& root, uint64_t chunk_bytes,
-                                      const VerifyOptions& options = {});
+                                      const VerifyOptions& options = {},
+                                      const std::vector<FileRecord>& known = {});
 
 }  // namespace gpusnap

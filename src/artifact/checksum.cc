@@ -15,6 +15,7 @@
 #include <optional>
 #include <thread>
 
+#include "artifact/chunk_hash.h"
 #include "common/fd.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/error.h"
@@ -30,6 +31,12 @@ std::string hex128(const XXH128_hash_t& h) {
   return buf;
 }
 
+}  // namespace
+
+std::string ChunkHash::hex() const { return hex128(XXH3_128bits_digest(state_.get())); }
+
+namespace {
+
 struct ChunkTask {
   size_t file;
   size_t chunk;
@@ -38,7 +45,8 @@ struct ChunkTask {
 }  // namespace
 
 std::vector<FileRecord> checksum_tree(const std::filesystem::path& root, uint64_t chunk_bytes,
-                                      const VerifyOptions& options) {
+                                      const VerifyOptions& options,
+                                      const std::vector<FileRecord>& known) {
   std::vector<FileRecord> files;
   // The walk reports a missing or unreadable tree as filesystem_error; callers expect an Error
   // that names the tree, like every other failure here.
@@ -64,6 +72,15 @@ std::vector<FileRecord> checksum_tree(const std::filesystem::path& root, uint64_
   std::vector<ChunkTask> tasks;
   uint64_t total = 0;
   for (size_t f = 0; f < files.size(); ++f) {
+    // A file whose checksums its writer already computed, at the size it has now, is not read.
+    auto same = std::find_if(known.begin(), known.end(), [&](const FileRecord& k) {
+      return k.path == files[f].path && k.size == files[f].size &&
+             k.chunks.size() == files[f].chunks.size();
+    });
+    if (same != known.end()) {
+      files[f].chunks = same->chunks;
+      continue;
+    }
     for (size_t c = 0; c < files[f].chunks.size(); ++c) tasks.push_back({f, c});
     total += files[f].size;
   }

@@ -81,10 +81,11 @@ ArtifactWriter::~ArtifactWriter() {
   if (!committed_) fs::remove_tree_noexcept(staging_);
 }
 
-void ArtifactWriter::seal(Manifest& manifest, Phases& phases) {
+void ArtifactWriter::seal(Manifest& manifest, Phases& phases,
+                          const std::vector<FileRecord>& known) {
   phases.run("checksum", [&] {
     manifest.files =
-        checksum_tree(staging_, manifest.chunk_bytes, VerifyOptions{0, &phases.reporter()});
+        checksum_tree(staging_, manifest.chunk_bytes, VerifyOptions{0, &phases.reporter()}, known);
   });
 }
 

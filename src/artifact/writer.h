@@ -22,8 +22,9 @@ class ArtifactWriter {
   const std::filesystem::path& final_path() const { return final_; }
   std::filesystem::path criu_dir() const { return staging_ / kCriuImageDir; }
 
-  // Checksums every staged file into the manifest (phase "checksum").
-  void seal(Manifest& manifest, Phases& phases);
+  // Checksums every staged file into the manifest (phase "checksum"); the files of `known`
+  // were hashed by their writer and are not read again.
+  void seal(Manifest& manifest, Phases& phases, const std::vector<FileRecord>& known = {});
   // Writes the manifest, syncs the tree and renames it to the final path (phase "commit").
   void commit(const Manifest& manifest, Phases& phases);
 

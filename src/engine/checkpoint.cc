@@ -194,7 +194,7 @@ class Checkpoint {
       phases_.run("resume", [&] { paused->resume(); });
     }
     manifest.checkpoint_phases = phases_.timings();
-    writer.seal(manifest, phases_);
+    writer.seal(manifest, phases_, host_image_files_);
     // The manifest records its own phases up to the commit; the commit itself is reported.
     manifest.checkpoint_phases = phases_.timings();
     writer.commit(manifest, phases_);
@@ -250,9 +250,11 @@ class Checkpoint {
     for (const auto& [pid, maps] : before) {
       auto ranges =
           engine::new_anonymous_ranges(maps, read_mappings(pid), engine::kMinHostImageBytes);
-      auto images =
-          engine::store_host_images(pid, ranges, writer.staging(), threads, phases_.reporter());
-      manifest.host_images.insert(manifest.host_images.end(), images.begin(), images.end());
+      auto stored = engine::store_host_images(pid, ranges, writer.staging(), threads,
+                                              manifest.chunk_bytes, phases_.reporter());
+      manifest.host_images.insert(manifest.host_images.end(), stored.images.begin(),
+                                  stored.images.end());
+      host_image_files_.insert(host_image_files_.end(), stored.files.begin(), stored.files.end());
     }
   }
 
@@ -299,6 +301,7 @@ class Checkpoint {
 
   const CheckpointOptions& options_;
   Phases phases_;
+  std::vector<FileRecord> host_image_files_;  // hashed while written: seal need not read them
   std::unique_ptr<gpu::Driver> owned_driver_;
 };
 

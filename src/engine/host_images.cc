@@ -15,6 +15,7 @@
 #include <sstream>
 #include <thread>
 
+#include "artifact/chunk_hash.h"
 #include "common/fd.h"
 #include "common/fs.h"
 #include "gpusnap/error.h"
@@ -23,7 +24,6 @@ namespace gpusnap::engine {
 
 namespace {
 
-constexpr uint64_t kCopyChunk = 64ull << 20;  // unit of work handed to a thread
 constexpr uint64_t kCopyBuffer = 8ull << 20;  // read from the process at once
 constexpr uint64_t kHoleBlock = 64ull << 10;  // zero blocks of this size become holes
 
@@ -97,6 +97,7 @@ struct ImageFile {
   UniqueFd fd;
   unsigned char* map = nullptr;  // the file, mapped shared for writing
   std::atomic<uint64_t> stored{0};
+  std::vector<std::string> chunks;  // checksum of each chunk, written by the copying threads
   ImageFile() = default;
   ImageFile(const ImageFile&) = delete;
   ImageFile& operator=(const ImageFile&) = delete;
@@ -111,18 +112,25 @@ struct ImageFile {
 // of zeros left as holes. The files are written through shared mappings, not write(): a
 // tmpfs or ext4 write() holds the file's inode lock, which would serialise the threads on the
 // one file of a region; page faults on a mapping do not. Throws on the first failure.
-void copy_out(pid_t pid, std::vector<ImageFile>& files, int threads) {
+void copy_out(pid_t pid, std::vector<ImageFile>& files, int threads, uint64_t chunk_bytes) {
   struct Job {
     ImageFile* file;
+    size_t chunk;
     uint64_t offset;
     uint64_t size;
   };
+  // Chunk by chunk across the files, so that threads working at once write different files.
   std::vector<Job> jobs;
-  for (auto& f : files) {
-    for (uint64_t off = 0; off < f.range.size(); off += kCopyChunk) {
-      jobs.push_back({&f, off, std::min(kCopyChunk, f.range.size() - off)});
+  for (size_t c = 0;; ++c) {
+    size_t before = jobs.size();
+    for (auto& f : files) {
+      uint64_t off = c * chunk_bytes;
+      if (off < f.range.size())
+        jobs.push_back({&f, c, off, std::min(chunk_bytes, f.range.size() - off)});
     }
+    if (jobs.size() == before) break;
   }
+  for (auto& f : files) f.chunks.resize((f.range.size() + chunk_bytes - 1) / chunk_bytes);
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
   std::mutex failure_mutex;
@@ -135,8 +143,10 @@ void copy_out(pid_t pid, std::vector<ImageFile>& files, int threads) {
   auto worker = [&] {
     // Small enough to stay in the core's cache between the read and the copy into the file.
     std::vector<unsigned char> buf(kCopyBuffer);
+    ChunkHash hash;
     for (size_t j; !failed && (j = next.fetch_add(1)) < jobs.size();) {
       const Job& job = jobs[j];
+      hash.reset();
       for (uint64_t done = 0; done < job.size;) {
         uint64_t len = std::min(kCopyBuffer, job.size - done);
         uint64_t at = job.file->range.start + job.offset + done;
@@ -146,9 +156,10 @@ void copy_out(pid_t pid, std::vector<ImageFile>& files, int threads) {
         if (got != static_cast<ssize_t>(len)) {
           std::ostringstream where;
           where << std::hex << at;
-          return fail("cannot read process " + std::to_string(pid) + " memory at 0x" +
-                      where.str() + ": " + (got < 0 ? std::strerror(errno) : "short read"));
+          return fail("cannot read process " + std::to_string(pid) + " memory at 0x" + where.str() +
+                      ": " + (got < 0 ? std::strerror(errno) : "short read"));
         }
+        hash.update(buf.data(), len);
         unsigned char* dest = job.file->map + job.offset + done;
         for (uint64_t b = 0; b < len; b += kHoleBlock) {
           uint64_t block = std::min(kHoleBlock, len - b);
@@ -158,6 +169,7 @@ void copy_out(pid_t pid, std::vector<ImageFile>& files, int threads) {
         }
         done += len;
       }
+      job.file->chunks[job.chunk] = hash.hex();
     }
   };
   std::vector<std::thread> pool;
@@ -278,10 +290,19 @@ std::vector<Range> new_anonymous_ranges(const std::vector<Mapping>& before,
   return out;
 }
 
-std::vector<HostImageRecord> store_host_images(pid_t pid, const std::vector<Range>& ranges,
-                                               const std::filesystem::path& artifact_root,
-                                               int threads, Reporter& reporter) {
-  if (ranges.empty()) return {};
+StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ranges,
+                                   const std::filesystem::path& artifact_root, int threads,
+                                   uint64_t chunk_bytes, Reporter& reporter) {
+  if (whole_ranges.empty()) return {};
+  // One file per segment; segments are whole chunks, so each chunk lies in one file.
+  const uint64_t segment =
+      std::max(chunk_bytes, kHostImageSegmentBytes / chunk_bytes * chunk_bytes);
+  std::vector<Range> ranges;
+  for (const auto& r : whole_ranges) {
+    for (uint64_t at = r.start; at < r.end; at += segment) {
+      ranges.push_back({at, std::min(r.end, at + segment)});
+    }
+  }
   // The process opens the file by the path gpusnap sees: only in the same mount namespace.
   if (ns_of(std::to_string(pid), "mnt") != ns_of("self", "mnt")) {
     reporter.note("process " + std::to_string(pid) +
@@ -306,15 +327,15 @@ std::vector<HostImageRecord> store_host_images(pid_t pid, const std::vector<Rang
         throw Error(ErrorKind::kEnvironment,
                     "cannot size " + f.path.string() + ": " + std::strerror(errno));
       }
-      void* map = ::mmap(nullptr, ranges[i].size(), PROT_READ | PROT_WRITE, MAP_SHARED,
-                         f.fd.get(), 0);
+      void* map =
+          ::mmap(nullptr, ranges[i].size(), PROT_READ | PROT_WRITE, MAP_SHARED, f.fd.get(), 0);
       if (map == MAP_FAILED) {
         throw Error(ErrorKind::kEnvironment,
                     "cannot map " + f.path.string() + ": " + std::strerror(errno));
       }
       f.map = static_cast<unsigned char*>(map);
     }
-    copy_out(pid, files, threads);
+    copy_out(pid, files, threads, chunk_bytes);
     for (auto& f : files) f.unmap();
     remap(pid, files, read_mappings(pid), reporter);
   } catch (const Error& e) {
@@ -323,7 +344,8 @@ std::vector<HostImageRecord> store_host_images(pid_t pid, const std::vector<Rang
     reporter.note("process " + std::to_string(pid) + ": " + e.what() +
                   "; its GPU memory is stored through CRIU");
   }
-  std::vector<HostImageRecord> out;
+  StoredHostImages out;
+  uint64_t total = 0, stored = 0;
   auto maps = read_mappings(pid);
   for (auto& f : files) {
     if (f.path.empty()) continue;
@@ -340,10 +362,15 @@ std::vector<HostImageRecord> store_host_images(pid_t pid, const std::vector<Rang
     rec.file = std::filesystem::relative(f.path, artifact_root).string();
     rec.criu_key = criu_file_key(f.fd.get());
     rec.stored_bytes = f.stored;
-    reporter.note("process " + std::to_string(pid) + ": " + fs::human_bytes(f.range.size()) +
-                  " of host memory stored as a host image (" + fs::human_bytes(rec.stored_bytes) +
-                  " not zero)");
-    out.push_back(std::move(rec));
+    total += f.range.size();
+    stored += rec.stored_bytes;
+    out.files.push_back({rec.file, f.range.size(), f.chunks});
+    out.images.push_back(std::move(rec));
+  }
+  if (!out.images.empty()) {
+    reporter.note("process " + std::to_string(pid) + ": " + fs::human_bytes(total) +
+                  " of host memory stored as " + std::to_string(out.images.size()) +
+                  " host image file(s), " + fs::human_bytes(stored) + " of it not zero");
   }
   return out;
 }

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "artifact/chunk_hash.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/error.h"
 #include "testing/unit.h"
@@ -125,6 +126,27 @@ TEST_F(ChecksumTest, OneChunkPerChunkBytesAndAtLeastOne) {
     ASSERT_EQ(f.chunks.size(), w.chunks);
     for (const auto& c : f.chunks) EXPECT_TRUE(is_hex128(c)) << c;
   }
+}
+
+TEST_F(ChecksumTest, KnownFilesAreTakenAsGivenOthersAreRead) {
+  auto read = checksum_tree(root, kChunk, VerifyOptions{1, nullptr});
+  // Recorded by a writer that hashed the bytes itself (records made up so the test can tell).
+  std::vector<FileRecord> known = {{"criu/deep/c", kChunk + 1, {"k0", "k1"}},
+                                   {"one", 2, {"wrong size: read again"}},
+                                   {"criu/b", kChunk, {"x", "wrong chunk count"}}};
+  auto files = checksum_tree(root, kChunk, VerifyOptions{1, nullptr}, known);
+  EXPECT_EQ(find(files, "criu/deep/c").chunks, (std::vector<std::string>{"k0", "k1"}));
+  EXPECT_EQ(find(files, "one").chunks, find(read, "one").chunks);
+  EXPECT_EQ(find(files, "criu/b").chunks, find(read, "criu/b").chunks);
+}
+
+TEST_F(ChecksumTest, AChunkHashIsTheManifestsChecksumOfThoseBytes) {
+  auto files = checksum_tree(root, kChunk, VerifyOptions{1, nullptr});
+  ChunkHash hash;
+  hash.update("z", 1);
+  EXPECT_EQ(hash.hex(), find(files, "one").chunks[0]);
+  hash.reset();
+  EXPECT_EQ(hash.hex(), find(files, "empty").chunks[0]);
 }
 
 TEST_F(ChecksumTest, ChunksCoverTheirOwnByteRange) {

@@ -38,7 +38,8 @@ using gpu::ProcessState;
 
 constexpr const char* kGpu = "GPU-0a0a0a0a-1111-2222-3333-444444444444";
 constexpr uint64_t kMiB = 1ull << 20;
-constexpr uint64_t kRegion = 192 * kMiB;
+// Larger than one host image file (kHostImageSegmentBytes): stored as two files.
+constexpr uint64_t kRegion = 1088 * kMiB;
 
 // The word at `index` of the region: every fourth 4 MiB block is zero (a hole in the image;
 // blocks this large stay holes even where the file system caches files in large folios).
@@ -216,18 +217,26 @@ TEST(HostImages, GpuMemoryIsStoredBesideCriuAndMappedBackInEveryCopy) {
   CaptureRun run = checkpoint_and_restore(dir, source, true);
   Copies reaper{run.restore.copies};
 
-  // One image: the whole region, its zero quarter left as holes, none of it in CRIU's pages.
+  // Two files (1 GiB + 64 MiB) covering the region, its zero quarter left as holes, none of it
+  // in CRIU's pages.
   const auto& images = run.checkpoint.manifest.host_images;
-  ASSERT_EQ(images.size(), 1u);
-  EXPECT_EQ(images[0].pid, source.pid());
-  EXPECT_EQ(images[0].end - images[0].start, kRegion);
-  EXPECT_EQ(images[0].stored_bytes, kRegion / 4 * 3);
-  EXPECT_TRUE(images[0].criu_key.rfind("file[", 0) == 0) << images[0].criu_key;
-  auto file = dir / "snap" / images[0].file;
-  EXPECT_EQ(std::filesystem::file_size(file), kRegion);
-  struct stat st {};
-  ASSERT_EQ(::stat(file.c_str(), &st), 0);
-  EXPECT_LE(static_cast<uint64_t>(st.st_blocks) * 512, kRegion / 4 * 3 + 4 * kMiB) << "not sparse";
+  ASSERT_EQ(images.size(), 2u);
+  EXPECT_EQ(images[0].end - images[0].start, engine::kHostImageSegmentBytes);
+  EXPECT_EQ(images[1].start, images[0].end);
+  EXPECT_EQ(images[1].end - images[0].start, kRegion);
+  uint64_t stored = 0, allocated = 0;
+  for (const auto& image : images) {
+    EXPECT_EQ(image.pid, source.pid());
+    EXPECT_TRUE(image.criu_key.rfind("file[", 0) == 0) << image.criu_key;
+    auto file = dir / "snap" / image.file;
+    EXPECT_EQ(std::filesystem::file_size(file), image.end - image.start);
+    struct stat st {};
+    ASSERT_EQ(::stat(file.c_str(), &st), 0);
+    stored += image.stored_bytes;
+    allocated += static_cast<uint64_t>(st.st_blocks) * 512;
+  }
+  EXPECT_EQ(stored, kRegion / 4 * 3);
+  EXPECT_LE(allocated, kRegion / 4 * 3 + 8 * kMiB) << "not sparse";
   EXPECT_LT(criu_page_bytes(dir / "snap"), 64 * kMiB) << "CRIU stored the region too";
 
   // The driver found the exact bytes in the source (gpu-resume) and in both copies.
@@ -235,7 +244,8 @@ TEST(HostImages, GpuMemoryIsStoredBesideCriuAndMappedBackInEveryCopy) {
   for (const auto& [pid, outcome] : run.outcomes) EXPECT_EQ(outcome, "ok") << "pid " << pid;
   EXPECT_EQ(run.outcomes.count(source.pid()), 1u);
 
-  // The workload itself is intact everywhere, and the artifact verifies.
+  // The workload itself is intact everywhere, and the artifact verifies: the checksums recorded
+  // for the host images while they were copied are those of the files' bytes.
   EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
   ASSERT_EQ(run.restore.copies.size(), 2u);
   for (const auto& c : run.restore.copies) {

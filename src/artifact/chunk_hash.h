@@ -1,0 +1,26 @@
+// The checksum of one chunk of an artifact file, as the manifest records it (XXH3-128, hex).
+// Exposed so that a writer that already holds a chunk's bytes in memory (host images) can
+// record its checksum without reading the file back.
+#pragma once
+
+#include <xxhash.h>
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+namespace gpusnap {
+
+class ChunkHash {
+ public:
+  ChunkHash() : state_(XXH3_createState(), XXH3_freeState) { reset(); }
+  void reset() { XXH3_128bits_reset(state_.get()); }
+  void update(const void* data, size_t size) { XXH3_128bits_update(state_.get(), data, size); }
+  // The digest of what was added since the last reset, as the manifest writes it.
+  std::string hex() const;
+
+ private:
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state_;
+};
+
+}  // namespace gpusnap
