@@ -39,7 +39,8 @@ struct CheckpointOptions {
   // Store the GPU memory that the driver's checkpoint leaves in host memory as host images
   // (many threads, mapped back on restore without a copy) rather than through CRIU's pages.
   bool host_images = true;
-  int io_threads = 0;  // 0: one per core, at least 4
+  int io_threads = 0;                  // 0: one per core, at least 4
+  uint64_t host_image_file_bytes = 0;  // largest host image file; 0: one file per region
 };
 
 struct CheckpointResult {

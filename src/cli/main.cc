@@ -36,6 +36,9 @@ const FlagSpec kCriu{"--criu", "", "PATH",
 const FlagSpec kHelp{"--help", "-h", "", "show this help"};
 const FlagSpec kNoHostImages{"--no-host-images", "", "",
                              "store GPU memory through CRIU's pages, not as host images"};
+const FlagSpec kHostImageFile{
+    "--host-image-file-mib", "", "MIB",
+    "split host images into files of at most MIB (default: one per region)"};
 const FlagSpec kIoThreads{"--io-threads", "", "N",
                           "threads that write host images (default: one per core, at least 4)"};
 
@@ -113,6 +116,8 @@ CheckpointOptions capture_options(const Args& args) {
   o.handshake_timeout = std::chrono::seconds(args.get_int("--handshake-timeout", 60, 1, 86400));
   o.host_images = !args.has("--no-host-images");
   o.io_threads = static_cast<int>(args.get_int("--io-threads", 0, 0, 256));
+  o.host_image_file_bytes =
+      static_cast<uint64_t>(args.get_int("--host-image-file-mib", 0, 0, 1 << 24)) << 20;
   return o;
 }
 
@@ -128,15 +133,19 @@ int cmd_checkpoint(const Args& args) {
 
 void print_checkpoint(const Output& out, const CheckpointResult& r, bool leave_running) {
   if (out.json) {
-    std::cout
-        << json{{"artifact", r.artifact.string()},   {"id", r.manifest.id},
-                {"pid", r.manifest.source_pid},      {"processes", r.manifest.processes.size()},
-                {"bytes", r.manifest.total_bytes()}, {"source_left_running", leave_running},
-                {"handshake", r.handshake},          {"phases", phases_json(r.phases)},
-                {"seconds", sum(r.phases)},          {"host_images", host_images_json(r.manifest)},
-                {"notes", out.notes()}}
-               .dump(2)
-        << "\n";
+    std::cout << json{{"artifact", r.artifact.string()},
+                      {"id", r.manifest.id},
+                      {"pid", r.manifest.source_pid},
+                      {"processes", r.manifest.processes.size()},
+                      {"bytes", r.manifest.total_bytes()},
+                      {"source_left_running", leave_running},
+                      {"handshake", r.handshake},
+                      {"phases", phases_json(r.phases)},
+                      {"seconds", sum(r.phases)},
+                      {"host_images", host_images_json(r.manifest)},
+                      {"notes", out.notes()}}
+                     .dump(2)
+              << "\n";
   } else if (!out.quiet) {
     std::printf("checkpoint %s: %zu process(es), %s, %.2f s; source %s%s\n", r.artifact.c_str(),
                 r.manifest.processes.size(), fs::human_bytes(r.manifest.total_bytes()).c_str(),
@@ -387,6 +396,7 @@ std::vector<Command> commands() {
         {"--handshake-timeout", "", "SECONDS",
          "how long the workload may take to pause (default 60)"},
         kNoHostImages,
+        kHostImageFile,
         kIoThreads,
         kCriu,
         kJson,
@@ -403,6 +413,7 @@ std::vector<Command> commands() {
         {"--ready-timeout", "", "SECONDS", "how long it may take to say READY (default 600)"},
         {"--handshake-timeout", "", "SECONDS", "how long it may take to pause (default 60)"},
         kNoHostImages,
+        kHostImageFile,
         kIoThreads,
         kCriu,
         kJson,

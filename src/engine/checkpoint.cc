@@ -244,14 +244,16 @@ class Checkpoint {
   // each with every I/O thread.
   void store_host_images(const std::map<pid_t, std::vector<Mapping>>& before,
                          const ArtifactWriter& writer, Manifest& manifest) {
-    int threads = options_.io_threads > 0
-                      ? options_.io_threads
-                      : std::max(4, static_cast<int>(std::thread::hardware_concurrency()));
+    engine::HostImageOptions o;
+    o.threads = options_.io_threads > 0
+                    ? options_.io_threads
+                    : std::max(4, static_cast<int>(std::thread::hardware_concurrency()));
+    o.chunk_bytes = manifest.chunk_bytes;
+    o.file_bytes = options_.host_image_file_bytes;
     for (const auto& [pid, maps] : before) {
       auto ranges =
           engine::new_anonymous_ranges(maps, read_mappings(pid), engine::kMinHostImageBytes);
-      auto stored = engine::store_host_images(pid, ranges, writer.staging(), threads,
-                                              manifest.chunk_bytes, phases_.reporter());
+      auto stored = engine::store_host_images(pid, ranges, writer.staging(), o, phases_.reporter());
       manifest.host_images.insert(manifest.host_images.end(), stored.images.begin(),
                                   stored.images.end());
       host_image_files_.insert(host_image_files_.end(), stored.files.begin(), stored.files.end());

@@ -291,16 +291,20 @@ std::vector<Range> new_anonymous_ranges(const std::vector<Mapping>& before,
 }
 
 StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ranges,
-                                   const std::filesystem::path& artifact_root, int threads,
-                                   uint64_t chunk_bytes, Reporter& reporter) {
+                                   const std::filesystem::path& artifact_root,
+                                   const HostImageOptions& options, Reporter& reporter) {
   if (whole_ranges.empty()) return {};
-  // One file per segment; segments are whole chunks, so each chunk lies in one file.
+  const uint64_t chunk_bytes = options.chunk_bytes;
+  // Files are whole chunks, so that each chunk lies in one file.
   const uint64_t segment =
-      std::max(chunk_bytes, kHostImageSegmentBytes / chunk_bytes * chunk_bytes);
+      options.file_bytes == 0
+          ? UINT64_MAX
+          : std::max(chunk_bytes, options.file_bytes / chunk_bytes * chunk_bytes);
   std::vector<Range> ranges;
   for (const auto& r : whole_ranges) {
     for (uint64_t at = r.start; at < r.end; at += segment) {
-      ranges.push_back({at, std::min(r.end, at + segment)});
+      ranges.push_back({at, r.end - at > segment ? at + segment : r.end});
+      if (r.end - at <= segment) break;
     }
   }
   // The process opens the file by the path gpusnap sees: only in the same mount namespace.
@@ -335,7 +339,7 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ra
       }
       f.map = static_cast<unsigned char*>(map);
     }
-    copy_out(pid, files, threads, chunk_bytes);
+    copy_out(pid, files, options.threads, chunk_bytes);
     for (auto& f : files) f.unmap();
     remap(pid, files, read_mappings(pid), reporter);
   } catch (const Error& e) {

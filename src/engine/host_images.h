@@ -51,10 +51,6 @@ struct Range {
 std::vector<Range> new_anonymous_ranges(const std::vector<Mapping>& before,
                                         const std::vector<Mapping>& after, uint64_t min_bytes);
 
-// Ranges are stored in files of at most this size: threads filling one file contend for its
-// page cache, so a large region is spread over several.
-inline constexpr uint64_t kHostImageSegmentBytes = 1ull << 30;
-
 struct StoredHostImages {
   std::vector<HostImageRecord> images;
   // The images' files with their chunk checksums, computed from the bytes as they were copied
@@ -62,13 +58,21 @@ struct StoredHostImages {
   std::vector<FileRecord> files;
 };
 
+struct HostImageOptions {
+  int threads = 4;                  // copying at once
+  uint64_t chunk_bytes = 64 << 20;  // the manifest's checksum chunk
+  // Largest file of a host image (rounded down to whole chunks); 0: one file per region.
+  // Threads filling one file share its page cache; several files spread that, at the cost of
+  // one mapping per file in the process (measured on the H200: docs/benchmarks.md).
+  uint64_t file_bytes = 0;
+};
+
 // Copies `pid`'s memory at each range into `artifact_root/host-images/` and remaps it there, as
-// described above, `threads` copying at once, hashing in chunks of `chunk_bytes` (the
-// manifest's). Returns the images made (possibly fewer than the ranges: a range that could
-// not be moved is left to CRIU and noted on `reporter`).
+// described above, hashing each chunk as it goes. Returns the images made (possibly fewer than
+// the ranges: a range that could not be moved is left to CRIU and noted on `reporter`).
 StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& ranges,
-                                   const std::filesystem::path& artifact_root, int threads,
-                                   uint64_t chunk_bytes, Reporter& reporter);
+                                   const std::filesystem::path& artifact_root,
+                                   const HostImageOptions& options, Reporter& reporter);
 
 // The images' CRIU keys, for criu::DumpOptions::external_files.
 std::vector<std::string> criu_external_keys(const std::vector<HostImageRecord>& images);

@@ -38,8 +38,7 @@ using gpu::ProcessState;
 
 constexpr const char* kGpu = "GPU-0a0a0a0a-1111-2222-3333-444444444444";
 constexpr uint64_t kMiB = 1ull << 20;
-// Larger than one host image file (kHostImageSegmentBytes): stored as two files.
-constexpr uint64_t kRegion = 1088 * kMiB;
+constexpr uint64_t kRegion = 192 * kMiB;
 
 // The word at `index` of the region: every fourth 4 MiB block is zero (a hole in the image;
 // blocks this large stay holes even where the file system caches files in large folios).
@@ -167,7 +166,8 @@ struct CaptureRun {
 };
 
 // Checkpoint (leaving the source running) and restore two copies, all through StagingDriver.
-CaptureRun checkpoint_and_restore(const TempDir& dir, Workload& source, bool host_images) {
+CaptureRun checkpoint_and_restore(const TempDir& dir, Workload& source, bool host_images,
+                                  uint64_t file_bytes = 0) {
   FakeDriver fake;
   fake.add_gpu(FakeDriver::make_gpu(kGpu));
   fake.add_process(source.pid());
@@ -182,6 +182,7 @@ CaptureRun checkpoint_and_restore(const TempDir& dir, Workload& source, bool hos
   co.run_dir = dir / "run";
   co.leave_running = true;
   co.host_images = host_images;
+  co.host_image_file_bytes = file_bytes;
   Phases cp_phases;
   CaptureRun run;
   run.checkpoint = checkpoint(co, cp_phases);
@@ -214,16 +215,20 @@ TEST(HostImages, GpuMemoryIsStoredBesideCriuAndMappedBackInEveryCopy) {
   SKIP_WITHOUT_CRIU();
   TempDir dir;
   Workload source(dir, {"--mib", "8", "--threads", "2"});
-  CaptureRun run = checkpoint_and_restore(dir, source, true);
+  CaptureRun run = checkpoint_and_restore(dir, source, true, 80 * kMiB);
   Copies reaper{run.restore.copies};
 
-  // Two files (1 GiB + 64 MiB) covering the region, its zero quarter left as holes, none of it
-  // in CRIU's pages.
+  // The region in files of at most 80 MiB, i.e. whole 64 MiB chunks: 64 + 64 + 64 MiB, its zero
+  // quarter left as holes, none of it in CRIU's pages.
   const auto& images = run.checkpoint.manifest.host_images;
-  ASSERT_EQ(images.size(), 2u);
-  EXPECT_EQ(images[0].end - images[0].start, engine::kHostImageSegmentBytes);
-  EXPECT_EQ(images[1].start, images[0].end);
-  EXPECT_EQ(images[1].end - images[0].start, kRegion);
+  ASSERT_EQ(images.size(), 3u);
+  for (size_t i = 0; i < images.size(); ++i) {
+    EXPECT_EQ(images[i].end - images[i].start, 64 * kMiB);
+    if (i > 0) {
+      EXPECT_EQ(images[i].start, images[i - 1].end);
+    }
+  }
+  EXPECT_EQ(images.back().end - images.front().start, kRegion);
   uint64_t stored = 0, allocated = 0;
   for (const auto& image : images) {
     EXPECT_EQ(image.pid, source.pid());
@@ -252,6 +257,20 @@ TEST(HostImages, GpuMemoryIsStoredBesideCriuAndMappedBackInEveryCopy) {
     EXPECT_EQ(ask(c.ports[0].host_port, "CHECK").substr(0, 2), "OK");
   }
   EXPECT_TRUE(Artifact::open(dir / "snap").verify().empty());
+}
+
+TEST(HostImages, ByDefaultARegionIsOneFile) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Workload source(dir, {"--mib", "8"});
+  CaptureRun run = checkpoint_and_restore(dir, source, true);
+  Copies reaper{run.restore.copies};
+  ASSERT_EQ(run.checkpoint.manifest.host_images.size(), 1u);
+  EXPECT_EQ(
+      run.checkpoint.manifest.host_images[0].end - run.checkpoint.manifest.host_images[0].start,
+      kRegion);
+  ASSERT_EQ(run.outcomes.size(), 3u);
+  for (const auto& [pid, outcome] : run.outcomes) EXPECT_EQ(outcome, "ok") << "pid " << pid;
 }
 
 TEST(HostImages, WithoutThemCriuStoresTheSameBytes) {
