@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <system_error>
 #include <thread>
 
 #include "common/fs.h"
@@ -21,7 +22,8 @@ namespace gpusnap {
 
 namespace {
 
-std::string errno_text() { return std::strerror(errno); }
+// strerror() shares one buffer between threads; the error category does not.
+std::string errno_text() { return std::error_code(errno, std::generic_category()).message(); }
 
 [[noreturn]] void fail(const std::string& what) {
   throw Error(ErrorKind::kEnvironment, what,
@@ -76,7 +78,8 @@ uint64_t find_syscall_instruction(pid_t pid) {
     size_t len = std::min<uint64_t>(m.size(), 1 << 20);
     buf.resize(len);
     iovec local{buf.data(), len};
-    iovec remote{reinterpret_cast<void*>(m.start), len};
+    // An address in another process: an integer by nature, never dereferenced here.
+    iovec remote{reinterpret_cast<void*>(m.start), len};  // NOLINT(performance-no-int-to-ptr)
     ssize_t got = ::process_vm_readv(pid, &local, 1, &remote, 1, 0);
     for (ssize_t i = 0; i + 1 < got; ++i) {
       if (buf[i] == 0x0f && buf[i + 1] == 0x05) return m.start + i;
@@ -115,8 +118,8 @@ std::vector<Mapping> read_mappings(pid_t pid) {
 
 static_assert(sizeof(user_regs_struct) <= 512);
 
-RemoteThread::RemoteThread(pid_t pid) : pid_(pid), tid_(pick_thread(pid)) {
-  syscall_insn_ = find_syscall_instruction(pid);
+RemoteThread::RemoteThread(pid_t pid)
+    : pid_(pid), tid_(pick_thread(pid)), syscall_insn_(find_syscall_instruction(pid)) {
   if (::ptrace(PTRACE_SEIZE, tid_, nullptr, nullptr) != 0) {
     fail("cannot trace process " + std::to_string(pid) + ": " + errno_text());
   }
@@ -154,12 +157,14 @@ void RemoteThread::restore_and_detach() noexcept {
   // The saved registers include orig_rax and the -ERESTART* result of a system call the stop
   // interrupted: on the way back to user space the kernel restarts that call as usual.
   ::ptrace(PTRACE_SETREGS, tid_, nullptr, saved_regs_);
-  ::ptrace(PTRACE_DETACH, tid_, nullptr, reinterpret_cast<void*>(long{pending_signal_}));
+  // The signal number travels in ptrace's data argument, as an integer.
+  ::ptrace(PTRACE_DETACH, tid_, nullptr,
+           reinterpret_cast<void*>(long{pending_signal_}));  // NOLINT(performance-no-int-to-ptr)
 }
 
 long RemoteThread::syscall(long nr, uint64_t a1, uint64_t a2, uint64_t a3, uint64_t a4, uint64_t a5,
                            uint64_t a6) {
-  user_regs_struct regs;
+  user_regs_struct regs{};
   std::memcpy(&regs, saved_regs_, sizeof regs);
   regs.rax = static_cast<uint64_t>(nr);
   regs.rdi = a1;
@@ -186,7 +191,7 @@ long RemoteThread::syscall(long nr, uint64_t a1, uint64_t a2, uint64_t a3, uint6
       fail("cannot step thread " + std::to_string(tid_) + ": " + errno_text());
     }
   }
-  user_regs_struct after;
+  user_regs_struct after{};
   if (::ptrace(PTRACE_GETREGS, tid_, nullptr, &after) != 0) {
     fail("cannot read the registers of thread " + std::to_string(tid_) + ": " + errno_text());
   }
@@ -211,7 +216,7 @@ long RemoteThread::syscall(long, uint64_t, uint64_t, uint64_t, uint64_t, uint64_
 
 void RemoteThread::write_memory(uint64_t address, const void* data, size_t size) {
   iovec local{const_cast<void*>(data), size};
-  iovec remote{reinterpret_cast<void*>(address), size};
+  iovec remote{reinterpret_cast<void*>(address), size};  // NOLINT(performance-no-int-to-ptr)
   ssize_t n = ::process_vm_writev(pid_, &local, 1, &remote, 1, 0);
   if (n != static_cast<ssize_t>(size)) {
     fail("cannot write " + std::to_string(size) + " bytes into process " + std::to_string(pid_) +

@@ -44,7 +44,7 @@ class RemoteThread {
   pid_t tid_;
   uint64_t syscall_insn_ = 0;  // address of a `syscall` instruction in the target
   int pending_signal_ = 0;     // the signal the thread was stopped with, to re-deliver
-  alignas(16) unsigned char saved_regs_[512];
+  alignas(16) unsigned char saved_regs_[512] = {};
   bool attached_ = false;
 };
 

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <mutex>
 #include <sstream>
+#include <system_error>
 #include <thread>
 
 #include "artifact/chunk_hash.h"
@@ -23,6 +24,9 @@
 namespace gpusnap::engine {
 
 namespace {
+
+// strerror() shares one buffer between threads; the error category does not.
+std::string os_error(int err) { return std::error_code(err, std::generic_category()).message(); }
 
 constexpr uint64_t kCopyBuffer = 8ull << 20;  // read from the process at once
 constexpr uint64_t kHoleBlock = 64ull << 10;  // zero blocks of this size become holes
@@ -151,13 +155,14 @@ void copy_out(pid_t pid, std::vector<ImageFile>& files, int threads, uint64_t ch
         uint64_t len = std::min(kCopyBuffer, job.size - done);
         uint64_t at = job.file->range.start + job.offset + done;
         iovec local{buf.data(), len};
-        iovec remote{reinterpret_cast<void*>(at), len};
+        // An address in the other process: an integer by nature, never dereferenced here.
+        iovec remote{reinterpret_cast<void*>(at), len};  // NOLINT(performance-no-int-to-ptr)
         ssize_t got = ::process_vm_readv(pid, &local, 1, &remote, 1, 0);
         if (got != static_cast<ssize_t>(len)) {
           std::ostringstream where;
           where << std::hex << at;
           return fail("cannot read process " + std::to_string(pid) + " memory at 0x" + where.str() +
-                      ": " + (got < 0 ? std::strerror(errno) : "short read"));
+                      ": " + (got < 0 ? os_error(errno) : "short read"));
         }
         hash.update(buf.data(), len);
         unsigned char* dest = job.file->map + job.offset + done;
@@ -174,6 +179,7 @@ void copy_out(pid_t pid, std::vector<ImageFile>& files, int threads, uint64_t ch
   };
   std::vector<std::thread> pool;
   int n = std::max(1, std::min<int>(threads, static_cast<int>(jobs.size())));
+  pool.reserve(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) pool.emplace_back(worker);
   for (auto& t : pool) t.join();
   if (failed) throw Error(ErrorKind::kEnvironment, failure);
@@ -189,7 +195,7 @@ void remap(pid_t pid, std::vector<ImageFile>& files, const std::vector<Mapping>&
   if (scratch < 0 && scratch > -4096) {
     throw Error(ErrorKind::kEnvironment, "cannot map a scratch page in process " +
                                              std::to_string(pid) + ": " +
-                                             std::strerror(static_cast<int>(-scratch)));
+                                             os_error(static_cast<int>(-scratch)));
   }
   for (auto& f : files) {
     auto mapping = std::find_if(maps.begin(), maps.end(), [&](const Mapping& m) {
@@ -209,7 +215,7 @@ void remap(pid_t pid, std::vector<ImageFile>& files, const std::vector<Mapping>&
                              static_cast<uint64_t>(scratch), O_RDONLY | O_CLOEXEC, 0);
     if (fd < 0) {
       reporter.note("process " + std::to_string(pid) + " cannot open its host image (" +
-                    std::strerror(static_cast<int>(-fd)) + "): stored through CRIU");
+                    os_error(static_cast<int>(-fd)) + "): stored through CRIU");
       continue;
     }
     long mapped = thread.syscall(SYS_mmap, f.range.start, f.range.size(), prot_of(mapping->perms),
@@ -326,16 +332,16 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ra
       f.fd.reset(::open(f.path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0444));
       if (!f.fd)
         throw Error(ErrorKind::kEnvironment,
-                    "cannot create " + f.path.string() + ": " + std::strerror(errno));
+                    "cannot create " + f.path.string() + ": " + os_error(errno));
       if (::ftruncate(f.fd.get(), static_cast<off_t>(ranges[i].size())) != 0) {
         throw Error(ErrorKind::kEnvironment,
-                    "cannot size " + f.path.string() + ": " + std::strerror(errno));
+                    "cannot size " + f.path.string() + ": " + os_error(errno));
       }
       void* map =
           ::mmap(nullptr, ranges[i].size(), PROT_READ | PROT_WRITE, MAP_SHARED, f.fd.get(), 0);
       if (map == MAP_FAILED) {
         throw Error(ErrorKind::kEnvironment,
-                    "cannot map " + f.path.string() + ": " + std::strerror(errno));
+                    "cannot map " + f.path.string() + ": " + os_error(errno));
       }
       f.map = static_cast<unsigned char*>(map);
     }
@@ -381,6 +387,7 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ra
 
 std::vector<std::string> criu_external_keys(const std::vector<HostImageRecord>& images) {
   std::vector<std::string> keys;
+  keys.reserve(images.size());
   for (const auto& i : images) keys.push_back(i.criu_key);
   return keys;
 }
