@@ -1,0 +1,123 @@
+// The gpusnap controller: turns GpuSnapshot objects and annotated pods into agent operations
+// on one node, and reports back through status, conditions and Events.
+//
+// It is node-local (docs/design.md, "Kubernetes"): one runs beside each node's agent and acts
+// only on what runs on its node. It watches
+//   - every GpuSnapshot (of one namespace, or all), and
+//   - the pods bound to its node (fieldSelector spec.nodeName=NODE),
+// and reconciles, one key at a time on one worker thread:
+//   - a GpuSnapshot whose source pod runs here: wait for the pod to be ready, ask the agent to
+//     checkpoint its container, follow the operation, write the result into status;
+//   - a GpuSnapshot with a pod template: create the source pod (any node's controller may;
+//     the fixed pod name makes the create idempotent), then capture it like the above where
+//     the scheduler put it, and delete it after a successful capture unless told to keep it;
+//   - a pod of this node annotated gpusnap.io/snapshot: once its placeholder container runs
+//     and the snapshot is ready, ask the agent to restore into that container, then set the
+//     pod's gpusnap.io/restored condition (its readiness gate).
+// Reconciling is level-based: every step reads the current objects, writes what it decided
+// into the API (the agent operation's id included) and is requeued to look again, so a
+// restarted controller picks up where the last one stopped and never starts an operation
+// twice. Status writes carry the object's resourceVersion; a 409 Conflict means someone wrote
+// first, and the step is re-applied to the newest object (or dropped if that one already says
+// what the step wanted to say), so each transition is written and announced once.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "kube/agent_client.h"
+#include "kube/api_client.h"
+#include "kube/informer.h"
+
+namespace gpusnap::kube {
+
+struct ControllerOptions {
+  std::string node;  // this node's name, as in the pods' spec.nodeName
+  // runc's state directory of the node's container runtime (containerd's k8s.io namespace by
+  // default; /run/runc for CRI-O).
+  std::string runtime_root = "/run/containerd/runc/k8s.io";
+  // The host directory under which each launched pod's handshake directory lives
+  // (CONTROL_ROOT/NAMESPACE.POD), shared by hostPath with the pod and the agent.
+  std::filesystem::path control_root = "/run/gpusnap/control";
+  // Where that directory appears inside a launched pod (its GPUSNAP_CONTROL_DIR).
+  std::string pod_control_dir = "/run/gpusnap/control";
+  std::string namespace_;                // watch one namespace; empty: all
+  std::chrono::milliseconds poll{2000};  // how often a running operation is looked at
+  std::chrono::seconds watch_timeout{300};
+  std::function<void(const std::string&)> log;  // one-line diagnostics; default: stderr
+};
+
+// Thread-safe start/stop. The agent client must outlive the controller.
+class Controller {
+ public:
+  Controller(const ApiConfig& api, AgentClient& agent, ControllerOptions options);
+  ~Controller();
+  Controller(const Controller&) = delete;
+  Controller& operator=(const Controller&) = delete;
+
+  // Starts the watches and the worker. Returns at once.
+  void start();
+  // Stops the watches and the worker and joins them; an agent operation in flight is left to
+  // the agent (the next controller follows it through the id written in the API). Never throws.
+  void stop() noexcept;
+
+  const Informer& snapshots() const { return *snapshots_; }
+  const Informer& pods() const { return *pods_; }
+
+ private:
+  void enqueue(const std::string& key, std::chrono::milliseconds delay = {});
+  void on_snapshot_changed(const std::string& key);
+  void on_pod_changed(const std::string& key);
+  void work();
+  void reconcile(const std::string& key);
+
+  // GpuSnapshot steps.
+  void reconcile_snapshot(const std::string& key);
+  void capture(const nlohmann::json& snap, const nlohmann::json& pod);
+  void follow_capture(const nlohmann::json& snap);
+  void create_source_pod(const nlohmann::json& snap, const std::string& pod_name);
+  void fail_snapshot(const nlohmann::json& snap, const std::string& reason,
+                     const std::string& message);
+  // Writes status through the status subresource: mutate(object) edits the newest object and
+  // returns false when there is nothing to write. Retries on 409 Conflict with a fresh read.
+  // Returns the written object, or nullopt when mutate declined or the object is gone.
+  std::optional<nlohmann::json> update_snapshot_status(
+      const nlohmann::json& snap, const std::function<bool(nlohmann::json&)>& mutate);
+
+  // Restore steps, for pods of this node.
+  void reconcile_pod(const std::string& key);
+  void follow_restore(const nlohmann::json& pod, const std::string& id);
+  // Sets the pod's gpusnap.io/restored condition; emits an Event when its reason changes.
+  void set_restored(const nlohmann::json& pod, const std::string& status, const std::string& reason,
+                    const std::string& message);
+
+  std::optional<nlohmann::json> find_pod(const std::string& ns, const std::string& name);
+  void emit(const nlohmann::json& object, const std::string& type, const std::string& reason,
+            const std::string& message);
+  void say(const std::string& line) const;
+
+  ApiClient api_;
+  AgentClient& agent_;
+  ControllerOptions options_;
+  std::unique_ptr<Informer> snapshots_;
+  std::unique_ptr<Informer> pods_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, std::chrono::steady_clock::time_point> queue_;  // key → when due
+  std::map<std::string, int> failures_;  // consecutive errors per key, for the backoff
+  bool stopping_ = false;
+  std::jthread worker_;
+};
+
+}  // namespace gpusnap::kube
