@@ -363,15 +363,12 @@ void Controller::create_source_pod(const json& snap, const std::string& pod_name
                     "spec.source.template has no container named " + container);
       return;
     }
-    (*target)["env"].push_back(
-        {{"name", "GPUSNAP_CONTROL_DIR"}, {"value", options_.pod_control_dir}});
-    (*target)["volumeMounts"].push_back(
-        {{"name", "gpusnap-control"}, {"mountPath", options_.pod_control_dir}});
+    std::string dir = (options_.control_root / (ns + "." + pod_name)).string();
+    (*target)["env"].push_back({{"name", "GPUSNAP_CONTROL_DIR"}, {"value", dir}});
+    (*target)["volumeMounts"].push_back({{"name", "gpusnap-control"}, {"mountPath", dir}});
     pod["spec"]["volumes"].push_back(
         {{"name", "gpusnap-control"},
-         {"hostPath",
-          {{"path", (options_.control_root / (ns + "." + pod_name)).string()},
-           {"type", "DirectoryOrCreate"}}}});
+         {"hostPath", {{"path", dir}, {"type", "DirectoryOrCreate"}}}});
   }
   Response r = api_.create(pods_path(ns), pod);
   if (r.status == 409) return;  // another node's controller created it first

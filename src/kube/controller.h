@@ -47,10 +47,10 @@ struct ControllerOptions {
   // default; /run/runc for CRI-O).
   std::string runtime_root = "/run/containerd/runc/k8s.io";
   // The host directory under which each launched pod's handshake directory lives
-  // (CONTROL_ROOT/NAMESPACE.POD), shared by hostPath with the pod and the agent.
+  // (CONTROL_ROOT/NAMESPACE.POD), shared by hostPath with the pod and the agent. The pod sees
+  // it at the same path, so that the GPUSNAP_CONTROL_DIR the agent reads in the workload's
+  // environment names the same directory in the agent's own mount namespace.
   std::filesystem::path control_root = "/run/gpusnap/control";
-  // Where that directory appears inside a launched pod (its GPUSNAP_CONTROL_DIR).
-  std::string pod_control_dir = "/run/gpusnap/control";
   std::string namespace_;                // watch one namespace; empty: all
   std::chrono::milliseconds poll{2000};  // how often a running operation is looked at
   std::chrono::seconds watch_timeout{300};

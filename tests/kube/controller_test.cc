@@ -253,9 +253,9 @@ TEST_F(ControllerTest, HandshakeReadinessWaitsForTheWorkloadsReadyFile) {
   json spec = server_.get("pods", "default", "hs-source")->at("spec");
   std::string host_dir = (dir_ / "control" / "default.hs-source").string();
   EXPECT_EQ(spec["containers"][0]["env"],
-            (json::array({{{"name", "GPUSNAP_CONTROL_DIR"}, {"value", "/run/gpusnap/control"}}})));
+            (json::array({{{"name", "GPUSNAP_CONTROL_DIR"}, {"value", host_dir}}})));
   EXPECT_EQ(spec["containers"][0]["volumeMounts"],
-            (json::array({{{"name", "gpusnap-control"}, {"mountPath", "/run/gpusnap/control"}}})));
+            (json::array({{{"name", "gpusnap-control"}, {"mountPath", host_dir}}})));
   EXPECT_EQ(spec["volumes"],
             (json::array({{{"name", "gpusnap-control"},
                            {"hostPath", {{"path", host_dir}, {"type", "DirectoryOrCreate"}}}}})));

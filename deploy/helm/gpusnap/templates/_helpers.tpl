@@ -1,0 +1,36 @@
+{{- define "gpusnap.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gpusnap.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "gpusnap.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gpusnap.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "gpusnap.labels" -}}
+app.kubernetes.io/name: gpusnap
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "gpusnap.selector" -}}
+app.kubernetes.io/name: gpusnap
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: agent
+{{- end -}}
+
+{{- define "gpusnap.claimName" -}}
+{{- default (printf "%s-snapshots" (include "gpusnap.fullname" .)) .Values.storage.pvc.existingClaim -}}
+{{- end -}}
