@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -99,6 +100,10 @@ int main(int argc, char** argv) {
     if (api_server.empty()) {
       api = kube::ApiConfig::in_cluster();
     } else {
+      if (!token_file.empty() && !std::filesystem::exists(token_file)) {
+        throw Error(ErrorKind::kUsage, "no token file " + token_file,
+                    "give --token-file a file holding the bearer token");
+      }
       api.server = api_server;
       api.token_file = token_file;
       api.ca_file = ca_file;
