@@ -274,7 +274,6 @@ void Controller::fail_snapshot(const json& snap, const std::string& reason,
     long gen = generation_of(o);
     st["phase"] = kPhaseFailed;
     st["completionTime"] = now_rfc3339();
-    if (!st.contains("nodeName")) st["nodeName"] = options_.node;
     json& conds = st["conditions"];
     set_condition(conds, {"Capturing", "False", reason, message}, gen);
     set_condition(conds, {"Ready", "False", reason, message}, gen);
@@ -406,8 +405,7 @@ void Controller::capture(const json& snap, const json& pod) {
                       " is not running (pod phase " + pod_phase + ")");
     return;
   }
-  if (container.empty() && !c) container = first_container(pod);
-  if (!container.empty() && first_container(pod).empty()) {
+  if (first_container(pod).empty()) {
     fail_snapshot(snap, "InvalidSpec", "pod " + ns + "/" + pod_name + " has no containers");
     return;
   }

@@ -4,11 +4,13 @@
 #include "kube/controller.h"
 
 #include <gtest/gtest.h>
+#include <signal.h>
 
 #include <chrono>
 #include <fstream>
 #include <thread>
 
+#include "common/subprocess.h"
 #include "kube/fake_agent.h"
 #include "kube/fake_apiserver.h"
 #include "kube/objects.h"
@@ -521,6 +523,53 @@ TEST_F(ControllerTest, TwoControllersWriteOneVerdict) {
   std::this_thread::sleep_for(300ms);
   EXPECT_EQ(events("GpuSnapshot", "ghost", 1).size(), 1U);
   b.stop();
+}
+
+}  // namespace
+}  // namespace gpusnap::kube
+
+namespace gpusnap::kube {
+namespace {
+
+// gpusnap-controller as a user starts it: flags, the API server by URL and token file, the
+// agent by socket; SIGTERM stops it cleanly.
+TEST_F(ControllerTest, TheProgramCapturesAndStopsOnSigterm) {
+  running_pod("web", kNode, "c0ffee");
+  SpawnOptions o;
+  o.argv = {GPUSNAP_CONTROLLER_BIN,
+            "--node",
+            kNode,
+            "--api-server",
+            server_.url(),
+            "--token-file",
+            (dir_ / "token").string(),
+            "--agent-socket",
+            agent_.socket().string(),
+            "--runtime-root",
+            kRuntimeRoot,
+            "--poll-ms",
+            "30"};
+  Subprocess program(o);
+  snapshot("web-snap", {{"source", {{"podName", "web"}}}});
+  ASSERT_TRUE(eventually([&] { return phase("web-snap") == "Succeeded"; }))
+      << snap_status("web-snap");
+  EXPECT_EQ(agent_.posts("/v1/checkpoints").size(), 1U);
+  program.kill(SIGTERM);
+  auto status = program.wait(10s);
+  ASSERT_TRUE(status.has_value());
+  EXPECT_TRUE(status->ok()) << status->describe();
+}
+
+TEST_F(ControllerTest, TheProgramRefusesToRunWithoutANode) {
+  auto r = run_capture(
+      {"/usr/bin/env", "-u", "NODE_NAME", GPUSNAP_CONTROLLER_BIN, "--api-server", server_.url()});
+  EXPECT_EQ(r.status.code, 2);
+  EXPECT_EQ(r.output,
+            "gpusnap-controller: error: no node name (fix: give --node NAME, or NODE_NAME from "
+            "the downward API (spec.nodeName))\n");
+  auto j = run_capture({GPUSNAP_CONTROLLER_BIN, "--json", "--node", kNode, "--bogus"});
+  EXPECT_EQ(j.status.code, 2);
+  EXPECT_EQ(json::parse(j.output)["error"]["message"], "unknown option --bogus");
 }
 
 }  // namespace
