@@ -49,6 +49,7 @@ struct OperationPhase {
 };
 
 // An agent operation, as GET /v1/operations/ID returns it.
+// NOLINTNEXTLINE(bugprone-exception-escape): json's default constructor allocates nothing
 struct Operation {
   std::string id;
   std::string kind;   // "checkpoint" or "restore"

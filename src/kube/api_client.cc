@@ -147,6 +147,9 @@ Response ApiClient::watch(const std::string& path, const std::function<bool(cons
     watches_.push_back(client.get());
   }
   struct Unregister {
+    Unregister(ApiClient& s, httplib::Client* cl) : self(s), c(cl) {}
+    Unregister(const Unregister&) = delete;
+    Unregister& operator=(const Unregister&) = delete;
     ApiClient& self;
     httplib::Client* c;
     ~Unregister() {

@@ -50,6 +50,17 @@ json phases_json(const Operation& op) {
 // controller creating it creates the same one.
 std::string source_pod_name(const std::string& snapshot) { return snapshot + "-source"; }
 
+// An API call the controller cannot do without answered with an error: the step is tried
+// again later (the worker's backoff), nothing is decided about the object.
+Error api_failure(const std::string& what, const Response& r, const std::string& hint) {
+  std::string message = what;
+  message += " answered ";
+  message += std::to_string(r.status);
+  message += ": ";
+  message += r.message();
+  return Error(ErrorKind::kEnvironment, message, hint);
+}
+
 }  // namespace
 
 Controller::Controller(const ApiConfig& api, AgentClient& agent, ControllerOptions options)
@@ -193,10 +204,7 @@ std::optional<json> Controller::find_pod(const std::string& ns, const std::strin
   Response r = api_.get(pod_path(ns, name));
   if (r.status == 404) return std::nullopt;
   if (!r.ok()) {
-    throw Error(
-        ErrorKind::kEnvironment,
-        "get pod " + ns + "/" + name + " answered " + std::to_string(r.status) + ": " + r.message(),
-        "check the controller's RBAC rules");
+    throw api_failure("get pod " + ns + "/" + name, r, "check the controller's RBAC rules");
   }
   return r.body;
 }
@@ -237,6 +245,7 @@ void Controller::emit(const json& object, const std::string& type, const std::st
 std::optional<json> Controller::update_snapshot_status(const json& snap,
                                                        const std::function<bool(json&)>& mutate) {
   std::string ns = ns_of(snap), name = name_of(snap);
+  const std::string what = "status update of GpuSnapshot " + ns + "/" + name;
   json current = snap;
   for (int attempt = 0; attempt < kStatusAttempts; ++attempt) {
     json next = current;
@@ -247,10 +256,7 @@ std::optional<json> Controller::update_snapshot_status(const json& snap,
     if (r.ok()) return r.body;
     if (r.status == 404) return std::nullopt;
     if (r.status != 409) {
-      throw Error(ErrorKind::kEnvironment,
-                  "status update of GpuSnapshot " + ns + "/" + name + " answered " +
-                      std::to_string(r.status) + ": " + r.message(),
-                  "check the controller's RBAC rules (gpusnapshots/status: update)");
+      throw api_failure(what, r, "check the controller's RBAC rules (gpusnapshots/status: update)");
     }
     // Someone wrote first: apply the step again to what they wrote.
     Response fresh = api_.get(snapshot_path(ns, name));
@@ -259,8 +265,7 @@ std::optional<json> Controller::update_snapshot_status(const json& snap,
     current = fresh.body;
   }
   throw Error(ErrorKind::kEnvironment,
-              "status update of GpuSnapshot " + ns + "/" + name + " lost " +
-                  std::to_string(kStatusAttempts) + " races in a row",
+              what + " lost " + std::to_string(kStatusAttempts) + " races in a row",
               "something else writes this object's status continuously");
 }
 
@@ -454,10 +459,7 @@ void Controller::capture(const json& snap, const json& pod) {
   Response fresh = api_.get(snapshot_path(ns, name));
   if (fresh.status == 404) return;
   if (!fresh.ok()) {
-    throw Error(ErrorKind::kEnvironment,
-                "get GpuSnapshot " + key + " answered " + std::to_string(fresh.status) + ": " +
-                    fresh.message(),
-                "check the controller's RBAC rules");
+    throw api_failure("get GpuSnapshot " + key, fresh, "check the controller's RBAC rules");
   }
   const json& now = fresh.body;
   if (terminal(str_at(now, "/status/phase")) || !str_at(now, "/status/operation/id").empty()) {
@@ -587,6 +589,7 @@ void Controller::follow_capture(const json& snap) {
 void Controller::set_restored(const json& pod, const std::string& status, const std::string& reason,
                               const std::string& message) {
   std::string ns = ns_of(pod), name = name_of(pod);
+  const std::string what = "status update of pod " + ns + "/" + name;
   json current = pod;
   std::string previous_reason;
   for (int attempt = 0; attempt < kStatusAttempts; ++attempt) {
@@ -610,18 +613,14 @@ void Controller::set_restored(const json& pod, const std::string& status, const 
     }
     if (r.status == 404) return;
     if (r.status != 409) {
-      throw Error(ErrorKind::kEnvironment,
-                  "status update of pod " + ns + "/" + name + " answered " +
-                      std::to_string(r.status) + ": " + r.message(),
-                  "check the controller's RBAC rules (pods/status: update)");
+      throw api_failure(what, r, "check the controller's RBAC rules (pods/status: update)");
     }
     Response fresh = api_.get(pod_path(ns, name));
     if (fresh.status == 404) return;
     if (fresh.ok()) current = fresh.body;
   }
   throw Error(ErrorKind::kEnvironment,
-              "status update of pod " + ns + "/" + name + " lost " +
-                  std::to_string(kStatusAttempts) + " races in a row",
+              what + " lost " + std::to_string(kStatusAttempts) + " races in a row",
               "something else writes this pod's status continuously");
 }
 
@@ -711,10 +710,7 @@ void Controller::reconcile_pod(const std::string& key) {
   Response fresh = api_.get(pod_path(ns, pod_name));
   if (fresh.status == 404) return;
   if (!fresh.ok()) {
-    throw Error(
-        ErrorKind::kEnvironment,
-        "get pod " + key + " answered " + std::to_string(fresh.status) + ": " + fresh.message(),
-        "check the controller's RBAC rules");
+    throw api_failure("get pod " + key, fresh, "check the controller's RBAC rules");
   }
   auto now = find_condition(fresh.body.value("/status/conditions"_json_pointer, json()),
                             kRestoredCondition);
@@ -753,10 +749,8 @@ void Controller::reconcile_pod(const std::string& key) {
   json patch{{"metadata", {{"annotations", {{kRestoreOperationAnnotation, op.id}}}}}};
   Response r = api_.merge_patch(pod_path(ns, pod_name), patch);
   if (!r.ok()) {
-    throw Error(ErrorKind::kEnvironment,
-                "annotating pod " + ns + "/" + pod_name + " answered " + std::to_string(r.status) +
-                    ": " + r.message(),
-                "check the controller's RBAC rules (pods: patch)");
+    throw api_failure("annotating pod " + ns + "/" + pod_name, r,
+                      "check the controller's RBAC rules (pods: patch)");
   }
   json annotated = r.body;
   set_restored(annotated, "False", "Restoring",

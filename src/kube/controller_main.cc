@@ -1,6 +1,7 @@
 // gpusnap-controller: the node-local controller as its own program (docs/kubernetes.md). The
 // same Controller can run inside the node agent; this binary runs it beside the agent, talking
 // to the agent's socket, and is what the tests start against their local API server.
+#include <pthread.h>
 #include <signal.h>
 
 #include <cstdio>
@@ -19,7 +20,7 @@ namespace kube = gpusnap::kube;
 
 namespace {
 
-const char* kUsage =
+const char* const kUsage =
     "usage: gpusnap-controller --node NAME [options]\n"
     "\n"
     "Watches GpuSnapshots and the pods of one node and drives the node's gpusnap agent.\n"
@@ -38,9 +39,6 @@ const char* kUsage =
     "  --namespace NS         watch one namespace only (default: all)\n"
     "  --poll-ms N            how often running operations are followed (default 2000)\n"
     "  --json                 errors as JSON\n";
-
-int stop_signal = 0;
-void on_signal(int sig) { stop_signal = sig; }
 
 }  // namespace
 
@@ -111,13 +109,17 @@ int main(int argc, char** argv) {
     kube::HttpAgentClient client(agent);
     kube::Controller controller(api, client, options);
 
-    struct sigaction sa {};
-    sa.sa_handler = on_signal;
-    ::sigaction(SIGTERM, &sa, nullptr);
-    ::sigaction(SIGINT, &sa, nullptr);
+    // SIGTERM and SIGINT are blocked before any thread starts (threads inherit the mask) and
+    // taken synchronously here: no handler, no flag, no race between a check and a wait.
+    sigset_t stop_signals;
+    sigemptyset(&stop_signals);
+    sigaddset(&stop_signals, SIGTERM);
+    sigaddset(&stop_signals, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
     controller.start();
     std::fprintf(stderr, "gpusnap-controller: watching for node %s\n", options.node.c_str());
-    while (stop_signal == 0) ::pause();
+    int sig = 0;
+    sigwait(&stop_signals, &sig);
     controller.stop();
     return 0;
   } catch (const Error& e) {
