@@ -186,5 +186,26 @@ TEST_F(ApiClientTest, BookmarkKeepsTheResumeVersionCurrent) {
   EXPECT_GE(from_bookmark, 1);
 }
 
+// In a pod, the service account's files and the service's address come from the kubelet; here
+// only the refusals can run (the machine is no pod). Environment edits happen while no other
+// thread runs.
+TEST(InClusterConfig, OutsideAPodSaysWhatIsMissing) {
+  ::unsetenv("KUBERNETES_SERVICE_HOST");  // NOLINT(concurrency-mt-unsafe): single-threaded here
+  Error e = testing::catch_error([] { ApiConfig::in_cluster(); });
+  EXPECT_EQ(e.kind(), ErrorKind::kEnvironment);
+  EXPECT_EQ(e.one_line(),
+            "KUBERNETES_SERVICE_HOST is not set: not in a pod (fix: run inside a pod, or give "
+            "--api-server URL --token-file FILE)");
+  if (std::filesystem::exists("/var/run/secrets/kubernetes.io/serviceaccount/token")) {
+    GTEST_SKIP() << "skipped: this machine has a service-account token";
+  }
+  ::setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1", 1);  // NOLINT(concurrency-mt-unsafe)
+  Error no_token = testing::catch_error([] { ApiConfig::in_cluster(); });
+  ::unsetenv("KUBERNETES_SERVICE_HOST");  // NOLINT(concurrency-mt-unsafe)
+  EXPECT_EQ(no_token.one_line(),
+            "no service-account token at /var/run/secrets/kubernetes.io/serviceaccount/token "
+            "(fix: give the pod a service account with automountServiceAccountToken: true)");
+}
+
 }  // namespace
 }  // namespace gpusnap::kube
