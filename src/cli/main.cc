@@ -5,10 +5,13 @@
 #include <cstdio>
 #include <functional>
 #include <iostream>
+#include <string>
 
 #include <nlohmann/json.hpp>
 
+#include "cli/agent_client.h"
 #include "cli/args.h"
+#include "cli/documents.h"
 #include "common/fs.h"
 #include "common/proc.h"
 #include "engine/copy_init.h"
@@ -72,26 +75,6 @@ struct Output {
   }
 };
 
-json phases_json(const std::vector<PhaseTiming>& phases) {
-  json out = json::array();
-  for (const auto& p : phases) out.push_back({{"name", p.name}, {"seconds", p.seconds}});
-  return out;
-}
-
-json host_images_json(const Manifest& m) {
-  json out = json::array();
-  for (const auto& i : m.host_images) {
-    out.push_back({{"pid", i.pid}, {"bytes", i.end - i.start}, {"stored_bytes", i.stored_bytes}});
-  }
-  return out;
-}
-
-double sum(const std::vector<PhaseTiming>& phases) {
-  double total = 0;
-  for (const auto& p : phases) total += p.seconds;
-  return total;
-}
-
 struct Command {
   std::string name;
   std::string usage;
@@ -132,25 +115,11 @@ int cmd_checkpoint(const Args& args) {
 }
 
 void print_checkpoint(const Output& out, const CheckpointResult& r, bool leave_running) {
+  json doc = checkpoint_document(r, leave_running, out.notes());
   if (out.json) {
-    std::cout << json{{"artifact", r.artifact.string()},
-                      {"id", r.manifest.id},
-                      {"pid", r.manifest.source_pid},
-                      {"processes", r.manifest.processes.size()},
-                      {"bytes", r.manifest.total_bytes()},
-                      {"source_left_running", leave_running},
-                      {"handshake", r.handshake},
-                      {"phases", phases_json(r.phases)},
-                      {"seconds", sum(r.phases)},
-                      {"host_images", host_images_json(r.manifest)},
-                      {"notes", out.notes()}}
-                     .dump(2)
-              << "\n";
+    std::cout << doc.dump(2) << "\n";
   } else if (!out.quiet) {
-    std::printf("checkpoint %s: %zu process(es), %s, %.2f s; source %s%s\n", r.artifact.c_str(),
-                r.manifest.processes.size(), fs::human_bytes(r.manifest.total_bytes()).c_str(),
-                sum(r.phases), leave_running ? "left running" : "stopped",
-                r.handshake ? " (paused through the handshake)" : "");
+    print_checkpoint_human(doc);
   }
 }
 
@@ -180,109 +149,35 @@ int cmd_restore(const Args& args) {
     o.settings[kv.substr(0, eq)] = kv.substr(eq + 1);
   }
   auto r = restore(o, *out.reporter);
+  json doc = restore_document(r, o.artifact, out.notes());
   if (out.json) {
-    json copies = json::array();
-    for (const auto& c : r.copies) {
-      json ports = json::array();
-      for (const auto& p : c.ports) {
-        ports.push_back(
-            {{"host_address", p.host_address}, {"host_port", p.host_port}, {"port", p.port}});
-      }
-      copies.push_back({{"index", c.index},
-                        {"pid", c.host_pid},
-                        {"ns_pid", c.ns_pid},
-                        {"init_pid", c.init_pid},
-                        {"dir", c.dir.string()},
-                        {"ports", ports}});
-    }
-    std::cout << json{{"artifact", o.artifact.string()},
-                      {"id", r.manifest.id},
-                      {"copies", copies},
-                      {"handshake", r.handshake},
-                      {"phases", phases_json(r.phases)},
-                      {"seconds", sum(r.phases)},
-                      {"notes", out.notes()}}
-                     .dump(2)
-              << "\n";
+    std::cout << doc.dump(2) << "\n";
   } else {
-    for (const auto& c : r.copies) {
-      std::printf("copy %d: pid %d (pid %d in its namespace)", c.index, c.host_pid, c.ns_pid);
-      for (const auto& p : c.ports) {
-        std::printf(", %s:%u -> port %u", p.host_address.c_str(), p.host_port, p.port);
-      }
-      std::printf(", logs %s\n", c.dir.c_str());
-    }
-    if (!out.quiet) {
-      std::printf("restored %zu copy(ies) in %.2f s%s\n", r.copies.size(), sum(r.phases),
-                  r.handshake ? ", each resumed and ready to serve" : "");
-    }
+    print_restore_human(doc, out.quiet);
   }
   return 0;
 }
 
 int cmd_inspect(const Args& args) {
   Output out(args);
-  auto a = Artifact::open(args.only_artifact());
-  const Manifest& m = a.manifest();
+  json doc = inspect_document(Artifact::open(args.only_artifact()));
   if (out.json) {
-    json doc = m.to_json();
-    doc["artifact"] = a.root().string();
-    doc["total_bytes"] = m.total_bytes();
     std::cout << doc.dump(2) << "\n";
-    return 0;
-  }
-  std::printf("artifact   %s\n", a.root().c_str());
-  std::printf("id         %s\n", m.id.c_str());
-  std::printf("created    %s by gpusnap %s\n", m.created.c_str(), m.gpusnap_version.c_str());
-  std::printf("source     pid %d: %s\n", m.source_pid,
-              proc::join_cmdline(m.source_cmdline).c_str());
-  std::printf("host       %s, %s, kernel %s, CRIU %s\n", m.host.hostname.c_str(),
-              m.host.arch.c_str(), m.host.kernel.c_str(), m.host.criu_version.c_str());
-  std::printf("cpu        %s (%zu flags)\n", m.host.cpu_model.c_str(), m.host.cpu_flags.size());
-  std::printf("size       %s in %zu files (%s checksums, %s chunks)\n",
-              fs::human_bytes(m.total_bytes()).c_str(), m.files.size(),
-              m.checksum_algorithm.c_str(), fs::human_bytes(m.chunk_bytes).c_str());
-  std::printf("terminal   %s\n", m.shell_job ? "yes (shell job)" : "no");
-  std::printf("processes  %zu\n", m.processes.size());
-  std::printf("  %7s %7s %7s %10s %10s  %s\n", "PID", "PPID", "THREADS", "RSS", "GPU", "COMMAND");
-  for (const auto& p : m.processes) {
-    std::printf("  %7d %7d %7d %10s %10s  %s\n", p.pid, p.ppid, p.threads,
-                fs::human_bytes(p.rss_bytes).c_str(),
-                p.gpu_bytes ? fs::human_bytes(p.gpu_bytes).c_str() : "-",
-                proc::join_cmdline(p.cmdline).c_str());
-  }
-  if (m.gpu.is_null()) {
-    std::printf("gpu        none\n");
   } else {
-    std::printf("gpu        NVIDIA driver %s, CUDA %d\n",
-                m.gpu.at("driver_version").get<std::string>().c_str(),
-                m.gpu.at("cuda_driver_version").get<int>());
-    for (const auto& g : m.gpu.at("gpus")) {
-      std::printf("  GPU %d  %s  %s  cc %s  %s  bus %s\n", g.at("index").get<int>(),
-                  g.at("uuid").get<std::string>().c_str(), g.at("name").get<std::string>().c_str(),
-                  g.at("compute_capability").get<std::string>().c_str(),
-                  fs::human_bytes(g.at("memory_total").get<uint64_t>()).c_str(),
-                  g.at("bus_id").get<std::string>().c_str());
-    }
-    // CUDA processes in tree order: for a tensor-parallel workload, its ranks.
-    int rank = 0;
-    for (const auto& p : m.gpu.at("processes")) {
-      std::string where;
-      for (const auto& u : p.at("gpus")) {
-        std::string index = "?";
-        for (const auto& g : m.gpu.at("gpus")) {
-          if (g.at("uuid") == u.at("uuid")) index = std::to_string(g.at("index").get<int>());
-        }
-        where += (where.empty() ? "" : ", ") + fs::human_bytes(u.at("bytes").get<uint64_t>()) +
-                 " on GPU " + index;
-      }
-      std::printf("  CUDA process %d (pid %d): %s\n", rank++, p.at("pid").get<pid_t>(),
-                  where.empty() ? "no per-GPU usage reported" : where.c_str());
-    }
+    print_inspect_human(doc);
   }
-  std::printf("checkpoint");
-  for (const auto& p : m.checkpoint_phases) std::printf(" %s %.3fs", p.name.c_str(), p.seconds);
-  std::printf("\n");
+  return 0;
+}
+
+int cmd_list(const Args& args) {
+  Output out(args);
+  if (args.positional().size() > 1) throw args.usage_error("list takes at most one DIR");
+  json doc = list_document(args.positional().empty() ? kDefaultStorage : args.positional()[0]);
+  if (out.json) {
+    std::cout << doc.dump(2) << "\n";
+  } else {
+    print_list_human(doc);
+  }
   return 0;
 }
 
@@ -463,12 +358,20 @@ std::vector<Command> commands() {
        "Check every byte of an artifact against its manifest.",
        {kJson, kQuiet, kHelp},
        cmd_verify},
+      {"list",
+       "gpusnap list [DIR] [--json]",
+       "List the artifacts in a snapshot directory (default " + std::string(kDefaultStorage) +
+           ", the agent's storage).",
+       {kJson, kHelp},
+       cmd_list},
   };
 }
 
 void print_main_help(const std::vector<Command>& cmds) {
-  std::printf("usage: gpusnap COMMAND [options]\n\n"
-              "Capture an initialised workload (CPU and GPU memory) and start copies of it.\n\n"
+  std::printf("usage: gpusnap [--agent SOCKET] COMMAND [options]\n\n"
+              "Capture an initialised workload (CPU and GPU memory) and start copies of it.\n"
+              "With --agent (or $GPUSNAP_AGENT), checkpoint, restore, inspect and list run\n"
+              "through gpusnap-agent, and ARTIFACT names a snapshot in the agent's storage.\n\n"
               "commands:\n");
   for (const auto& c : cmds) {
     std::printf("  %-12s %s\n", c.name.c_str(), c.summary.substr(0, c.summary.find('\n')).c_str());
@@ -486,6 +389,7 @@ int main(int argc, char** argv) {
   bool json_wanted = false;
   for (const auto& a : all) json_wanted |= a == "--json";
   try {
+    const AgentChoice agent = take_agent_flag(all);
     // gpusnap's own helper processes, started by the engine, not by users.
     if (all.size() == 2 && all[0] == "__dump-guard") return engine::dump_guard_main(all[1]);
     if (all.size() == 2 && all[0] == "__copy-init") {
@@ -507,6 +411,7 @@ int main(int argc, char** argv) {
         std::fputs(format_help(c.usage, c.summary, c.flags).c_str(), stdout);
         return 0;
       }
+      if (agent.wanted(c.name)) return run_through_agent(agent.socket, args);
       return c.run(args);
     }
     throw Error(ErrorKind::kUsage, "unknown command '" + all[0] + "'", "see `gpusnap --help`");
