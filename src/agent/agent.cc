@@ -1,0 +1,447 @@
+#include "agent/agent.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+
+#include "artifact/writer.h"
+#include "cli/documents.h"
+#include "common/fd.h"
+#include "common/fs.h"
+#include "common/proc.h"
+#include "engine/gpu_state.h"
+#include "engine/handshake.h"
+#include "gpu/driver.h"
+#include "gpusnap/checkpoint.h"
+#include "gpusnap/error.h"
+#include "gpusnap/restore.h"
+
+namespace gpusnap::agent {
+
+namespace {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+// How long a restarted agent waits for a dead agent's CRIU dump to end before it goes on.
+constexpr auto kGuardianWait = std::chrono::minutes(10);
+
+// Records the engine's progress into the operation, under the agent's lock, and keeps the
+// journal entry's phase current, so that a recovery can say where the operation stopped.
+class OperationReporter : public Reporter {
+ public:
+  OperationReporter(std::mutex& mu, Operation& op, Metrics& metrics, Journal& journal, json entry)
+      : mu_(mu), op_(op), metrics_(metrics), journal_(journal), entry_(std::move(entry)) {}
+
+  void phase_started(std::string_view name) override {
+    {
+      std::lock_guard lock(mu_);
+      op_.phases.push_back({std::string(name), 0, false, Clock::now()});
+      op_.progress = nullptr;
+    }
+    entry_["phase"] = std::string(name);
+    try {
+      journal_.record(op_.id, entry_);
+    } catch (const Error&) {
+      // The entry of the previous phase stays: a recovery then names an earlier phase, which
+      // changes nothing it does.
+    }
+  }
+
+  void phase_finished(std::string_view name, double seconds) override {
+    {
+      std::lock_guard lock(mu_);
+      for (auto it = op_.phases.rbegin(); it != op_.phases.rend(); ++it) {
+        if (it->name == name && !it->done) {
+          it->done = true;
+          it->seconds = seconds;
+          break;
+        }
+      }
+      op_.progress = nullptr;
+    }
+    metrics_.phase(kind_name(op_.kind), std::string(name), seconds);
+  }
+
+  void progress(std::string_view name, uint64_t done, uint64_t total) override {
+    std::lock_guard lock(mu_);
+    op_.progress = {{"phase", std::string(name)}, {"done", done}, {"total", total}};
+  }
+
+  void note(std::string_view text) override {
+    std::lock_guard lock(mu_);
+    op_.notes.emplace_back(text);
+  }
+
+ private:
+  std::mutex& mu_;
+  Operation& op_;
+  Metrics& metrics_;
+  Journal& journal_;
+  json entry_;
+};
+
+// Dump guardians (engine/dump_guard.h) still running CRIU into a staging directory of
+// `storage` whose writer is dead. Such a guardian finishes the dump, thaws the tree, returns
+// its GPU processes to RUNNING and asks a paused workload to resume; recovering the same
+// processes under it would race with CRIU.
+std::vector<pid_t> orphaned_dump_guardians(const std::filesystem::path& storage) {
+  std::vector<pid_t> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/proc", ec)) {
+    const auto name = e.path().filename().string();
+    if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+    try {
+      const auto p = proc::read_process(std::stoi(name));
+      if (p.cmdline.size() != 3 || p.cmdline[1] != "__dump-guard") continue;
+      const std::filesystem::path staging =
+          json::parse(p.cmdline[2]).at("staging").get<std::string>();
+      if (staging.parent_path() != storage) continue;
+      // The writer holds the staging directory's lock while it lives (artifact/writer.h).
+      UniqueFd fd(::open(staging.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+      if (fd && ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) continue;
+      out.push_back(p.pid);
+    } catch (const std::exception&) {
+      // Gone while we looked, or not ours to understand: not a guardian we wait for.
+    }
+  }
+  return out;
+}
+
+// GPU journal entries (engine/gpu_state.h) naming this very pid as their owner: a previous
+// agent that had our pid (an agent that is PID 1 of its container always has). The engine's
+// own recovery takes their owner for alive; these are recovered here. Never throws.
+std::vector<std::string> recover_own_pid_entries(gpu::Driver& driver,
+                                                 const std::filesystem::path& run_dir) noexcept {
+  std::vector<std::string> lines;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(run_dir / "journal", ec)) {
+    try {
+      const auto doc = json::parse(fs::read_file(e.path()));
+      if (doc.at("owner").get<pid_t>() != ::getpid()) continue;
+      if (driver.available()) {
+        for (auto& line :
+             engine::return_to_running(driver, doc.at("pids").get<std::vector<pid_t>>())) {
+          lines.push_back("recovered after a killed agent: " + line);
+        }
+      }
+      std::filesystem::remove(e.path(), ec);
+    } catch (const std::exception&) {
+      // Unreadable entries are the engine's to report (recover_abandoned).
+    }
+  }
+  return lines;
+}
+
+// Staging directories named with this very pid: see recover_own_pid_entries. Nothing of ours
+// writes yet, so an unlocked one is stale. Never throws.
+void remove_own_pid_staging(const std::filesystem::path& storage) noexcept {
+  const std::string tag = ".staging-" + std::to_string(::getpid()) + "-";
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(storage, ec)) {
+    const auto name = e.path().filename().string();
+    if (name.empty() || name[0] != '.' || name.find(tag) == std::string::npos) continue;
+    UniqueFd fd(::open(e.path().c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    if (!fd || ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) continue;
+    fs::remove_tree_noexcept(e.path());
+  }
+}
+
+std::string hostname() {
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof buf - 1) != 0) return "unknown";
+  return buf;
+}
+
+}  // namespace
+
+Agent::Agent(AgentConfig config) : config_(std::move(config)), journal_(config_.state_dir) {
+  if (config_.node.empty()) config_.node = hostname();
+  recover();
+  worker_ = std::jthread([this](const std::stop_token& stop) { work(stop); });
+}
+
+Agent::~Agent() { stop(); }
+
+void Agent::stop() noexcept {
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  worker_.request_stop();
+  wake_.notify_all();
+  if (worker_.joinable()) worker_.join();
+  // What never started: failed now, so that nobody waits for it and no journal entry outlives
+  // the agent for an operation that did nothing.
+  std::lock_guard lock(mu_);
+  for (const auto& op : queue_) {
+    op->state = OperationState::kFailed;
+    op->finished_at = utc_now();
+    op->error =
+        error_json(Error(ErrorKind::kInternal,
+                         "the agent stopped before this " + std::string(kind_name(op->kind)) +
+                             " started; nothing was done",
+                         "send the request again"));
+    metrics_.failed_without_running(kind_name(op->kind), Error::kind_name(ErrorKind::kInternal));
+    journal_.erase(op->id);
+  }
+  queue_.clear();
+}
+
+json Agent::submit_checkpoint(const json& body) {
+  auto request = parse_checkpoint_request(body);
+  checkpoint_options(request, config_.engine);  // refuse now what the engine cannot take
+  return submit(OperationKind::kCheckpoint, to_json(request));
+}
+
+json Agent::submit_restore(const json& body) {
+  auto request = parse_restore_request(body);
+  restore_options(request, config_.engine);
+  return submit(OperationKind::kRestore, to_json(request));
+}
+
+json Agent::submit(OperationKind kind, json request) {
+  auto op = std::make_shared<Operation>();
+  op->id = fs::random_id().substr(0, 16);
+  op->kind = kind;
+  op->request = std::move(request);
+  op->created_at = utc_now();
+  std::lock_guard lock(mu_);
+  if (stopping_) {
+    throw Error(ErrorKind::kEnvironment, "the agent is stopping", "send the request again later");
+  }
+  // Journaled before it is acknowledged: a client told "accepted" learns how it ended, even
+  // across a restart.
+  journal_.record(op->id, journal_entry(*op));
+  add(op);
+  queue_.push_back(op);
+  wake_.notify_all();
+  return op->to_json();
+}
+
+void Agent::add(const std::shared_ptr<Operation>& op) {
+  operations_[op->id] = op;
+  order_.push_back(op->id);
+  // Forget the oldest finished operations beyond the history's size.
+  while (order_.size() > config_.history) {
+    auto it = std::find_if(order_.begin(), order_.end(),
+                           [&](const std::string& id) { return operations_.at(id)->finished(); });
+    if (it == order_.end()) break;
+    operations_.erase(*it);
+    order_.erase(it);
+  }
+}
+
+json Agent::journal_entry(const Operation& op) const {
+  return {{"id", op.id},
+          {"kind", kind_name(op.kind)},
+          {"state", state_name(op.state)},
+          {"request", op.request},
+          {"created_at", op.created_at},
+          {"started_at", op.started_at},
+          {"agent_pid", ::getpid()}};
+}
+
+std::optional<json> Agent::operation(const std::string& id) const {
+  std::lock_guard lock(mu_);
+  auto it = operations_.find(id);
+  if (it == operations_.end()) return std::nullopt;
+  return it->second->to_json();
+}
+
+json Agent::operations() const {
+  std::lock_guard lock(mu_);
+  json list = json::array();
+  for (const auto& id : order_) list.push_back(operations_.at(id)->to_json());
+  return {{"operations", list}};
+}
+
+json Agent::snapshots() const { return cli::list_document(config_.engine.storage); }
+
+json Agent::snapshot(const std::string& name) const {
+  check_artifact_name(name);
+  return cli::inspect_document(Artifact::open(config_.engine.storage / name));
+}
+
+void Agent::work(const std::stop_token& stop) {
+  for (;;) {
+    std::shared_ptr<Operation> op;
+    {
+      std::unique_lock lock(mu_);
+      // Wakes every second without work, to reap the copies that ended.
+      wake_.wait_for(lock, stop, std::chrono::seconds(1), [&] { return !queue_.empty(); });
+      if (stop.stop_requested()) return;
+      if (!queue_.empty()) {
+        op = queue_.front();
+        queue_.pop_front();
+      }
+    }
+    reap_copies();
+    if (op) run(op);
+  }
+}
+
+void Agent::reap_copies() {
+  std::erase_if(released_inits_, [](pid_t pid) {
+    const pid_t r = ::waitpid(pid, nullptr, WNOHANG);
+    return r == pid || (r < 0 && errno == ECHILD);
+  });
+}
+
+std::vector<std::string> Agent::notes_of(const Operation& op) const {
+  std::lock_guard lock(mu_);
+  return op.notes;
+}
+
+void Agent::run(const std::shared_ptr<Operation>& op) {
+  const std::string kind = kind_name(op->kind);
+  json entry;
+  {
+    std::lock_guard lock(mu_);
+    op->state = OperationState::kRunning;
+    op->started_at = utc_now();
+    op->started = Clock::now();
+    entry = journal_entry(*op);
+  }
+  metrics_.started(kind);
+  json result, error;
+  uint64_t bytes = 0;
+  try {
+    if (op->kind == OperationKind::kCheckpoint) {
+      const auto options =
+          checkpoint_options(parse_checkpoint_request(op->request), config_.engine);
+      // What a recovery needs should the agent die from here on.
+      entry["artifact"] = options.output.string();
+      entry["pid"] = options.pid;
+      if (auto dir = engine::control_dir_of(options.pid)) entry["control_dir"] = dir->string();
+      journal_.record(op->id, entry);
+      OperationReporter reporter(mu_, *op, metrics_, journal_, entry);
+      auto r = checkpoint(options, reporter);
+      bytes = r.manifest.total_bytes();
+      result = cli::checkpoint_document(r, options.leave_running, notes_of(*op));
+    } else {
+      const auto options = restore_options(parse_restore_request(op->request), config_.engine);
+      entry["artifact"] = options.artifact.string();
+      journal_.record(op->id, entry);
+      OperationReporter reporter(mu_, *op, metrics_, journal_, entry);
+      auto r = restore(options, reporter);
+      bytes = r.manifest.total_bytes();
+      for (const auto& c : r.copies) released_inits_.push_back(c.init_pid);
+      result = cli::restore_document(r, options.artifact, notes_of(*op));
+    }
+  } catch (const Error& e) {
+    error = error_json(e);
+  } catch (const std::exception& e) {
+    error = error_json(Error(ErrorKind::kInternal, std::string("internal error: ") + e.what()));
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - op->started).count();
+  {
+    std::lock_guard lock(mu_);
+    op->state = error.is_null() ? OperationState::kSucceeded : OperationState::kFailed;
+    op->finished_at = utc_now();
+    op->result = std::move(result);
+    op->error = error;
+    op->progress = nullptr;
+  }
+  metrics_.finished(kind, error.is_null() ? "succeeded" : "failed", seconds,
+                    error.is_null() ? "" : error.at("kind").get<std::string>(), bytes);
+  journal_.erase(op->id);
+}
+
+void Agent::recover() noexcept {
+  const auto& storage = config_.engine.storage;
+  std::vector<std::string> actions;
+  // 1. A dead agent's dump may still be running: its guardian finishes it and cleans up.
+  const auto waiting_since = Clock::now();
+  for (auto guardians = orphaned_dump_guardians(storage); !guardians.empty();
+       guardians = orphaned_dump_guardians(storage)) {
+    if (Clock::now() - waiting_since > kGuardianWait) {
+      actions.push_back("a previous agent's CRIU dump is still running after 10 minutes");
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  // 2. The engine's recovery, as `gpusnap recover` runs it: CUDA processes a dead capture left
+  //    locked or checkpointed go back to RUNNING.
+  try {
+    auto driver = gpu::open_nvidia_driver();
+    for (auto& line : engine::recover_abandoned(*driver, config_.engine.run_dir)) {
+      actions.push_back(std::move(line));
+    }
+    for (auto& line : recover_own_pid_entries(*driver, config_.engine.run_dir)) {
+      actions.push_back(std::move(line));
+    }
+  } catch (const std::exception& e) {
+    actions.push_back(std::string("GPU recovery failed: ") + e.what());
+  }
+  // 3. Staging directories nobody writes any more.
+  ArtifactWriter::remove_stale_staging(storage);
+  remove_own_pid_staging(storage);
+
+  // 4. Each interrupted operation: the workload's handshake, then its record.
+  std::vector<std::shared_ptr<Operation>> recovered;
+  for (const auto& leftover : journal_.leftovers()) {
+    if (leftover.entry.is_null()) {
+      actions.push_back("journal entry " + leftover.path.string() +
+                        " unreadable: " + leftover.problem);
+      Journal::discard(leftover);
+      continue;
+    }
+    try {
+      const json& e = leftover.entry;
+      auto op = std::make_shared<Operation>();
+      op->id = e.at("id").get<std::string>();
+      op->kind = kind_from_name(e.at("kind").get<std::string>());
+      op->request = e.value("request", json::object());
+      op->created_at = e.value("created_at", "");
+      op->started_at = e.value("started_at", "");
+      op->finished_at = utc_now();
+      op->state = OperationState::kFailed;
+      op->notes = actions;
+      const std::string kind = kind_name(op->kind);
+      const std::string name = op->request.value("artifact", "?");
+      const bool was_running = e.value("state", "") == "running";
+      const std::string phase = e.value("phase", "");
+      const std::string during = phase.empty() ? "" : " (phase " + phase + ")";
+      std::string message;
+      if (!was_running) {
+        message =
+            "the agent restarted before the " + kind + " of " + name + " started; nothing was done";
+      } else if (op->kind == OperationKind::kCheckpoint) {
+        // A paused workload waits for a resume that its dead agent will never send. Asking
+        // one that is not paused costs nothing: it answers at once.
+        if (auto dir = e.value("control_dir", ""); !dir.empty()) {
+          engine::Handshake(dir).request_resume_as_source();
+        }
+        std::error_code ec;
+        const bool committed = std::filesystem::exists(e.value("artifact", ""), ec);
+        message = "the agent restarted during the checkpoint of pid " +
+                  std::to_string(e.value("pid", 0)) + " into " + name + during +
+                  (committed ? "; the artifact had been committed, but the operation did not "
+                               "finish (the source may still be running)"
+                             : "; the workload was resumed and nothing was written");
+      } else {
+        message = "the agent restarted during the restore of " + name + during +
+                  "; copies not yet released ended with it";
+      }
+      op->error = error_json(Error(ErrorKind::kInternal, message, "send the request again"));
+      metrics_.failed_without_running(kind, Error::kind_name(ErrorKind::kInternal));
+      recovered.push_back(op);
+    } catch (const std::exception& err) {
+      actions.push_back("journal entry " + leftover.path.string() + " unreadable: " + err.what());
+    }
+    Journal::discard(leftover);
+  }
+  std::sort(recovered.begin(), recovered.end(),
+            [](const auto& a, const auto& b) { return a->created_at < b->created_at; });
+  std::lock_guard lock(mu_);
+  for (const auto& op : recovered) add(op);
+}
+
+}  // namespace gpusnap::agent

@@ -1,0 +1,203 @@
+// gpusnap-agent: the node daemon. Serves the agent API (docs/design.md, "The agent") on a Unix
+// socket, and optionally on TCP with a bearer token, and runs checkpoints and restores with
+// the engine in this process. main() reads the flags, binds the sockets, recovers what a
+// previous agent left, serves until SIGTERM or SIGINT, and maps any Error to its exit code.
+#include <grp.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "agent/agent.h"
+#include "agent/server.h"
+#include "cli/args.h"
+#include "common/fs.h"
+#include "gpusnap/error.h"
+
+namespace gpusnap::agent {
+
+namespace {
+
+const std::vector<cli::FlagSpec> kFlags = {
+    {"--socket", "", "PATH", "the Unix socket to serve (default /run/gpusnap/agent.sock)"},
+    {"--socket-group", "", "GROUP", "the group that may use the socket (name or gid)"},
+    {"--listen", "", "ADDR:PORT", "also serve TCP (requires --token-file; port 0: any)"},
+    {"--token-file", "", "FILE", "the bearer token TCP callers must send (one line)"},
+    {"--storage", "", "DIR", "where artifacts live (default /var/lib/gpusnap/snapshots)"},
+    {"--state-dir", "", "DIR", "the operations journal (default /var/lib/gpusnap/agent)"},
+    {"--run-dir", "", "DIR", "the engine's run directory (default /run/gpusnap)"},
+    {"--gpusnap", "", "PATH", "the gpusnap binary (default: beside gpusnap-agent)"},
+    {"--criu", "", "PATH", "the criu binary (default: as gpusnap locates it)"},
+    {"--help", "-h", "", "show this help"},
+    {"--version", "", "", "show the version"},
+};
+
+const char* const kUsage = "gpusnap-agent [options]";
+const char* const kSummary =
+    "Serve gpusnap's checkpoints and restores to local callers over a Unix socket (mode 0660),\n"
+    "and optionally over TCP with a bearer token. Operations run one at a time; each is\n"
+    "journaled so that a restarted agent recovers and reports what its predecessor left.";
+
+Error usage(const std::string& what) {
+  return Error(ErrorKind::kUsage, what, "see `gpusnap-agent --help`");
+}
+
+gid_t group_id(const std::string& name) {
+  if (!name.empty() && name.find_first_not_of("0123456789") == std::string::npos) {
+    return static_cast<gid_t>(std::stoul(name));
+  }
+  // getgrnam is not thread-safe: main calls it before any thread exists.
+  const group* g = ::getgrnam(name.c_str());  // NOLINT(concurrency-mt-unsafe)
+  if (g == nullptr) throw usage("no group named '" + name + "'");
+  return g->gr_gid;
+}
+
+// The bearer token: the file's first line. A file anyone can read is refused, since the token
+// is all that stands between the network and root's checkpoints.
+std::string read_token(const std::filesystem::path& file) {
+  struct stat st {};
+  if (::stat(file.c_str(), &st) != 0) throw sys_error("read token file " + file.string(), errno);
+  if ((st.st_mode & S_IROTH) != 0) {
+    throw Error(ErrorKind::kUsage, "token file " + file.string() + " is readable by everyone",
+                "chmod o-r " + file.string());
+  }
+  std::string token = fs::read_file(file);
+  token = token.substr(0, token.find('\n'));
+  while (!token.empty() && (token.back() == '\r' || token.back() == ' ')) token.pop_back();
+  if (token.size() < 16) {
+    throw Error(ErrorKind::kUsage, "token in " + file.string() + " is shorter than 16 characters",
+                "write a long random token, e.g. `openssl rand -hex 32 > FILE`");
+  }
+  return token;
+}
+
+// The gpusnap binary that runs the engine's helper processes (the dump guardian, a copy's
+// init): the agent itself cannot, it is another program.
+std::string helper_binary(const cli::Args& args) {
+  std::filesystem::path path = args.get("--gpusnap");
+  if (path.empty()) {
+    path = std::filesystem::read_symlink("/proc/self/exe").parent_path() / "gpusnap";
+  }
+  if (::access(path.c_str(), X_OK) != 0) {
+    throw Error(ErrorKind::kEnvironment, "no gpusnap binary at " + path.string(),
+                "install gpusnap beside gpusnap-agent, or name it with --gpusnap PATH");
+  }
+  return std::filesystem::absolute(path).string();
+}
+
+void make_private_dir(const std::filesystem::path& dir) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(dir, ec)) return;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) throw sys_error("create " + dir.string(), ec.value());
+  // Artifacts hold the workloads' memory, secrets included.
+  if (::chmod(dir.c_str(), 0700) != 0) throw sys_error("chmod " + dir.string(), errno);
+}
+
+// The handler only has to exist: a client that hangs up makes a write fail with EPIPE instead
+// of killing the agent. A handler, unlike SIG_IGN, is not inherited by the programs the engine
+// execs.
+void on_sigpipe(int /*signal*/) {}
+
+int run(const std::vector<std::string>& argv) {
+  std::optional<cli::Args> parsed;
+  try {
+    parsed.emplace("agent", kFlags, argv);
+  } catch (const Error& e) {
+    throw usage(e.what());
+  }
+  const cli::Args& args = *parsed;
+  if (args.has("--help")) {
+    std::fputs(cli::format_help(kUsage, kSummary, kFlags).c_str(), stdout);
+    return 0;
+  }
+  if (args.has("--version")) {
+    std::printf("gpusnap-agent %s\n", GPUSNAP_VERSION);
+    return 0;
+  }
+  if (!args.positional().empty()) throw usage("unexpected argument '" + args.positional()[0] + "'");
+  if (::geteuid() != 0) {
+    throw Error(ErrorKind::kEnvironment, "gpusnap-agent must run as root",
+                "CRIU and the GPU driver's checkpoint calls need root");
+  }
+
+  ListenOptions listen;
+  listen.socket_path = args.get("--socket", listen.socket_path);
+  if (args.has("--socket-group")) listen.socket_group = group_id(args.get("--socket-group"));
+  if (args.has("--listen") != args.has("--token-file")) {
+    throw usage("--listen and --token-file go together: TCP callers must send a token");
+  }
+  if (args.has("--listen")) {
+    const auto where = args.get("--listen");
+    const auto colon = where.rfind(':');
+    char* end = nullptr;
+    const long port =
+        colon == std::string::npos ? -1 : std::strtol(where.c_str() + colon + 1, &end, 10);
+    if (colon == std::string::npos || colon == 0 || end == nullptr || *end != '\0' || port < 0 ||
+        port > 65535) {
+      throw usage("bad --listen '" + where + "': use ADDR:PORT, e.g. 127.0.0.1:7070");
+    }
+    listen.tcp_address = where.substr(0, colon);
+    listen.tcp_port = static_cast<int>(port);
+    listen.token = read_token(args.get("--token-file"));
+  }
+
+  AgentConfig config;
+  config.engine.storage =
+      std::filesystem::absolute(args.get("--storage", "/var/lib/gpusnap/snapshots"));
+  config.engine.run_dir = args.get("--run-dir", "/run/gpusnap");
+  config.engine.helper_binary = helper_binary(args);
+  config.engine.criu_path = args.get("--criu");
+  config.state_dir = args.get("--state-dir", config.state_dir.string());
+  make_private_dir(config.engine.storage);
+  make_private_dir(config.state_dir);
+
+  // Signals are taken by sigwait below: block them before any thread exists, so that every
+  // thread inherits the mask. Children get a clean mask (common/subprocess.cc).
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  ::pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  struct sigaction pipe_action {};
+  pipe_action.sa_handler = on_sigpipe;
+  ::sigaction(SIGPIPE, &pipe_action, nullptr);
+
+  Server server(listen);  // binds first: single-threaded here (the socket's umask)
+  Agent agent(config);    // recovers what a previous agent left, then takes work
+  server.start(agent);
+  std::fprintf(stderr, "gpusnap-agent %s: serving %s", GPUSNAP_VERSION, listen.socket_path.c_str());
+  if (server.tcp_port() > 0) {
+    std::fprintf(stderr, " and %s:%d (bearer token)", listen.tcp_address.c_str(),
+                 server.tcp_port());
+  }
+  std::fprintf(stderr, "; storage %s\n", config.engine.storage.c_str());
+
+  int signal = 0;
+  ::sigwait(&stop_signals, &signal);
+  std::fprintf(stderr, "gpusnap-agent: signal %d: finishing the running operation\n", signal);
+  server.stop();
+  agent.stop();
+  return 0;
+}
+
+}  // namespace
+
+}  // namespace gpusnap::agent
+
+int main(int argc, char** argv) {
+  try {
+    return gpusnap::agent::run(std::vector<std::string>(argv + 1, argv + argc));
+  } catch (const gpusnap::Error& e) {
+    std::fprintf(stderr, "gpusnap-agent: error: %s\n", e.one_line().c_str());
+    return e.exit_code();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gpusnap-agent: internal error: %s\n", e.what());
+    return static_cast<int>(gpusnap::ErrorKind::kInternal);
+  }
+}

@@ -1,0 +1,66 @@
+// The agent's Prometheus metrics, kept in memory and written in the text exposition format
+// 0.0.4 by hand (a few counters and histograms do not need a client library).
+//
+//   gpusnap_operations_total{kind,result}            operations that ended
+//   gpusnap_operations_in_flight{kind}               operations running now (not pending)
+//   gpusnap_operation_duration_seconds{kind}         histogram, from start to end
+//   gpusnap_phase_duration_seconds{kind,phase}       histogram, each engine phase
+//   gpusnap_artifact_bytes_total{kind}               written by checkpoints, read by restores
+//   gpusnap_operation_failures_total{kind,error_kind}  failed operations by Error kind
+//
+// Thread-safe: every method may be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace gpusnap::agent {
+
+// A cumulative histogram with fixed upper bounds.
+class Histogram {
+ public:
+  explicit Histogram(std::vector<double> bounds);
+  void observe(double value);
+  // Appends NAME_bucket/_sum/_count lines, `labels` being the series' other labels
+  // (`kind="checkpoint"`, without braces).
+  void render(std::string& out, const std::string& name, const std::string& labels) const;
+
+ private:
+  std::vector<double> bounds_;
+  std::vector<uint64_t> counts_;  // per bound, not cumulative; the last is +Inf
+  double sum_ = 0;
+  uint64_t count_ = 0;
+};
+
+class Metrics {
+ public:
+  Metrics();
+  void started(const std::string& kind);
+  // An operation that ran ended (`result` "succeeded" or "failed"; error_kind empty on success).
+  void finished(const std::string& kind, const std::string& result, double seconds,
+                const std::string& error_kind, uint64_t artifact_bytes);
+  // An operation that never ran in this agent (found in the journal after a restart): counted
+  // as failed, with no duration.
+  void failed_without_running(const std::string& kind, const std::string& error_kind);
+  void phase(const std::string& kind, const std::string& phase, double seconds);
+  // The text format, version 0.0.4.
+  std::string render() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::pair<std::string, std::string>, uint64_t> operations_;  // kind, result
+  std::map<std::string, int64_t> in_flight_;
+  std::map<std::string, Histogram> duration_;
+  std::map<std::pair<std::string, std::string>, Histogram> phases_;  // kind, phase
+  std::map<std::string, uint64_t> bytes_;
+  std::map<std::pair<std::string, std::string>, uint64_t> failures_;  // kind, error kind
+};
+
+// A label value escaped for the text format (backslash, double quote, newline).
+std::string escape_label(const std::string& value);
+
+}  // namespace gpusnap::agent

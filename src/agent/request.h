@@ -1,0 +1,78 @@
+// The agent's requests: strict parsing of the JSON bodies of POST /v1/checkpoints and
+// POST /v1/restores, and the one place where a request becomes the engine's options.
+//
+// Parsing is strict because a field the agent ignores is a field the caller believes was
+// applied: an unknown field, a value of the wrong type or range, an artifact name that is a
+// path, each is refused with Error(kUsage) naming the field.
+#pragma once
+
+#include <sys/types.h>
+
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "gpusnap/checkpoint.h"
+#include "gpusnap/restore.h"
+
+namespace gpusnap::agent {
+
+// A container, named as its runtime knows it.
+struct ContainerName {
+  std::string id;
+  std::filesystem::path runtime_root = "/run/runc";  // the runtime's state directory
+};
+
+struct CheckpointRequest {
+  std::string artifact;  // a name in the agent's storage
+  pid_t pid = 0;         // 0: `container` names the workload
+  std::optional<ContainerName> container;
+  bool leave_running = true;
+  std::optional<long> handshake_timeout_s;
+};
+
+struct RestoreRequest {
+  std::string artifact;
+  int replicas = 1;
+  std::optional<ContainerName> into_container;
+  std::map<std::string, std::string> settings;
+  std::vector<std::string> gpu_map;  // "OLD=NEW"
+  std::vector<std::string> publish;  // "[ADDR:][HOSTPORT:]PORT"
+  std::optional<long> handshake_timeout_s;
+};
+
+// Parse a body; throw Error(kUsage) naming what is wrong.
+CheckpointRequest parse_checkpoint_request(const nlohmann::json& body);
+RestoreRequest parse_restore_request(const nlohmann::json& body);
+// The body text as JSON; Error(kUsage) when it is not a JSON object.
+nlohmann::json parse_body(const std::string& text);
+// The request as the operation shows it, defaults filled in.
+nlohmann::json to_json(const CheckpointRequest& request);
+nlohmann::json to_json(const RestoreRequest& request);
+
+// Refuses (Error kUsage) a name that is not a plain directory name in the storage: empty, a
+// path (a slash), ".", "..", a hidden name (staging directories are hidden), a NUL, or longer
+// than 255 bytes.
+void check_artifact_name(const std::string& name);
+
+// What the agent decides for every operation, whatever the request.
+struct EngineSettings {
+  std::filesystem::path storage;  // artifacts live at storage/NAME
+  std::filesystem::path run_dir = "/run/gpusnap";
+  std::string helper_binary;  // the gpusnap binary, which runs the engine's helper processes
+  std::string criu_path;      // empty: locate CRIU
+};
+
+// The request as the engine's options. Throws Error(kUsage) for a value only the engine's own
+// parser knows to refuse (a --publish form), and Error(kEnvironment) for a request this build
+// cannot carry out (a container field before the engine has container support): the agent
+// answers 501 to that one.
+CheckpointOptions checkpoint_options(const CheckpointRequest& request,
+                                     const EngineSettings& settings);
+RestoreOptions restore_options(const RestoreRequest& request, const EngineSettings& settings);
+
+}  // namespace gpusnap::agent

@@ -1,0 +1,241 @@
+#include "agent/server.h"
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+
+#include <httplib.h>
+
+#include "agent/access.h"
+#include "common/fd.h"
+#include "gpusnap/error.h"
+
+namespace gpusnap::agent {
+
+namespace {
+
+using nlohmann::json;
+
+constexpr size_t kMaxBody = 1 << 20;
+
+void reply(httplib::Response& res, int status, const json& doc) {
+  res.status = status;
+  res.set_content(doc.dump(2) + "\n", "application/json");
+}
+
+void reply_error(httplib::Response& res, const Error& e) {
+  reply(res, http_status(e), {{"error", error_json(e)}});
+}
+
+// The methods a path answers to; empty when the path is not part of the API.
+std::vector<std::string> methods_of(const std::string& path) {
+  auto under = [&](const std::string& prefix) {
+    return path.size() > prefix.size() && path.rfind(prefix, 0) == 0 &&
+           path.find('/', prefix.size()) == std::string::npos;
+  };
+  if (path == "/v1/checkpoints" || path == "/v1/restores") return {"POST"};
+  if (path == "/v1/healthz" || path == "/v1/operations" || path == "/v1/snapshots" ||
+      path == "/metrics" || under("/v1/operations/") || under("/v1/snapshots/")) {
+    return {"GET", "HEAD"};
+  }
+  return {};
+}
+
+bool authorized(const httplib::Request& req, const std::string& token) {
+  return bearer_matches(req.get_header_value("Authorization"), token);
+}
+
+void install(httplib::Server& server, Agent& agent, const std::string* token) {
+  server.set_payload_max_length(kMaxBody);
+  server.set_pre_routing_handler([token](const httplib::Request& req, httplib::Response& res) {
+    if (token != nullptr && !authorized(req, *token)) {
+      res.set_header("WWW-Authenticate", "Bearer");
+      reply_error(res, Error(ErrorKind::kUsage, "missing or wrong bearer token",
+                             "send Authorization: Bearer TOKEN with the agent's token"));
+      res.status = 401;
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    const auto methods = methods_of(req.path);
+    if (methods.empty()) {
+      reply_error(res, Error(ErrorKind::kNotFound, "no such endpoint " + req.path,
+                             "see the agent API in docs/design.md"));
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    if (std::find(methods.begin(), methods.end(), req.method) == methods.end()) {
+      std::string allow;
+      for (const auto& m : methods) allow += (allow.empty() ? "" : ", ") + m;
+      res.set_header("Allow", allow);
+      reply_error(res, Error(ErrorKind::kUsage, req.method + " is not allowed on " + req.path,
+                             "use " + allow));
+      res.status = 405;
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
+  // Every handler answers errors as the API's error object, whatever threw.
+  auto guarded = [](auto handler) {
+    return [handler](const httplib::Request& req, httplib::Response& res) {
+      try {
+        handler(req, res);
+      } catch (const Error& e) {
+        reply_error(res, e);
+      } catch (const std::exception& e) {
+        reply_error(res, Error(ErrorKind::kInternal, std::string("internal error: ") + e.what()));
+      }
+    };
+  };
+  server.Get("/v1/healthz", guarded([&agent](const httplib::Request&, httplib::Response& res) {
+               reply(res, 200,
+                     {{"ok", true}, {"version", GPUSNAP_VERSION}, {"node", agent.config().node}});
+             }));
+  auto post = [&agent](bool checkpoint) {
+    return [&agent, checkpoint](const httplib::Request& req, httplib::Response& res) {
+      const json body = parse_body(req.body);
+      json op = checkpoint ? agent.submit_checkpoint(body) : agent.submit_restore(body);
+      res.set_header("Location", "/v1/operations/" + op.at("id").get<std::string>());
+      reply(res, 202, {{"operation", op}});
+    };
+  };
+  server.Post("/v1/checkpoints", guarded(post(true)));
+  server.Post("/v1/restores", guarded(post(false)));
+  server.Get("/v1/operations", guarded([&agent](const httplib::Request&, httplib::Response& res) {
+               reply(res, 200, agent.operations());
+             }));
+  server.Get(R"(/v1/operations/([^/]+))",
+             guarded([&agent](const httplib::Request& req, httplib::Response& res) {
+               const std::string id = req.matches[1];
+               auto op = agent.operation(id);
+               if (!op) {
+                 throw Error(ErrorKind::kNotFound, "no operation " + id,
+                             "list the operations with GET /v1/operations");
+               }
+               reply(res, 200, *op);
+             }));
+  server.Get("/v1/snapshots", guarded([&agent](const httplib::Request&, httplib::Response& res) {
+               reply(res, 200, agent.snapshots());
+             }));
+  server.Get(R"(/v1/snapshots/([^/]+))",
+             guarded([&agent](const httplib::Request& req, httplib::Response& res) {
+               reply(res, 200, agent.snapshot(req.matches[1]));
+             }));
+  server.Get("/metrics", guarded([&agent](const httplib::Request&, httplib::Response& res) {
+               res.status = 200;
+               res.set_content(agent.metrics(), "text/plain; version=0.0.4; charset=utf-8");
+             }));
+  server.set_exception_handler(
+      [](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
+        reply_error(res, Error(ErrorKind::kInternal, "internal error in the agent"));
+      });
+  // One line per request that changes something or fails: an operator's trail, without the
+  // polling.
+  server.set_logger([](const httplib::Request& req, const httplib::Response& res) {
+    if (req.method == "GET" && res.status < 400) return;
+    std::fprintf(stderr, "gpusnap-agent: %s %s -> %d\n", req.method.c_str(), req.path.c_str(),
+                 res.status);
+  });
+}
+
+// Whether someone accepts connections on the Unix socket at `path`.
+bool socket_in_use(const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), std::min(path.size() + 1, sizeof addr.sun_path));
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  return fd && ::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+}
+
+}  // namespace
+
+Server::Server(const ListenOptions& options) : options_(options) {
+  const auto& path = options_.socket_path;
+  if (path.size() >= sizeof(sockaddr_un::sun_path)) {
+    throw Error(ErrorKind::kUsage, "socket path " + path + " is too long",
+                "use a path shorter than 108 bytes");
+  }
+  std::error_code ec;
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
+  if (std::filesystem::exists(std::filesystem::symlink_status(path, ec))) {
+    if (socket_in_use(path)) {
+      throw Error(ErrorKind::kEnvironment, "another agent is serving " + path,
+                  "stop it first, or give this one another --socket");
+    }
+    if (!std::filesystem::is_socket(std::filesystem::symlink_status(path, ec))) {
+      throw Error(ErrorKind::kUsage, path + " exists and is not a socket",
+                  "remove it, or give the agent another --socket");
+    }
+    std::filesystem::remove(path, ec);  // left by an agent that died
+  }
+  unix_ = std::make_unique<httplib::Server>();
+  unix_->set_address_family(AF_UNIX);
+  // The socket is created by bind() with the umask's mode: 0660 from its first instant, never
+  // reachable by others for a moment before a chmod.
+  const mode_t old_umask = ::umask(0117);
+  const bool bound = unix_->bind_to_port(path, 80);
+  ::umask(old_umask);
+  if (!bound) {
+    throw sys_error("listen on " + path, errno);
+  }
+  if (options_.socket_group && ::chown(path.c_str(), 0, *options_.socket_group) != 0) {
+    throw sys_error("give " + path + " to group " + std::to_string(*options_.socket_group), errno);
+  }
+  if (::chmod(path.c_str(), 0660) != 0) throw sys_error("chmod " + path, errno);
+
+  if (!options_.tcp_address.empty()) {
+    tcp_ = std::make_unique<httplib::Server>();
+    if (options_.tcp_port == 0) {
+      tcp_port_ = tcp_->bind_to_any_port(options_.tcp_address);
+    } else {
+      tcp_port_ =
+          tcp_->bind_to_port(options_.tcp_address, options_.tcp_port) ? options_.tcp_port : -1;
+    }
+    if (tcp_port_ <= 0) {
+      throw Error(ErrorKind::kUsage,
+                  "cannot listen on " + options_.tcp_address + ":" +
+                      std::to_string(options_.tcp_port) + ": " + std::strerror(errno),
+                  "choose a free port and an address of this host");
+    }
+  }
+}
+
+Server::~Server() {
+  stop();
+  std::error_code ec;
+  std::filesystem::remove(options_.socket_path, ec);
+}
+
+void Server::start(Agent& agent) {
+  install(*unix_, agent, nullptr);
+  unix_thread_ = std::jthread([this] {
+    unix_->listen_after_bind();
+    unix_done_ = true;
+  });
+  if (tcp_) {
+    install(*tcp_, agent, &options_.token);
+    tcp_thread_ = std::jthread([this] {
+      tcp_->listen_after_bind();
+      tcp_done_ = true;
+    });
+  }
+}
+
+void Server::stop() noexcept {
+  auto end = [](httplib::Server* server, std::jthread& thread, const std::atomic<bool>& done) {
+    if (server == nullptr || !thread.joinable()) return;
+    while (!done) {
+      server->stop();
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    thread.join();
+  };
+  end(unix_.get(), unix_thread_, unix_done_);
+  end(tcp_.get(), tcp_thread_, tcp_done_);
+}
+
+}  // namespace gpusnap::agent
