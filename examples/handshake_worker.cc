@@ -16,13 +16,15 @@
 // While paused, commands other than PING and INFO answer "ERR paused".
 //
 // For tests: GPUSNAP_EXAMPLE_PAUSE=fail refuses to pause, GPUSNAP_EXAMPLE_PAUSE=die exits 3 on
-// pause, GPUSNAP_EXAMPLE_NEVER_READY=1 never writes `ready`.
+// pause, GPUSNAP_EXAMPLE_PAUSE=slow takes 3 s to pause, GPUSNAP_EXAMPLE_NEVER_READY=1 never
+// writes `ready`.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -58,6 +60,8 @@ class Worker {
       reason = "refused by test";
       return false;
     }
+    // A pause that takes its time: a capture that can be interrupted while it waits.
+    if (pause_mode_ == "slow") std::this_thread::sleep_for(std::chrono::seconds(3));
     std::lock_guard<std::mutex> lock(mu_);  // the command in progress finishes first
     paused_ = true;
     // A malloc this large is an mmap of its own: free() gives it back to the kernel, so it is

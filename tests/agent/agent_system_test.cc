@@ -1,0 +1,637 @@
+// Black-box tests of the built gpusnap-agent: the real daemon on a temporary socket, storage
+// and state directory, driven over HTTP with cpp-httplib's client (and with the gpusnap CLI's
+// --agent), capturing and restoring the real test workload with real CRIU. Root.
+#include <grp.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include "common/fd.h"
+#include "common/fs.h"
+#include "common/proc.h"
+#include "testing/harness.h"
+
+namespace gpusnap::testing {
+namespace {
+
+using nlohmann::json;
+
+constexpr gid_t kNobody = 65534;
+
+// One HTTP answer, its body parsed when it is JSON.
+struct Answer {
+  int status = 0;
+  json doc;
+  std::string body;
+  std::string allow;
+};
+
+// A gpusnap-agent process on its own socket, storage, state and run directories (under `dir`),
+// killed at the end of the test whatever happens.
+class Agent {
+ public:
+  explicit Agent(const TempDir& dir, std::vector<std::string> extra = {})
+      : socket_((dir / "agent.sock").string()),
+        storage_(dir / "snapshots"),
+        state_(dir / "state"),
+        run_(dir / "run"),
+        log_(dir / "agent.log"),
+        extra_(std::move(extra)) {
+    start();
+  }
+  ~Agent() { kill(); }
+
+  void start() {
+    UniqueFd out(::open(log_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+    SpawnOptions o;
+    o.argv = {build_path("gpusnap-agent"),
+              "--socket",
+              socket_,
+              "--storage",
+              storage_.string(),
+              "--state-dir",
+              state_.string(),
+              "--run-dir",
+              run_.string()};
+    o.argv.insert(o.argv.end(), extra_.begin(), extra_.end());
+    o.stdout_fd = out.get();
+    o.stderr_fd = out.get();
+    process_.emplace(o);
+    const bool up =
+        eventually([&] { return !process_->running() || get("/v1/healthz").status == 200; },
+                   std::chrono::seconds(30));
+    if (!up || !process_->running()) {
+      throw std::runtime_error("gpusnap-agent did not start: " + log());
+    }
+  }
+
+  // SIGKILL, as a crash or an OOM kill would: no cleanup of its own runs.
+  void kill() {
+    if (!process_) return;
+    process_->kill(SIGKILL);
+    process_->wait();
+    process_.reset();
+  }
+
+  std::optional<ExitStatus> wait_exit(std::chrono::seconds limit) { return process_->wait(limit); }
+
+  Answer request(const std::string& method, const std::string& path, const json& body = nullptr,
+                 const std::string& raw = {}) const {
+    httplib::Client client(socket_, 80);
+    client.set_address_family(AF_UNIX);
+    client.set_read_timeout(std::chrono::seconds(30));
+    const std::string text = raw.empty() && !body.is_null() ? body.dump() : raw;
+    httplib::Result r = method == "GET"    ? client.Get(path)
+                        : method == "POST" ? client.Post(path, text, "application/json")
+                                           : client.Delete(path);
+    Answer a;
+    if (!r) return a;
+    a.status = r->status;
+    a.body = r->body;
+    a.allow = r->get_header_value("Allow");
+    a.doc = json::parse(r->body, nullptr, false);
+    return a;
+  }
+  Answer get(const std::string& path) const { return request("GET", path); }
+  Answer post(const std::string& path, const json& body) const {
+    return request("POST", path, body);
+  }
+
+  // Polls the operation until it has ended; its last state.
+  json wait_operation(const std::string& id,
+                      std::chrono::seconds limit = std::chrono::seconds(120)) const {
+    json op;
+    eventually(
+        [&] {
+          op = get("/v1/operations/" + id).doc;
+          return op.is_object() &&
+                 (op.value("state", "") == "succeeded" || op.value("state", "") == "failed");
+        },
+        limit);
+    return op;
+  }
+
+  // Posts a request that must be accepted; the operation's final state.
+  json run(const std::string& path, const json& body) const {
+    auto a = post(path, body);
+    EXPECT_EQ(a.status, 202) << a.body;
+    if (a.status != 202) return json::object();
+    EXPECT_EQ(a.doc["operation"]["state"], "pending") << a.body;
+    return wait_operation(a.doc["operation"]["id"].get<std::string>());
+  }
+
+  std::string log() const { return fs::read_file(log_); }
+  const std::string& socket() const { return socket_; }
+  const std::filesystem::path& storage() const { return storage_; }
+  const std::filesystem::path& state() const { return state_; }
+
+ private:
+  std::string socket_;
+  std::filesystem::path storage_, state_, run_, log_;
+  std::vector<std::string> extra_;
+  std::optional<Subprocess> process_;
+};
+
+// The value of one sample line of /metrics; -1 when the line is missing.
+double sample(const std::string& metrics, const std::string& series) {
+  const auto at = metrics.find("\n" + series + " ");
+  if (at == std::string::npos) return -1;
+  return std::stod(metrics.substr(at + series.size() + 2));
+}
+
+std::vector<std::string> phase_names(const json& op) {
+  std::vector<std::string> names;
+  for (const auto& p : op["phases"]) {
+    EXPECT_TRUE(p["done"].get<bool>()) << p;
+    names.push_back(p["name"].get<std::string>());
+  }
+  return names;
+}
+
+// Entries of the storage directory, hidden ones (staging) included.
+std::vector<std::string> entries(const std::filesystem::path& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    out.push_back(e.path().filename().string());
+  }
+  return out;
+}
+
+TEST(Agent, CheckpointsListsInspectsAndRestoresTheWorkload) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Agent agent(dir);
+  Workload source(dir, {"--mib", "16", "--children", "1"});
+  ASSERT_EQ(ask(source.port(), "INCR"), "1");
+  const std::string seed = field(ask(source.port(), "INFO"), "seed");
+
+  auto cp = agent.run("/v1/checkpoints", {{"artifact", "snap"}, {"pid", source.pid()}});
+  ASSERT_EQ(cp["state"], "succeeded") << cp.dump(2);
+  EXPECT_TRUE(cp["error"].is_null());
+  EXPECT_EQ(phase_names(cp),
+            (std::vector<std::string>{"resolve", "preflight", "dump", "checksum", "commit"}));
+  EXPECT_EQ(cp["notes"][0], "capturing pid " + std::to_string(source.pid()) +
+                                " as it runs: it does not speak the workload handshake");
+  const json& result = cp["result"];
+  EXPECT_EQ(result["artifact"], (agent.storage() / "snap").string());
+  EXPECT_EQ(result["processes"], 2);
+  EXPECT_TRUE(result["source_left_running"].get<bool>());  // the API's default
+  EXPECT_EQ(ask(source.port(), "INCR"), "2");
+  EXPECT_EQ(cp["request"],
+            (json{{"artifact", "snap"}, {"pid", source.pid()}, {"leave_running", true}}));
+  EXPECT_TRUE(std::filesystem::is_empty(agent.state() / "operations"));  // ended: no journal
+
+  auto list = agent.get("/v1/snapshots");
+  ASSERT_EQ(list.status, 200) << list.body;
+  ASSERT_EQ(list.doc["snapshots"].size(), 1u);
+  EXPECT_EQ(list.doc["snapshots"][0]["name"], "snap");
+  EXPECT_EQ(list.doc["snapshots"][0]["id"], result["id"]);
+  EXPECT_EQ(list.doc["snapshots"][0]["bytes"], result["bytes"]);
+  auto inspect = agent.get("/v1/snapshots/snap");
+  ASSERT_EQ(inspect.status, 200) << inspect.body;
+  EXPECT_EQ(inspect.doc["processes"].size(), 2u);
+  EXPECT_EQ(inspect.doc["processes"][0]["pid"], source.pid());
+  // The same document as `gpusnap inspect --json`.
+  auto direct = gpusnap({"inspect", (agent.storage() / "snap").string(), "--json"});
+  ASSERT_EQ(direct.exit_code, 0) << direct.err;
+  EXPECT_EQ(inspect.doc, json::parse(direct.out));
+
+  auto rs = agent.run("/v1/restores",
+                      {{"artifact", "snap"}, {"publish", {std::to_string(source.port())}}});
+  ASSERT_EQ(rs["state"], "succeeded") << rs.dump(2);
+  Copies copies(rs["result"]);
+  ASSERT_EQ(copies.copies.size(), 1u);
+  EXPECT_EQ(phase_names(rs),
+            (std::vector<std::string>{"open", "verify", "criu-restore", "locate", "release"}));
+  auto info = ask(copies.port(0), "INFO");
+  EXPECT_EQ(field(info, "seed"), seed) << info;
+  EXPECT_EQ(ask(copies.port(0), "CHECK").substr(0, 2), "OK");
+  EXPECT_EQ(ask(copies.port(0), "INCR"), "2");  // the counter as captured
+
+  auto ops = agent.get("/v1/operations");
+  ASSERT_EQ(ops.doc["operations"].size(), 2u);
+  EXPECT_EQ(ops.doc["operations"][0]["id"], cp["id"]);
+  EXPECT_EQ(ops.doc["operations"][1]["id"], rs["id"]);
+
+  const std::string metrics = agent.get("/metrics").body;
+  EXPECT_EQ(sample(metrics, R"(gpusnap_operations_total{kind="checkpoint",result="succeeded"})"),
+            1);
+  EXPECT_EQ(sample(metrics, R"(gpusnap_operations_total{kind="restore",result="succeeded"})"), 1);
+  EXPECT_EQ(sample(metrics, R"(gpusnap_operations_total{kind="restore",result="failed"})"), 0);
+  EXPECT_EQ(sample(metrics, R"(gpusnap_operations_in_flight{kind="checkpoint"})"), 0);
+  EXPECT_EQ(sample(metrics, R"(gpusnap_operation_duration_seconds_count{kind="restore"})"), 1);
+  EXPECT_EQ(
+      sample(metrics, R"(gpusnap_phase_duration_seconds_count{kind="checkpoint",phase="dump"})"),
+      1);
+  EXPECT_EQ(sample(metrics, R"(gpusnap_artifact_bytes_total{kind="checkpoint"})"),
+            result["bytes"].get<double>());
+  EXPECT_EQ(sample(metrics, R"(gpusnap_artifact_bytes_total{kind="restore"})"),
+            result["bytes"].get<double>());
+}
+
+TEST(Agent, OperationsRunOneAtATimeTheRestWaitPending) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Agent agent(dir);
+  Workload source(dir, {"--mib", "64"});
+  auto first = agent.post("/v1/checkpoints", {{"artifact", "a"}, {"pid", source.pid()}});
+  auto second = agent.post("/v1/checkpoints", {{"artifact", "b"}, {"pid", source.pid()}});
+  ASSERT_EQ(first.status, 202);
+  ASSERT_EQ(second.status, 202);
+  // While the first runs, the second waits.
+  bool overlapped = false;
+  json a, b;
+  eventually(
+      [&] {
+        a = agent.get("/v1/operations/" + first.doc["operation"]["id"].get<std::string>()).doc;
+        b = agent.get("/v1/operations/" + second.doc["operation"]["id"].get<std::string>()).doc;
+        overlapped |= a["state"] == "running" && b["state"] == "running";
+        return b["state"] == "succeeded" || b["state"] == "failed";
+      },
+      std::chrono::seconds(120));
+  EXPECT_FALSE(overlapped);
+  EXPECT_EQ(a["state"], "succeeded") << a.dump(2);
+  EXPECT_EQ(b["state"], "succeeded") << b.dump(2);
+  EXPECT_LE(a["finished_at"].get<std::string>(), b["started_at"].get<std::string>());
+}
+
+TEST(Agent, BadRequestsAreRefusedWithTheirStatusAndError) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Agent agent(dir);
+  auto expect_error = [&](const Answer& a, int status, const std::string& kind, int exit_code,
+                          const std::string& message) {
+    EXPECT_EQ(a.status, status) << a.body;
+    EXPECT_EQ(a.doc["error"]["kind"], kind) << a.body;
+    EXPECT_EQ(a.doc["error"]["exit_code"], exit_code) << a.body;
+    EXPECT_EQ(a.doc["error"]["message"], message) << a.body;
+  };
+  expect_error(agent.post("/v1/checkpoints", {{"artifact", "a"}, {"pid", 1}, {"force", true}}), 400,
+               "usage", 2, "unknown field \"force\" in a checkpoint request");
+  expect_error(agent.post("/v1/checkpoints", {{"artifact", "../etc"}, {"pid", 1}}), 400, "usage", 2,
+               "artifact name '../etc' is a path, not a name");
+  expect_error(agent.post("/v1/checkpoints", {{"artifact", ".."}, {"pid", 1}}), 400, "usage", 2,
+               "artifact name '..' is not a name");
+  expect_error(agent.post("/v1/checkpoints", {{"artifact", "a"}}), 400, "usage", 2,
+               "a checkpoint request needs \"pid\" or \"container\"");
+  expect_error(agent.request("POST", "/v1/checkpoints", nullptr, "{\"artifact\":"), 400, "usage", 2,
+               agent.request("POST", "/v1/checkpoints", nullptr, "{\"artifact\":")
+                   .doc["error"]["message"]
+                   .get<std::string>());
+  EXPECT_EQ(agent.request("POST", "/v1/checkpoints", nullptr, "[]").doc["error"]["message"],
+            "the request body must be a JSON object, not []");
+  expect_error(agent.post("/v1/restores", {{"artifact", "a"}, {"replicas", -1}}), 400, "usage", 2,
+               "\"replicas\" must be a whole number from 1 to 1024, not -1");
+  expect_error(agent.post("/v1/restores", {{"artifact", "a"}, {"publish", {"x:y"}}}), 400, "usage",
+               2, "bad port 'y' in --publish x:y");
+  expect_error(agent.post("/v1/checkpoints", {{"artifact", "a"}, {"container", {{"id", "c"}}}}),
+               501, "environment", 10,
+               "\"container\" is not supported by this build of gpusnap-agent");
+  expect_error(agent.post("/v1/restores", {{"artifact", "a"}, {"into_container", {{"id", "c"}}}}),
+               501, "environment", 10,
+               "\"into_container\" is not supported by this build of gpusnap-agent");
+  expect_error(agent.get("/v1/operations/nope"), 404, "not-found", 3, "no operation nope");
+  expect_error(agent.get("/v1/snapshots/missing"), 404, "not-found", 3,
+               "artifact " + (agent.storage() / "missing").string() + " does not exist");
+  expect_error(agent.get("/v1/snapshots/.hidden"), 400, "usage", 2,
+               "artifact name '.hidden' is hidden: hidden names are for staging");
+  expect_error(agent.get("/v2/anything"), 404, "not-found", 3, "no such endpoint /v2/anything");
+  auto del = agent.request("DELETE", "/v1/operations");
+  expect_error(del, 405, "usage", 2, "DELETE is not allowed on /v1/operations");
+  EXPECT_EQ(del.allow, "GET, HEAD");
+  auto get = agent.get("/v1/checkpoints");
+  expect_error(get, 405, "usage", 2, "GET is not allowed on /v1/checkpoints");
+  EXPECT_EQ(get.allow, "POST");
+  // Nothing was queued by any of them.
+  EXPECT_EQ(agent.get("/v1/operations").doc["operations"].size(), 0u);
+
+  // Accepted, then failing in the engine: the operation carries the engine's error.
+  auto missing = agent.run("/v1/restores", {{"artifact", "missing"}});
+  EXPECT_EQ(missing["state"], "failed");
+  EXPECT_EQ(missing["error"]["kind"], "not-found");
+  EXPECT_EQ(missing["error"]["exit_code"], 3);
+  EXPECT_EQ(missing["error"]["message"],
+            "artifact " + (agent.storage() / "missing").string() + " does not exist");
+  const pid_t gone = dead_pid();
+  auto no_pid = agent.run("/v1/checkpoints", {{"artifact", "x"}, {"pid", gone}});
+  EXPECT_EQ(no_pid["error"]["message"], "no process with pid " + std::to_string(gone));
+  const std::string metrics = agent.get("/metrics").body;
+  EXPECT_EQ(
+      sample(metrics, R"(gpusnap_operation_failures_total{kind="restore",error_kind="not-found"})"),
+      1);
+  EXPECT_EQ(sample(metrics, R"(gpusnap_operations_total{kind="checkpoint",result="failed"})"), 1);
+}
+
+// connect(2) to a Unix socket as uid:gid in a forked child; the child's errno (0: connected).
+int connect_as(const std::string& socket, uid_t uid, gid_t gid) {
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    // Only async-signal-safe calls here: the parent may have threads.
+    if (::setgroups(0, nullptr) != 0 || ::setgid(gid) != 0 || ::setuid(uid) != 0) ::_exit(255);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path, socket.c_str(), socket.size() + 1);
+    int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) ::_exit(0);
+    ::_exit(errno);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+TEST(AgentAccess, TheSocketIsForRootAndItsGroupOnly) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  // Let everyone reach the socket file: what refuses them must be the socket's own mode.
+  ASSERT_EQ(::chmod(dir.path().c_str(), 0755), 0);
+  {
+    Agent agent(dir);
+    struct stat st {};
+    ASSERT_EQ(::stat(agent.socket().c_str(), &st), 0);
+    EXPECT_TRUE(S_ISSOCK(st.st_mode));
+    EXPECT_EQ(st.st_mode & 07777, 0660u);
+    EXPECT_EQ(st.st_uid, 0u);
+    EXPECT_EQ(st.st_gid, 0u);
+    EXPECT_EQ(connect_as(agent.socket(), kNobody, kNobody), EACCES);
+    EXPECT_EQ(connect_as(agent.socket(), 0, 0), 0);
+
+    // The CLI says what is wrong.
+    auto as_nobody = [&] {
+      pid_t pid = ::fork();
+      if (pid == 0) {
+        if (::setgroups(0, nullptr) != 0 || ::setgid(kNobody) != 0 || ::setuid(kNobody) != 0) {
+          ::_exit(255);
+        }
+        const std::string bin = gpusnap_bin();
+        const std::string out = (dir / "nobody.err").string();
+        int fd = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0666);
+        ::dup2(fd, 2);
+        ::execl(bin.c_str(), bin.c_str(), "--agent", agent.socket().c_str(), "list",
+                static_cast<char*>(nullptr));
+        ::_exit(127);
+      }
+      int status = 0;
+      ::waitpid(pid, &status, 0);
+      return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    };
+    ASSERT_EQ(::chmod(dir.path().c_str(), 0777), 0);
+    EXPECT_EQ(as_nobody(), 10);
+    EXPECT_EQ(fs::read_file(dir / "nobody.err"),
+              "gpusnap: error: cannot reach the gpusnap agent at " + agent.socket() +
+                  ": connect: Permission denied (fix: the socket is for root and the agent's "
+                  "--socket-group only)\n");
+    ASSERT_EQ(::chmod(dir.path().c_str(), 0755), 0);
+  }
+  // With --socket-group, that group's members may call.
+  Agent grouped(dir, {"--socket-group", std::to_string(kNobody)});
+  struct stat st {};
+  ASSERT_EQ(::stat(grouped.socket().c_str(), &st), 0);
+  EXPECT_EQ(st.st_gid, kNobody);
+  EXPECT_EQ(st.st_mode & 07777, 0660u);
+  EXPECT_EQ(connect_as(grouped.socket(), kNobody, kNobody), 0);
+  EXPECT_EQ(connect_as(grouped.socket(), kNobody, kNobody - 1), EACCES);
+}
+
+TEST(AgentAccess, TcpCallersNeedTheBearerToken) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  const std::string token = "s3cret-token-0123456789abcdef";
+  write(dir / "token", token + "\n");
+  ASSERT_EQ(::chmod((dir / "token").c_str(), 0600), 0);
+  Agent agent(dir, {"--listen", "127.0.0.1:0", "--token-file", (dir / "token").string()});
+  // "serving SOCKET and 127.0.0.1:PORT (bearer token)"
+  const std::string log = agent.log();
+  const auto at = log.find("and 127.0.0.1:");
+  ASSERT_NE(at, std::string::npos) << log;
+  const int port = std::stoi(log.substr(at + 14));
+  httplib::Client client("127.0.0.1", port);
+  auto none = client.Get("/v1/healthz");
+  ASSERT_TRUE(none);
+  EXPECT_EQ(none->status, 401);
+  EXPECT_EQ(none->get_header_value("WWW-Authenticate"), "Bearer");
+  EXPECT_EQ(json::parse(none->body)["error"]["message"], "missing or wrong bearer token");
+  auto wrong = client.Get("/metrics", {{"Authorization", "Bearer " + token.substr(1) + "x"}});
+  EXPECT_EQ(wrong->status, 401);
+  auto prefix = client.Get("/metrics", {{"Authorization", "Bearer " + token.substr(0, 10)}});
+  EXPECT_EQ(prefix->status, 401);
+  auto post = client.Post("/v1/checkpoints", R"({"artifact":"a","pid":1})", "application/json");
+  EXPECT_EQ(post->status, 401);
+  auto right = client.Get("/v1/healthz", {{"Authorization", "Bearer " + token}});
+  ASSERT_TRUE(right);
+  EXPECT_EQ(right->status, 200);
+  EXPECT_TRUE(json::parse(right->body)["ok"].get<bool>());
+  EXPECT_EQ(agent.get("/v1/operations").doc["operations"].size(), 0u);  // nothing got through
+
+  // A token everybody can read protects nothing: the agent refuses to start with it.
+  ASSERT_EQ(::chmod((dir / "token").c_str(), 0644), 0);
+  agent.kill();
+  SpawnOptions o;
+  TempDir other;
+  o.argv = {build_path("gpusnap-agent"),
+            "--socket",
+            (other / "s").string(),
+            "--storage",
+            (other / "snap").string(),
+            "--state-dir",
+            (other / "state").string(),
+            "--listen",
+            "127.0.0.1:0",
+            "--token-file",
+            (dir / "token").string()};
+  UniqueFd err(::open((other / "err").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
+  o.stderr_fd = err.get();
+  Subprocess p(o);
+  auto status = p.wait(std::chrono::seconds(30));
+  ASSERT_TRUE(status);
+  EXPECT_EQ(status->code, 2);
+  EXPECT_EQ(fs::read_file(other / "err"),
+            "gpusnap-agent: error: token file " + (dir / "token").string() +
+                " is readable by everyone (fix: chmod o-r " + (dir / "token").string() + ")\n");
+}
+
+// The handshake worker's counter after an INCR; -1 while it answers anything else (paused).
+long counter(uint16_t port) {
+  const auto reply = ask(port, "INCR");
+  if (reply.empty() || reply.find_first_not_of("0123456789") != std::string::npos) return -1;
+  return std::stol(reply);
+}
+
+// The workload handshake example, taking 3 s to pause: a capture killed while it waits.
+class SlowPausingWorker {
+ public:
+  explicit SlowPausingWorker(const TempDir& dir) : control_(dir / "control") {
+    std::filesystem::create_directories(control_);
+    process_ = std::make_unique<Workload>(
+        dir,
+        std::vector<std::string>{"/usr/bin/env", "GPUSNAP_CONTROL_DIR=" + control_.string(),
+                                 "GPUSNAP_EXAMPLE_PAUSE=slow",
+                                 build_path("tests/gpusnap-example-handshake-worker")},
+        std::chrono::seconds(30));
+    EXPECT_TRUE(eventually([&] { return std::filesystem::exists(control_ / "ready"); }));
+  }
+  pid_t pid() const { return process_->pid(); }
+  uint16_t port() const { return process_->port(); }
+
+ private:
+  std::filesystem::path control_;
+  std::unique_ptr<Workload> process_;
+};
+
+TEST(AgentRecovery, AgentKilledDuringACheckpointReportsItFailedAndTheWorkloadServes) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  auto agent = std::make_unique<Agent>(dir);
+  SlowPausingWorker worker(dir);
+  ASSERT_EQ(counter(worker.port()), 1);
+
+  auto accepted = agent->post("/v1/checkpoints", {{"artifact", "snap"}, {"pid", worker.pid()}});
+  ASSERT_EQ(accepted.status, 202) << accepted.body;
+  const std::string id = accepted.doc["operation"]["id"].get<std::string>();
+  // Killed while the workload is pausing, with the staging directory made.
+  ASSERT_TRUE(eventually([&] {
+    auto op = agent->get("/v1/operations/" + id).doc;
+    return op.is_object() && !op["phases"].empty() && op["phases"].back()["name"] == "pause";
+  }));
+  agent->kill();
+  // Left behind: the journal entry and the staging directory; the workload, once its pause
+  // ends, waits for a resume nobody will send.
+  EXPECT_TRUE(std::filesystem::exists(agent->state() / "operations" / (id + ".json")));
+  bool staging = false;
+  for (const auto& name : entries(agent->storage()))
+    staging |= name.rfind(".snap.staging-", 0) == 0;
+  EXPECT_TRUE(staging);
+  EXPECT_TRUE(eventually([&] { return ask(worker.port(), "INCR") == "ERR paused"; }));
+
+  agent->start();
+  auto op = agent->get("/v1/operations/" + id);
+  ASSERT_EQ(op.status, 200) << op.body;
+  EXPECT_EQ(op.doc["state"], "failed");
+  EXPECT_EQ(op.doc["kind"], "checkpoint");
+  EXPECT_EQ(op.doc["error"]["kind"], "internal");
+  EXPECT_EQ(op.doc["error"]["message"],
+            "the agent restarted during the checkpoint of pid " + std::to_string(worker.pid()) +
+                " into snap (phase pause); the workload was resumed and nothing was written");
+  EXPECT_EQ(op.doc["error"]["hint"], "send the request again");
+  // The workload serves again, resumed as the source with its cache back.
+  EXPECT_TRUE(eventually([&] { return counter(worker.port()) > 1; })) << ask(worker.port(), "INFO");
+  const auto info = ask(worker.port(), "INFO");
+  EXPECT_EQ(field(info, "restored"), "0") << info;
+  EXPECT_EQ(field(info, "cache_mib"), "64") << info;
+  EXPECT_TRUE(running(worker.pid()));
+  // No artifact, no staging directory, no journal entry.
+  EXPECT_EQ(entries(agent->storage()), std::vector<std::string>{});
+  EXPECT_TRUE(std::filesystem::is_empty(agent->state() / "operations"));
+  const std::string metrics = agent->get("/metrics").body;
+  EXPECT_EQ(sample(metrics,
+                   R"(gpusnap_operation_failures_total{kind="checkpoint",error_kind="internal"})"),
+            1);
+
+  // The agent works on: a capture of the same workload now succeeds.
+  auto again = agent->run("/v1/checkpoints", {{"artifact", "snap"}, {"pid", worker.pid()}});
+  EXPECT_EQ(again["state"], "succeeded") << again.dump(2);
+}
+
+TEST(AgentRecovery, AnOperationAcceptedButNotStartedIsReportedNotRun) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  auto agent = std::make_unique<Agent>(dir);
+  SlowPausingWorker worker(dir);
+  auto first = agent->post("/v1/checkpoints", {{"artifact", "one"}, {"pid", worker.pid()}});
+  auto second = agent->post("/v1/checkpoints", {{"artifact", "two"}, {"pid", worker.pid()}});
+  ASSERT_EQ(second.status, 202);
+  const std::string id = second.doc["operation"]["id"].get<std::string>();
+  ASSERT_EQ(agent->get("/v1/operations/" + id).doc["state"], "pending");
+  agent->kill();
+  agent->start();
+  auto op = agent->get("/v1/operations/" + id).doc;
+  EXPECT_EQ(op["state"], "failed");
+  EXPECT_EQ(op["error"]["message"],
+            "the agent restarted before the checkpoint of two started; nothing was done");
+  EXPECT_EQ(agent->get("/v1/operations").doc["operations"].size(), 2u);
+  EXPECT_TRUE(eventually([&] { return counter(worker.port()) > 0; })) << ask(worker.port(), "INFO");
+}
+
+TEST(AgentCli, ThroughTheAgentTheCliPrintsAndExitsAsDirect) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Agent agent(dir);
+  // A failure: the same message and exit code (3, not found).
+  const pid_t gone = dead_pid();
+  auto direct = gpusnap({"checkpoint", "--pid", std::to_string(gone), "-o", (dir / "x").string()});
+  auto via =
+      gpusnap({"--agent", agent.socket(), "checkpoint", "--pid", std::to_string(gone), "-o", "x"});
+  EXPECT_EQ(direct.exit_code, 3) << direct.err;
+  EXPECT_EQ(via.exit_code, 3) << via.err;
+  EXPECT_EQ(via.err, direct.err);
+  EXPECT_EQ(via.err, "gpusnap: error: no process with pid " + std::to_string(gone) +
+                         " (fix: check the pid with `ps -p " + std::to_string(gone) + "`)\n");
+  auto via_json = gpusnap({"--agent", agent.socket(), "checkpoint", "--pid", std::to_string(gone),
+                           "-o", "x", "--json"});
+  EXPECT_EQ(via_json.exit_code, 3);
+  EXPECT_EQ(json::parse(via_json.out)["error"]["kind"], "not-found");
+
+  // A bad name is the agent's usage error, exit 2.
+  auto bad = gpusnap({"--agent", agent.socket(), "checkpoint", "--pid", "1", "-o", "a/b"});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_EQ(bad.err,
+            "gpusnap: error: artifact name 'a/b' is a path, not a name (fix: name the snapshot "
+            "with letters, digits, '.', '-' or '_', no slash)\n");
+  // A flag the agent decides itself.
+  auto flag = gpusnap({"--agent", agent.socket(), "restore", "x", "--no-verify"});
+  EXPECT_EQ(flag.exit_code, 2);
+  EXPECT_EQ(flag.err,
+            "gpusnap: error: --no-verify is not available through the agent (fix: the agent "
+            "applies its own setting; drop --no-verify or run without --agent)\n");
+  auto verify = gpusnap({"--agent", agent.socket(), "verify", "x"});
+  EXPECT_EQ(verify.exit_code, 2);
+  EXPECT_EQ(verify.err,
+            "gpusnap: error: gpusnap verify does not run through the agent (fix: run it without "
+            "--agent, on the agent's host)\n");
+
+  // A success: the same document as the direct command, and through $GPUSNAP_AGENT too.
+  Workload source(dir, {"--mib", "8"});
+  auto cp = gpusnap({"--agent", agent.socket(), "checkpoint", "--pid", std::to_string(source.pid()),
+                     "-o", "snap", "--leave-running", "--json"});
+  ASSERT_EQ(cp.exit_code, 0) << cp.err;
+  auto doc = json::parse(cp.out);
+  auto here = gpusnap({"checkpoint", "--pid", std::to_string(source.pid()), "-o",
+                       (dir / "here").string(), "--leave-running", "--json"});
+  ASSERT_EQ(here.exit_code, 0) << here.err;
+  auto here_doc = json::parse(here.out);
+  for (const auto& [key, value] : here_doc.items()) EXPECT_TRUE(doc.contains(key)) << key;
+  EXPECT_EQ(doc.size(), here_doc.size());
+  EXPECT_EQ(doc["artifact"], (agent.storage() / "snap").string());
+  EXPECT_TRUE(running(source.pid()));
+  auto human = gpusnap({"--agent", agent.socket(), "list"});
+  EXPECT_EQ(human.exit_code, 0) << human.err;
+  EXPECT_NE(human.out.find("snap "), std::string::npos) << human.out;
+  EXPECT_EQ(gpusnap({"--agent", agent.socket(), "inspect", "snap", "--json"}).out,
+            gpusnap({"inspect", (agent.storage() / "snap").string(), "--json"}).out);
+  auto rs = gpusnap({"--agent", agent.socket(), "restore", "snap", "--publish",
+                     std::to_string(source.port()), "--json"});
+  ASSERT_EQ(rs.exit_code, 0) << rs.err;
+  Copies copies(json::parse(rs.out));
+  ASSERT_EQ(copies.copies.size(), 1u);
+  EXPECT_EQ(ask(copies.port(0), "CHECK").substr(0, 2), "OK");
+}
+
+}  // namespace
+}  // namespace gpusnap::testing

@@ -1,0 +1,103 @@
+// The agent's metrics in Prometheus' text format 0.0.4, compared line by line.
+#include <gtest/gtest.h>
+
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "agent/metrics.h"
+
+namespace gpusnap::agent {
+namespace {
+
+std::vector<std::string> lines(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) out.push_back(line);
+  return out;
+}
+
+bool has_line(const std::string& text, const std::string& line) {
+  for (const auto& l : lines(text)) {
+    if (l == line) return true;
+  }
+  return false;
+}
+
+TEST(Metrics, EveryKindStartsAtZero) {
+  Metrics m;
+  const auto text = m.render();
+  for (const char* line : {
+           "# TYPE gpusnap_operations_total counter",
+           "gpusnap_operations_total{kind=\"checkpoint\",result=\"failed\"} 0",
+           "gpusnap_operations_total{kind=\"checkpoint\",result=\"succeeded\"} 0",
+           "gpusnap_operations_total{kind=\"restore\",result=\"succeeded\"} 0",
+           "# TYPE gpusnap_operations_in_flight gauge",
+           "gpusnap_operations_in_flight{kind=\"restore\"} 0",
+           "# TYPE gpusnap_operation_duration_seconds histogram",
+           "gpusnap_operation_duration_seconds_bucket{kind=\"checkpoint\",le=\"+Inf\"} 0",
+           "gpusnap_operation_duration_seconds_count{kind=\"checkpoint\"} 0",
+           "# TYPE gpusnap_phase_duration_seconds histogram",
+           "gpusnap_artifact_bytes_total{kind=\"checkpoint\"} 0",
+           "# TYPE gpusnap_operation_failures_total counter",
+       }) {
+    EXPECT_TRUE(has_line(text, line)) << line << "\nin:\n" << text;
+  }
+  EXPECT_EQ(text.back(), '\n');
+}
+
+TEST(Metrics, CountsOperationsPhasesBytesAndFailures) {
+  Metrics m;
+  m.started("checkpoint");
+  EXPECT_TRUE(has_line(m.render(), "gpusnap_operations_in_flight{kind=\"checkpoint\"} 1"));
+  m.phase("checkpoint", "dump", 0.3);
+  m.phase("checkpoint", "dump", 2);
+  m.finished("checkpoint", "succeeded", 3, "", 1000);
+  m.started("restore");
+  m.finished("restore", "failed", 0.2, "not-found", 0);
+  m.failed_without_running("checkpoint", "internal");
+  const auto text = m.render();
+  for (const char* line : {
+           "gpusnap_operations_total{kind=\"checkpoint\",result=\"succeeded\"} 1",
+           "gpusnap_operations_total{kind=\"checkpoint\",result=\"failed\"} 1",
+           "gpusnap_operations_total{kind=\"restore\",result=\"failed\"} 1",
+           "gpusnap_operations_in_flight{kind=\"checkpoint\"} 0",
+           "gpusnap_operation_duration_seconds_bucket{kind=\"checkpoint\",le=\"2.5\"} 0",
+           "gpusnap_operation_duration_seconds_bucket{kind=\"checkpoint\",le=\"5\"} 1",
+           "gpusnap_operation_duration_seconds_bucket{kind=\"checkpoint\",le=\"+Inf\"} 1",
+           "gpusnap_operation_duration_seconds_sum{kind=\"checkpoint\"} 3",
+           "gpusnap_operation_duration_seconds_count{kind=\"checkpoint\"} 1",
+           "gpusnap_operation_duration_seconds_bucket{kind=\"restore\",le=\"0.1\"} 0",
+           "gpusnap_operation_duration_seconds_bucket{kind=\"restore\",le=\"0.25\"} 1",
+           "gpusnap_phase_duration_seconds_bucket{kind=\"checkpoint\",phase=\"dump\",le=\"0.25\"} "
+           "0",
+           "gpusnap_phase_duration_seconds_bucket{kind=\"checkpoint\",phase=\"dump\",le=\"0.5\"} 1",
+           "gpusnap_phase_duration_seconds_bucket{kind=\"checkpoint\",phase=\"dump\",le=\"2.5\"} 2",
+           "gpusnap_phase_duration_seconds_sum{kind=\"checkpoint\",phase=\"dump\"} 2.3",
+           "gpusnap_phase_duration_seconds_count{kind=\"checkpoint\",phase=\"dump\"} 2",
+           "gpusnap_artifact_bytes_total{kind=\"checkpoint\"} 1000",
+           "gpusnap_operation_failures_total{kind=\"restore\",error_kind=\"not-found\"} 1",
+           "gpusnap_operation_failures_total{kind=\"checkpoint\",error_kind=\"internal\"} 1",
+       }) {
+    EXPECT_TRUE(has_line(text, line)) << line << "\nin:\n" << text;
+  }
+}
+
+TEST(Metrics, EveryLineIsACommentOrASample) {
+  Metrics m;
+  m.phase("restore", "criu-restore", 1);
+  for (const auto& l : lines(m.render())) {
+    if (l.rfind("# HELP ", 0) == 0 || l.rfind("# TYPE ", 0) == 0) continue;
+    // NAME{LABELS} VALUE, or NAME VALUE: exactly one space, before the value.
+    ASSERT_EQ(std::count(l.begin(), l.end(), ' '), 1) << l;
+    EXPECT_EQ(l.rfind("gpusnap_", 0), 0u) << l;
+  }
+}
+
+TEST(Metrics, LabelValuesAreEscaped) {
+  EXPECT_EQ(escape_label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+  EXPECT_EQ(escape_label("dump"), "dump");
+}
+
+}  // namespace
+}  // namespace gpusnap::agent
