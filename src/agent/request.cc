@@ -101,7 +101,13 @@ void check_artifact_name(const std::string& name) {
   const std::string hint = "name the snapshot with letters, digits, '.', '-' or '_', no slash";
   if (name.empty()) throw bad("the artifact name is empty", hint);
   if (name.size() > 255) throw bad("the artifact name is longer than 255 bytes", hint);
-  if (name.find('/') != std::string::npos || name.find('\0') != std::string::npos) {
+  for (char c : name) {
+    // Not printable in a message or a log line, and a NUL would cut the path short.
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
+      throw bad("the artifact name contains a control character", hint);
+    }
+  }
+  if (name.find('/') != std::string::npos) {
     throw bad("artifact name '" + name + "' is a path, not a name", hint);
   }
   if (name == "." || name == "..") throw bad("artifact name '" + name + "' is not a name", hint);

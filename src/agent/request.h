@@ -55,8 +55,8 @@ nlohmann::json to_json(const CheckpointRequest& request);
 nlohmann::json to_json(const RestoreRequest& request);
 
 // Refuses (Error kUsage) a name that is not a plain directory name in the storage: empty, a
-// path (a slash), ".", "..", a hidden name (staging directories are hidden), a NUL, or longer
-// than 255 bytes.
+// path (a slash), ".", "..", a hidden name (staging directories are hidden), a control
+// character, or longer than 255 bytes.
 void check_artifact_name(const std::string& name);
 
 // What the agent decides for every operation, whatever the request.
