@@ -39,11 +39,7 @@ class OperationReporter : public Reporter {
       : mu_(mu), op_(op), metrics_(metrics), journal_(journal), entry_(std::move(entry)) {}
 
   void phase_started(std::string_view name) override {
-    {
-      std::lock_guard lock(mu_);
-      op_.phases.push_back({std::string(name), 0, false, Clock::now()});
-      op_.progress = nullptr;
-    }
+    // The journal first: whoever sees the phase in the operation finds it in the journal too.
     entry_["phase"] = std::string(name);
     try {
       journal_.record(op_.id, entry_);
@@ -51,6 +47,9 @@ class OperationReporter : public Reporter {
       // The entry of the previous phase stays: a recovery then names an earlier phase, which
       // changes nothing it does.
     }
+    std::lock_guard lock(mu_);
+    op_.phases.push_back({std::string(name), 0, false, Clock::now()});
+    op_.progress = nullptr;
   }
 
   void phase_finished(std::string_view name, double seconds) override {

@@ -148,8 +148,14 @@ int run(const std::vector<std::string>& argv) {
   }
 
   AgentConfig config;
+  // In the form the engine names its staging directories' parent (artifact/writer.h): the
+  // recovery recognises a dead agent's dump by it.
   config.engine.storage =
-      std::filesystem::absolute(args.get("--storage", "/var/lib/gpusnap/snapshots"));
+      std::filesystem::absolute(args.get("--storage", "/var/lib/gpusnap/snapshots"))
+          .lexically_normal();
+  if (config.engine.storage.filename().empty()) {
+    config.engine.storage = config.engine.storage.parent_path();
+  }
   config.engine.run_dir = args.get("--run-dir", "/run/gpusnap");
   config.engine.helper_binary = helper_binary(args);
   config.engine.criu_path = args.get("--criu");

@@ -489,6 +489,8 @@ class SlowPausingWorker {
   }
   pid_t pid() const { return process_->pid(); }
   uint16_t port() const { return process_->port(); }
+  // gpusnap has asked it to pause.
+  bool asked_to_pause() const { return std::filesystem::exists(control_ / "pause"); }
 
  private:
   std::filesystem::path control_;
@@ -510,6 +512,7 @@ TEST(AgentRecovery, AgentKilledDuringACheckpointReportsItFailedAndTheWorkloadSer
     auto op = agent->get("/v1/operations/" + id).doc;
     return op.is_object() && !op["phases"].empty() && op["phases"].back()["name"] == "pause";
   }));
+  ASSERT_TRUE(eventually([&] { return worker.asked_to_pause(); }));
   agent->kill();
   // Left behind: the journal entry and the staging directory; the workload, once its pause
   // ends, waits for a resume nobody will send.
@@ -547,6 +550,53 @@ TEST(AgentRecovery, AgentKilledDuringACheckpointReportsItFailedAndTheWorkloadSer
   // The agent works on: a capture of the same workload now succeeds.
   auto again = agent->run("/v1/checkpoints", {{"artifact", "snap"}, {"pid", worker.pid()}});
   EXPECT_EQ(again["state"], "succeeded") << again.dump(2);
+}
+
+// Dump guardians (`gpusnap __dump-guard SPEC`) whose spec names a staging directory in `dir`.
+int guardians_writing_into(const std::filesystem::path& dir) {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    std::string cmdline;
+    if (fs::try_read_file(e.path() / "cmdline", &cmdline) &&
+        cmdline.find("__dump-guard") != std::string::npos &&
+        cmdline.find(dir.string() + "/.") != std::string::npos) {
+      ++n;
+    }
+  }
+  return n;
+}
+
+TEST(AgentRecovery, AgentKilledDuringTheDumpWaitsForItsGuardian) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  auto agent = std::make_unique<Agent>(dir);
+  // Enough memory that CRIU's dump takes a while.
+  Workload source(dir, {"--mib", "1536", "--children", "1"});
+  ASSERT_EQ(ask(source.port(), "INCR"), "1");
+  auto accepted = agent->post("/v1/checkpoints", {{"artifact", "big"}, {"pid", source.pid()}});
+  ASSERT_EQ(accepted.status, 202) << accepted.body;
+  const std::string id = accepted.doc["operation"]["id"].get<std::string>();
+  ASSERT_TRUE(eventually([&] {
+    auto op = agent->get("/v1/operations/" + id).doc;
+    return op.is_object() && !op["phases"].empty() && op["phases"].back()["name"] == "dump";
+  }));
+  agent->kill();
+  // CRIU still dumps, under its guardian, into the dead agent's staging directory.
+  ASSERT_EQ(guardians_writing_into(agent->storage()), 1)
+      << "the dump ended before the agent was killed";
+
+  agent->start();
+  // The new agent served nothing before the dump had ended and been cleaned up.
+  EXPECT_EQ(guardians_writing_into(agent->storage()), 0);
+  auto op = agent->get("/v1/operations/" + id).doc;
+  EXPECT_EQ(op["state"], "failed");
+  EXPECT_EQ(op["error"]["message"],
+            "the agent restarted during the checkpoint of pid " + std::to_string(source.pid()) +
+                " into big (phase dump); the workload was resumed and nothing was written");
+  EXPECT_EQ(entries(agent->storage()), std::vector<std::string>{});
+  EXPECT_TRUE(running(source.pid()));
+  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
+  EXPECT_EQ(ask(source.port(), "INCR"), "2");
 }
 
 TEST(AgentRecovery, AnOperationAcceptedButNotStartedIsReportedNotRun) {
@@ -620,6 +670,10 @@ TEST(AgentCli, ThroughTheAgentTheCliPrintsAndExitsAsDirect) {
   EXPECT_EQ(doc.size(), here_doc.size());
   EXPECT_EQ(doc["artifact"], (agent.storage() / "snap").string());
   EXPECT_TRUE(running(source.pid()));
+  // `gpusnap list DIR --json` here, and the agent's GET /v1/snapshots, are one document.
+  auto listed = gpusnap({"list", agent.storage().string(), "--json"});
+  ASSERT_EQ(listed.exit_code, 0) << listed.err;
+  EXPECT_EQ(json::parse(listed.out), agent.get("/v1/snapshots").doc);
   auto human = gpusnap({"--agent", agent.socket(), "list"});
   EXPECT_EQ(human.exit_code, 0) << human.err;
   EXPECT_NE(human.out.find("snap "), std::string::npos) << human.out;
