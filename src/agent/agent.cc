@@ -55,11 +55,11 @@ class OperationReporter : public Reporter {
   void phase_finished(std::string_view name, double seconds) override {
     {
       std::lock_guard lock(mu_);
-      for (auto it = op_.phases.rbegin(); it != op_.phases.rend(); ++it) {
-        if (it->name == name && !it->done) {
-          it->done = true;
-          it->seconds = seconds;
-          break;
+      // The latest phase of that name still running (names do not repeat today).
+      for (auto& phase : op_.phases) {
+        if (phase.name == name && !phase.done) {
+          phase.done = true;
+          phase.seconds = seconds;
         }
       }
       op_.progress = nullptr;
@@ -407,27 +407,33 @@ void Agent::recover() noexcept {
       const std::string name = op->request.value("artifact", "?");
       const bool was_running = e.value("state", "") == "running";
       const std::string phase = e.value("phase", "");
-      const std::string during = phase.empty() ? "" : " (phase " + phase + ")";
-      std::string message;
+      std::string message = "the agent restarted ";
       if (!was_running) {
-        message =
-            "the agent restarted before the " + kind + " of " + name + " started; nothing was done";
-      } else if (op->kind == OperationKind::kCheckpoint) {
+        message.append("before the ").append(kind).append(" of ").append(name);
+        message.append(" started; nothing was done");
+      } else {
+        message.append("during the ").append(kind);
+        if (op->kind == OperationKind::kCheckpoint) {
+          message.append(" of pid ").append(std::to_string(e.value("pid", 0))).append(" into ");
+        } else {
+          message.append(" of ");
+        }
+        message.append(name);
+        if (!phase.empty()) message.append(" (phase ").append(phase).append(")");
+      }
+      if (was_running && op->kind == OperationKind::kCheckpoint) {
         // A paused workload waits for a resume that its dead agent will never send. Asking
         // one that is not paused costs nothing: it answers at once.
         if (auto dir = e.value("control_dir", ""); !dir.empty()) {
           engine::Handshake(dir).request_resume_as_source();
         }
         std::error_code ec;
-        const bool committed = std::filesystem::exists(e.value("artifact", ""), ec);
-        message = "the agent restarted during the checkpoint of pid " +
-                  std::to_string(e.value("pid", 0)) + " into " + name + during +
-                  (committed ? "; the artifact had been committed, but the operation did not "
-                               "finish (the source may still be running)"
-                             : "; the workload was resumed and nothing was written");
-      } else {
-        message = "the agent restarted during the restore of " + name + during +
-                  "; copies not yet released ended with it";
+        message.append(std::filesystem::exists(e.value("artifact", ""), ec)
+                           ? "; the artifact had been committed, but the operation did not "
+                             "finish (the source may still be running)"
+                           : "; the workload was resumed and nothing was written");
+      } else if (was_running) {
+        message.append("; copies not yet released ended with it");
       }
       op->error = error_json(Error(ErrorKind::kInternal, message, "send the request again"));
       metrics_.failed_without_running(kind, Error::kind_name(ErrorKind::kInternal));

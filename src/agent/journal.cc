@@ -34,27 +34,32 @@ void Journal::erase(const std::string& id) noexcept {
 
 std::vector<Journal::Leftover> Journal::leftovers() const noexcept {
   std::vector<Leftover> out;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(dir_, ec)) {
-    const auto path = e.path();
-    if (path.extension() == ".tmp") {
-      // A write that did not reach its rename: the entry it was replacing (if any) holds.
-      std::filesystem::remove(path, ec);
-      continue;
-    }
-    if (path.extension() != ".json") continue;
-    Leftover l{path, nullptr, {}};
-    try {
-      l.entry = nlohmann::json::parse(fs::read_file(path));
-      if (!l.entry.is_object() || !l.entry.contains("id") || !l.entry.contains("kind")) {
-        l.problem = "not an operation entry";
+  try {
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(dir_, ec)) {
+      const auto& path = e.path();
+      if (path.extension() == ".tmp") {
+        // A write that did not reach its rename: the entry it was replacing (if any) holds.
+        std::filesystem::remove(path, ec);
+        continue;
+      }
+      if (path.extension() != ".json") continue;
+      Leftover l{path, nullptr, {}};
+      try {
+        l.entry = nlohmann::json::parse(fs::read_file(path));
+        if (!l.entry.is_object() || !l.entry.contains("id") || !l.entry.contains("kind")) {
+          l.problem = "not an operation entry";
+          l.entry = nullptr;
+        }
+      } catch (const std::exception& err) {
+        l.problem = err.what();
         l.entry = nullptr;
       }
-    } catch (const std::exception& err) {
-      l.problem = err.what();
-      l.entry = nullptr;
+      out.push_back(std::move(l));
     }
-    out.push_back(std::move(l));
+  } catch (const std::exception&) {
+    // Out of memory while listing: what was read is returned, the rest waits for the next
+    // start.
   }
   std::sort(out.begin(), out.end(),
             [](const Leftover& a, const Leftover& b) { return a.path < b.path; });

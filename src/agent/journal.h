@@ -30,7 +30,7 @@ class Journal {
     nlohmann::json entry;  // null when unreadable
     std::string problem;   // why it is unreadable
   };
-  // Every entry present now, oldest name first. Never throws.
+  // Every entry present now, sorted by name (the id). Never throws.
   std::vector<Leftover> leftovers() const noexcept;
   // Removes an entry found by leftovers(); never throws.
   static void discard(const Leftover& leftover) noexcept;

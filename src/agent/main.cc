@@ -176,13 +176,14 @@ int run(const std::vector<std::string>& argv) {
 
   Server server(listen);  // binds first: single-threaded here (the socket's umask)
   Agent agent(config);    // recovers what a previous agent left, then takes work
-  server.start(agent);
+  // Said before the first answer: whoever got one can read where the agent listens.
   std::fprintf(stderr, "gpusnap-agent %s: serving %s", GPUSNAP_VERSION, listen.socket_path.c_str());
   if (server.tcp_port() > 0) {
     std::fprintf(stderr, " and %s:%d (bearer token)", listen.tcp_address.c_str(),
                  server.tcp_port());
   }
   std::fprintf(stderr, "; storage %s\n", config.engine.storage.c_str());
+  server.start(agent);
 
   int signal = 0;
   ::sigwait(&stop_signals, &signal);

@@ -74,7 +74,8 @@ void Histogram::render(std::string& out, const std::string& name, const std::str
   for (size_t i = 0; i <= bounds_.size(); ++i) {
     cumulative += counts_[i];
     const std::string le = i < bounds_.size() ? number(bounds_[i]) : "+Inf";
-    out += name + "_bucket{" + prefix + "le=\"" + le + "\"} " + std::to_string(cumulative) + "\n";
+    out.append(name).append("_bucket{").append(prefix).append("le=\"").append(le).append("\"} ");
+    out.append(std::to_string(cumulative)).append("\n");
   }
   const std::string braces = labels.empty() ? "" : "{" + labels + "}";
   out += name + "_sum" + braces + " " + number(sum_) + "\n";

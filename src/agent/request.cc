@@ -19,7 +19,7 @@ void refuse_unknown(const json& body, const std::set<std::string>& known, const 
   for (const auto& [key, value] : body.items()) {
     if (known.count(key) == 0) {
       std::string list;
-      for (const auto& k : known) list += (list.empty() ? "" : ", ") + k;
+      for (const auto& k : known) list.append(list.empty() ? "" : ", ").append(k);
       throw bad("unknown field \"" + key + "\" in " + of, "the fields are: " + list);
     }
   }

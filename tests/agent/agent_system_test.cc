@@ -26,6 +26,7 @@
 #include "common/fd.h"
 #include "common/fs.h"
 #include "common/proc.h"
+#include "criu/criu.h"
 #include "testing/harness.h"
 
 namespace gpusnap::testing {
@@ -569,9 +570,13 @@ int guardians_writing_into(const std::filesystem::path& dir) {
 TEST(AgentRecovery, AgentKilledDuringTheDumpWaitsForItsGuardian) {
   SKIP_WITHOUT_CRIU();
   TempDir dir;
-  auto agent = std::make_unique<Agent>(dir);
-  // Enough memory that CRIU's dump takes a while.
-  Workload source(dir, {"--mib", "1536", "--children", "1"});
+  // The real CRIU, started 4 s late for dumps: a dump the test can be sure to interrupt.
+  write(dir / "slow-criu", "#!/bin/sh\nif [ \"$1\" = dump ]; then sleep 4; fi\nexec " +
+                               criu::locate().path + " \"$@\"\n");
+  ASSERT_EQ(::chmod((dir / "slow-criu").c_str(), 0755), 0);
+  auto agent = std::make_unique<Agent>(
+      dir, std::vector<std::string>{"--criu", (dir / "slow-criu").string()});
+  Workload source(dir, {"--mib", "64", "--children", "1"});
   ASSERT_EQ(ask(source.port(), "INCR"), "1");
   auto accepted = agent->post("/v1/checkpoints", {{"artifact", "big"}, {"pid", source.pid()}});
   ASSERT_EQ(accepted.status, 202) << accepted.body;
@@ -580,10 +585,10 @@ TEST(AgentRecovery, AgentKilledDuringTheDumpWaitsForItsGuardian) {
     auto op = agent->get("/v1/operations/" + id).doc;
     return op.is_object() && !op["phases"].empty() && op["phases"].back()["name"] == "dump";
   }));
+  // Killed once CRIU dumps (slowly) under its guardian, into the agent's staging directory.
+  ASSERT_TRUE(eventually([&] { return guardians_writing_into(agent->storage()) >= 1; }));
   agent->kill();
-  // CRIU still dumps, under its guardian, into the dead agent's staging directory.
-  ASSERT_EQ(guardians_writing_into(agent->storage()), 1)
-      << "the dump ended before the agent was killed";
+  ASSERT_GE(guardians_writing_into(agent->storage()), 1);
 
   agent->start();
   // The new agent served nothing before the dump had ended and been cleaned up.
