@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <system_error>
 
 #include <httplib.h>
 
@@ -130,7 +131,7 @@ void install(httplib::Server& server, Agent& agent, const std::string* token) {
                res.set_content(agent.metrics(), "text/plain; version=0.0.4; charset=utf-8");
              }));
   server.set_exception_handler(
-      [](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
+      [](const httplib::Request&, httplib::Response& res, const std::exception_ptr&) {
         reply_error(res, Error(ErrorKind::kInternal, "internal error in the agent"));
       });
   // One line per request that changes something or fails: an operator's trail, without the
@@ -198,7 +199,8 @@ Server::Server(const ListenOptions& options) : options_(options) {
     if (tcp_port_ <= 0) {
       throw Error(ErrorKind::kUsage,
                   "cannot listen on " + options_.tcp_address + ":" +
-                      std::to_string(options_.tcp_port) + ": " + std::strerror(errno),
+                      std::to_string(options_.tcp_port) + ": " +
+                      std::error_code(errno, std::generic_category()).message(),
                   "choose a free port and an address of this host");
     }
   }

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <iostream>
 #include <memory>
+#include <system_error>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -36,11 +37,12 @@ constexpr auto kPollInterval = std::chrono::milliseconds(100);
 constexpr auto kReconnectFor = std::chrono::seconds(30);
 
 Error unreachable(const std::string& socket, const std::string& what, int err) {
-  return Error(
-      ErrorKind::kEnvironment,
-      "cannot reach the gpusnap agent at " + socket + ": " + what + ": " + std::strerror(err),
-      err == EACCES ? "the socket is for root and the agent's --socket-group only"
-                    : "start gpusnap-agent, or point --agent / $GPUSNAP_AGENT at its socket");
+  return Error(ErrorKind::kEnvironment,
+               "cannot reach the gpusnap agent at " + socket + ": " + what + ": " +
+                   std::error_code(err, std::generic_category()).message(),
+               err == EACCES
+                   ? "the socket is for root and the agent's --socket-group only"
+                   : "start gpusnap-agent, or point --agent / $GPUSNAP_AGENT at its socket");
 }
 
 void send_all(int fd, const std::string& data, const std::string& socket) {
@@ -266,7 +268,7 @@ AgentReply agent_request(const std::string& socket, const std::string& method,
     throw Error(ErrorKind::kInternal, "the gpusnap agent at " + socket + " sent no HTTP reply",
                 "check that --agent names a gpusnap agent");
   }
-  reply.status = std::atoi(raw.c_str() + 9);
+  reply.status = static_cast<int>(std::strtol(raw.c_str() + 9, nullptr, 10));
   reply.body = raw.substr(head_end + 4);
   // The agent sends Content-Length; trust it over the connection's end when both are there.
   std::string head = raw.substr(0, head_end);
