@@ -68,7 +68,8 @@ ContainerName container_field(const json& body, const std::string& key) {
   if (c.id.empty() || c.id.find('/') != std::string::npos) {
     throw bad("bad container id '" + c.id + "' in " + of, "name the container by its runtime id");
   }
-  if (v.contains("runtime_root")) {
+  // Absent or empty: runc's default state directory.
+  if (v.contains("runtime_root") && !string_field(v, "runtime_root", of).empty()) {
     c.runtime_root = string_field(v, "runtime_root", of);
     if (!c.runtime_root.is_absolute()) {
       throw bad("\"runtime_root\" in " + of + " must be an absolute path, not '" +

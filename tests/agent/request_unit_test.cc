@@ -41,6 +41,9 @@ TEST(CheckpointRequest, TakesAContainerWithItsRuntimeRoot) {
   r = parse_checkpoint_request(
       {{"artifact", "llm"}, {"container", {{"id", "abc"}, {"runtime_root", "/run/x"}}}});
   EXPECT_EQ(r.container->runtime_root, "/run/x");
+  r = parse_checkpoint_request(
+      {{"artifact", "llm"}, {"container", {{"id", "abc"}, {"runtime_root", ""}}}});
+  EXPECT_EQ(r.container->runtime_root, "/run/runc");
 }
 
 TEST(CheckpointRequest, RefusesEachMistakeByName) {
