@@ -87,6 +87,10 @@ struct Manifest {
   // The workload's handshake control directory at capture time (empty: captured without the
   // handshake). Restored copies get their own directory mounted at this path.
   std::string control_dir;
+  // A capture of a container's workload (null: of a host process tree): the runtime, the
+  // container, and the files of its root filesystem the workload maps. Its pids are then those
+  // of the container's PID namespace.
+  nlohmann::json container;
   std::string checksum_algorithm = "xxh3-128";
   uint64_t chunk_bytes = 64ull << 20;
   std::vector<FileRecord> files;

@@ -6,10 +6,12 @@
 
 #include <chrono>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "gpusnap/artifact.h"
+#include "gpusnap/container.h"
 #include "gpusnap/phases.h"
 
 namespace gpusnap {
@@ -20,6 +22,9 @@ class Driver;
 
 struct CheckpointOptions {
   pid_t pid = 0;                 // root of the tree to capture
+  // Or the workload of this running container, whose PID 1 is `gpusnap init -- CMD`: CMD's
+  // tree is captured, with CRIU inside the container's namespaces (then pid is ignored).
+  std::optional<ContainerRef> container;
   std::filesystem::path output;  // the artifact directory to create (must not exist)
   bool leave_running = false;    // keep the source running after the capture
   std::string criu_path;         // empty: locate CRIU (see criu::locate)

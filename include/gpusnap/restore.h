@@ -9,10 +9,12 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "gpusnap/artifact.h"
+#include "gpusnap/container.h"
 #include "gpusnap/phases.h"
 
 namespace gpusnap {
@@ -50,6 +52,11 @@ struct RestoreOptions {
   // The gpusnap binary, which also runs gpusnap's helper processes (the dump guardian, a
   // copy's namespace init). Empty: this program (/proc/self/exe).
   std::string helper_binary;
+  // Restore the one copy into the namespaces of this running placeholder container (its PID 1
+  // is `gpusnap init --placeholder`) instead of fresh namespaces; the artifact must come from a
+  // container capture with the same root filesystem. Then replicas is 1, nothing is published,
+  // and the copy's init_pid is the placeholder's PID 1.
+  std::optional<ContainerRef> into_container;
 };
 
 struct PublishedPort {

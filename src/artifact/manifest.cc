@@ -98,6 +98,7 @@ json Manifest::to_json() const {
       {"processes", processes_json},
       {"gpu", gpu},
       {"handshake", control_dir.empty() ? json(nullptr) : json{{"control_dir", control_dir}}},
+      {"container", container},
       {"checksum", {{"algorithm", checksum_algorithm}, {"chunk_bytes", chunk_bytes}}},
       {"files", files_json},
       {"host_images", images_json},
@@ -201,6 +202,8 @@ Manifest Manifest::from_json(const json& doc) {
     if (const auto& hs = get(doc, "handshake"); !hs.is_null()) {
       m.control_dir = get(hs, "control_dir").get<std::string>();
     }
+    // Absent from manifests written before container captures existed.
+    if (doc.contains("container")) m.container = doc.at("container");
     const auto& checksum = object(doc, "checksum");
     m.checksum_algorithm = get(checksum, "algorithm").get<std::string>();
     if (m.checksum_algorithm != "xxh3-128") {

@@ -48,7 +48,9 @@ json checkpoint_document(const CheckpointResult& r, bool leave_running,
           {"phases", phases_json(r.phases)},
           {"seconds", sum(r.phases)},
           {"host_images", host_images_json(r.manifest)},
-          {"notes", notes}};
+          {"notes", notes},
+          {"container",
+           r.manifest.container.is_null() ? json(nullptr) : r.manifest.container.at("id")}};
 }
 
 void print_checkpoint_human(const json& doc) {

@@ -14,6 +14,8 @@
 #include "cli/documents.h"
 #include "common/fs.h"
 #include "common/proc.h"
+#include "container/enter.h"
+#include "engine/container_init.h"
 #include "engine/copy_init.h"
 #include "engine/dump_guard.h"
 #include "engine/gpu_state.h"
@@ -104,11 +106,26 @@ CheckpointOptions capture_options(const Args& args) {
   return o;
 }
 
+// --container ID [--runtime-root DIR], or nothing when --container is absent.
+std::optional<ContainerRef> container_ref(const Args& args, const std::string& flag) {
+  if (!args.has(flag)) {
+    if (args.has("--runtime-root")) throw args.usage_error("--runtime-root goes with " + flag);
+    return std::nullopt;
+  }
+  ContainerRef ref;
+  ref.id = args.get(flag);
+  if (args.has("--runtime-root")) ref.runtime_root = args.get("--runtime-root");
+  return ref;
+}
+
 int cmd_checkpoint(const Args& args) {
   Output out(args);
-  if (!args.has("--pid")) throw args.usage_error("checkpoint needs --pid PID");
+  if (args.has("--pid") == args.has("--container")) {
+    throw args.usage_error("checkpoint needs either --pid PID or --container ID");
+  }
   CheckpointOptions o = capture_options(args);
-  o.pid = static_cast<pid_t>(args.get_int("--pid", 0, 1, 1L << 22));
+  o.container = container_ref(args, "--container");
+  if (!o.container) o.pid = static_cast<pid_t>(args.get_int("--pid", 0, 1, 1L << 22));
   auto r = checkpoint(o, *out.reporter);
   print_checkpoint(out, r, o.leave_running);
   return 0;
@@ -130,6 +147,7 @@ int cmd_restore(const Args& args) {
   o.replicas = static_cast<int>(args.get_int("--replicas", 1, 1, 1024));
   o.verify = !args.has("--no-verify");
   o.criu_path = args.get("--criu");
+  o.into_container = container_ref(args, "--into-container");
   for (const auto& p : args.all("--publish")) o.publish.push_back(PortPublish::parse(p));
   for (const auto& m : args.all("--gpu-map")) {
     for (size_t start = 0; start <= m.size();) {  // "a=b,c=d" or the flag repeated
@@ -150,6 +168,7 @@ int cmd_restore(const Args& args) {
   }
   auto r = restore(o, *out.reporter);
   json doc = restore_document(r, o.artifact, out.notes());
+  if (o.into_container) doc["into_container"] = o.into_container->id;
   if (out.json) {
     std::cout << doc.dump(2) << "\n";
   } else {
@@ -250,6 +269,16 @@ int cmd_run(const Args& args) {
   return 0;
 }
 
+int cmd_init(const Args& args) {
+  if (args.has("--placeholder")) {
+    if (!args.rest().empty() || !args.positional().empty()) {
+      throw args.usage_error("init --placeholder takes no command");
+    }
+    return engine::placeholder_main();
+  }
+  return engine::shim_main(args.rest().empty() ? args.positional() : args.rest());
+}
+
 int cmd_recover(const Args& args) {
   Output out(args);
   auto driver = gpu::open_nvidia_driver();
@@ -277,7 +306,7 @@ int cmd_recover(const Args& args) {
 std::vector<Command> commands() {
   return {
       {"checkpoint",
-       "gpusnap checkpoint --pid PID -o ARTIFACT [options]",
+       "gpusnap checkpoint (--pid PID | --container ID) -o ARTIFACT [options]",
        "Capture the process tree rooted at PID into a new artifact directory. The source is\n"
        "stopped after a successful capture unless --leave-running is given; on any failure it\n"
        "is left running and nothing appears at ARTIFACT.",
@@ -293,6 +322,9 @@ std::vector<Command> commands() {
         kNoHostImages,
         kHostImageFile,
         kIoThreads,
+        {"--container", "", "ID",
+         "capture the workload of this runc container (its PID 1: `gpusnap init -- CMD`)"},
+        {"--runtime-root", "", "DIR", "runc's state directory (default /run/runc)"},
         kCriu,
         kJson,
         kQuiet,
@@ -331,6 +363,10 @@ std::vector<Command> commands() {
         {"--handshake-timeout", "", "SECONDS",
          "how long each copy may take to resume (default 60)"},
         {"--no-verify", "", "", "skip the byte check (the format checks still run)"},
+        {"--into-container", "", "ID",
+         "restore into this runc container's namespaces (its PID 1: `gpusnap init "
+         "--placeholder`)"},
+        {"--runtime-root", "", "DIR", "runc's state directory (default /run/runc)"},
         {"--run-dir", "", "DIR", "where copies keep logs and state (default /run/gpusnap)"},
         {"--timeout", "", "SECONDS", "give up on CRIU's restore after this long (default 300)"},
         kCriu,
@@ -338,6 +374,14 @@ std::vector<Command> commands() {
         kQuiet,
         kHelp},
        cmd_restore},
+      {"init",
+       "gpusnap init [--placeholder] [-- COMMAND [ARGS...]]",
+       "PID 1 of a container. With a command: run it (in its own session), reap orphans, pass\n"
+       "SIGTERM, SIGINT and SIGHUP on to it, exit with its status; the container can then be\n"
+       "captured with `checkpoint --container`. With --placeholder: wait until `restore\n"
+       "--into-container` puts a snapshot into this container, then do the same for it.",
+       {{"--placeholder", "", "", "wait for a snapshot to be restored into this container"}, kHelp},
+       cmd_init},
       {"recover",
        "gpusnap recover [--pid PID]",
        "Return to RUNNING every CUDA process a killed gpusnap left locked or checkpointed (from\n"
@@ -392,6 +436,7 @@ int main(int argc, char** argv) {
     const AgentChoice agent = take_agent_flag(all);
     // gpusnap's own helper processes, started by the engine, not by users.
     if (all.size() == 2 && all[0] == "__dump-guard") return engine::dump_guard_main(all[1]);
+    if (all.size() == 2 && all[0] == "__container-exec") return container::exec_main(all[1]);
     if (all.size() == 2 && all[0] == "__copy-init") {
       return engine::copy_init_main(engine::copy_init_spec_from_json(all[1]));
     }

@@ -140,7 +140,6 @@ std::vector<std::string> restore_args(const Binary& criu, const RestoreOptions& 
       "-v4",
       // The copy runs on after criu exits, as a child of gpusnap's namespace init.
       "--restore-detached",
-      "--restore-sibling",
       "--pidfile",
       o.pidfile.string(),
       // Established connections come back: those between processes of the tree (NCCL's and
@@ -151,6 +150,8 @@ std::vector<std::string> restore_args(const Binary& criu, const RestoreOptions& 
       "--ext-unix-sk",
       "--file-locks",
   };
+  if (o.sibling) args.push_back("--restore-sibling");
+  if (o.keep_cgroups) args.push_back("--manage-cgroups=ignore");
   if (o.shell_job) args.push_back("--shell-job");
   for (const auto& inherit : o.inherit) {
     args.push_back("--inherit-fd");

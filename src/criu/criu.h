@@ -46,6 +46,11 @@ struct RestoreOptions {
   std::filesystem::path pidfile;  // CRIU writes the restored root's pid (as it sees it) here
   bool shell_job = false;
   std::vector<InheritFd> inherit;
+  // The restored root becomes a child of CRIU's parent (a copy's init). Without: of CRIU,
+  // whose exit hands it to the init of the PID namespace CRIU runs in (a placeholder's).
+  bool sibling = true;
+  // Leave the restored tree in CRIU's own cgroups (false: CRIU may move it, as it dumped it).
+  bool keep_cgroups = false;
 };
 std::vector<std::string> restore_args(const Binary& criu, const RestoreOptions& options);
 

@@ -1,6 +1,6 @@
 // The checkpoint flow. Each step is a named, timed phase; the order is the contract:
 //
-//   resolve      read the process tree from /proc
+//   resolve      read the process tree from /proc (of a container: find it through runc)
 //   preflight    refuse what CRIU cannot capture, before anything is frozen
 //   pause        (workloads speaking the handshake) finish in-flight work, release the KV cache
 //   gpu-facts    (CUDA processes only) driver, GPUs and GPU bytes per process
@@ -25,6 +25,8 @@
 #include "artifact/writer.h"
 #include "common/fs.h"
 #include "common/proc.h"
+#include "container/enter.h"
+#include "container/runc.h"
 #include "criu/criu.h"
 #include "engine/dump_guard.h"
 #include "engine/gpu_state.h"
@@ -153,7 +155,7 @@ class Checkpoint {
       phases_.run("pause", [&] { handshake->pause(options_.pid, options_.handshake_timeout); });
       paused.emplace(std::move(*handshake), options_.pid, options_.handshake_timeout,
                      phases_.reporter());
-      manifest.control_dir = paused->dir().string();
+      manifest.control_dir = control_dir_.string();
     } else {
       phases_.reporter().note("capturing pid " + std::to_string(options_.pid) +
                               " as it runs: it does not speak the workload handshake");
@@ -179,9 +181,9 @@ class Checkpoint {
     std::optional<engine::GuardedDump> dump;
     phases_.run("dump", [&] {
       dump.emplace(options_.helper_binary.empty() ? "/proc/self/exe" : options_.helper_binary,
-                   criu::dump_args(criu, {options_.pid, writer.criu_dir(), log, manifest.shell_job,
-                                          options_.ghost_limit,
-                                          engine::criu_external_keys(manifest.host_images)}),
+                   dump_argv(criu, {options_.pid, writer.criu_dir(), log, manifest.shell_job,
+                                    options_.ghost_limit,
+                                    engine::criu_external_keys(manifest.host_images)}),
                    writer.staging(), log.parent_path() / "criu-dump.out", cuda,
                    paused ? paused->dir() : std::filesystem::path());
       auto status = dump->wait();
@@ -193,6 +195,7 @@ class Checkpoint {
       paused->set_artifact_id(manifest.id);
       phases_.run("resume", [&] { paused->resume(); });
     }
+    if (target_) container::use_namespace_pids(manifest);
     manifest.checkpoint_phases = phases_.timings();
     writer.seal(manifest, phases_, host_image_files_);
     // The manifest records its own phases up to the commit; the commit itself is reported.
@@ -214,6 +217,9 @@ class Checkpoint {
     auto dir = options_.control_dir.empty() ? engine::control_dir_of(options_.pid)
                                             : std::optional(options_.control_dir);
     if (!dir) return std::nullopt;
+    control_dir_ = *dir;
+    // A container's workload names its directory in its own root.
+    if (target_) dir = "/proc/" + std::to_string(options_.pid) + "/root" + dir->string();
     engine::Handshake handshake(*dir);
     if (!handshake.ready()) return std::nullopt;
     return handshake;
@@ -261,6 +267,10 @@ class Checkpoint {
   }
 
   std::vector<proc::Process> resolve() {
+    if (options_.container) {
+      target_ = container::capture_target(*options_.container);
+      options_.pid = target_->root;
+    }
     engine::refuse_bad_root(options_.pid);
     return proc::read_tree(options_.pid);
   }
@@ -286,7 +296,24 @@ class Checkpoint {
     m.host = HostFacts::probe(criu.version);
     m.shell_job = engine::uses_terminal(tree);
     for (const auto& p : tree) m.processes.push_back(record_of(p));
+    if (target_) m.container = container::describe(*target_, tree);
     return m;
+  }
+
+  // CRIU's dump command. A container's tree is dumped by CRIU inside the container's
+  // namespaces, started there by `gpusnap __container-exec`, so that it sees the tree's own
+  // pids, mounts and files, and dumps no namespace.
+  std::vector<std::string> dump_argv(const criu::Binary& criu, criu::DumpOptions o) {
+    if (!target_) return criu::dump_args(criu, o);
+    container::EnterSpec enter;
+    enter.target = target_->state.pid;
+    enter.output = o.log.parent_path() / "criu-dump.out";
+    o.pid = proc::innermost_pid(proc::read_process(o.pid));
+    o.images = container::host_path(o.images);
+    o.log = container::host_path(o.log);
+    enter.argv = container::criu_argv_inside(criu, criu::dump_args(criu, o));
+    return {options_.helper_binary.empty() ? "/proc/self/exe" : options_.helper_binary,
+            "__container-exec", container::to_json(enter)};
   }
 
   [[noreturn]] void fail_dump(const ExitStatus& status, const std::filesystem::path& log) {
@@ -301,7 +328,9 @@ class Checkpoint {
                 "read the log; the workload was left running");
   }
 
-  const CheckpointOptions& options_;
+  CheckpointOptions options_;  // a copy: a container capture fills in the pid
+  std::optional<container::CaptureTarget> target_;
+  std::filesystem::path control_dir_;  // the workload's, as it names it
   Phases phases_;
   std::vector<FileRecord> host_image_files_;  // hashed while written: seal need not read them
   std::unique_ptr<gpu::Driver> owned_driver_;

@@ -23,6 +23,8 @@
 #include "common/fd.h"
 #include "common/fs.h"
 #include "common/subprocess.h"
+#include "container/enter.h"
+#include "engine/container_init.h"
 #include "gpusnap/error.h"
 
 namespace gpusnap::engine {
@@ -104,7 +106,8 @@ UniqueFd connect_inside(uint16_t port) {
   return fd;
 }
 
-// Reaps children and relays published ports until the restored root exits.
+}  // namespace
+
 int supervise(pid_t root, const std::vector<ForwardSpec>& forwards) {
   sigset_t mask;
   sigemptyset(&mask);
@@ -180,7 +183,66 @@ int supervise(pid_t root, const std::vector<ForwardSpec>& forwards) {
   }
 }
 
+namespace {
+
+// The container mode of a copy's init: the restored tree goes into a placeholder container's
+// namespaces, where CRIU runs; we stay outside and only report, then hand the root over.
+int restore_into_placeholder(const CopyInitSpec& spec) {
+  // gpusnap's end reaches us as EOF on the control socket (we outlive it on purpose: the tree
+  // is not in namespaces of ours that would end with us); CRIU must not hold that socket.
+  ::fcntl(spec.control_fd, F_SETFD, FD_CLOEXEC);
+  pid_t root = 0;
+  try {
+    container::EnterSpec enter;
+    enter.target = spec.into_pid;
+    enter.argv = spec.criu_argv;
+    enter.output = spec.criu_output;
+    enter.inherit_fds = spec.inherit_fds;
+    enter.pid = spec.criu_pid;
+    enter.join_cgroups = true;  // the restored tree counts against the placeholder's limits
+    ExitStatus status = container::run_inside(enter);
+    if (!status.ok()) {
+      send_line(spec.control_fd, "F criu restore " + status.describe());
+      return 1;
+    }
+    root = std::stoi(fs::read_file(spec.pidfile));
+  } catch (const std::exception& e) {
+    send_line(spec.control_fd, std::string("F ") + e.what());
+    return 1;
+  }
+  for (int fd : spec.inherit_fds) ::close(fd);
+  send_line(spec.control_fd, "R " + std::to_string(root));
+  char go = 0;
+  ssize_t n;
+  while ((n = ::recv(spec.control_fd, &go, 1, 0)) < 0 && errno == EINTR) {
+  }
+  if (n != 1 || go != 'G') {
+    // gpusnap gave up: the placeholder reaps what we kill and goes on waiting.
+    kill_restored_tree(spec.into_pid, root);
+    return 1;
+  }
+  if (!hand_over(spec.into_pid, root)) {
+    send_line(spec.control_fd, "F the placeholder refused the restored root");
+    kill_restored_tree(spec.into_pid, root);
+    return 1;
+  }
+  send_line(spec.control_fd, "A");
+  return 0;
+}
+
 }  // namespace
+
+void become_init() {
+  // SIGTERM sent from the host to a namespace init is dropped unless the init handles it: a
+  // no-op handler makes it deliverable; blocking it routes it to the signalfd.
+  struct sigaction sa {};
+  sa.sa_handler = [](int) {};
+  for (int sig : {SIGTERM, SIGINT, SIGHUP}) ::sigaction(sig, &sa, nullptr);
+  sigset_t mask;
+  sigemptyset(&mask);
+  for (int sig : {SIGCHLD, SIGTERM, SIGINT, SIGHUP}) sigaddset(&mask, sig);
+  ::sigprocmask(SIG_BLOCK, &mask, nullptr);
+}
 
 std::string to_json(const CopyInitSpec& spec) {
   nlohmann::json forwards = nlohmann::json::array();
@@ -192,7 +254,9 @@ std::string to_json(const CopyInitSpec& spec) {
                         {"forwards", forwards},
                         {"handshake_source", spec.handshake_source.string()},
                         {"handshake_target", spec.handshake_target.string()},
-                        {"control_fd", spec.control_fd}}
+                        {"control_fd", spec.control_fd},
+                        {"into_pid", spec.into_pid},
+                        {"criu_pid", spec.criu_pid}}
       .dump();
 }
 
@@ -209,19 +273,14 @@ CopyInitSpec copy_init_spec_from_json(const std::string& text) {
   spec.handshake_source = doc.at("handshake_source").get<std::string>();
   spec.handshake_target = doc.at("handshake_target").get<std::string>();
   spec.control_fd = doc.at("control_fd").get<int>();
+  spec.into_pid = doc.value("into_pid", 0);
+  spec.criu_pid = doc.value("criu_pid", 0);
   return spec;
 }
 
 int copy_init_main(const CopyInitSpec& spec) {
-  // SIGTERM sent from the host to a namespace init is dropped unless the init handles it: a
-  // no-op handler makes it deliverable; blocking it routes it to the signalfd.
-  struct sigaction sa {};
-  sa.sa_handler = [](int) {};
-  for (int sig : {SIGTERM, SIGINT, SIGHUP}) ::sigaction(sig, &sa, nullptr);
-  sigset_t mask;
-  sigemptyset(&mask);
-  for (int sig : {SIGCHLD, SIGTERM, SIGINT, SIGHUP}) sigaddset(&mask, sig);
-  ::sigprocmask(SIG_BLOCK, &mask, nullptr);
+  if (spec.into_pid != 0) return restore_into_placeholder(spec);
+  become_init();
 
   pid_t root = 0;
   try {

@@ -9,6 +9,8 @@
 // mid-restore leaves no copy, process or namespace behind.
 #pragma once
 
+#include <sys/types.h>
+
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -30,10 +32,23 @@ struct CopyInitSpec {
   std::filesystem::path handshake_source;
   std::filesystem::path handshake_target;
   int control_fd;  // to gpusnap: we send "R <nspid>" or "F <reason>", await G, then ack "A"
+  // Restore into the namespaces of this placeholder container's init (its host pid) instead
+  // of fresh ones of our own: we stay outside, CRIU runs inside as pid criu_pid, and on release
+  // the placeholder adopts the restored root (container_init.h). Unreleased, we kill the tree.
+  pid_t into_pid = 0;
+  pid_t criu_pid = 0;
 };
 
 // Runs in the cloned child; returns the exit code of the copy (the root's, or 1 on failure).
 int copy_init_main(const CopyInitSpec& spec);
+
+// Makes this process able to act as a PID namespace's init: SIGTERM, SIGINT and SIGHUP become
+// deliverable from outside the namespace and, like SIGCHLD, wait in the signal mask for
+// supervise()'s signalfd.
+void become_init();
+// Reaps children and relays published ports until `root` exits; passes SIGTERM, SIGINT and
+// SIGHUP on to it. Returns the root's exit code (128 + signal when killed).
+int supervise(pid_t root, const std::vector<ForwardSpec>& forwards);
 
 // The spec travels as JSON on the command line of `gpusnap __copy-init SPEC`.
 std::string to_json(const CopyInitSpec& spec);

@@ -29,6 +29,8 @@
 #include "common/fs.h"
 #include "common/proc.h"
 #include "common/subprocess.h"
+#include "container/enter.h"
+#include "container/runc.h"
 #include "criu/criu.h"
 #include "engine/copy_init.h"
 #include "engine/gpu_state.h"
@@ -98,12 +100,14 @@ UniqueFd listen_on(const std::string& address, uint16_t port, uint16_t* bound) {
 }
 
 // One copy being restored. Owns the copy's init until release(); destroying an unreleased
-// copy kills the init, which takes the whole namespace down with it.
+// copy kills the init, which takes the whole namespace down with it. A copy restored into a
+// placeholder container (`into`: its PID 1) outlives its init: destroying it unreleased closes
+// the control socket, on which the init kills the restored tree, and waits for that.
 class Copy {
  public:
   Copy(int index, const Manifest& manifest, const std::filesystem::path& images,
-       const criu::Binary& criu, const RestoreOptions& options)
-      : index_(index) {
+       const criu::Binary& criu, const RestoreOptions& options, pid_t into = 0)
+      : index_(index), into_(into) {
     info_.index = index;
     info_.dir = options.run_dir / "copies" /
                 (manifest.id.substr(0, 8) + "-" + std::to_string(index) + "-" +
@@ -116,6 +120,10 @@ class Copy {
     UniqueFd output(::open((info_.dir / "output.log").c_str(),
                            O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
     UniqueFd null_in(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+    if (into_ != 0) {  // in a placeholder, the workload's stdio is the container's (its log)
+      output = container::borrow_fd(into_, STDOUT_FILENO);
+      null_in = container::borrow_fd(into_, STDIN_FILENO);
+    }
     if (!output || !null_in) throw sys_error("open the copy's output", errno);
     criu::RestoreOptions ro;
     ro.images = images;
@@ -164,12 +172,25 @@ class Copy {
     UniqueFd child_end(sv[1]);
 
     engine::CopyInitSpec spec;
-    if (!manifest.control_dir.empty()) {
+    if (!manifest.control_dir.empty() && into_ == 0) {
       spec.handshake_source = info_.dir / "control";
       spec.handshake_target = manifest.control_dir;
       std::filesystem::create_directories(spec.handshake_source);
     }
     spec.criu_argv = criu::restore_args(criu, ro);
+    if (into_ != 0) {
+      // CRIU runs inside the placeholder: its files through the host root, the root left to the
+      // placeholder's init, the tree in the placeholder's cgroups.
+      criu::RestoreOptions inside = ro;
+      inside.images = container::host_path(ro.images);
+      inside.log = container::host_path(ro.log);
+      inside.pidfile = container::host_path(ro.pidfile);
+      inside.sibling = false;
+      inside.keep_cgroups = true;
+      spec.criu_argv = container::criu_argv_inside(criu, criu::restore_args(criu, inside));
+      spec.into_pid = into_;
+      spec.criu_pid = container::criu_pid_inside();
+    }
     spec.pidfile = ro.pidfile;
     spec.criu_output = info_.dir / "criu.out";
     spec.control_fd = kControlFd;
@@ -187,18 +208,33 @@ class Copy {
     // A separate program rather than a forked function: gpusnap may have driver threads.
     o.argv = {options.helper_binary.empty() ? "/proc/self/exe" : options.helper_binary,
               "__copy-init", engine::to_json(spec)};
-    o.kill_with_parent = true;
+    o.kill_with_parent = into_ == 0;
     o.new_session = true;  // a Ctrl-C at gpusnap's terminal must not reach released copies
-    o.clone_flags = CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS;
+    if (into_ == 0) {
+      o.clone_flags = CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS;
+    }
     init_.emplace(o);
-    info_.init_pid = init_->pid();
+    info_.init_pid = into_ != 0 ? into_ : init_->pid();
     // Our copies of the inherited descriptors and listeners close here: the init holds them.
     inherit_.clear();
     listeners_.clear();
   }
 
+  Copy(const Copy&) = delete;
+  Copy& operator=(const Copy&) = delete;
+  ~Copy() {
+    if (into_ == 0 || !init_ || !init_->running()) return;
+    control_.reset();
+    init_->wait(std::chrono::seconds(30));
+  }
+
   int control() const { return control_.get(); }
   CopyInfo& info() { return info_; }
+  // The workload's handshake directory as the host reaches it.
+  std::filesystem::path handshake_dir(const Manifest& manifest) const {
+    if (into_ == 0) return info_.dir / "control";
+    return "/proc/" + std::to_string(info_.host_pid) + "/root" + manifest.control_dir;
+  }
 
   // Reads the init's report: the restored root's namespace pid, or why it failed.
   void take_report() {
@@ -246,11 +282,16 @@ class Copy {
       throw Error(ErrorKind::kInternal, "copy " + std::to_string(index_) + " was not released");
     }
     control_.reset();
-    init_->release();
+    if (into_ != 0) {
+      init_->wait();  // it exits once the placeholder has the root
+    } else {
+      init_->release();
+    }
   }
 
  private:
   int index_;
+  pid_t into_ = 0;
   CopyInfo info_;
   UniqueFd control_;
   std::vector<std::pair<int, int>> inherit_;  // {fd here, fd in the init}; fds owned below
@@ -269,6 +310,11 @@ class Restore {
     if (options_.replicas < 1) {
       throw Error(ErrorKind::kUsage, "--replicas must be at least 1");
     }
+    if (options_.into_container && (options_.replicas != 1 || !options_.publish.empty())) {
+      throw Error(ErrorKind::kUsage,
+                  "--into-container restores one copy into the placeholder's own namespaces",
+                  "drop --replicas and --publish; reach the copy as the container is reached");
+    }
     auto criu = criu::locate(options_.criu_path);
     gpu::Driver& driver = open_driver();
     for (const auto& line : engine::recover_abandoned(driver, options_.run_dir)) {
@@ -283,6 +329,13 @@ class Restore {
       return a;
     });
     for (const auto& line : gpu_plan.notes) phases_.reporter().note(line);
+    pid_t into = 0;
+    if (options_.into_container) {
+      phases_.run("placeholder", [&] {
+        into = container::placeholder_target(*options_.into_container, artifact.manifest())
+                   .state.pid;
+      });
+    }
     // With GPU state, nothing of a copy serves before its GPU state is restored (its CUDA
     // processes stay checkpointed, the copy unreleased): the bytes are checked while CRIU
     // restores, and the check must pass before gpu-restore. Without GPU state CRIU's restore
@@ -304,8 +357,8 @@ class Restore {
     std::vector<std::unique_ptr<Copy>> copies;
     phases_.run("criu-restore", [&] {
       for (int i = 0; i < options_.replicas; ++i) {
-        copies.push_back(
-            std::make_unique<Copy>(i, artifact.manifest(), artifact.criu_dir(), criu, options_));
+        copies.push_back(std::make_unique<Copy>(i, artifact.manifest(), artifact.criu_dir(), criu,
+                                                options_, into));
       }
       wait_reports(copies);
     });
@@ -358,7 +411,7 @@ class Restore {
       for (size_t i = 0; i < copies.size(); ++i) {
         threads.emplace_back([&, i] {
           try {
-            engine::Handshake handshake(copies[i]->info().dir / "control");
+            engine::Handshake handshake(copies[i]->handshake_dir(manifest));
             handshake.resume(copies[i]->info().host_pid,
                              {{"restored", true},
                               {"copy", static_cast<int>(i)},

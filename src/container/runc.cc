@@ -1,0 +1,279 @@
+#include "container/runc.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <set>
+
+#include <xxhash.h>
+
+#include "common/fd.h"
+#include "common/fs.h"
+#include "common/subprocess.h"
+#include "gpusnap/error.h"
+
+namespace gpusnap::container {
+
+namespace {
+
+using nlohmann::json;
+
+std::string find_runc() {
+  const char* path = std::getenv("PATH");
+  std::string dirs = path != nullptr ? path : "/usr/sbin:/usr/bin:/sbin:/bin";
+  for (size_t start = 0; start <= dirs.size();) {
+    size_t end = std::min(dirs.find(':', start), dirs.size());
+    std::string candidate = dirs.substr(start, end - start) + "/runc";
+    if (::access(candidate.c_str(), X_OK) == 0) return candidate;
+    start = end + 1;
+  }
+  throw Error(ErrorKind::kEnvironment, "runc was not found on PATH",
+              "install runc (Debian: apt-get install runc), the runtime of the container");
+}
+
+std::string describe_ref(const ContainerRef& ref) {
+  return "container " + ref.id + " (runc root " + ref.runtime_root.string() + ")";
+}
+
+// gpusnap's role as a container's PID 1, from its command line: `gpusnap init [--placeholder]`.
+enum class Role { kOther, kShim, kPlaceholder };
+Role role_of(pid_t pid) {
+  std::vector<std::string> argv;
+  try {
+    argv = proc::read_process(pid).cmdline;
+  } catch (const Error&) {
+    return Role::kOther;
+  }
+  if (argv.size() < 2 || std::filesystem::path(argv[0]).filename() != "gpusnap" ||
+      argv[1] != "init") {
+    return Role::kOther;
+  }
+  for (const auto& a : argv) {
+    if (a == "--") break;
+    if (a == "--placeholder") return Role::kPlaceholder;
+  }
+  return Role::kShim;
+}
+
+std::string ns_link(pid_t pid, const char* ns) {
+  std::error_code ec;
+  auto target = std::filesystem::read_symlink("/proc/" + std::to_string(pid) + "/ns/" + ns, ec);
+  return ec ? std::string() : target.string();
+}
+
+// The checks a capture and a restore share: running, our user namespace, a writable /tmp.
+void refuse_unusable(const ContainerRef& ref, const State& state) {
+  if (state.status != "running" || state.pid <= 0) {
+    throw Error(ErrorKind::kNotFound, describe_ref(ref) + " is " + state.status + ", not running",
+                "start it, or name a running container");
+  }
+  if (ns_link(state.pid, "user") != ns_link(::getpid(), "user")) {
+    throw Error(ErrorKind::kNotCapturable,
+                describe_ref(ref) + " runs in its own user namespace, which gpusnap does not enter",
+                "run the container without a user namespace");
+  }
+  // CRIU runs inside the container and probes the kernel with a scratch directory in /tmp.
+  auto tmp = "/proc/" + std::to_string(state.pid) + "/root/tmp";
+  if (::access(tmp.c_str(), W_OK) != 0) {
+    throw Error(ErrorKind::kNotCapturable,
+                describe_ref(ref) + " has no writable /tmp, which CRIU needs inside it",
+                "give the container a writable /tmp (e.g. a tmpfs or an emptyDir volume)");
+  }
+}
+
+struct FileIdentity {
+  uint64_t size = 0;
+  std::string xxh3;
+};
+
+// Size and content checksum of a file, or nullopt when it cannot be read.
+std::optional<FileIdentity> identify(const std::string& path) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  struct stat st {};
+  if (!fd || ::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) return std::nullopt;
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(),
+                                                                 XXH3_freeState);
+  XXH3_64bits_reset(state.get());
+  std::vector<char> buf(1 << 20);
+  for (ssize_t n; (n = ::read(fd.get(), buf.data(), buf.size())) != 0;) {
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return std::nullopt;
+    }
+    XXH3_64bits_update(state.get(), buf.data(), static_cast<size_t>(n));
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx",
+                static_cast<unsigned long long>(XXH3_64bits_digest(state.get())));
+  return FileIdentity{static_cast<uint64_t>(st.st_size), hex};
+}
+
+// The files a process maps (its executable, its libraries), as paths in its root.
+std::set<std::string> mapped_files(pid_t pid) {
+  std::set<std::string> files;
+  std::string maps;
+  if (!fs::try_read_file("/proc/" + std::to_string(pid) + "/maps", &maps)) return files;
+  size_t start = 0;
+  while (start < maps.size()) {
+    size_t end = std::min(maps.find('\n', start), maps.size());
+    std::string line = maps.substr(start, end - start);
+    start = end + 1;
+    auto slash = line.find(" /");
+    if (slash == std::string::npos) continue;
+    std::string path = line.substr(slash + 1);
+    if (path.size() > 10 && path.compare(path.size() - 10, 10, " (deleted)") == 0) continue;
+    files.insert(path);
+  }
+  return files;
+}
+
+pid_t ns_pid_of(pid_t host_pid) {
+  try {
+    return proc::innermost_pid(proc::read_process(host_pid));
+  } catch (const Error&) {
+    return 0;
+  }
+}
+
+}  // namespace
+
+State read_state(const ContainerRef& ref) {
+  if (ref.id.empty()) throw Error(ErrorKind::kUsage, "no container id given");
+  auto runc = find_runc();
+  auto r = run_capture({runc, "--root", ref.runtime_root.string(), "state", ref.id},
+                       std::chrono::seconds(30));
+  if (!r.status.ok()) {
+    if (r.output.find("does not exist") != std::string::npos ||
+        r.output.find("no such file") != std::string::npos) {
+      throw Error(ErrorKind::kNotFound, describe_ref(ref) + " does not exist",
+                  "check the id with `runc --root " + ref.runtime_root.string() +
+                      " list`, or pass the runtime's state directory with --runtime-root");
+    }
+    auto line = r.output.substr(0, r.output.find('\n'));
+    throw Error(ErrorKind::kEnvironment, "runc state " + ref.id + " failed: " + line,
+                "check that runc works and that --runtime-root is runc's state directory");
+  }
+  try {
+    auto doc = json::parse(r.output);
+    State s;
+    s.id = doc.at("id").get<std::string>();
+    s.status = doc.at("status").get<std::string>();
+    s.pid = doc.at("pid").get<pid_t>();
+    s.bundle = doc.at("bundle").get<std::string>();
+    s.rootfs = doc.at("rootfs").get<std::string>();
+    return s;
+  } catch (const json::exception& e) {
+    throw Error(ErrorKind::kEnvironment, "cannot read runc's state of " + ref.id + ": " + e.what(),
+                "use runc 1.x, whose `state` prints JSON");
+  }
+}
+
+CaptureTarget capture_target(const ContainerRef& ref) {
+  CaptureTarget t;
+  t.state = read_state(ref);
+  if (t.state.status == "running" && role_of(t.state.pid) != Role::kShim) {
+    throw Error(ErrorKind::kNotCapturable,
+                describe_ref(ref) + ": its PID 1 (pid " + std::to_string(t.state.pid) +
+                    ") is not the gpusnap shim",
+                "start the container's process as `gpusnap init -- CMD ARGS...`");
+  }
+  refuse_unusable(ref, t.state);
+  auto children = proc::children(t.state.pid);
+  if (children.size() != 1) {
+    throw Error(ErrorKind::kNotCapturable,
+                describe_ref(ref) + ": the shim has " + std::to_string(children.size()) +
+                    " children; the capture takes exactly one tree, the command it started",
+                children.empty() ? "wait until the container's command runs"
+                                 : "keep the workload in one process tree (no daemonized "
+                                   "processes left to PID 1)");
+  }
+  t.root = children.front();
+  return t;
+}
+
+json describe(const CaptureTarget& target, const std::vector<proc::Process>& tree) {
+  std::set<std::string> paths;
+  for (const auto& p : tree) paths.merge(mapped_files(p.pid));
+  json files = json::array();
+  auto root = "/proc/" + std::to_string(target.root) + "/root";
+  for (const auto& path : paths) {
+    auto id = identify(root + path);
+    if (!id) continue;  // gone since: CRIU decides what that means
+    files.push_back({{"path", path}, {"size", id->size}, {"xxh3", id->xxh3}});
+  }
+  return {{"runtime", "runc"},
+          {"id", target.state.id},
+          {"bundle", target.state.bundle.string()},
+          {"rootfs", target.state.rootfs.string()},
+          {"rootfs_files", files}};
+}
+
+void use_namespace_pids(Manifest& manifest) {
+  std::map<pid_t, pid_t> ns;
+  auto translate = [&](pid_t host) {
+    auto it = ns.find(host);
+    if (it == ns.end()) it = ns.emplace(host, ns_pid_of(host)).first;
+    return it->second;
+  };
+  for (auto& p : manifest.processes) {
+    p.pid = translate(p.pid);
+    p.ppid = translate(p.ppid);
+  }
+  if (manifest.gpu.is_object() && manifest.gpu.contains("processes")) {
+    for (auto& p : manifest.gpu["processes"]) p["pid"] = translate(p.at("pid").get<pid_t>());
+  }
+  for (auto& image : manifest.host_images) image.pid = translate(image.pid);
+  manifest.source_pid = translate(manifest.source_pid);
+}
+
+Placeholder placeholder_target(const ContainerRef& ref, const Manifest& manifest) {
+  if (!manifest.container.is_object()) {
+    throw Error(ErrorKind::kUsage, "artifact " + manifest.id + " was not captured from a container",
+                "restore it without --into-container, or capture the workload with "
+                "`gpusnap checkpoint --container ID`");
+  }
+  Placeholder p;
+  p.state = read_state(ref);
+  if (p.state.status == "running" && role_of(p.state.pid) != Role::kPlaceholder) {
+    throw Error(ErrorKind::kUsage,
+                describe_ref(ref) + ": its PID 1 (pid " + std::to_string(p.state.pid) +
+                    ") is not a gpusnap placeholder",
+                "start the target container with `gpusnap init --placeholder` as its process");
+  }
+  refuse_unusable(ref, p.state);
+  if (!proc::children(p.state.pid).empty()) {
+    throw Error(ErrorKind::kUsage,
+                describe_ref(ref) + ": the placeholder is not waiting, it already runs a "
+                                    "restored workload",
+                "start a new placeholder container for this restore");
+  }
+  auto root = "/proc/" + std::to_string(p.state.pid) + "/root";
+  for (const auto& f : manifest.container.at("rootfs_files")) {
+    auto path = f.at("path").get<std::string>();
+    auto id = identify(root + path);
+    std::string problem;
+    if (!id) {
+      problem = "has no " + path;
+    } else if (id->size != f.at("size").get<uint64_t>()) {
+      problem = "has another " + path + " (" + std::to_string(id->size) + " bytes, captured " +
+                std::to_string(f.at("size").get<uint64_t>()) + ")";
+    } else if (id->xxh3 != f.at("xxh3").get<std::string>()) {
+      problem = "has another " + path + " (same size, other content)";
+    }
+    if (!problem.empty()) {
+      throw Error(ErrorKind::kIncompatible,
+                  describe_ref(ref) +
+                      "'s root filesystem differs from the captured container's: it " + problem,
+                  "start the placeholder from the same image as the captured container (" +
+                      manifest.container.at("id").get<std::string>() + ")");
+    }
+  }
+  return p;
+}
+
+}  // namespace gpusnap::container

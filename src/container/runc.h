@@ -1,0 +1,56 @@
+// A container found through its runtime (runc): its state, the role gpusnap plays as its PID 1,
+// and what a capture records about it so that a restore can refuse a container it does not fit.
+#pragma once
+
+#include <sys/types.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/proc.h"
+#include "gpusnap/artifact.h"
+#include "gpusnap/container.h"
+
+namespace gpusnap::container {
+
+// What `runc --root DIR state ID` says about a container.
+struct State {
+  std::string id;
+  std::string status;  // "running", "created", "paused", "stopped"
+  pid_t pid = 0;       // its PID 1, as the host sees it
+  std::filesystem::path bundle;
+  std::filesystem::path rootfs;
+};
+
+// Throws Error: kEnvironment without runc, kNotFound for an unknown container.
+State read_state(const ContainerRef& ref);
+
+// A running container whose PID 1 is `gpusnap init -- CMD`: the tree to capture is CMD's.
+struct CaptureTarget {
+  State state;
+  pid_t root = 0;  // CMD, as the host sees it
+};
+// Throws Error naming the container and the fix when it is not running, its PID 1 is not the
+// gpusnap shim, or the shim has no single child to capture.
+CaptureTarget capture_target(const ContainerRef& ref);
+
+// What the manifest records of a container capture ("container"): runtime, id, rootfs and the
+// identity of every file the tree maps (path in the container, size, checksum).
+nlohmann::json describe(const CaptureTarget& target, const std::vector<proc::Process>& tree);
+
+// Rewrites the manifest's pids (processes, GPU processes, the source) into the pids the
+// container's PID namespace gives them: the pids CRIU records and restores.
+void use_namespace_pids(Manifest& manifest);
+
+// A running container whose PID 1 is `gpusnap init --placeholder`, waiting for a snapshot.
+struct Placeholder {
+  State state;
+};
+// Throws Error when the artifact was not captured from a container, the container is not a
+// waiting placeholder, or its root filesystem lacks or differs in a file the workload maps.
+Placeholder placeholder_target(const ContainerRef& ref, const Manifest& manifest);
+
+}  // namespace gpusnap::container
