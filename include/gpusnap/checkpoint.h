@@ -21,7 +21,7 @@ class Driver;
 }
 
 struct CheckpointOptions {
-  pid_t pid = 0;                 // root of the tree to capture
+  pid_t pid = 0;  // root of the tree to capture
   // Or the workload of this running container, whose PID 1 is `gpusnap init -- CMD`: CMD's
   // tree is captured, with CRIU inside the container's namespaces (then pid is ignored).
   std::optional<ContainerRef> container;

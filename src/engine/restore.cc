@@ -19,9 +19,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <future>
 #include <map>
 #include <memory>
-#include <future>
 #include <optional>
 #include <thread>
 
@@ -332,8 +332,8 @@ class Restore {
     pid_t into = 0;
     if (options_.into_container) {
       phases_.run("placeholder", [&] {
-        into = container::placeholder_target(*options_.into_container, artifact.manifest())
-                   .state.pid;
+        into =
+            container::placeholder_target(*options_.into_container, artifact.manifest()).state.pid;
       });
     }
     // With GPU state, nothing of a copy serves before its GPU state is restored (its CUDA
@@ -342,8 +342,9 @@ class Restore {
     // lets the copies run, so the check comes first.
     std::future<std::vector<VerifyProblem>> verifying;
     if (options_.verify && gpu_plan.has_gpu_state) {
-      verifying = std::async(std::launch::async,
-                             [&artifact] { return artifact.verify(VerifyOptions{0, nullptr}); });
+      verifying = std::async(std::launch::async, [&artifact] {
+        return artifact.verify(VerifyOptions{0, nullptr});
+      });
     } else if (options_.verify) {
       phases_.run("verify", [&] { check(artifact.verify(VerifyOptions{0, &phases_.reporter()})); });
     }
