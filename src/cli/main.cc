@@ -467,7 +467,8 @@ int main(int argc, char** argv) {
                           {"message", e.what()},
                           {"hint", e.hint()},
                           {"exit_code", e.exit_code()}}}}
-                       .dump(2)
+                       // A message may quote a log line that is not UTF-8.
+                       .dump(2, ' ', false, json::error_handler_t::replace)
                 << "\n";
     }
     std::fprintf(stderr, "gpusnap: error: %s\n", e.one_line().c_str());

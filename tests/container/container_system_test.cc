@@ -1,0 +1,333 @@
+// Containers, with real runc containers: a busybox root filesystem made here holds the test
+// workload (and its libraries); the built gpusnap is bind-mounted read-only at /bin/gpusnap.
+// The source container runs `gpusnap init -- gpusnap-test-workload ...`; it is captured, and
+// the snapshot is restored into a second container started as `gpusnap init --placeholder`.
+// The workload proves from inside the placeholder's network namespace that its memory came
+// from the snapshot, while the source keeps serving.
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <string>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "common/fd.h"
+#include "common/fs.h"
+#include "common/proc.h"
+#include "common/subprocess.h"
+#include "testing/harness.h"
+
+namespace gpusnap::testing {
+namespace {
+
+using nlohmann::json;
+namespace stdfs = std::filesystem;
+
+constexpr uint16_t kPort = 7000;  // the workload's port inside its container
+
+std::optional<std::string> runc_blocker() {
+  if (auto why = system_test_blocker()) return why;
+  if (::access("/usr/sbin/runc", X_OK) != 0 && ::access("/usr/bin/runc", X_OK) != 0) {
+    return std::string("runc is not installed (apt-get install runc)");
+  }
+  if (::access("/bin/busybox", X_OK) != 0) {
+    return std::string("busybox is not installed (apt-get install busybox-static)");
+  }
+  return std::nullopt;
+}
+#define SKIP_WITHOUT_RUNC() GPUSNAP_SKIP_IF_BLOCKED(runc_blocker())
+
+// Copies `binary` and the shared libraries it loads (as ldd lists them) into `rootfs`.
+void install_binary(const stdfs::path& rootfs, const stdfs::path& binary, const std::string& as) {
+  stdfs::copy_file(binary, rootfs / as.substr(1), stdfs::copy_options::overwrite_existing);
+  auto ldd = run_capture({"/usr/bin/ldd", binary.string()});
+  ASSERT_TRUE(ldd.status.ok()) << ldd.output;
+  static const std::regex kLib(R"((/[^ \t\n]+) \(0x)");
+  for (std::sregex_iterator it(ldd.output.begin(), ldd.output.end(), kLib), end; it != end; ++it) {
+    stdfs::path lib = (*it)[1].str();
+    stdfs::create_directories(rootfs / lib.parent_path().relative_path());
+    stdfs::copy_file(stdfs::canonical(lib), rootfs / lib.relative_path(),
+                     stdfs::copy_options::overwrite_existing);
+  }
+}
+
+// An OCI bundle: a busybox root filesystem with the test workload, and runc's default
+// config.json edited for `args`: no terminal, gpusnap bind-mounted, a tmpfs /tmp.
+stdfs::path make_bundle(const stdfs::path& dir, const std::vector<std::string>& args) {
+  auto rootfs = dir / "rootfs";
+  for (const char* d : {"bin", "proc", "dev", "sys", "tmp"}) stdfs::create_directories(rootfs / d);
+  stdfs::copy_file("/bin/busybox", rootfs / "bin/busybox");
+  stdfs::create_symlink("busybox", rootfs / "bin/sh");
+  install_binary(rootfs, build_path("tests/gpusnap-test-workload"), "/bin/gpusnap-test-workload");
+  write(rootfs / "bin/gpusnap", "");  // the mount point of the bind-mounted binary
+  auto spec = run_capture({"runc", "spec", "--bundle", dir.string()});
+  EXPECT_TRUE(spec.status.ok()) << spec.output;
+  auto config = json::parse(fs::read_file(dir / "config.json"));
+  config["process"]["terminal"] = false;
+  config["process"]["args"] = args;
+  config["mounts"].push_back({{"destination", "/bin/gpusnap"},
+                              {"type", "bind"},
+                              {"source", stdfs::canonical(gpusnap_bin()).string()},
+                              {"options", {"bind", "ro"}}});
+  // CRIU, run inside the container, probes the kernel with a scratch directory in /tmp.
+  config["mounts"].push_back({{"destination", "/tmp"},
+                              {"type", "tmpfs"},
+                              {"source", "tmpfs"},
+                              {"options", {"nosuid", "nodev", "mode=1777"}}});
+  write(dir / "config.json", config.dump(2));
+  return dir;
+}
+
+// A container run detached by runc, deleted (runc delete -f) whatever the test's outcome. Its
+// output goes into a pipe this object holds, as a runtime's shim would.
+class Container {
+ public:
+  Container(const stdfs::path& runtime_root, std::string id, const stdfs::path& bundle)
+      : root_(runtime_root), id_(std::move(id)) {
+    Pipe out = Pipe::make();
+    SpawnOptions o;
+    o.argv = {"runc",
+              "--root",
+              root_.string(),
+              "run",
+              "-d",
+              "--pid-file",
+              (bundle / "init.pid").string(),
+              "--bundle",
+              bundle.string(),
+              id_};
+    o.stdout_fd = out.write.get();
+    o.stderr_fd = out.write.get();
+    auto status = *Subprocess(o).wait();
+    output_ = std::move(out.read);
+    started_ = status.ok();
+    if (started_) pid_ = std::stoi(fs::read_file(bundle / "init.pid"));
+  }
+  Container(const Container&) = delete;
+  Container& operator=(const Container&) = delete;
+  ~Container() { run_capture({"runc", "--root", root_.string(), "delete", "-f", id_}); }
+
+  bool started() const { return started_; }
+  pid_t pid() const { return pid_; }  // its PID 1, as the host sees it
+  const std::string& id() const { return id_; }
+  json state() const {
+    auto r = run_capture({"runc", "--root", root_.string(), "state", id_});
+    return r.status.ok() ? json::parse(r.output) : json();
+  }
+
+ private:
+  stdfs::path root_;
+  std::string id_;
+  UniqueFd output_;
+  bool started_ = false;
+  pid_t pid_ = 0;
+};
+
+// One request/reply line to the workload's port in the network namespace of process `pid`.
+// A thread joins that namespace (setns applies to the calling thread) and asks from there.
+std::string ask_in(pid_t pid, const std::string& line) {
+  std::string reply;
+  std::thread([&] {
+    UniqueFd ns(::open(("/proc/" + std::to_string(pid) + "/ns/net").c_str(), O_RDONLY | O_CLOEXEC));
+    if (ns && ::setns(ns.get(), CLONE_NEWNET) == 0) reply = ask(kPort, line);
+  }).join();
+  return reply;
+}
+
+std::string ns_of(pid_t pid, const char* ns) {
+  std::error_code ec;
+  return stdfs::read_symlink("/proc/" + std::to_string(pid) + "/ns/" + ns, ec).string();
+}
+
+const std::vector<std::string> kWorkload = {"/bin/gpusnap", "init",
+                                            "--",           "/bin/gpusnap-test-workload",
+                                            "--port",       std::to_string(kPort),
+                                            "--mib",        "16",
+                                            "--threads",    "2",
+                                            "--children",   "1"};
+const std::vector<std::string> kPlaceholder = {"/bin/gpusnap", "init", "--placeholder"};
+
+class ContainerTest : public ::testing::Test {
+ protected:
+  stdfs::path bundle(const std::string& name, const std::vector<std::string>& args) {
+    return make_bundle(dir_ / name, args);
+  }
+  std::unique_ptr<Container> start(const std::string& id, const stdfs::path& bundle) {
+    auto c = std::make_unique<Container>(runtime_root(), prefix_ + id, bundle);
+    EXPECT_TRUE(c->started()) << "runc run " << id;
+    return c;
+  }
+  std::string runtime_root() const { return (dir_ / "runc").string(); }
+  std::vector<std::string> runc_flags(const std::string& flag, const Container& c) const {
+    return {flag, c.id(), "--runtime-root", runtime_root()};
+  }
+  CliResult checkpoint(const Container& c, const stdfs::path& out) {
+    auto args = runc_flags("--container", c);
+    args.insert(args.begin(), "checkpoint");
+    for (const auto& a : {"-o", out.c_str(), "--leave-running", "--json"}) args.push_back(a);
+    return gpusnap(args);
+  }
+  CliResult restore(const stdfs::path& snap, const Container& c) {
+    auto args = runc_flags("--into-container", c);
+    args.insert(args.begin(), {"restore", snap.string()});
+    for (const auto& a :
+         {std::string("--run-dir"), (dir_ / "run").string(), std::string("--json")}) {
+      args.push_back(a);
+    }
+    return gpusnap(args);
+  }
+  // The message of a --json error document.
+  static std::string error_message(const CliResult& r) {
+    try {
+      return json::parse(r.out).at("error").at("message").get<std::string>();
+    } catch (const json::exception&) {
+      return "(no JSON error: " + r.out + r.err + ")";
+    }
+  }
+  std::string describe(const Container& c) const {
+    return "container " + c.id() + " (runc root " + runtime_root() + ")";
+  }
+
+  TempDir dir_;
+  // Container ids are global to the runtime root; a prefix keeps a rerun clear of leftovers.
+  std::string prefix_ = "gpusnap-test-" + fs::random_id().substr(0, 6) + "-";
+};
+
+TEST_F(ContainerTest, CaptureRestoresIntoAPlaceholderWhileTheSourceRuns) {
+  SKIP_WITHOUT_RUNC();
+  auto source = start("source", bundle("source", kWorkload));
+  ASSERT_TRUE(eventually([&] { return ask_in(source->pid(), "PING") == "PONG"; }))
+      << "the workload did not answer in its container";
+  ASSERT_EQ(ask_in(source->pid(), "INCR"), "1");
+  auto info = ask_in(source->pid(), "INFO");
+  std::string seed = field(info, "seed");
+  ASSERT_FALSE(seed.empty()) << info;
+
+  auto snap = dir_ / "snap";
+  auto cp = checkpoint(*source, snap);
+  ASSERT_EQ(cp.exit_code, 0) << cp.out << cp.err;
+  auto cp_doc = json::parse(cp.out);
+  EXPECT_EQ(cp_doc.at("container"), source->id());
+  EXPECT_EQ(cp_doc.at("processes").get<int>(), 2);  // the workload and its child, not the shim
+  // The manifest speaks of the container's pids and of the files the workload maps.
+  auto manifest = json::parse(fs::read_file(snap / "manifest.json"));
+  EXPECT_EQ(std::to_string(manifest.at("processes")[0].at("pid").get<int>()), field(info, "pid"));
+  EXPECT_EQ(manifest.at("processes")[0].at("ppid").get<int>(), 1);
+  EXPECT_EQ(manifest.at("container").at("id"), source->id());
+  bool has_workload = false;
+  for (const auto& f : manifest.at("container").at("rootfs_files")) {
+    has_workload |= f.at("path") == "/bin/gpusnap-test-workload";
+  }
+  EXPECT_TRUE(has_workload) << manifest.at("container").dump();
+
+  auto placeholder = start("placeholder", bundle("placeholder", kPlaceholder));
+  auto rs = restore(snap, *placeholder);
+  ASSERT_EQ(rs.exit_code, 0) << rs.out << rs.err;
+  auto copy = json::parse(rs.out).at("copies").at(0);
+  EXPECT_EQ(copy.at("init_pid").get<pid_t>(), placeholder->pid());
+  auto restored = copy.at("pid").get<pid_t>();
+  // The restored workload lives in the placeholder's namespaces, as the placeholder's child.
+  for (const char* ns : {"pid", "mnt", "net", "ipc", "uts", "cgroup"}) {
+    EXPECT_EQ(ns_of(restored, ns), ns_of(placeholder->pid(), ns)) << ns;
+  }
+  EXPECT_EQ(proc::read_process(restored).ppid, placeholder->pid());
+
+  auto copy_info = ask_in(placeholder->pid(), "INFO");
+  EXPECT_EQ(field(copy_info, "seed"), seed) << "memory did not come from the snapshot";
+  EXPECT_EQ(field(copy_info, "pid"), field(info, "pid"));
+  EXPECT_EQ(ask_in(placeholder->pid(), "CHECK").substr(0, 2), "OK");
+  EXPECT_EQ(ask_in(placeholder->pid(), "INCR"), "2");  // from the snapshot's 1, on its own
+
+  EXPECT_EQ(ask_in(source->pid(), "CHECK").substr(0, 2), "OK");
+  EXPECT_EQ(ask_in(source->pid(), "INCR"), "2");
+
+  // The placeholder passes SIGTERM on to the restored workload, which exits 0, and the
+  // container ends with it.
+  ASSERT_EQ(::kill(placeholder->pid(), SIGTERM), 0);
+  EXPECT_TRUE(eventually([&] { return placeholder->state().value("status", "") == "stopped"; }));
+  EXPECT_EQ(source->state().value("status", ""), "running");
+}
+
+TEST_F(ContainerTest, RefusesWhatItCannotCaptureOrRestoreInto) {
+  SKIP_WITHOUT_RUNC();
+  auto source = start("source", bundle("source", kWorkload));
+  auto placeholder = start("placeholder", bundle("placeholder", kPlaceholder));
+  ASSERT_TRUE(eventually([&] { return ask_in(source->pid(), "PING") == "PONG"; }));
+
+  // No such container.
+  auto missing = gpusnap({"checkpoint", "--container", prefix_ + "nosuch", "--runtime-root",
+                          runtime_root(), "-o", (dir_ / "x").string(), "--json"});
+  EXPECT_EQ(missing.exit_code, 3);
+  EXPECT_EQ(error_message(missing),
+            "container " + prefix_ + "nosuch (runc root " + runtime_root() + ") does not exist");
+  // A container whose PID 1 is not the shim.
+  auto not_shim = checkpoint(*placeholder, dir_ / "x");
+  EXPECT_EQ(not_shim.exit_code, 6);
+  EXPECT_EQ(error_message(not_shim), describe(*placeholder) + ": its PID 1 (pid " +
+                                         std::to_string(placeholder->pid()) +
+                                         ") is not the gpusnap shim");
+  EXPECT_FALSE(stdfs::exists(dir_ / "x"));
+
+  auto snap = dir_ / "snap";
+  ASSERT_EQ(checkpoint(*source, snap).exit_code, 0);
+  // A target that is not a placeholder.
+  auto not_placeholder = restore(snap, *source);
+  EXPECT_EQ(not_placeholder.exit_code, 2);
+  EXPECT_EQ(error_message(not_placeholder), describe(*source) + ": its PID 1 (pid " +
+                                                std::to_string(source->pid()) +
+                                                ") is not a gpusnap placeholder");
+  // A snapshot of a host process tree.
+  Workload host(dir_, {"--mib", "4", "--children", "0"});
+  auto host_snap = dir_ / "host-snap";
+  ASSERT_EQ(gpusnap({"checkpoint", "--pid", std::to_string(host.pid()), "-o", host_snap.string(),
+                     "--leave-running"})
+                .exit_code,
+            0);
+  auto host_id = json::parse(fs::read_file(host_snap / "manifest.json")).at("id");
+  auto not_container = restore(host_snap, *placeholder);
+  EXPECT_EQ(not_container.exit_code, 2);
+  EXPECT_EQ(error_message(not_container),
+            "artifact " + host_id.get<std::string>() + " was not captured from a container");
+  // A placeholder from another image: its workload binary differs.
+  auto other = bundle("other", kPlaceholder);
+  std::ofstream(other / "rootfs/bin/gpusnap-test-workload", std::ios::app) << "x";
+  auto other_placeholder = start("other", other);
+  auto mismatch = restore(snap, *other_placeholder);
+  EXPECT_EQ(mismatch.exit_code, 5);
+  auto size = stdfs::file_size(build_path("tests/gpusnap-test-workload"));
+  EXPECT_EQ(error_message(mismatch),
+            describe(*other_placeholder) +
+                "'s root filesystem differs from the captured container's: it has another "
+                "/bin/gpusnap-test-workload (" +
+                std::to_string(size + 1) + " bytes, captured " + std::to_string(size) + ")");
+  EXPECT_TRUE(proc::children(other_placeholder->pid()).empty());
+
+  // Every refusal left the placeholder waiting: it takes the snapshot now, and only once.
+  ASSERT_EQ(restore(snap, *placeholder).exit_code, 0);
+  EXPECT_EQ(field(ask_in(placeholder->pid(), "CHECK"), "seed"),
+            field(ask_in(source->pid(), "CHECK"), "seed"));
+  auto busy = restore(snap, *placeholder);
+  EXPECT_EQ(busy.exit_code, 2);
+  EXPECT_EQ(error_message(busy), describe(*placeholder) +
+                                     ": the placeholder is not waiting, it already runs a "
+                                     "restored workload");
+  EXPECT_EQ(source->state().value("status", ""), "running");
+}
+
+TEST(ContainerInit, RunsTheCommandAndExitsWithItsStatus) {
+  // The shim outside a container too: CMD's exit status is the shim's.
+  auto ok = run_capture({gpusnap_bin(), "init", "--", "/bin/sh", "-c", "exit 7"});
+  EXPECT_EQ(ok.status.code, 7) << ok.output;
+  auto usage = gpusnap({"init", "--placeholder", "--", "/bin/true"});
+  EXPECT_EQ(usage.exit_code, 2);
+}
+
+}  // namespace
+}  // namespace gpusnap::testing
