@@ -1,6 +1,7 @@
 // The restore flow, as named, timed phases:
 //
 //   open        read the manifest; format and host-compatibility checks
+//   placeholder (--into-container) the target is a waiting placeholder with the captured rootfs
 //   verify      every byte against the manifest (skipped with --no-verify)
 //   criu-restore  each copy's init, in its fresh namespaces, runs `criu restore`; all at once
 //   locate      the restored roots' host pids
@@ -172,6 +173,12 @@ class Copy {
     UniqueFd child_end(sv[1]);
 
     engine::CopyInitSpec spec;
+    if (!manifest.control_dir.empty() && into_ != 0) {
+      // In a placeholder the workload's handshake directory is the placeholder's own (a fresh
+      // volume at the same path); make sure it is there for the resume request.
+      std::error_code ec;
+      std::filesystem::create_directories(handshake_dir_in(into_, manifest), ec);
+    }
     if (!manifest.control_dir.empty() && into_ == 0) {
       spec.handshake_source = info_.dir / "control";
       spec.handshake_target = manifest.control_dir;
@@ -233,7 +240,10 @@ class Copy {
   // The workload's handshake directory as the host reaches it.
   std::filesystem::path handshake_dir(const Manifest& manifest) const {
     if (into_ == 0) return info_.dir / "control";
-    return "/proc/" + std::to_string(info_.host_pid) + "/root" + manifest.control_dir;
+    return handshake_dir_in(info_.host_pid, manifest);
+  }
+  static std::filesystem::path handshake_dir_in(pid_t pid, const Manifest& manifest) {
+    return "/proc/" + std::to_string(pid) + "/root" + manifest.control_dir;
   }
 
   // Reads the init's report: the restored root's namespace pid, or why it failed.

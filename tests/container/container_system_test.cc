@@ -58,14 +58,19 @@ void install_binary(const stdfs::path& rootfs, const stdfs::path& binary, const 
   }
 }
 
-// An OCI bundle: a busybox root filesystem with the test workload, and runc's default
-// config.json edited for `args`: no terminal, gpusnap bind-mounted, a tmpfs /tmp.
+// An OCI bundle: a busybox root filesystem with the test workloads, and runc's default
+// config.json edited for `args`: no terminal, gpusnap bind-mounted, a tmpfs /tmp, a handshake
+// directory (GPUSNAP_CONTROL_DIR) on a tmpfs of its own.
 stdfs::path make_bundle(const stdfs::path& dir, const std::vector<std::string>& args) {
   auto rootfs = dir / "rootfs";
-  for (const char* d : {"bin", "proc", "dev", "sys", "tmp"}) stdfs::create_directories(rootfs / d);
+  for (const char* d : {"bin", "proc", "dev", "sys", "tmp", "control"}) {
+    stdfs::create_directories(rootfs / d);
+  }
   stdfs::copy_file("/bin/busybox", rootfs / "bin/busybox");
   stdfs::create_symlink("busybox", rootfs / "bin/sh");
   install_binary(rootfs, build_path("tests/gpusnap-test-workload"), "/bin/gpusnap-test-workload");
+  install_binary(rootfs, build_path("tests/gpusnap-example-handshake-worker"),
+                 "/bin/handshake-worker");
   write(rootfs / "bin/gpusnap", "");  // the mount point of the bind-mounted binary
   auto spec = run_capture({"runc", "spec", "--bundle", dir.string()});
   EXPECT_TRUE(spec.status.ok()) << spec.output;
@@ -81,6 +86,12 @@ stdfs::path make_bundle(const stdfs::path& dir, const std::vector<std::string>& 
                               {"type", "tmpfs"},
                               {"source", "tmpfs"},
                               {"options", {"nosuid", "nodev", "mode=1777"}}});
+  // The handshake directory: a volume of the container's own, as an emptyDir would be.
+  config["mounts"].push_back({{"destination", "/control"},
+                              {"type", "tmpfs"},
+                              {"source", "tmpfs"},
+                              {"options", {"nosuid", "nodev", "mode=700"}}});
+  config["process"]["env"].push_back("GPUSNAP_CONTROL_DIR=/control");
   write(dir / "config.json", config.dump(2));
   return dir;
 }
@@ -319,6 +330,43 @@ TEST_F(ContainerTest, RefusesWhatItCannotCaptureOrRestoreInto) {
                                      ": the placeholder is not waiting, it already runs a "
                                      "restored workload");
   EXPECT_EQ(source->state().value("status", ""), "running");
+}
+
+TEST_F(ContainerTest, HandshakeWorkloadPausesAndResumesInThePlaceholderWithItsContext) {
+  SKIP_WITHOUT_RUNC();
+  auto source =
+      start("source", bundle("source", {"/bin/gpusnap", "init", "--", "/bin/handshake-worker",
+                                        "--port", std::to_string(kPort), "--cache-mib", "64"}));
+  ASSERT_TRUE(
+      eventually([&] { return !field(ask_in(source->pid(), "INFO"), "restored").empty(); }));
+  ASSERT_EQ(ask_in(source->pid(), "INCR"), "1");
+
+  auto snap = dir_ / "snap";
+  auto cp = checkpoint(*source, snap);
+  ASSERT_EQ(cp.exit_code, 0) << cp.out << cp.err;
+  EXPECT_TRUE(json::parse(cp.out).at("handshake").get<bool>());
+  // The manifest names the directory as the workload does, in its own root.
+  auto manifest = json::parse(fs::read_file(snap / "manifest.json"));
+  EXPECT_EQ(manifest.at("handshake").at("control_dir"), "/control");
+  // The source was paused for the capture and resumed as itself, its cache back.
+  auto info = ask_in(source->pid(), "INFO");
+  EXPECT_EQ(field(info, "restored"), "0") << info;
+  EXPECT_EQ(field(info, "cache_mib"), "64") << info;
+
+  auto placeholder = start("placeholder", bundle("placeholder", kPlaceholder));
+  auto args = runc_flags("--into-container", *placeholder);
+  args.insert(args.begin(), {"restore", snap.string(), "--set", "greeting=hello", "--run-dir",
+                             (dir_ / "run").string(), "--json"});
+  auto rs = gpusnap(args);
+  ASSERT_EQ(rs.exit_code, 0) << rs.out << rs.err;
+  EXPECT_TRUE(json::parse(rs.out).at("handshake").get<bool>());
+  // RESUMED came before restore returned: the copy serves with its own context at once.
+  auto copy_info = ask_in(placeholder->pid(), "INFO");
+  EXPECT_EQ(field(copy_info, "restored"), "1") << copy_info;
+  EXPECT_EQ(field(copy_info, "greeting"), "hello") << copy_info;
+  EXPECT_EQ(field(copy_info, "cache_mib"), "64") << copy_info;
+  EXPECT_EQ(ask_in(placeholder->pid(), "INCR"), "2");
+  EXPECT_EQ(ask_in(source->pid(), "INCR"), "2");
 }
 
 TEST(ContainerInit, RunsTheCommandAndExitsWithItsStatus) {
