@@ -180,12 +180,12 @@ class Checkpoint {
     std::filesystem::create_directories(log.parent_path());
     std::optional<engine::GuardedDump> dump;
     phases_.run("dump", [&] {
-      dump.emplace(options_.helper_binary.empty() ? "/proc/self/exe" : options_.helper_binary,
-                   dump_argv(criu, {options_.pid, writer.criu_dir(), log, manifest.shell_job,
-                                    options_.ghost_limit,
-                                    engine::criu_external_keys(manifest.host_images)}),
-                   writer.staging(), log.parent_path() / "criu-dump.out", cuda,
-                   paused ? paused->dir() : std::filesystem::path());
+      dump.emplace(
+          options_.helper_binary.empty() ? "/proc/self/exe" : options_.helper_binary,
+          dump_argv(criu, {options_.pid, writer.criu_dir(), log, manifest.shell_job,
+                           options_.ghost_limit, engine::criu_external_keys(manifest.host_images)}),
+          writer.staging(), log.parent_path() / "criu-dump.out", cuda,
+          paused ? paused->dir() : std::filesystem::path());
       auto status = dump->wait();
       if (!status.ok()) fail_dump(status, log);
     });

@@ -118,6 +118,20 @@ TEST(ManifestTest, NullGpuMeansNoGpuState) {
   EXPECT_TRUE(Manifest::from_json(m.to_json()).gpu.is_null());
 }
 
+TEST(ManifestTest, RoundTripsAContainerCaptureAndReadsOlderManifestsWithout) {
+  Manifest m = full_manifest();
+  m.container = {{"runtime", "runc"},
+                 {"id", "web-1"},
+                 {"rootfs", "/var/lib/c/web-1/rootfs"},
+                 {"rootfs_files", json::array({{{"path", "/bin/app"},
+                                                {"size", 12345},
+                                                {"xxh3", "8af223c2582302de"}}})}};
+  EXPECT_EQ(Manifest::from_json(m.to_json()).container, m.container);
+  auto doc = full_manifest().to_json();
+  doc.erase("container");
+  EXPECT_TRUE(Manifest::from_json(doc).container.is_null());
+}
+
 TEST(ManifestTest, RefusesForeignFormat) {
   json doc = full_manifest().to_json();
   doc["format"] = "oci-image";

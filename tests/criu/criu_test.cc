@@ -139,6 +139,22 @@ TEST(CriuArgsTest, RestoreDetachesKeepsConnectionsAndInheritsFds) {
   EXPECT_EQ(args.back(), "fd[11]:pipe:[77]");
 }
 
+TEST(CriuArgsTest, RestoreIntoAPlaceholderLeavesTheRootToItsInitAndTheCgroupsAlone) {
+  RestoreOptions o;
+  o.images = "/a/criu";
+  o.log = "/run/gpusnap/1/restore.log";
+  o.pidfile = "/run/gpusnap/1/pid";
+  o.sibling = false;
+  o.keep_cgroups = true;
+  const Strings args = restore_args(Binary{"/usr/sbin/criu", "4.2"}, o);
+  EXPECT_EQ(count(args, "--restore-sibling"), 0u);
+  EXPECT_EQ(count(args, "--restore-detached"), 1u);
+  EXPECT_EQ(count(args, "--manage-cgroups=ignore"), 1u);
+  EXPECT_EQ(count(restore_args(Binary{"/usr/sbin/criu", "4.2"}, RestoreOptions{}),
+                  "--manage-cgroups=ignore"),
+            0u);
+}
+
 TEST(CriuArgsTest, RestoreWithoutInheritAndWithShellJob) {
   RestoreOptions o;
   o.shell_job = true;
