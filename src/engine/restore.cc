@@ -20,9 +20,9 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <future>
 #include <map>
 #include <memory>
+#include <future>
 #include <optional>
 #include <thread>
 
