@@ -20,8 +20,6 @@
 #include "common/fs.h"
 #include "gpusnap/error.h"
 
-extern char** environ;
-
 namespace gpusnap::container {
 
 namespace {
@@ -107,7 +105,7 @@ std::vector<std::string> cgroup_procs_files(pid_t pid) {
 }
 
 [[noreturn]] void child_fail(int report_fd, const std::string& what) {
-  std::string line = what + ": " + std::strerror(errno);
+  std::string line = what + ": " + ::strerrordesc_np(errno);
   (void)::write(report_fd, line.data(), line.size());
   ::_exit(127);
 }
@@ -218,7 +216,7 @@ ExitStatus run_inside(const EnterSpec& spec) {
         child_fail(fail, "pass descriptor " + std::to_string(fd));
       }
     }
-    ::execve(argv[0], argv.data(), environ);
+    ::execv(argv[0], argv.data());
     child_fail(fail, "run " + spec.argv[0]);
   }
   report.write.reset();

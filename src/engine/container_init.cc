@@ -58,7 +58,8 @@ int placeholder_main() {
   sigset_t mask;
   sigemptyset(&mask);
   for (int sig : {SIGCHLD, SIGTERM, SIGINT, SIGHUP, adopt_signal()}) sigaddset(&mask, sig);
-  ::sigprocmask(SIG_BLOCK, &mask, nullptr);
+  // Single-threaded: a helper program's PID 1, so the process-wide mask is ours to set.
+  ::sigprocmask(SIG_BLOCK, &mask, nullptr);  // NOLINT(concurrency-mt-unsafe)
   UniqueFd sfd(::signalfd(-1, &mask, SFD_CLOEXEC));
   if (!sfd) throw sys_error("signalfd", errno);
   // Children reaped before the hand-over: what a failed restore left, or a root that exited
