@@ -90,11 +90,7 @@ std::string artifact_field(const json& body, const std::string& of) {
   return name;
 }
 
-[[noreturn]] void not_supported(const std::string& field) {
-  throw Error(ErrorKind::kEnvironment,
-              "\"" + field + "\" is not supported by this build of gpusnap-agent",
-              "build gpusnap with container support, or name the workload by its host pid");
-}
+ContainerRef container_ref(const ContainerName& c) { return {c.id, c.runtime_root}; }
 
 }  // namespace
 
@@ -216,7 +212,7 @@ json to_json(const RestoreRequest& r) {
 CheckpointOptions checkpoint_options(const CheckpointRequest& r, const EngineSettings& s) {
   CheckpointOptions o;
   o.pid = r.pid;
-  if (r.container) not_supported("container");
+  if (r.container) o.container = container_ref(*r.container);
   o.output = s.storage / r.artifact;
   o.leave_running = r.leave_running;
   o.criu_path = s.criu_path;
@@ -230,7 +226,7 @@ RestoreOptions restore_options(const RestoreRequest& r, const EngineSettings& s)
   RestoreOptions o;
   o.artifact = s.storage / r.artifact;
   o.replicas = r.replicas;
-  if (r.into_container) not_supported("into_container");
+  if (r.into_container) o.into_container = container_ref(*r.into_container);
   o.criu_path = s.criu_path;
   o.helper_binary = s.helper_binary;
   o.run_dir = s.run_dir;

@@ -68,9 +68,7 @@ struct EngineSettings {
 };
 
 // The request as the engine's options. Throws Error(kUsage) for a value only the engine's own
-// parser knows to refuse (a --publish form), and Error(kEnvironment) for a request this build
-// cannot carry out (a container field before the engine has container support): the agent
-// answers 501 to that one.
+// parser knows to refuse (a --publish form).
 CheckpointOptions checkpoint_options(const CheckpointRequest& request,
                                      const EngineSettings& settings);
 RestoreOptions restore_options(const RestoreRequest& request, const EngineSettings& settings);

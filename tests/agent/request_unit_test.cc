@@ -173,20 +173,21 @@ TEST(RequestOptions, MapOntoTheEngineInOnePlace) {
   EXPECT_EQ(bad.kind(), ErrorKind::kUsage);
 }
 
-TEST(RequestOptions, ContainerFieldsAreRefusedByThisBuild) {
+TEST(RequestOptions, ContainerFieldsBecomeTheEnginesContainerOptions) {
   EngineSettings s{"/snap", "/run/gpusnap", "/bin/gpusnap", ""};
-  auto e = catch_error([&] {
-    checkpoint_options(
-        parse_checkpoint_request({{"artifact", "llm"}, {"container", {{"id", "c"}}}}), s);
-  });
-  EXPECT_EQ(e.kind(), ErrorKind::kEnvironment);
-  EXPECT_STREQ(e.what(), "\"container\" is not supported by this build of gpusnap-agent");
-  EXPECT_EQ(http_status(e), 501);
-  e = catch_error([&] {
-    restore_options(parse_restore_request({{"artifact", "llm"}, {"into_container", {{"id", "c"}}}}),
-                    s);
-  });
-  EXPECT_STREQ(e.what(), "\"into_container\" is not supported by this build of gpusnap-agent");
+  auto co = checkpoint_options(
+      parse_checkpoint_request(
+          {{"artifact", "llm"}, {"container", {{"id", "c1"}, {"runtime_root", "/run/x"}}}}),
+      s);
+  ASSERT_TRUE(co.container.has_value());
+  EXPECT_EQ(co.container->id, "c1");
+  EXPECT_EQ(co.container->runtime_root, "/run/x");
+  auto ro = restore_options(
+      parse_restore_request({{"artifact", "llm"}, {"into_container", {{"id", "p1"}}}}), s);
+  ASSERT_TRUE(ro.into_container.has_value());
+  EXPECT_EQ(ro.into_container->id, "p1");
+  EXPECT_EQ(ro.into_container->runtime_root, "/run/runc");  // runc's default
+  EXPECT_EQ(ro.replicas, 1);
 }
 
 TEST(Access, TokenMustMatchExactly) {
