@@ -302,12 +302,8 @@ TEST(Agent, BadRequestsAreRefusedWithTheirStatusAndError) {
                "\"replicas\" must be a whole number from 1 to 1024, not -1");
   expect_error(agent.post("/v1/restores", {{"artifact", "a"}, {"publish", {"x:y"}}}), 400, "usage",
                2, "bad port 'y' in --publish x:y");
-  expect_error(agent.post("/v1/checkpoints", {{"artifact", "a"}, {"container", {{"id", "c"}}}}),
-               501, "environment", 10,
-               "\"container\" is not supported by this build of gpusnap-agent");
-  expect_error(agent.post("/v1/restores", {{"artifact", "a"}, {"into_container", {{"id", "c"}}}}),
-               501, "environment", 10,
-               "\"into_container\" is not supported by this build of gpusnap-agent");
+  expect_error(agent.post("/v1/checkpoints", {{"artifact", "a"}, {"container", {{"id", "x/y"}}}}),
+               400, "usage", 2, "bad container id 'x/y' in \"container\"");
   expect_error(agent.get("/v1/operations/nope"), 404, "not-found", 3, "no operation nope");
   expect_error(agent.get("/v1/snapshots/missing"), 404, "not-found", 3,
                "artifact " + (agent.storage() / "missing").string() + " does not exist");
@@ -324,6 +320,10 @@ TEST(Agent, BadRequestsAreRefusedWithTheirStatusAndError) {
   EXPECT_EQ(agent.get("/v1/operations").doc["operations"].size(), 0u);
 
   // Accepted, then failing in the engine: the operation carries the engine's error.
+  auto no_container = agent.run("/v1/checkpoints",
+                                {{"artifact", "c"}, {"container", {{"id", "no-such-container"}}}});
+  EXPECT_EQ(no_container["state"], "failed") << no_container.dump(2);
+  EXPECT_EQ(no_container["error"]["exit_code"], 3) << no_container.dump(2);
   auto missing = agent.run("/v1/restores", {{"artifact", "missing"}});
   EXPECT_EQ(missing["state"], "failed");
   EXPECT_EQ(missing["error"]["kind"], "not-found");
@@ -337,7 +337,8 @@ TEST(Agent, BadRequestsAreRefusedWithTheirStatusAndError) {
   EXPECT_EQ(
       sample(metrics, R"(gpusnap_operation_failures_total{kind="restore",error_kind="not-found"})"),
       1);
-  EXPECT_EQ(sample(metrics, R"(gpusnap_operations_total{kind="checkpoint",result="failed"})"), 1);
+  // The missing container and the missing pid.
+  EXPECT_EQ(sample(metrics, R"(gpusnap_operations_total{kind="checkpoint",result="failed"})"), 2);
 }
 
 // connect(2) to a Unix socket as uid:gid in a forked child; the child's errno (0: connected).
