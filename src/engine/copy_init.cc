@@ -16,6 +16,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <list>
 
 #include <nlohmann/json.hpp>
@@ -185,14 +186,33 @@ int supervise(pid_t root, const std::vector<ForwardSpec>& forwards) {
 
 namespace {
 
+// Runs CRIU's restore through `run`, then tells gpusnap how it went: "R <root>" (the restored
+// root's pid in the copy's namespace) or "F <reason>". Returns the root, or 0 after a failure.
+pid_t restore_and_report(const CopyInitSpec& spec, const std::function<ExitStatus()>& run) {
+  pid_t root = 0;
+  try {
+    ExitStatus status = run();
+    if (!status.ok()) {
+      send_line(spec.control_fd, "F criu restore " + status.describe());
+      return 0;
+    }
+    root = std::stoi(fs::read_file(spec.pidfile));
+  } catch (const std::exception& e) {
+    send_line(spec.control_fd, std::string("F ") + e.what());
+    return 0;
+  }
+  for (int fd : spec.inherit_fds) ::close(fd);  // the restored tree holds them now
+  send_line(spec.control_fd, "R " + std::to_string(root));
+  return root;
+}
+
 // The container mode of a copy's init: the restored tree goes into a placeholder container's
 // namespaces, where CRIU runs; we stay outside and only report, then hand the root over.
 int restore_into_placeholder(const CopyInitSpec& spec) {
   // gpusnap's end reaches us as EOF on the control socket (we outlive it on purpose: the tree
   // is not in namespaces of ours that would end with us); CRIU must not hold that socket.
   ::fcntl(spec.control_fd, F_SETFD, FD_CLOEXEC);
-  pid_t root = 0;
-  try {
+  pid_t root = restore_and_report(spec, [&] {
     container::EnterSpec enter;
     enter.target = spec.into_pid;
     enter.argv = spec.criu_argv;
@@ -200,18 +220,9 @@ int restore_into_placeholder(const CopyInitSpec& spec) {
     enter.inherit_fds = spec.inherit_fds;
     enter.pid = spec.criu_pid;
     enter.join_cgroups = true;  // the restored tree counts against the placeholder's limits
-    ExitStatus status = container::run_inside(enter);
-    if (!status.ok()) {
-      send_line(spec.control_fd, "F criu restore " + status.describe());
-      return 1;
-    }
-    root = std::stoi(fs::read_file(spec.pidfile));
-  } catch (const std::exception& e) {
-    send_line(spec.control_fd, std::string("F ") + e.what());
-    return 1;
-  }
-  for (int fd : spec.inherit_fds) ::close(fd);
-  send_line(spec.control_fd, "R " + std::to_string(root));
+    return container::run_inside(enter);
+  });
+  if (root == 0) return 1;
   char go = 0;
   ssize_t n;
   while ((n = ::recv(spec.control_fd, &go, 1, 0)) < 0 && errno == EINTR) {
@@ -282,8 +293,7 @@ int copy_init_main(const CopyInitSpec& spec) {
   if (spec.into_pid != 0) return restore_into_placeholder(spec);
   become_init();
 
-  pid_t root = 0;
-  try {
+  pid_t root = restore_and_report(spec, [&] {
     prepare_namespaces(spec);
     UniqueFd out(::open(spec.criu_output.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
     SpawnOptions o;
@@ -291,18 +301,9 @@ int copy_init_main(const CopyInitSpec& spec) {
     o.stdout_fd = out.get();
     o.stderr_fd = out.get();
     for (int fd : spec.inherit_fds) o.keep_fds.push_back({fd, fd});
-    ExitStatus status = *Subprocess(o).wait();
-    if (!status.ok()) {
-      send_line(spec.control_fd, "F criu restore " + status.describe());
-      return 1;
-    }
-    root = std::stoi(fs::read_file(spec.pidfile));
-  } catch (const std::exception& e) {
-    send_line(spec.control_fd, std::string("F ") + e.what());
-    return 1;
-  }
-  for (int fd : spec.inherit_fds) ::close(fd);  // the restored tree holds them now
-  send_line(spec.control_fd, "R " + std::to_string(root));
+    return *Subprocess(o).wait();
+  });
+  if (root == 0) return 1;
   char go = 0;
   ssize_t n;
   while ((n = ::recv(spec.control_fd, &go, 1, 0)) < 0 && errno == EINTR) {

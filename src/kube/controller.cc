@@ -586,6 +586,16 @@ void Controller::follow_capture(const json& snap) {
 
 // ---- restore pods -------------------------------------------------------------------------
 
+// The agent answered a restore pod's request with an error: the pod's condition says why. An
+// agent that cannot be reached is a reason to try again later: rethrown for the retry.
+void Controller::restore_refused(const json& pod, const Error& e) {
+  if (e.kind() == ErrorKind::kEnvironment) {
+    set_restored(pod, "False", "AgentUnavailable", e.what());
+    throw e;
+  }
+  set_restored(pod, "False", reason_of_kind(Error::kind_name(e.kind())), e.what());
+}
+
 void Controller::set_restored(const json& pod, const std::string& status, const std::string& reason,
                               const std::string& message) {
   std::string ns = ns_of(pod), name = name_of(pod);
@@ -684,11 +694,7 @@ void Controller::reconcile_pod(const std::string& key) {
   try {
     inspect = agent_.snapshot(artifact);
   } catch (const Error& e) {
-    if (e.kind() == ErrorKind::kEnvironment) {
-      set_restored(pod, "False", "AgentUnavailable", e.what());
-      throw;
-    }
-    set_restored(pod, "False", reason_of_kind(Error::kind_name(e.kind())), e.what());
+    restore_refused(pod, e);
     return;
   }
   if (!inspect) {
@@ -737,11 +743,7 @@ void Controller::reconcile_pod(const std::string& key) {
   try {
     op = agent_.start_restore(call);
   } catch (const Error& e) {
-    if (e.kind() == ErrorKind::kEnvironment) {
-      set_restored(pod, "False", "AgentUnavailable", e.what());
-      throw;
-    }
-    set_restored(pod, "False", reason_of_kind(Error::kind_name(e.kind())), e.what());
+    restore_refused(pod, e);
     return;
   }
   // The operation's id goes on the pod before anything else, so that no later pass (of this

@@ -98,6 +98,7 @@ class Controller {
   void reconcile_pod(const std::string& key);
   void follow_restore(const nlohmann::json& pod, const std::string& id);
   // Sets the pod's gpusnap.io/restored condition; emits an Event when its reason changes.
+  void restore_refused(const nlohmann::json& pod, const Error& e);
   void set_restored(const nlohmann::json& pod, const std::string& status, const std::string& reason,
                     const std::string& message);
 
