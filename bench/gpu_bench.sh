@@ -5,9 +5,11 @@
 #
 #   bench/gpu_bench.sh OUTDIR [SIZES] [STORAGES]
 #     SIZES     GPU state sizes in GiB (default "4 16")
-#     STORAGES  where the artifacts live: ram (/dev/shm) and/or disk ($DISK_DIR, default
-#               /var/tmp); default "ram disk". For disk, the page cache is dropped before each
-#               restore when this machine allows it (recorded as cache_dropped).
+#     STORAGES  where the artifacts live: ram (/dev/shm), ram-thp (a tmpfs the bench mounts
+#               with huge=within_size: 2 MiB pages, as a node's artifact store can be set up)
+#               and/or disk ($DISK_DIR, default /var/tmp); default "ram disk". For disk, the
+#               page cache is dropped before each restore when this machine allows it
+#               (recorded as cache_dropped).
 #
 # For each size and storage, two starts of the same workload:
 #   cold     launch to first correct answer (the weights file already in the page cache): the
@@ -31,10 +33,11 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$OUT"
 # The weights: the workload's own input, made once and kept for later runs.
 INPUT=${WEIGHTS_DIR:-/dev/shm/gpusnap-bench-weights}; mkdir -p "$INPUT"
-KILL=(); DIRS=()
+KILL=(); DIRS=(); MOUNTS=()
 cleanup() {
   for p in "${KILL[@]}"; do kill -9 "$p" 2>/dev/null || true; done
   rm -rf "${DIRS[@]}"
+  for m in "${MOUNTS[@]}"; do umount "$m" && rmdir "$m" || true; done
 }
 trap cleanup EXIT
 now() { date +%s.%N; }
@@ -65,8 +68,11 @@ start_source() {  # start_source GIB NAME: sets SRC, PORT, COLD (launch to first
 for STORAGE in $STORAGES; do
   case $STORAGE in
     ram) BASE=/dev/shm ;;
+    ram-thp)
+      BASE=$(mktemp -d /run/gpusnap-bench-thp.XXXXXX)
+      mount -t tmpfs -o huge=within_size,size=100G gpusnap-bench-thp "$BASE"; MOUNTS+=("$BASE") ;;
     disk) BASE=${DISK_DIR:-/var/tmp} ;;
-    *) echo "unknown storage '$STORAGE' (ram or disk)" >&2; exit 2 ;;
+    *) echo "unknown storage '$STORAGE' (ram, ram-thp or disk)" >&2; exit 2 ;;
   esac
   FSTYPE=$(stat -f -c %T "$BASE")
   for GIB in $SIZES; do
@@ -101,6 +107,9 @@ for STORAGE in $STORAGES; do
     cp "$WORK/gs-cp.json" "$OUT/gpusnap-checkpoint-$GIB-$STORAGE.json"
     sync
     g_apparent=$(du -sb "$WORK/gs" | cut -f1); g_allocated=$(du -sB1 "$WORK/gs" | cut -f1)
+    # Where the driver put the region: a 2 MiB aligned start lets its file be mapped with huge pages.
+    g_starts=$(python3 -c 'import json,sys; print([hex(i["start"]) for i in json.load(open(sys.argv[1])).get("host_images", [])])' "$WORK/gs/manifest.json" 2>/dev/null || echo '[]')
+    g_huge_kib=$(awk '/ShmemHugePages/ {print $2}' /proc/meminfo)
     g_dropped=false; [[ $STORAGE == disk ]] && g_dropped=$(drop_cache)
     t=$(now)
     "$GPUSNAP" restore "$WORK/gs" --publish "$PORT" --json >"$WORK/gs-rs.json" 2>"$WORK/gs-rs.err"
@@ -126,6 +135,8 @@ doc = {"gib": float(gib), "storage": storage, "fs": fstype, "cold_start_s": $col
        "gpusnap": {"checkpoint_s": $g_ckpt, "restore_to_answer_s": $g_total,
                    "artifact_apparent_bytes": $g_apparent, "artifact_allocated_bytes": $g_allocated,
                    "cache_dropped": "$g_dropped" == "true", "answer": "$g_answer",
+                   "shmem_huge_kib_after_checkpoint": $g_huge_kib,
+                   "host_image_starts": $g_starts,
                    "copy_maps_host_image_after_restore": "${image_maps:-0}" not in ("", "0"),
                    "checkpoint_notes": open(work + "/gs-cp.err").read().splitlines()[-20:],
                    "checkpoint": cp, "restore": rs}}

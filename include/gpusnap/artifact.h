@@ -62,6 +62,7 @@ struct HostImageRecord {
   uint64_t start = 0;
   uint64_t end = 0;
   std::string file;           // relative to the artifact root
+  uint64_t file_offset = 0;   // where `start` lies in the file (start's offset in a 2 MiB page)
   std::string criu_key;       // "file[MNT_ID:INODE]" as CRIU's dump named it
   uint64_t stored_bytes = 0;  // bytes not in holes
 };

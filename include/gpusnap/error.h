@@ -43,4 +43,7 @@ class Error : public std::runtime_error {
 // Builds an Error from errno for a failed system call: "what: strerror(errno)".
 Error sys_error(const std::string& what, int err);
 
+// The text of an errno value. Unlike strerror(), safe to call from several threads at once.
+std::string errno_text(int err);
+
 }  // namespace gpusnap

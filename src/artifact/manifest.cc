@@ -72,6 +72,7 @@ json Manifest::to_json() const {
                            {"start", i.start},
                            {"end", i.end},
                            {"file", i.file},
+                           {"file_offset", i.file_offset},
                            {"criu_key", i.criu_key},
                            {"stored_bytes", i.stored_bytes}});
   }
@@ -230,6 +231,8 @@ Manifest Manifest::from_json(const json& doc) {
         rec.start = size(i, "start");
         rec.end = size(i, "end");
         rec.file = get(i, "file").get<std::string>();
+        // Absent in artifacts written before host images were aligned to 2 MiB pages.
+        if (i.contains("file_offset")) rec.file_offset = size(i, "file_offset");
         rec.criu_key = get(i, "criu_key").get<std::string>();
         rec.stored_bytes = size(i, "stored_bytes");
         if (rec.end <= rec.start) {

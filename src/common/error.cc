@@ -1,6 +1,7 @@
 #include "gpusnap/error.h"
 
 #include <cstring>
+#include <system_error>
 
 namespace gpusnap {
 
@@ -26,6 +27,8 @@ const char* Error::kind_name(ErrorKind kind) {
   }
   return "internal";
 }
+
+std::string errno_text(int err) { return std::error_code(err, std::generic_category()).message(); }
 
 Error sys_error(const std::string& what, int err) {
   return Error(ErrorKind::kInternal, what + ": " + std::strerror(err));

@@ -22,9 +22,6 @@ namespace gpusnap {
 
 namespace {
 
-// strerror() shares one buffer between threads; the error category does not.
-std::string errno_text() { return std::error_code(errno, std::generic_category()).message(); }
-
 [[noreturn]] void fail(const std::string& what) {
   throw Error(ErrorKind::kEnvironment, what,
               "gpusnap stores this memory through CRIU instead; nothing was changed");
@@ -58,7 +55,7 @@ pid_t pick_thread(pid_t pid) {
 int wait_stop(pid_t tid) {
   int status = 0;
   while (::waitpid(tid, &status, __WALL) < 0) {
-    if (errno != EINTR) fail("waitpid(" + std::to_string(tid) + "): " + errno_text());
+    if (errno != EINTR) fail("waitpid(" + std::to_string(tid) + "): " + errno_text(errno));
   }
   if (!WIFSTOPPED(status)) {
     fail("thread " + std::to_string(tid) + " ended while gpusnap held it");
@@ -121,11 +118,11 @@ static_assert(sizeof(user_regs_struct) <= 512);
 RemoteThread::RemoteThread(pid_t pid)
     : pid_(pid), tid_(pick_thread(pid)), syscall_insn_(find_syscall_instruction(pid)) {
   if (::ptrace(PTRACE_SEIZE, tid_, nullptr, nullptr) != 0) {
-    fail("cannot trace process " + std::to_string(pid) + ": " + errno_text());
+    fail("cannot trace process " + std::to_string(pid) + ": " + errno_text(errno));
   }
   attached_ = true;
   if (::ptrace(PTRACE_INTERRUPT, tid_, nullptr, nullptr) != 0) {
-    std::string why = errno_text();
+    std::string why = errno_text(errno);
     ::ptrace(PTRACE_DETACH, tid_, nullptr, nullptr);
     attached_ = false;
     fail("cannot stop thread " + std::to_string(tid_) + ": " + why);
@@ -143,7 +140,7 @@ RemoteThread::RemoteThread(pid_t pid)
   if (event == 0) pending_signal_ = sig;
   auto* regs = reinterpret_cast<user_regs_struct*>(saved_regs_);
   if (::ptrace(PTRACE_GETREGS, tid_, nullptr, regs) != 0) {
-    std::string why = errno_text();
+    std::string why = errno_text(errno);
     restore_and_detach();
     fail("cannot read the registers of thread " + std::to_string(tid_) + ": " + why);
   }
@@ -177,10 +174,10 @@ long RemoteThread::syscall(long nr, uint64_t a1, uint64_t a2, uint64_t a3, uint6
   // Not "in a system call": the kernel must not apply restart logic to this one.
   regs.orig_rax = static_cast<uint64_t>(-1);
   if (::ptrace(PTRACE_SETREGS, tid_, nullptr, &regs) != 0) {
-    fail("cannot set the registers of thread " + std::to_string(tid_) + ": " + errno_text());
+    fail("cannot set the registers of thread " + std::to_string(tid_) + ": " + errno_text(errno));
   }
   if (::ptrace(PTRACE_SINGLESTEP, tid_, nullptr, nullptr) != 0) {
-    fail("cannot step thread " + std::to_string(tid_) + ": " + errno_text());
+    fail("cannot step thread " + std::to_string(tid_) + ": " + errno_text(errno));
   }
   for (;;) {
     int status = wait_stop(tid_);
@@ -188,12 +185,12 @@ long RemoteThread::syscall(long nr, uint64_t a1, uint64_t a2, uint64_t a3, uint6
     // Another signal arrived first: keep it for the detach, step again.
     if ((status >> 16) == 0) pending_signal_ = WSTOPSIG(status);
     if (::ptrace(PTRACE_SINGLESTEP, tid_, nullptr, nullptr) != 0) {
-      fail("cannot step thread " + std::to_string(tid_) + ": " + errno_text());
+      fail("cannot step thread " + std::to_string(tid_) + ": " + errno_text(errno));
     }
   }
   user_regs_struct after{};
   if (::ptrace(PTRACE_GETREGS, tid_, nullptr, &after) != 0) {
-    fail("cannot read the registers of thread " + std::to_string(tid_) + ": " + errno_text());
+    fail("cannot read the registers of thread " + std::to_string(tid_) + ": " + errno_text(errno));
   }
   if (after.rip != syscall_insn_ + 2) {
     fail("thread " + std::to_string(tid_) + " did not execute the injected system call");
@@ -220,7 +217,7 @@ void RemoteThread::write_memory(uint64_t address, const void* data, size_t size)
   ssize_t n = ::process_vm_writev(pid_, &local, 1, &remote, 1, 0);
   if (n != static_cast<ssize_t>(size)) {
     fail("cannot write " + std::to_string(size) + " bytes into process " + std::to_string(pid_) +
-         ": " + (n < 0 ? errno_text() : "short write"));
+         ": " + (n < 0 ? errno_text(errno) : "short write"));
   }
 }
 

@@ -25,11 +25,13 @@ namespace gpusnap::engine {
 
 namespace {
 
-// strerror() shares one buffer between threads; the error category does not.
-std::string os_error(int err) { return std::error_code(err, std::generic_category()).message(); }
-
 constexpr uint64_t kCopyBuffer = 8ull << 20;  // read from the process at once
 constexpr uint64_t kHoleBlock = 64ull << 10;  // zero blocks of this size become holes
+// A PMD-sized (x86-64) page. A private file mapping can map the file's 2 MiB pages (a tmpfs
+// mounted with huge=) with one entry each only where its address and its file offset agree
+// modulo this size; the driver's region need not start on such a boundary, so its file
+// starts with a hole that makes them agree.
+constexpr uint64_t kHugePage = 2ull << 20;
 
 bool private_anonymous_rw(const Mapping& m) {
   return m.path.empty() && m.perms.size() == 4 && m.perms[0] == 'r' && m.perms[1] == 'w' &&
@@ -97,6 +99,7 @@ std::string criu_file_key(int fd) {
 
 struct ImageFile {
   Range range;
+  uint64_t pad = 0;  // the hole before the range's first byte in the file
   std::filesystem::path path;
   UniqueFd fd;
   unsigned char* map = nullptr;  // the file, mapped shared for writing
@@ -106,8 +109,9 @@ struct ImageFile {
   ImageFile(const ImageFile&) = delete;
   ImageFile& operator=(const ImageFile&) = delete;
   ~ImageFile() { unmap(); }
+  uint64_t file_size() const { return pad + range.size(); }
   void unmap() {
-    if (map != nullptr) ::munmap(map, range.size());
+    if (map != nullptr) ::munmap(map, file_size());
     map = nullptr;
   }
 };
@@ -120,7 +124,7 @@ void copy_out(pid_t pid, std::vector<ImageFile>& files, int threads, uint64_t ch
   struct Job {
     ImageFile* file;
     size_t chunk;
-    uint64_t offset;
+    uint64_t offset;  // in the file
     uint64_t size;
   };
   // Chunk by chunk across the files, so that threads working at once write different files.
@@ -129,12 +133,12 @@ void copy_out(pid_t pid, std::vector<ImageFile>& files, int threads, uint64_t ch
     size_t before = jobs.size();
     for (auto& f : files) {
       uint64_t off = c * chunk_bytes;
-      if (off < f.range.size())
-        jobs.push_back({&f, c, off, std::min(chunk_bytes, f.range.size() - off)});
+      if (off < f.file_size())
+        jobs.push_back({&f, c, off, std::min(chunk_bytes, f.file_size() - off)});
     }
     if (jobs.size() == before) break;
   }
-  for (auto& f : files) f.chunks.resize((f.range.size() + chunk_bytes - 1) / chunk_bytes);
+  for (auto& f : files) f.chunks.resize((f.file_size() + chunk_bytes - 1) / chunk_bytes);
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
   std::mutex failure_mutex;
@@ -151,9 +155,15 @@ void copy_out(pid_t pid, std::vector<ImageFile>& files, int threads, uint64_t ch
     for (size_t j; !failed && (j = next.fetch_add(1)) < jobs.size();) {
       const Job& job = jobs[j];
       hash.reset();
-      for (uint64_t done = 0; done < job.size;) {
+      uint64_t done = 0;
+      if (job.offset < job.file->pad) {  // the leading hole: zeros to the checksum, no copy
+        done = std::min(job.file->pad - job.offset, job.size);
+        std::memset(buf.data(), 0, done);
+        hash.update(buf.data(), done);
+      }
+      while (done < job.size) {
         uint64_t len = std::min(kCopyBuffer, job.size - done);
-        uint64_t at = job.file->range.start + job.offset + done;
+        uint64_t at = job.file->range.start + (job.offset + done - job.file->pad);
         iovec local{buf.data(), len};
         // An address in the other process: an integer by nature, never dereferenced here.
         iovec remote{reinterpret_cast<void*>(at), len};  // NOLINT(performance-no-int-to-ptr)
@@ -162,7 +172,7 @@ void copy_out(pid_t pid, std::vector<ImageFile>& files, int threads, uint64_t ch
           std::ostringstream where;
           where << std::hex << at;
           return fail("cannot read process " + std::to_string(pid) + " memory at 0x" + where.str() +
-                      ": " + (got < 0 ? os_error(errno) : "short read"));
+                      ": " + (got < 0 ? errno_text(errno) : "short read"));
         }
         hash.update(buf.data(), len);
         unsigned char* dest = job.file->map + job.offset + done;
@@ -195,7 +205,7 @@ void remap(pid_t pid, std::vector<ImageFile>& files, const std::vector<Mapping>&
   if (scratch < 0 && scratch > -4096) {
     throw Error(ErrorKind::kEnvironment, "cannot map a scratch page in process " +
                                              std::to_string(pid) + ": " +
-                                             os_error(static_cast<int>(-scratch)));
+                                             errno_text(static_cast<int>(-scratch)));
   }
   for (auto& f : files) {
     auto mapping = std::find_if(maps.begin(), maps.end(), [&](const Mapping& m) {
@@ -215,11 +225,11 @@ void remap(pid_t pid, std::vector<ImageFile>& files, const std::vector<Mapping>&
                              static_cast<uint64_t>(scratch), O_RDONLY | O_CLOEXEC, 0);
     if (fd < 0) {
       reporter.note("process " + std::to_string(pid) + " cannot open its host image (" +
-                    os_error(static_cast<int>(-fd)) + "): stored through CRIU");
+                    errno_text(static_cast<int>(-fd)) + "): stored through CRIU");
       continue;
     }
     long mapped = thread.syscall(SYS_mmap, f.range.start, f.range.size(), prot_of(mapping->perms),
-                                 MAP_PRIVATE | MAP_FIXED, static_cast<uint64_t>(fd), 0);
+                                 MAP_PRIVATE | MAP_FIXED, static_cast<uint64_t>(fd), f.pad);
     thread.syscall(SYS_close, static_cast<uint64_t>(fd));
     if (mapped != static_cast<long>(f.range.start)) continue;  // checked from the maps below
     const std::pair<const char*, int> advice[] = {{"dc", MADV_DONTFORK},
@@ -235,14 +245,17 @@ void remap(pid_t pid, std::vector<ImageFile>& files, const std::vector<Mapping>&
   thread.syscall(SYS_munmap, static_cast<uint64_t>(scratch), 4096);
 }
 
-// Whether [range) of `pid` is now mapped from `file` only.
+// Whether [range) of `pid` is now mapped from `file` only, the range's first byte at `offset`.
 bool mapped_from(const std::vector<Mapping>& maps, const Range& range,
-                 const std::filesystem::path& file) {
+                 const std::filesystem::path& file, uint64_t offset) {
   auto want = std::filesystem::absolute(file).string();
   uint64_t covered = range.start;
   for (const auto& m : maps) {
     if (m.end <= range.start || m.start >= range.end) continue;
-    if (m.path != want || m.start > covered) return false;
+    if (m.path != want || m.start > covered || m.start < range.start ||
+        m.offset != offset + (m.start - range.start)) {
+      return false;
+    }
     covered = m.end;
   }
   return covered >= range.end;
@@ -326,23 +339,27 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ra
     for (size_t i = 0; i < ranges.size(); ++i) {
       auto& f = files[i];
       f.range = ranges[i];
+      f.pad = f.range.start % kHugePage;
       std::ostringstream name;
       name << pid << "-" << std::hex << ranges[i].start << ".img";
       f.path = dir / name.str();
       f.fd.reset(::open(f.path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0444));
       if (!f.fd)
         throw Error(ErrorKind::kEnvironment,
-                    "cannot create " + f.path.string() + ": " + os_error(errno));
-      if (::ftruncate(f.fd.get(), static_cast<off_t>(ranges[i].size())) != 0) {
+                    "cannot create " + f.path.string() + ": " + errno_text(errno));
+      if (::ftruncate(f.fd.get(), static_cast<off_t>(f.file_size())) != 0) {
         throw Error(ErrorKind::kEnvironment,
-                    "cannot size " + f.path.string() + ": " + os_error(errno));
+                    "cannot size " + f.path.string() + ": " + errno_text(errno));
       }
-      void* map =
-          ::mmap(nullptr, ranges[i].size(), PROT_READ | PROT_WRITE, MAP_SHARED, f.fd.get(), 0);
+      void* map = ::mmap(nullptr, f.file_size(), PROT_READ | PROT_WRITE, MAP_SHARED, f.fd.get(), 0);
       if (map == MAP_FAILED) {
         throw Error(ErrorKind::kEnvironment,
-                    "cannot map " + f.path.string() + ": " + os_error(errno));
+                    "cannot map " + f.path.string() + ": " + errno_text(errno));
       }
+      // On a tmpfs mounted with huge=advise this asks for 2 MiB pages (huge=within_size and
+      // huge=always give them anyway): one page fault and one page-cache entry per 2 MiB
+      // instead of 512, here and in every process that maps the file later. Only advice.
+      ::madvise(map, f.file_size(), MADV_HUGEPAGE);
       f.map = static_cast<unsigned char*>(map);
     }
     copy_out(pid, files, options.threads, chunk_bytes);
@@ -359,7 +376,7 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ra
   auto maps = read_mappings(pid);
   for (auto& f : files) {
     if (f.path.empty()) continue;
-    if (!f.fd || !mapped_from(maps, f.range, f.path)) {
+    if (!f.fd || !mapped_from(maps, f.range, f.path, f.pad)) {
       f.fd.reset();
       std::error_code ec;
       std::filesystem::remove(f.path, ec);
@@ -370,11 +387,12 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ra
     rec.start = f.range.start;
     rec.end = f.range.end;
     rec.file = std::filesystem::relative(f.path, artifact_root).string();
+    rec.file_offset = f.pad;
     rec.criu_key = criu_file_key(f.fd.get());
     rec.stored_bytes = f.stored;
     total += f.range.size();
     stored += rec.stored_bytes;
-    out.files.push_back({rec.file, f.range.size(), f.chunks});
+    out.files.push_back({rec.file, f.file_size(), f.chunks});
     out.images.push_back(std::move(rec));
   }
   if (!out.images.empty()) {

@@ -70,6 +70,9 @@ class Driver {
   virtual ProcessState state(pid_t pid) = 0;
   virtual void lock(pid_t pid, std::chrono::milliseconds timeout) = 0;
   virtual void checkpoint(pid_t pid) = 0;
+  // Readies this process for restore() (the real driver needs CUDA initialised in the
+  // caller, ~0.2 s), so that a caller can do it beside other work; restore() does it anyway.
+  virtual void prepare_restore() {}
   virtual void restore(pid_t pid, const std::vector<GpuPair>& pairs) = 0;
   virtual void unlock(pid_t pid) = 0;
 };

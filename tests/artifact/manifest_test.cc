@@ -3,9 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
-#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
+#include <nlohmann/json.hpp>
 
 #include "gpusnap/artifact.h"
 #include "gpusnap/error.h"
@@ -54,8 +54,8 @@ Manifest full_manifest() {
   m.gpu = {{"driver", "550.54.15"}, {"gpus", json::array({"GPU-0000"})}};
   m.chunk_bytes = 1 << 20;
   m.files = {{"criu/pages-1.img", 3 << 20, {"aa", "bb", "cc"}}, {"criu/empty.img", 0, {"dd"}}};
-  m.host_images = {{4242, 0x7f0000000000, 0x7f0400000000, "host-images/4242-7f0000000000.img",
-                    "file[2a:1f3]", 123 << 20}};
+  m.host_images = {{4242, 0x7f00001db000, 0x7f04001db000, "host-images/4242-7f00001db000.img",
+                    0x1db000, "file[2a:1f3]", 123 << 20}};
   m.checkpoint_phases = {{"freeze", 0.25}, {"dump", 1.5}};
   return m;
 }
@@ -68,7 +68,8 @@ TEST(ManifestTest, RoundTripsEveryField) {
   EXPECT_EQ(back.format, "gpusnap-artifact");
   EXPECT_EQ(back.format_version, 2);
   ASSERT_EQ(back.host_images.size(), 1u);
-  EXPECT_EQ(back.host_images[0].start, 0x7f0000000000u);
+  EXPECT_EQ(back.host_images[0].start, 0x7f00001db000u);
+  EXPECT_EQ(back.host_images[0].file_offset, 0x1db000u);
   EXPECT_EQ(back.host_images[0].criu_key, "file[2a:1f3]");
   EXPECT_EQ(back.id, m.id);
   EXPECT_EQ(back.created, m.created);
@@ -120,12 +121,12 @@ TEST(ManifestTest, NullGpuMeansNoGpuState) {
 
 TEST(ManifestTest, RoundTripsAContainerCaptureAndReadsOlderManifestsWithout) {
   Manifest m = full_manifest();
-  m.container = {{"runtime", "runc"},
-                 {"id", "web-1"},
-                 {"rootfs", "/var/lib/c/web-1/rootfs"},
-                 {"rootfs_files", json::array({{{"path", "/bin/app"},
-                                                {"size", 12345},
-                                                {"xxh3", "8af223c2582302de"}}})}};
+  m.container = {
+      {"runtime", "runc"},
+      {"id", "web-1"},
+      {"rootfs", "/var/lib/c/web-1/rootfs"},
+      {"rootfs_files",
+       json::array({{{"path", "/bin/app"}, {"size", 12345}, {"xxh3", "8af223c2582302de"}}})}};
   EXPECT_EQ(Manifest::from_json(m.to_json()).container, m.container);
   auto doc = full_manifest().to_json();
   doc.erase("container");
@@ -157,6 +158,14 @@ TEST(ManifestTest, ReadsVersionOneWithoutHostImages) {
   Manifest m = Manifest::from_json(doc);
   EXPECT_EQ(m.format_version, 1);
   EXPECT_TRUE(m.host_images.empty());
+}
+
+TEST(ManifestTest, HostImageWithoutFileOffsetStartsTheFile) {
+  json doc = full_manifest().to_json();
+  doc["host_images"][0].erase("file_offset");  // written before images were aligned
+  Manifest m = Manifest::from_json(doc);
+  ASSERT_EQ(m.host_images.size(), 1u);
+  EXPECT_EQ(m.host_images[0].file_offset, 0u);
 }
 
 TEST(ManifestTest, RefusesAnEmptyHostImageRange) {
@@ -226,40 +235,39 @@ TEST(ManifestTest, NonObjectWhereAnObjectBelongsIsTheWrongTypeOfThatField) {
     json value;
     const char* message;
   };
-  const Case cases[] = {
-      {"/host", "x86_64",
-       "manifest field 'host' has the wrong type: "
-       "expected an object, found string"},
-      {"/source", 4242,
-       "manifest field 'source' has the wrong type: "
-       "expected an object, found number"},
-      {"/criu", json::array(),
-       "manifest field 'criu' has the wrong type: "
-       "expected an object, found array"},
-      {"/checksum", nullptr,
-       "manifest field 'checksum' has the wrong type: "
-       "expected an object, found null"},
-      {"/processes", "python3",
-       "manifest field 'processes' has the wrong type: "
-       "expected an array, found string"},
-      {"/processes/1", "worker",
-       "manifest field 'processes' has the wrong type: "
-       "expected an array of objects, found string"},
-      {"/processes/0/stdio", json::object(),
-       "manifest field 'stdio' has the wrong type: "
-       "expected an array, found object"},
-      {"/processes/0/stdio/1", 1,
-       "manifest field 'stdio' has the wrong type: "
-       "expected an array of objects, found number"},
-      {"/files", json::object({{"path", "x"}}),
-       "manifest field 'files' has the wrong type: "
-       "expected an array, found object"},
-      {"/files/0", "criu/pages-1.img",
-       "manifest field 'files' has the wrong type: "
-       "expected an array of objects, found string"},
-      {"/checkpoint_phases/1", 1.5,
-       "manifest field 'checkpoint_phases' has the wrong type: "
-       "expected an array of objects, found number"}};
+  const Case cases[] = {{"/host", "x86_64",
+                         "manifest field 'host' has the wrong type: "
+                         "expected an object, found string"},
+                        {"/source", 4242,
+                         "manifest field 'source' has the wrong type: "
+                         "expected an object, found number"},
+                        {"/criu", json::array(),
+                         "manifest field 'criu' has the wrong type: "
+                         "expected an object, found array"},
+                        {"/checksum", nullptr,
+                         "manifest field 'checksum' has the wrong type: "
+                         "expected an object, found null"},
+                        {"/processes", "python3",
+                         "manifest field 'processes' has the wrong type: "
+                         "expected an array, found string"},
+                        {"/processes/1", "worker",
+                         "manifest field 'processes' has the wrong type: "
+                         "expected an array of objects, found string"},
+                        {"/processes/0/stdio", json::object(),
+                         "manifest field 'stdio' has the wrong type: "
+                         "expected an array, found object"},
+                        {"/processes/0/stdio/1", 1,
+                         "manifest field 'stdio' has the wrong type: "
+                         "expected an array of objects, found number"},
+                        {"/files", json::object({{"path", "x"}}),
+                         "manifest field 'files' has the wrong type: "
+                         "expected an array, found object"},
+                        {"/files/0", "criu/pages-1.img",
+                         "manifest field 'files' has the wrong type: "
+                         "expected an array of objects, found string"},
+                        {"/checkpoint_phases/1", 1.5,
+                         "manifest field 'checkpoint_phases' has the wrong type: "
+                         "expected an array of objects, found number"}};
   for (const auto& c : cases) {
     SCOPED_TRACE(c.pointer);
     json doc = full_manifest().to_json();

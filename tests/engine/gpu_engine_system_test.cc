@@ -100,7 +100,9 @@ std::string join(const std::vector<std::string>& lines) {
   return "[" + out + "]";
 }
 
-std::string call(const char* name, pid_t pid) { return std::string(name) + " " + std::to_string(pid); }
+std::string call(const char* name, pid_t pid) {
+  return std::string(name) + " " + std::to_string(pid);
+}
 
 // The expected driver calls: groups in order; inside a group, any order (they run in parallel).
 struct Calls {
@@ -179,8 +181,10 @@ std::map<pid_t, pid_t> copy_processes(const std::set<pid_t>& ns_pids, bool ours)
         bool found = false;
         pid_t up = p.ppid;
         for (int depth = 0; depth < 8 && up > 1 && !found; ++depth) {
-          if (up == ::getpid()) found = true;
-          else up = proc::read_process(up).ppid;
+          if (up == ::getpid())
+            found = true;
+          else
+            up = proc::read_process(up).ppid;
         }
         if (!found) continue;
       }
@@ -253,11 +257,11 @@ TEST(GpuEngine, LeaveRunningLocksAllThenCheckpointsThenResumesAfterTheDump) {
 
   // Every process locked (in tree order) before any is checkpointed; CRIU dumps them
   // checkpointed; only then does each get its GPU state back and is unlocked.
-  auto locked_and_checkpointed = Calls()
-                                     .then(call("lock", pids[0]))
-                                     .then(call("lock", pids[1]))
-                                     .any_order({call("checkpoint", pids[0]),
-                                                 call("checkpoint", pids[1])});
+  auto locked_and_checkpointed =
+      Calls()
+          .then(call("lock", pids[0]))
+          .then(call("lock", pids[1]))
+          .any_order({call("checkpoint", pids[0]), call("checkpoint", pids[1])});
   EXPECT_TRUE(Matches(at_dump_start, locked_and_checkpointed));
   EXPECT_TRUE(Matches(at_dump_end, locked_and_checkpointed));
   auto all = fake.transitions();
@@ -291,13 +295,13 @@ TEST(GpuEngine, LeaveRunningLocksAllThenCheckpointsThenResumesAfterTheDump) {
   // `inspect` shows each CUDA process (a rank) with its bytes per GPU.
   auto shown = gpusnap({"inspect", (dir / "snap").string()});
   ASSERT_EQ(shown.exit_code, 0) << shown.err;
-  EXPECT_NE(shown.out.find("CUDA process 0 (pid " + std::to_string(pids[0]) +
-                           "): 256.0 MiB on GPU 0"),
-            std::string::npos)
+  EXPECT_NE(
+      shown.out.find("CUDA process 0 (pid " + std::to_string(pids[0]) + "): 256.0 MiB on GPU 0"),
+      std::string::npos)
       << shown.out;
-  EXPECT_NE(shown.out.find("CUDA process 1 (pid " + std::to_string(pids[1]) +
-                           "): 512.0 MiB on GPU 0"),
-            std::string::npos)
+  EXPECT_NE(
+      shown.out.find("CUDA process 1 (pid " + std::to_string(pids[1]) + "): 512.0 MiB on GPU 0"),
+      std::string::npos)
       << shown.out;
 
   for (pid_t pid : pids) {
@@ -322,8 +326,8 @@ TEST(GpuEngine, WithoutLeaveRunningTheSourceStopsCheckpointedAndARestoreOfUnknow
   register_cuda(fake, pids);
 
   RecordingReporter reporter;
-  auto result = checkpoint(checkpoint_options(source.pid(), dir / "snap", fake, dir / "run"),
-                           reporter);
+  auto result =
+      checkpoint(checkpoint_options(source.pid(), dir / "snap", fake, dir / "run"), reporter);
   // No restore, no unlock: the source is stopped with its GPU state in the artifact.
   EXPECT_TRUE(Matches(fake.transitions(),
                       Calls()
@@ -342,9 +346,8 @@ TEST(GpuEngine, WithoutLeaveRunningTheSourceStopsCheckpointedAndARestoreOfUnknow
   auto before = pid_namespaces();
   fake.clear_calls();
   RecordingReporter restore_reporter;
-  auto e = error_of([&] {
-    restore(restore_options(dir / "snap", fake, dir / "run"), restore_reporter);
-  });
+  auto e = error_of(
+      [&] { restore(restore_options(dir / "snap", fake, dir / "run"), restore_reporter); });
   ASSERT_TRUE(e);
   EXPECT_EQ(e->kind(), ErrorKind::kGpu) << e->what();
   EXPECT_TRUE(contains(e->what(), "cuCheckpointProcessRestore")) << e->what();
@@ -385,7 +388,8 @@ TEST(GpuEngine, RestoreReturnsEveryCopyProcessToRunning) {
     for (const auto& [host, ns] : registered) {
       fake.add_process(host, ProcessState::kCheckpointed);
       for (const auto& p : cp.manifest.gpu.at("processes")) {
-        if (p.at("pid").get<pid_t>() == ns) fake.set_usage(host, kGpuA, p.at("bytes").get<uint64_t>());
+        if (p.at("pid").get<pid_t>() == ns)
+          fake.set_usage(host, kGpuA, p.at("bytes").get<uint64_t>());
       }
     }
   };
@@ -417,6 +421,12 @@ TEST(GpuEngine, RestoreReturnsEveryCopyProcessToRunning) {
   }
   for (pid_t pid : pids) EXPECT_EQ(fake.peek_state(pid), ProcessState::kRunning);
   EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
+  // The driver is readied beside CRIU's restore and waited for before its restore calls.
+  auto phases = reporter.phases();
+  auto at = [&](const char* name) { return std::find(phases.begin(), phases.end(), name); };
+  ASSERT_NE(at("gpu-init"), phases.end());
+  EXPECT_LT(at("criu-restore"), at("gpu-init"));
+  EXPECT_LT(at("gpu-init"), at("gpu-restore"));
 }
 
 // --- 2-4. A GPU phase fails mid-way: every process is put back --------------------------------
@@ -556,15 +566,15 @@ TEST(GpuEngine, ResumeFailingAfterTheDumpIsRetriedAndNoArtifactAppears) {
   EXPECT_EQ(e->kind(), ErrorKind::kGpu) << e->what();
   EXPECT_TRUE(contains(e->what(), "restored the GPU state of process " + std::to_string(pids[1])))
       << e->what();
-  EXPECT_TRUE(Matches(fake.transitions(),
-                      Calls()
-                          .then(call("lock", pids[0]))
-                          .then(call("lock", pids[1]))
-                          .any_order({call("checkpoint", pids[0]), call("checkpoint", pids[1])})
-                          .any_order({call("restore", pids[0]), call("unlock", pids[0]),
-                                      call("restore", pids[1])})
-                          .then(call("restore", pids[1]))
-                          .then(call("unlock", pids[1]))));
+  EXPECT_TRUE(Matches(
+      fake.transitions(),
+      Calls()
+          .then(call("lock", pids[0]))
+          .then(call("lock", pids[1]))
+          .any_order({call("checkpoint", pids[0]), call("checkpoint", pids[1])})
+          .any_order({call("restore", pids[0]), call("unlock", pids[0]), call("restore", pids[1])})
+          .then(call("restore", pids[1]))
+          .then(call("unlock", pids[1]))));
   for (pid_t pid : pids) {
     EXPECT_EQ(fake.peek_state(pid), ProcessState::kRunning);
     EXPECT_TRUE(running(pid));
@@ -682,7 +692,8 @@ TEST(GpuEngine, CriuDumpFailingAfterTheGpuCheckpointResumesTheGpuState) {
                          "the dump' >> \"$log\"\n"
                          "  exit 1\n"
                          "fi\n"
-                         "exec '" + criu::locate().path + "' \"$@\"\n");
+                         "exec '" +
+                             criu::locate().path + "' \"$@\"\n");
   std::filesystem::permissions(script, std::filesystem::perms::owner_all);
 
   Workload source(dir, {"--mib", "8", "--children", "1"});
@@ -860,7 +871,8 @@ TEST(GpuEngine, GpuMapOnACpuOnlyArtifactIsAUsageError) {
   EXPECT_TRUE(fake.calls().empty()) << join(fake.calls());
 }
 
-// --- 7. Journal recovery --------------------------------------------------------------------------
+// --- 7. Journal recovery
+// --------------------------------------------------------------------------
 
 Subprocess sleeper() {
   SpawnOptions o;
@@ -908,8 +920,10 @@ TEST(GpuEngine, JournalOfAKilledGpusnapIsRecoveredAndALiveOnesIsLeftAlone) {
   EXPECT_EQ(fake.peek_state(checkpointed.pid()), ProcessState::kRunning);
   EXPECT_EQ(fake.peek_state(busy.pid()), ProcessState::kLocked);
   EXPECT_EQ(fake.peek_state(gone), ProcessState::kLocked);  // not a process any more: skipped
-  EXPECT_FALSE(std::filesystem::exists(run_dir / "journal" / (std::to_string(killed_owner) + ".json")));
-  EXPECT_TRUE(std::filesystem::exists(run_dir / "journal" / (std::to_string(::getpid()) + ".json")));
+  EXPECT_FALSE(
+      std::filesystem::exists(run_dir / "journal" / (std::to_string(killed_owner) + ".json")));
+  EXPECT_TRUE(
+      std::filesystem::exists(run_dir / "journal" / (std::to_string(::getpid()) + ".json")));
   EXPECT_TRUE(running(locked.pid()) && running(checkpointed.pid()) && running(busy.pid()));
 
   // The library entry points recover first thing, and tell the reporter.

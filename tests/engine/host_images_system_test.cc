@@ -39,6 +39,10 @@ using gpu::ProcessState;
 constexpr const char* kGpu = "GPU-0a0a0a0a-1111-2222-3333-444444444444";
 constexpr uint64_t kMiB = 1ull << 20;
 constexpr uint64_t kRegion = 192 * kMiB;
+constexpr uint64_t kHugePage = 2 * kMiB;
+// Where the real driver's region started within a 2 MiB page on the H200 (0x7f7ab85db000):
+// not on a boundary, which gpusnap's files must make up for.
+constexpr uint64_t kRegionSkew = 0x1db000;
 
 // The word at `index` of the region: every fourth 4 MiB block is zero (a hole in the image;
 // blocks this large stay holes even where the file system caches files in large folios).
@@ -65,9 +69,15 @@ class StagingDriver final : public gpu::Driver {
   void checkpoint(pid_t pid) override {
     fake_.checkpoint(pid);
     RemoteThread thread(pid);
-    long at = thread.syscall(SYS_mmap, 0, kRegion, PROT_READ | PROT_WRITE,
-                             MAP_PRIVATE | MAP_ANONYMOUS, static_cast<uint64_t>(-1), 0);
-    ASSERT_GT(at, 0);
+    // A region that starts kRegionSkew past a 2 MiB boundary, as the driver's did.
+    long room = thread.syscall(SYS_mmap, 0, kRegion + 2 * kHugePage, PROT_READ | PROT_WRITE,
+                               MAP_PRIVATE | MAP_ANONYMOUS, static_cast<uint64_t>(-1), 0);
+    ASSERT_GT(room, 0);
+    uint64_t base = static_cast<uint64_t>(room);
+    uint64_t start = (base + kHugePage - 1) / kHugePage * kHugePage + kRegionSkew;
+    if (start > base) thread.syscall(SYS_munmap, base, start - base);
+    thread.syscall(SYS_munmap, start + kRegion, base + kRegion + 2 * kHugePage - start - kRegion);
+    long at = static_cast<long>(start);
     std::vector<uint64_t> words(kMiB / 8);
     for (uint64_t off = 0; off < kRegion; off += kMiB) {
       for (uint64_t i = 0; i < words.size(); ++i) words[i] = word_at(off / 8 + i);
@@ -229,19 +239,27 @@ TEST(HostImages, GpuMemoryIsStoredBesideCriuAndMappedBackInEveryCopy) {
     }
   }
   EXPECT_EQ(images.back().end - images.front().start, kRegion);
+  EXPECT_EQ(images.front().start % kHugePage, kRegionSkew);
   uint64_t stored = 0, allocated = 0;
   for (const auto& image : images) {
     EXPECT_EQ(image.pid, source.pid());
     EXPECT_TRUE(image.criu_key.rfind("file[", 0) == 0) << image.criu_key;
     auto file = dir / "snap" / image.file;
-    EXPECT_EQ(std::filesystem::file_size(file), image.end - image.start);
+    // Each file starts with a hole that puts the region's bytes at the same offset within a
+    // 2 MiB page as their address, so that huge pages of the file can be mapped whole.
+    EXPECT_EQ(image.file_offset, image.start % kHugePage);
+    EXPECT_EQ(std::filesystem::file_size(file), image.file_offset + image.end - image.start);
     struct stat st {};
     ASSERT_EQ(::stat(file.c_str(), &st), 0);
     stored += image.stored_bytes;
     allocated += static_cast<uint64_t>(st.st_blocks) * 512;
   }
   EXPECT_EQ(stored, kRegion / 4 * 3);
-  EXPECT_LE(allocated, kRegion / 4 * 3 + 8 * kMiB) << "not sparse";
+  // Each zero 4 MiB block of the region holds at least one whole 2 MiB page of its file (the
+  // file system may cache in 2 MiB pages, and the skew puts the blocks across their edges):
+  // that much at least is a hole.
+  const uint64_t zero_blocks = kRegion / (16 * kMiB);
+  EXPECT_LE(allocated, kRegion - zero_blocks * kHugePage + 8 * kMiB) << "not sparse";
   EXPECT_LT(criu_page_bytes(dir / "snap"), 64 * kMiB) << "CRIU stored the region too";
 
   // The driver found the exact bytes in the source (gpu-resume) and in both copies.

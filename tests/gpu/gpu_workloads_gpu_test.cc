@@ -2,6 +2,7 @@
 // Where there is no GPU each test reports "skipped: no GPU". Results from the H200 machines
 // are recorded in docs/gpu-validation.md; each test prints its phase timings as a line
 // "RESULT <test> <json>" for that record.
+#include <fcntl.h>
 #include <signal.h>
 
 #include <filesystem>
@@ -11,8 +12,10 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "common/fd.h"
 #include "common/fs.h"
 #include "common/proc.h"
+#include "common/subprocess.h"
 #include "gpu/driver.h"
 #include "testing/harness.h"
 
@@ -43,7 +46,8 @@ std::vector<std::string> cuda_pattern(double gib) {
 
 std::vector<std::string> torch_graph(const TempDir& dir, double gib) {
   const char* weights = std::getenv("GPUSNAP_TEST_WEIGHTS");  // reuse a made weights file
-  return {"python3", build_path("tests/torch_graph.py"), "--gib", std::to_string(gib),
+  return {"python3",   build_path("tests/torch_graph.py"),
+          "--gib",     std::to_string(gib),
           "--weights", weights != nullptr ? weights : (dir / "weights.bin").string()};
 }
 
@@ -68,8 +72,8 @@ TEST(CudaWorkload, CheckpointLeaveRunningThenRestoreWithMemoryIntact) {
   EXPECT_GE(inspect["gpu"]["processes"][0]["bytes"].get<uint64_t>(), 4ull << 30);
   EXPECT_FALSE(inspect["gpu"]["gpus"][0]["uuid"].get<std::string>().empty());
 
-  auto rs = gpusnap({"restore", snap.string(), "--publish", std::to_string(source.port()),
-                     "--json"});
+  auto rs =
+      gpusnap({"restore", snap.string(), "--publish", std::to_string(source.port()), "--json"});
   ASSERT_EQ(rs.exit_code, 0) << rs.err;
   Copies copies{json::parse(rs.out)};
   record("cuda-4gib-restore", copies.doc);
@@ -108,13 +112,63 @@ TEST(CudaWorkload, LockTimeoutLeavesTheWorkloadRunning) {
   EXPECT_EQ(ok(ask(source.port(), "CHECK", std::chrono::seconds(60))), "OK");
 }
 
+// The node agent carries GPU snapshots: the same checkpoint and restore as above, asked of a
+// running gpusnap-agent through `gpusnap --agent SOCKET`, storage named by the agent.
+TEST(CudaWorkload, CheckpointAndRestoreThroughTheAgent) {
+  SKIP_WITHOUT_GPU(1);
+  TempDir dir;
+  const std::string socket = (dir / "agent.sock").string();
+  UniqueFd log(::open((dir / "agent.log").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
+  SpawnOptions o;
+  o.argv = {build_path("gpusnap-agent"),
+            "--socket",
+            socket,
+            "--storage",
+            (dir / "snapshots").string(),
+            "--state-dir",
+            (dir / "state").string(),
+            "--run-dir",
+            (dir / "run").string()};
+  o.stdout_fd = log.get();
+  o.stderr_fd = log.get();
+  Subprocess agent(o);
+  ASSERT_TRUE(eventually(
+      [&] {
+        return gpusnap({"--agent", socket, "list"}).exit_code == 0;
+      },
+      std::chrono::seconds(30)))
+      << fs::read_file(dir / "agent.log");
+
+  Workload source(dir, cuda_pattern(4), std::chrono::seconds(120));
+  auto before = ask(source.port(), "CHECK", std::chrono::seconds(60));
+  ASSERT_EQ(ok(before), "OK") << before;
+  auto cp = gpusnap({"--agent", socket, "checkpoint", "-p", std::to_string(source.pid()), "-o",
+                     "cuda", "--leave-running", "--json"});
+  ASSERT_EQ(cp.exit_code, 0) << cp.err << fs::read_file(dir / "agent.log");
+  record("agent-cuda-4gib-checkpoint", json::parse(cp.out));
+  EXPECT_EQ(ask(source.port(), "CHECK", std::chrono::seconds(60)), before);
+  auto inspect = json::parse(gpusnap({"--agent", socket, "inspect", "cuda", "--json"}).out);
+  ASSERT_FALSE(inspect["gpu"].is_null()) << inspect.dump();
+
+  auto rs = gpusnap(
+      {"--agent", socket, "restore", "cuda", "--publish", std::to_string(source.port()), "--json"});
+  ASSERT_EQ(rs.exit_code, 0) << rs.err << fs::read_file(dir / "agent.log");
+  Copies copies{json::parse(rs.out)};
+  record("agent-cuda-4gib-restore", copies.doc);
+  EXPECT_EQ(ask(copies.port(0), "CHECK", std::chrono::seconds(60)), before);
+  agent.kill(SIGKILL);
+  agent.wait();
+}
+
 TEST(CudaWorkload, RefusesCopiesThatDoNotFitInGpuMemory) {
   SKIP_WITHOUT_GPU(1);
   TempDir dir;
   Workload source(dir, cuda_pattern(4), std::chrono::seconds(120));
   auto snap = dir / "snap";
   ASSERT_EQ(gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
-                     "--leave-running"}).exit_code, 0);
+                     "--leave-running"})
+                .exit_code,
+            0);
   auto rs = gpusnap({"restore", snap.string(), "--replicas", "100"});
   EXPECT_EQ(rs.exit_code, 5) << rs.err;
   EXPECT_NE(rs.err.find("free, the 100 copy(ies) need"), std::string::npos) << rs.err;
@@ -131,12 +185,12 @@ TEST(TorchWorkload, CudaGraphReplaysAfterRestore) {
   ASSERT_EQ(ok(before), "OK") << before;
   record("torch-4gib-ready", {{"info", ask(source.port(), "INFO")}});
   auto snap = dir / "snap";
-  auto cp = gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
-                     "--json"});
+  auto cp =
+      gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(), "--json"});
   ASSERT_EQ(cp.exit_code, 0) << cp.err;
   record("torch-4gib-checkpoint", json::parse(cp.out));
-  auto rs = gpusnap({"restore", snap.string(), "--publish", std::to_string(source.port()),
-                     "--json"});
+  auto rs =
+      gpusnap({"restore", snap.string(), "--publish", std::to_string(source.port()), "--json"});
   ASSERT_EQ(rs.exit_code, 0) << rs.err;
   Copies copies{json::parse(rs.out)};
   record("torch-4gib-restore", copies.doc);
@@ -150,8 +204,9 @@ TEST(Remap, SnapshotFromGpu0RestoresOntoGpu1) {
   Workload source(dir, cuda_pattern(2), std::chrono::seconds(120));
   auto before = ask(source.port(), "CHECK", std::chrono::seconds(60));
   auto snap = dir / "snap";
-  ASSERT_EQ(gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string()})
-                .exit_code, 0);
+  ASSERT_EQ(
+      gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string()}).exit_code,
+      0);
   auto rs = gpusnap({"restore", snap.string(), "--gpu-map", "0=1", "--publish",
                      std::to_string(source.port()), "--json"});
   ASSERT_EQ(rs.exit_code, 0) << rs.err;
@@ -163,7 +218,8 @@ TEST(Remap, SnapshotFromGpu0RestoresOntoGpu1) {
   auto facts = driver->facts();
   pid_t pid = copies.doc["copies"][0]["pid"].get<pid_t>();
   bool on_gpu1 = false;
-  for (const auto& u : driver->usage()) on_gpu1 |= u.host_pid == pid && u.gpu_uuid == facts.gpus[1].uuid;
+  for (const auto& u : driver->usage())
+    on_gpu1 |= u.host_pid == pid && u.gpu_uuid == facts.gpus[1].uuid;
   EXPECT_TRUE(on_gpu1);
 }
 
@@ -188,8 +244,8 @@ TEST(KvCache, TheCacheNeverEntersTheArtifactAndTheGraphReplaysAfterRestore) {
   ASSERT_FALSE(big.is_null());
   EXPECT_TRUE(big["handshake"].get<bool>());
   auto without = none["bytes"].get<uint64_t>(), with = big["bytes"].get<uint64_t>();
-  record("kv-cache-artifacts", {{"kv0_bytes", without}, {"kv8_bytes", with},
-                                {"kv8_checkpoint", big}});
+  record("kv-cache-artifacts",
+         {{"kv0_bytes", without}, {"kv8_bytes", with}, {"kv8_checkpoint", big}});
   // An 8 GiB cache adds at most 1% to the artifact: it was released at the pause.
   EXPECT_LE(static_cast<double>(with), static_cast<double>(without) * 1.01);
   // The copy maps fresh memory at the same addresses on resume; the CUDA graph captured over
@@ -207,8 +263,9 @@ TEST(KvCache, TheCacheNeverEntersTheArtifactAndTheGraphReplaysAfterRestore) {
 }
 
 std::vector<std::string> torch_tp(int ranks, double gib, bool nccl_defaults = false) {
-  std::vector<std::string> argv = {"python3", build_path("tests/torch_tp.py"), "--ranks",
-                                   std::to_string(ranks), "--gib", std::to_string(gib)};
+  std::vector<std::string> argv = {"python3", build_path("tests/torch_tp.py"),
+                                   "--ranks", std::to_string(ranks),
+                                   "--gib",   std::to_string(gib)};
   if (nccl_defaults) argv.push_back("--nccl-defaults");
   return argv;
 }
@@ -227,8 +284,8 @@ TEST(MultiGpu, TensorParallelWorkloadCapturedAndRestoredAsOne) {
   auto before = ask(source.port(), "CHECK", std::chrono::seconds(60));
   ASSERT_EQ(before, "OK ranks=2 max_err=0");
   auto snap = dir / "snap";
-  auto cp = gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
-                     "--json"});
+  auto cp =
+      gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(), "--json"});
   ASSERT_EQ(cp.exit_code, 0) << cp.err;
   record("torch-tp2-checkpoint", json::parse(cp.out));
   auto inspect = json::parse(gpusnap({"inspect", snap.string(), "--json"}).out);
@@ -239,7 +296,7 @@ TEST(MultiGpu, TensorParallelWorkloadCapturedAndRestoredAsOne) {
   auto facts = driver->facts();
   for (const std::string map : {"", "0=1,1=0"}) {
     std::vector<std::string> args = {"restore", snap.string(), "--publish",
-                                      std::to_string(source.port()), "--json"};
+                                     std::to_string(source.port()), "--json"};
     if (!map.empty()) args.insert(args.end(), {"--gpu-map", map});
     auto rs = gpusnap(args);
     ASSERT_EQ(rs.exit_code, 0) << rs.err;
@@ -264,8 +321,8 @@ TEST(MultiGpu, RefusesNcclTransportsTheDriverCannotCarry) {
   SKIP_WITHOUT_GPU(2);
   TempDir dir;
   Workload source(dir, torch_tp(2, 1, /*nccl_defaults=*/true), std::chrono::seconds(600));
-  auto cp = gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o",
-                     (dir / "snap").string()});
+  auto cp =
+      gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", (dir / "snap").string()});
   EXPECT_EQ(cp.exit_code, 6) << cp.err;
   EXPECT_NE(cp.err.find("NCCL_P2P_DISABLE=1"), std::string::npos) << cp.err;
   EXPECT_EQ(ask(source.port(), "CHECK", std::chrono::seconds(60)), "OK ranks=2 max_err=0");
