@@ -32,7 +32,6 @@
 #include "engine/gpu_state.h"
 #include "engine/handshake.h"
 #include "engine/host_images.h"
-#include "engine/huge_pages.h"
 #include "engine/preflight.h"
 #include "gpu/driver.h"
 #include "gpusnap/checkpoint.h"
@@ -171,12 +170,7 @@ class Checkpoint {
       });
       gpu.emplace(driver, cuda, options_.gpu_lock_timeout, options_.run_dir, phases_.reporter());
       phases_.run("gpu-lock", [&] { gpu->lock_all(); });
-      phases_.run("gpu-checkpoint", [&] {
-        engine::HugePageAdvisor advisor(maps_before,
-                                        engine::transparent_huge_pages_need_advice());
-        gpu->checkpoint_all();
-        for (const auto& line : advisor.stop()) phases_.reporter().note(line);
-      });
+      phases_.run("gpu-checkpoint", [&] { gpu->checkpoint_all(); });
       if (options_.host_images) {
         phases_.run("host-images", [&] { store_host_images(maps_before, writer, manifest); });
       }
