@@ -199,6 +199,13 @@ class ControllerAndRealAgent : public ::testing::Test {
     return out;
   }
 
+  // The Events about one object once there are at least n: an Event follows the status write
+  // it announces, so a test that saw the status may look before the Event is there.
+  std::vector<std::string> events(const std::string& kind, const std::string& name, size_t n) {
+    eventually([&] { return events(kind, name).size() >= n; });
+    return events(kind, name);
+  }
+
   // The agent's own account of an operation (GET /v1/operations/ID on its socket).
   json agent_operation(const std::string& id) const {
     httplib::Client client(socket(), 80);
@@ -285,7 +292,7 @@ TEST_F(ControllerAndRealAgent, CapturesAPodsContainerAndRestoresItIntoAPlacehold
       "artifact default.llm-warm on node node-a (" + size + " bytes, "))
       << ready;
   EXPECT_EQ(snap_condition("llm-warm", "Capturing")["reason"], "Captured");
-  EXPECT_EQ(events("GpuSnapshot", "llm-warm"),
+  EXPECT_EQ(events("GpuSnapshot", "llm-warm", 2),
             (std::vector<std::string>{"Normal CaptureStarted: capturing container main of pod "
                                       "llm-0 into artifact default.llm-warm (agent operation " +
                                           op_id + ")",
@@ -317,7 +324,7 @@ TEST_F(ControllerAndRealAgent, CapturesAPodsContainerAndRestoresItIntoAPlacehold
   auto kubelet_ready = kube_condition(pod("llm-replica")["status"]["conditions"], "Ready");
   ASSERT_TRUE(kubelet_ready.has_value());
   EXPECT_EQ((*kubelet_ready)["reason"], "ReadinessGatesNotReady");
-  auto pod_events = events("Pod", "llm-replica");
+  auto pod_events = events("Pod", "llm-replica", 2);
   ASSERT_EQ(pod_events.size(), 2U) << json(pod_events).dump(2);
   EXPECT_EQ(pod_events[0], "Normal Restoring: restoring GpuSnapshot default/llm-warm (artifact "
                            "default.llm-warm) into container main (agent operation " +
@@ -367,7 +374,7 @@ TEST_F(ControllerAndRealAgent, AnAgentThatDoesNotAnswerIsReportedAndWaitedFor) {
   EXPECT_EQ(snap_condition("llm-warm", "Ready")["message"], down);
   EXPECT_EQ(snap_status("llm-warm")["phase"], "Pending");
   std::this_thread::sleep_for(2s);  // several retries: still one Event, still a wait
-  EXPECT_EQ(events("GpuSnapshot", "llm-warm"),
+  EXPECT_EQ(events("GpuSnapshot", "llm-warm", 1),
             std::vector<std::string>{"Warning AgentUnavailable: " + down});
   EXPECT_EQ(snap_status("llm-warm")["phase"], "Pending");
   EXPECT_FALSE(stdfs::exists(storage() / "default.llm-warm"));
@@ -378,7 +385,7 @@ TEST_F(ControllerAndRealAgent, AnAgentThatDoesNotAnswerIsReportedAndWaitedFor) {
                          kOperationLimit))
       << snap_status("llm-warm").dump(2);
   EXPECT_EQ(snap_condition("llm-warm", "Ready")["reason"], "ArtifactReady");
-  auto snap_events = events("GpuSnapshot", "llm-warm");
+  auto snap_events = events("GpuSnapshot", "llm-warm", 3);
   ASSERT_EQ(snap_events.size(), 3U) << json(snap_events).dump(2);
   EXPECT_TRUE(snap_events[1].starts_with("Normal CaptureStarted: ")) << snap_events[1];
   EXPECT_TRUE(snap_events[2].starts_with("Normal Captured: ")) << snap_events[2];
@@ -396,7 +403,7 @@ TEST_F(ControllerAndRealAgent, AnAgentThatDoesNotAnswerIsReportedAndWaitedFor) {
   EXPECT_EQ(restored("llm-replica")["status"], "False");
   EXPECT_EQ(restored("llm-replica")["message"], pod_down);
   std::this_thread::sleep_for(2s);
-  EXPECT_EQ(events("Pod", "llm-replica"),
+  EXPECT_EQ(events("Pod", "llm-replica", 1),
             std::vector<std::string>{"Warning AgentUnavailable: " + pod_down});
   EXPECT_TRUE(proc::children(placeholder->pid()).empty());  // the placeholder still waits
 
@@ -429,7 +436,7 @@ TEST_F(ControllerAndRealAgent, TheAgentsRefusalIsTheSnapshotsVerdict) {
   EXPECT_EQ(failed["reason"], "NotCapturable");
   EXPECT_EQ(failed["message"], message);
   EXPECT_EQ(snap_condition("plain-snap", "Ready")["reason"], "NotCapturable");
-  auto snap_events = events("GpuSnapshot", "plain-snap");
+  auto snap_events = events("GpuSnapshot", "plain-snap", 2);
   ASSERT_EQ(snap_events.size(), 2U) << json(snap_events).dump(2);
   EXPECT_EQ(snap_events[1], "Warning NotCapturable: " + message);
   EXPECT_FALSE(stdfs::exists(storage() / "default.plain-snap"));
