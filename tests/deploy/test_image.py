@@ -127,6 +127,14 @@ class ImageTest(unittest.TestCase):
         self.assertEqual((code, out), (2, "gpusnap-controller: error: unknown option --bogus "
                                           "(fix: see gpusnap-controller --help)\n"))
 
+    def test_the_image_holds_the_glibc_libraries_the_driver_links(self):
+        # The NVIDIA runtime mounts libcuda.so.1 and libnvidia-ml.so.1 into the agent's
+        # container; they link these, and the agent dlopens them.
+        code, out = self.run_in_image(["ls", "/lib/x86_64-linux-gnu"])
+        self.assertEqual(code, 0, out)
+        for lib in ("libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1"):
+            self.assertIn(lib, out.split())
+
     def test_the_init_container_installs_gpusnap_on_the_host(self):
         ds = daemonset()
         init = ds["spec"]["template"]["spec"]["initContainers"][0]
