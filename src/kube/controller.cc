@@ -17,10 +17,14 @@ namespace {
 
 constexpr int kStatusAttempts = 8;  // writes racing other writers, then give up and requeue
 
+// The node's agent did not answer: a wait on a snapshot and on a restore pod alike, but one an
+// operator must hear of (a Warning).
+constexpr const char* kAgentUnavailable = "AgentUnavailable";
+
 // Condition reasons of the pod's gpusnap.io/restored condition that are waits, not verdicts:
 // the controller looks again when something changes.
-const std::set<std::string> kRestoreWaits = {
-    "SnapshotNotFound", "SnapshotNotReady", "WaitingForContainer", "Restoring", "AgentUnavailable"};
+const std::set<std::string> kRestoreWaits = {"SnapshotNotFound", "SnapshotNotReady",
+                                             "WaitingForContainer", "Restoring", kAgentUnavailable};
 
 bool terminal(const std::string& phase) {
   return phase == kPhaseSucceeded || phase == kPhaseFailed;
@@ -477,7 +481,12 @@ void Controller::capture(const json& snap, const json& pod) {
   try {
     op = agent_.start_checkpoint(call);
   } catch (const Error& e) {
-    if (e.kind() == ErrorKind::kEnvironment) throw;  // the agent is away: try again later
+    if (e.kind() == ErrorKind::kEnvironment) {
+      // The agent is away (not running, its socket not mounted): a wait, not a verdict. The
+      // snapshot says so, and the worker's backoff tries again until the agent answers.
+      wait_for_agent(now, pod_name, e);
+      throw;
+    }
     fail_snapshot(snap, reason_of_kind(Error::kind_name(e.kind())), e.what());
     return;
   }
@@ -502,6 +511,26 @@ void Controller::capture(const json& snap, const json& pod) {
   enqueue("s:" + key, options_.poll);
 }
 
+void Controller::wait_for_agent(const json& snap, const std::string& pod_name, const Error& e) {
+  const std::string message = e.one_line();
+  bool announce = false;
+  auto written = update_snapshot_status(snap, [&](json& o) {
+    json& st = o["status"];
+    if (terminal(st.value("phase", "")) || !str_at(st, "/operation/id").empty()) return false;
+    auto ready = find_condition(st.value("conditions", json()), "Ready");
+    announce = !ready || ready->value("reason", "") != kAgentUnavailable;
+    bool changed = st.value("phase", "") != kPhasePending;
+    st["phase"] = kPhasePending;
+    st["nodeName"] = options_.node;
+    st["podName"] = pod_name;
+    changed |= set_condition(st["conditions"], {"Ready", "False", kAgentUnavailable, message},
+                             generation_of(o));
+    return changed;
+  });
+  // One Event when the agent goes missing, not one per retry.
+  if (written && announce) emit(*written, "Warning", kAgentUnavailable, message);
+}
+
 void Controller::follow_capture(const json& snap) {
   std::string ns = ns_of(snap), name = name_of(snap);
   const json& st = snap.at("status");
@@ -515,7 +544,8 @@ void Controller::follow_capture(const json& snap) {
       Operation done;
       done.id = id;
       done.state = "succeeded";
-      done.result = {{"bytes", inspect->value("bytes", json(nullptr))}};
+      // The agent's inspect document is the manifest with its size as total_bytes.
+      done.result = {{"bytes", inspect->value("total_bytes", json(nullptr))}};
       op = done;
     } else {
       fail_snapshot(snap, "OperationLost",
@@ -590,7 +620,7 @@ void Controller::follow_capture(const json& snap) {
 // agent that cannot be reached is a reason to try again later: rethrown for the retry.
 void Controller::restore_refused(const json& pod, const Error& e) {
   if (e.kind() == ErrorKind::kEnvironment) {
-    set_restored(pod, "False", "AgentUnavailable", e.what());
+    set_restored(pod, "False", kAgentUnavailable, e.one_line());
     throw e;
   }
   set_restored(pod, "False", reason_of_kind(Error::kind_name(e.kind())), e.what());
@@ -616,8 +646,9 @@ void Controller::set_restored(const json& pod, const std::string& status, const 
         json o = r.body;
         o["apiVersion"] = "v1";
         o["kind"] = "Pod";
-        emit(o, status == "True" || kRestoreWaits.contains(reason) ? "Normal" : "Warning", reason,
-             message);
+        bool normal =
+            status == "True" || (kRestoreWaits.contains(reason) && reason != kAgentUnavailable);
+        emit(o, normal ? "Normal" : "Warning", reason, message);
       }
       return;
     }

@@ -88,6 +88,9 @@ class Controller {
   void create_source_pod(const nlohmann::json& snap, const std::string& pod_name);
   void fail_snapshot(const nlohmann::json& snap, const std::string& reason,
                      const std::string& message);
+  // The agent did not answer a capture's start: status says so (phase Pending, Ready False
+  // with reason AgentUnavailable) and one Warning Event announces it.
+  void wait_for_agent(const nlohmann::json& snap, const std::string& pod_name, const Error& e);
   // Writes status through the status subresource: mutate(object) edits the newest object and
   // returns false when there is nothing to write. Retries on 409 Conflict with a fresh read.
   // Returns the written object, or nullopt when mutate declined or the object is gone.

@@ -38,7 +38,8 @@ const char* const kUsage =
     "/run/gpusnap/control)\n"
     "  --namespace NS         watch one namespace only (default: all)\n"
     "  --poll-ms N            how often running operations are followed (default 2000)\n"
-    "  --json                 errors as JSON\n";
+    "  --json                 errors as JSON\n"
+    "  --version              show the version\n";
 
 }  // namespace
 
@@ -61,6 +62,10 @@ int main(int argc, char** argv) {
       };
       if (a == "--help" || a == "-h") {
         std::cout << kUsage;
+        return 0;
+      }
+      if (a == "--version") {
+        std::cout << "gpusnap-controller " << GPUSNAP_VERSION << "\n";
         return 0;
       }
       if (a == "--json")

@@ -4,24 +4,20 @@
 // the snapshot is restored into a second container started as `gpusnap init --placeholder`.
 // The workload proves from inside the placeholder's network namespace that its memory came
 // from the snapshot, while the source keeps serving.
-#include <fcntl.h>
-#include <sched.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
-#include <regex>
 #include <string>
-#include <thread>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "common/fd.h"
 #include "common/fs.h"
 #include "common/proc.h"
 #include "common/subprocess.h"
+#include "testing/containers.h"
 #include "testing/harness.h"
 
 namespace gpusnap::testing {
@@ -29,141 +25,6 @@ namespace {
 
 using nlohmann::json;
 namespace stdfs = std::filesystem;
-
-constexpr uint16_t kPort = 7000;  // the workload's port inside its container
-
-std::optional<std::string> runc_blocker() {
-  if (auto why = system_test_blocker()) return why;
-  if (::access("/usr/sbin/runc", X_OK) != 0 && ::access("/usr/bin/runc", X_OK) != 0) {
-    return std::string("runc is not installed (apt-get install runc)");
-  }
-  if (::access("/bin/busybox", X_OK) != 0) {
-    return std::string("busybox is not installed (apt-get install busybox-static)");
-  }
-  return std::nullopt;
-}
-#define SKIP_WITHOUT_RUNC() GPUSNAP_SKIP_IF_BLOCKED(runc_blocker())
-
-// Copies `binary` and the shared libraries it loads (as ldd lists them) into `rootfs`.
-void install_binary(const stdfs::path& rootfs, const stdfs::path& binary, const std::string& as) {
-  stdfs::copy_file(binary, rootfs / as.substr(1), stdfs::copy_options::overwrite_existing);
-  auto ldd = run_capture({"/usr/bin/ldd", binary.string()});
-  ASSERT_TRUE(ldd.status.ok()) << ldd.output;
-  static const std::regex kLib(R"((/[^ \t\n]+) \(0x)");
-  for (std::sregex_iterator it(ldd.output.begin(), ldd.output.end(), kLib), end; it != end; ++it) {
-    stdfs::path lib = (*it)[1].str();
-    stdfs::create_directories(rootfs / lib.parent_path().relative_path());
-    stdfs::copy_file(stdfs::canonical(lib), rootfs / lib.relative_path(),
-                     stdfs::copy_options::overwrite_existing);
-  }
-}
-
-// An OCI bundle: a busybox root filesystem with the test workloads, and runc's default
-// config.json edited for `args`: no terminal, gpusnap bind-mounted, a tmpfs /tmp, a handshake
-// directory (GPUSNAP_CONTROL_DIR) on a tmpfs of its own.
-stdfs::path make_bundle(const stdfs::path& dir, const std::vector<std::string>& args) {
-  auto rootfs = dir / "rootfs";
-  for (const char* d : {"bin", "proc", "dev", "sys", "tmp", "control"}) {
-    stdfs::create_directories(rootfs / d);
-  }
-  stdfs::copy_file("/bin/busybox", rootfs / "bin/busybox");
-  stdfs::create_symlink("busybox", rootfs / "bin/sh");
-  install_binary(rootfs, build_path("tests/gpusnap-test-workload"), "/bin/gpusnap-test-workload");
-  install_binary(rootfs, build_path("tests/gpusnap-example-handshake-worker"),
-                 "/bin/handshake-worker");
-  write(rootfs / "bin/gpusnap", "");  // the mount point of the bind-mounted binary
-  auto spec = run_capture({"runc", "spec", "--bundle", dir.string()});
-  EXPECT_TRUE(spec.status.ok()) << spec.output;
-  auto config = json::parse(fs::read_file(dir / "config.json"));
-  config["process"]["terminal"] = false;
-  config["process"]["args"] = args;
-  config["mounts"].push_back({{"destination", "/bin/gpusnap"},
-                              {"type", "bind"},
-                              {"source", stdfs::canonical(gpusnap_bin()).string()},
-                              {"options", {"bind", "ro"}}});
-  // CRIU, run inside the container, probes the kernel with a scratch directory in /tmp.
-  config["mounts"].push_back({{"destination", "/tmp"},
-                              {"type", "tmpfs"},
-                              {"source", "tmpfs"},
-                              {"options", {"nosuid", "nodev", "mode=1777"}}});
-  // The handshake directory: a volume of the container's own, as an emptyDir would be.
-  config["mounts"].push_back({{"destination", "/control"},
-                              {"type", "tmpfs"},
-                              {"source", "tmpfs"},
-                              {"options", {"nosuid", "nodev", "mode=700"}}});
-  config["process"]["env"].push_back("GPUSNAP_CONTROL_DIR=/control");
-  write(dir / "config.json", config.dump(2));
-  return dir;
-}
-
-// A container run detached by runc, deleted (runc delete -f) whatever the test's outcome. Its
-// output goes into a pipe this object holds, as a runtime's shim would.
-class Container {
- public:
-  Container(const stdfs::path& runtime_root, std::string id, const stdfs::path& bundle)
-      : root_(runtime_root), id_(std::move(id)) {
-    Pipe out = Pipe::make();
-    SpawnOptions o;
-    o.argv = {"runc",
-              "--root",
-              root_.string(),
-              "run",
-              "-d",
-              "--pid-file",
-              (bundle / "init.pid").string(),
-              "--bundle",
-              bundle.string(),
-              id_};
-    o.stdout_fd = out.write.get();
-    o.stderr_fd = out.write.get();
-    auto status = *Subprocess(o).wait();
-    output_ = std::move(out.read);
-    started_ = status.ok();
-    if (started_) pid_ = std::stoi(fs::read_file(bundle / "init.pid"));
-  }
-  Container(const Container&) = delete;
-  Container& operator=(const Container&) = delete;
-  ~Container() { run_capture({"runc", "--root", root_.string(), "delete", "-f", id_}); }
-
-  bool started() const { return started_; }
-  pid_t pid() const { return pid_; }  // its PID 1, as the host sees it
-  const std::string& id() const { return id_; }
-  json state() const {
-    auto r = run_capture({"runc", "--root", root_.string(), "state", id_});
-    return r.status.ok() ? json::parse(r.output) : json();
-  }
-
- private:
-  stdfs::path root_;
-  std::string id_;
-  UniqueFd output_;
-  bool started_ = false;
-  pid_t pid_ = 0;
-};
-
-// One request/reply line to the workload's port in the network namespace of process `pid`.
-// A thread joins that namespace (setns applies to the calling thread) and asks from there.
-std::string ask_in(pid_t pid, const std::string& line) {
-  std::string reply;
-  std::thread([&] {
-    UniqueFd ns(::open(("/proc/" + std::to_string(pid) + "/ns/net").c_str(), O_RDONLY | O_CLOEXEC));
-    if (ns && ::setns(ns.get(), CLONE_NEWNET) == 0) reply = ask(kPort, line);
-  }).join();
-  return reply;
-}
-
-std::string ns_of(pid_t pid, const char* ns) {
-  std::error_code ec;
-  return stdfs::read_symlink("/proc/" + std::to_string(pid) + "/ns/" + ns, ec).string();
-}
-
-const std::vector<std::string> kWorkload = {"/bin/gpusnap", "init",
-                                            "--",           "/bin/gpusnap-test-workload",
-                                            "--port",       std::to_string(kPort),
-                                            "--mib",        "16",
-                                            "--threads",    "2",
-                                            "--children",   "1"};
-const std::vector<std::string> kPlaceholder = {"/bin/gpusnap", "init", "--placeholder"};
 
 class ContainerTest : public ::testing::Test {
  protected:
@@ -213,7 +74,7 @@ class ContainerTest : public ::testing::Test {
 
 TEST_F(ContainerTest, CaptureRestoresIntoAPlaceholderWhileTheSourceRuns) {
   SKIP_WITHOUT_RUNC();
-  auto source = start("source", bundle("source", kWorkload));
+  auto source = start("source", bundle("source", shimmed_workload()));
   ASSERT_TRUE(eventually([&] { return ask_in(source->pid(), "PING") == "PONG"; }))
       << "the workload did not answer in its container";
   ASSERT_EQ(ask_in(source->pid(), "INCR"), "1");
@@ -238,7 +99,7 @@ TEST_F(ContainerTest, CaptureRestoresIntoAPlaceholderWhileTheSourceRuns) {
   }
   EXPECT_TRUE(has_workload) << manifest.at("container").dump();
 
-  auto placeholder = start("placeholder", bundle("placeholder", kPlaceholder));
+  auto placeholder = start("placeholder", bundle("placeholder", placeholder_args()));
   auto rs = restore(snap, *placeholder);
   ASSERT_EQ(rs.exit_code, 0) << rs.out << rs.err;
   auto copy = json::parse(rs.out).at("copies").at(0);
@@ -246,7 +107,7 @@ TEST_F(ContainerTest, CaptureRestoresIntoAPlaceholderWhileTheSourceRuns) {
   auto restored = copy.at("pid").get<pid_t>();
   // The restored workload lives in the placeholder's namespaces, as the placeholder's child.
   for (const char* ns : {"pid", "mnt", "net", "ipc", "uts", "cgroup"}) {
-    EXPECT_EQ(ns_of(restored, ns), ns_of(placeholder->pid(), ns)) << ns;
+    EXPECT_EQ(namespace_of(restored, ns), namespace_of(placeholder->pid(), ns)) << ns;
   }
   EXPECT_EQ(proc::read_process(restored).ppid, placeholder->pid());
 
@@ -268,8 +129,8 @@ TEST_F(ContainerTest, CaptureRestoresIntoAPlaceholderWhileTheSourceRuns) {
 
 TEST_F(ContainerTest, RefusesWhatItCannotCaptureOrRestoreInto) {
   SKIP_WITHOUT_RUNC();
-  auto source = start("source", bundle("source", kWorkload));
-  auto placeholder = start("placeholder", bundle("placeholder", kPlaceholder));
+  auto source = start("source", bundle("source", shimmed_workload()));
+  auto placeholder = start("placeholder", bundle("placeholder", placeholder_args()));
   ASSERT_TRUE(eventually([&] { return ask_in(source->pid(), "PING") == "PONG"; }));
 
   // No such container.
@@ -307,7 +168,7 @@ TEST_F(ContainerTest, RefusesWhatItCannotCaptureOrRestoreInto) {
   EXPECT_EQ(error_message(not_container),
             "artifact " + host_id.get<std::string>() + " was not captured from a container");
   // A placeholder from another image: its workload binary differs.
-  auto other = bundle("other", kPlaceholder);
+  auto other = bundle("other", placeholder_args());
   std::ofstream(other / "rootfs/bin/gpusnap-test-workload", std::ios::app) << "x";
   auto other_placeholder = start("other", other);
   auto mismatch = restore(snap, *other_placeholder);
@@ -334,9 +195,9 @@ TEST_F(ContainerTest, RefusesWhatItCannotCaptureOrRestoreInto) {
 
 TEST_F(ContainerTest, HandshakeWorkloadPausesAndResumesInThePlaceholderWithItsContext) {
   SKIP_WITHOUT_RUNC();
-  auto source =
-      start("source", bundle("source", {"/bin/gpusnap", "init", "--", "/bin/handshake-worker",
-                                        "--port", std::to_string(kPort), "--cache-mib", "64"}));
+  auto source = start(
+      "source", bundle("source", {"/bin/gpusnap", "init", "--", "/bin/handshake-worker", "--port",
+                                  std::to_string(kContainerPort), "--cache-mib", "64"}));
   ASSERT_TRUE(
       eventually([&] { return !field(ask_in(source->pid(), "INFO"), "restored").empty(); }));
   ASSERT_EQ(ask_in(source->pid(), "INCR"), "1");
@@ -353,7 +214,7 @@ TEST_F(ContainerTest, HandshakeWorkloadPausesAndResumesInThePlaceholderWithItsCo
   EXPECT_EQ(field(info, "restored"), "0") << info;
   EXPECT_EQ(field(info, "cache_mib"), "64") << info;
 
-  auto placeholder = start("placeholder", bundle("placeholder", kPlaceholder));
+  auto placeholder = start("placeholder", bundle("placeholder", placeholder_args()));
   auto args = runc_flags("--into-container", *placeholder);
   args.insert(args.begin(), {"restore", snap.string(), "--set", "greeting=hello", "--run-dir",
                              (dir_ / "run").string(), "--json"});

@@ -85,7 +85,8 @@ FakeAgent::FakeAgent(std::filesystem::path socket)
                  if (!artifacts_.contains(name)) {
                    return json_reply(res, 404, error_body("not-found", 3, "no artifact " + name));
                  }
-                 json_reply(res, 200, {{"artifact", name}, {"bytes", bytes_}});
+                 // As the real agent's inspect document: the manifest, its size as total_bytes.
+                 json_reply(res, 200, {{"artifact", name}, {"total_bytes", bytes_}});
                });
   server_->set_address_family(AF_UNIX);
   std::filesystem::remove(socket_);

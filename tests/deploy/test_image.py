@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""The container image (scripts/build-image), built from this build and run with real runc:
+the OCI layout is unpacked by umoci (an independent OCI implementation, which checks every
+blob's digest) into a runc bundle, and the commands deploy/'s DaemonSet gives each container
+run in it -- the agent's and the controller's programs, the init container's install command
+into a host directory, the readiness probe -- as well as gpusnap and CRIU from the image.
+Root, runc and umoci; exits 77 ("skipped: WHY") where one is missing."""
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import unittest
+
+import yaml
+
+ROOT = pathlib.Path(os.environ.get("GPUSNAP_SOURCE_DIR", pathlib.Path(__file__).resolve().parents[2]))
+BUILD = pathlib.Path(os.environ.get("GPUSNAP_BUILD_DIR", ROOT / "build"))
+VERSION = os.environ.get("GPUSNAP_VERSION", "0.1.0")
+CRIU_PREFIX = pathlib.Path("/opt/gpusnap/criu")
+
+
+def blocker():
+    if os.geteuid() != 0:
+        return "not root"
+    for tool, package in (("runc", "runc"), ("umoci", "umoci")):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (apt-get install {package})"
+    if not (CRIU_PREFIX / "criu").is_file():
+        return f"no CRIU prefix at {CRIU_PREFIX} (scripts/install-criu)"
+    return None
+
+
+def daemonset():
+    with open(ROOT / "deploy/manifests/gpusnap.yaml") as f:
+        docs = [d for d in yaml.safe_load_all(f) if d]
+    return next(d for d in docs if d["kind"] == "DaemonSet")
+
+
+class ImageTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = pathlib.Path(tempfile.mkdtemp(prefix="gpusnap-image-"))
+        cls.output = cls.dir / "image"
+        built = subprocess.run([str(ROOT / "scripts/build-image"), "--build", str(BUILD),
+                                "--output", str(cls.output)], capture_output=True, text=True)
+        if built.returncode != 0:
+            raise AssertionError(f"scripts/build-image failed: {built.stderr}")
+        cls.built = built.stdout
+        cls.index = json.loads((cls.output / "oci/index.json").read_text())
+        cls.bundle = cls.dir / "bundle"
+        unpacked = subprocess.run(["umoci", "unpack", "--image", f"{cls.output}/oci:{VERSION}",
+                                   str(cls.bundle)], capture_output=True, text=True)
+        if unpacked.returncode != 0:
+            raise AssertionError(f"umoci unpack failed: {unpacked.stderr}")
+        cls.config = json.loads((cls.bundle / "config.json").read_text())
+        cls.runs = 0
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.dir, ignore_errors=True)
+
+    def run_in_image(self, args, mounts=(), readonly=False):
+        """Runs `args` as a container of the image (runc run, no terminal); (exit code, output)."""
+        config = json.loads(json.dumps(self.config))
+        config["process"]["args"] = args
+        config["process"]["terminal"] = False
+        config["root"]["readonly"] = readonly
+        for source, destination in mounts:
+            config["mounts"].append({"destination": destination, "type": "bind",
+                                     "source": str(source), "options": ["rbind", "rw"]})
+        (self.bundle / "config.json").write_text(json.dumps(config))
+        type(self).runs += 1
+        r = subprocess.run(["runc", "--root", str(self.dir / "runc"), "run", "--bundle",
+                            str(self.bundle), f"gpusnap-image-test-{os.getpid()}-{self.runs}"],
+                           capture_output=True, text=True, timeout=60)
+        return r.returncode, r.stdout + r.stderr
+
+    def test_the_image_is_named_as_the_deployment_names_it(self):
+        ds = daemonset()
+        images = {c["image"] for c in ds["spec"]["template"]["spec"]["containers"] +
+                  ds["spec"]["template"]["spec"]["initContainers"]}
+        self.assertEqual(images, {f"registry.example.com/gpusnap:{VERSION}"})
+        annotations = self.index["manifests"][0]["annotations"]
+        self.assertEqual(annotations["io.containerd.image.name"], images.pop())
+        self.assertEqual(annotations["org.opencontainers.image.ref.name"], VERSION)
+        self.assertIn(f"registry.example.com/gpusnap:{VERSION} sha256:", self.built)
+
+    def test_every_blob_is_named_by_its_digest_and_the_archive_holds_the_layout(self):
+        layout = self.output / "oci"
+        blobs = sorted((layout / "blobs/sha256").iterdir())
+        self.assertEqual(len(blobs), 3)  # config, manifest, one layer
+        for b in blobs:
+            self.assertEqual(hashlib.sha256(b.read_bytes()).hexdigest(), b.name)
+        with tarfile.open(self.output / "gpusnap-image.tar") as t:
+            names = sorted(m.name for m in t.getmembers() if m.isfile())
+            docker = json.load(t.extractfile("manifest.json"))
+        self.assertEqual(names, sorted(str(p.relative_to(layout)) for p in layout.rglob("*")
+                                       if p.is_file()))
+        self.assertEqual(docker[0]["RepoTags"], [f"registry.example.com/gpusnap:{VERSION}"])
+
+    def test_the_programs_run_from_the_image(self):
+        ds = daemonset()
+        containers = {c["name"]: c for c in ds["spec"]["template"]["spec"]["containers"]}
+        # The programs the DaemonSet starts, found on the image's PATH.
+        self.assertEqual(self.run_in_image(containers["agent"]["command"] + ["--version"]),
+                         (0, f"gpusnap-agent {VERSION}\n"))
+        # The controller's container has a read-only root.
+        self.assertTrue(containers["controller"]["securityContext"]["readOnlyRootFilesystem"])
+        self.assertEqual(self.run_in_image(containers["controller"]["command"] + ["--version"],
+                                           readonly=True),
+                         (0, f"gpusnap-controller {VERSION}\n"))
+        self.assertEqual(self.run_in_image(["gpusnap", "--version"]), (0, f"gpusnap {VERSION}\n"))
+        # CRIU from the prefix, through its own loader, as the agent finds it.
+        host = subprocess.run([str(CRIU_PREFIX / "criu"), "--version"], capture_output=True,
+                              text=True)
+        self.assertEqual(self.run_in_image(["/opt/gpusnap/criu/criu", "--version"]),
+                         (0, host.stdout))
+        # Bad input gets its one-line error from the image's programs too.
+        code, out = self.run_in_image(["gpusnap-controller", "--bogus"])
+        self.assertEqual((code, out), (2, "gpusnap-controller: error: unknown option --bogus "
+                                          "(fix: see gpusnap-controller --help)\n"))
+
+    def test_the_image_holds_the_glibc_libraries_the_driver_links(self):
+        # The NVIDIA runtime mounts libcuda.so.1 and libnvidia-ml.so.1 into the agent's
+        # container; they link these, and the agent dlopens them.
+        code, out = self.run_in_image(["ls", "/lib/x86_64-linux-gnu"])
+        self.assertEqual(code, 0, out)
+        for lib in ("libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1"):
+            self.assertIn(lib, out.split())
+
+    def test_the_init_container_installs_gpusnap_on_the_host(self):
+        ds = daemonset()
+        init = ds["spec"]["template"]["spec"]["initContainers"][0]
+        host_bin = self.dir / "host-bin"
+        host_bin.mkdir()
+        mount = next(m for m in init["volumeMounts"] if m["name"] == "host-bin")
+        code, out = self.run_in_image(init["command"] + init["args"],
+                                      mounts=[(host_bin, mount["mountPath"])])
+        self.assertEqual(code, 0, out)
+        installed = host_bin / "gpusnap"
+        self.assertEqual(installed.stat().st_mode & 0o777, 0o755)
+        self.assertEqual(sorted(p.name for p in host_bin.iterdir()), ["gpusnap"])
+        # The host runs it as placeholder pods will: with the host's glibc alone.
+        r = subprocess.run([str(installed), "--version"], capture_output=True, text=True)
+        self.assertEqual(r.stdout, f"gpusnap {VERSION}\n")
+
+    def test_the_readiness_probe_sees_the_agents_socket(self):
+        ds = daemonset()
+        agent = next(c for c in ds["spec"]["template"]["spec"]["containers"]
+                     if c["name"] == "agent")
+        probe = agent["readinessProbe"]["exec"]["command"]
+        sock_path = pathlib.Path(probe[-1])
+        run_dir = self.dir / "run-gpusnap"
+        run_dir.mkdir()
+        self.assertEqual(self.run_in_image(probe, mounts=[(run_dir, str(sock_path.parent))])[0], 1)
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(run_dir / sock_path.name))
+            self.assertEqual(self.run_in_image(probe, mounts=[(run_dir, str(sock_path.parent))]),
+                             (0, ""))
+
+
+if __name__ == "__main__":
+    why = blocker()
+    if why:
+        print(f"skipped: {why}")
+        sys.exit(77)
+    unittest.main()

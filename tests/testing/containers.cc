@@ -1,0 +1,132 @@
+#include "testing/containers.h"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <unistd.h>
+
+#include <regex>
+#include <thread>
+
+#include "common/fs.h"
+#include "common/subprocess.h"
+
+namespace gpusnap::testing {
+
+using nlohmann::json;
+namespace stdfs = std::filesystem;
+
+std::optional<std::string> runc_blocker() {
+  if (auto why = system_test_blocker()) return why;
+  if (::access("/usr/sbin/runc", X_OK) != 0 && ::access("/usr/bin/runc", X_OK) != 0) {
+    return std::string("runc is not installed (apt-get install runc)");
+  }
+  if (::access("/bin/busybox", X_OK) != 0) {
+    return std::string("busybox is not installed (apt-get install busybox-static)");
+  }
+  return std::nullopt;
+}
+
+void install_binary(const stdfs::path& rootfs, const stdfs::path& binary, const std::string& as) {
+  stdfs::copy_file(binary, rootfs / as.substr(1), stdfs::copy_options::overwrite_existing);
+  auto ldd = run_capture({"/usr/bin/ldd", binary.string()});
+  ASSERT_TRUE(ldd.status.ok()) << ldd.output;
+  static const std::regex kLib(R"((/[^ \t\n]+) \(0x)");
+  for (std::sregex_iterator it(ldd.output.begin(), ldd.output.end(), kLib), end; it != end; ++it) {
+    stdfs::path lib = (*it)[1].str();
+    stdfs::create_directories(rootfs / lib.parent_path().relative_path());
+    stdfs::copy_file(stdfs::canonical(lib), rootfs / lib.relative_path(),
+                     stdfs::copy_options::overwrite_existing);
+  }
+}
+
+stdfs::path make_bundle(const stdfs::path& dir, const std::vector<std::string>& args) {
+  auto rootfs = dir / "rootfs";
+  for (const char* d : {"bin", "proc", "dev", "sys", "tmp", "control"}) {
+    stdfs::create_directories(rootfs / d);
+  }
+  stdfs::copy_file("/bin/busybox", rootfs / "bin/busybox");
+  stdfs::create_symlink("busybox", rootfs / "bin/sh");
+  install_binary(rootfs, build_path("tests/gpusnap-test-workload"), "/bin/gpusnap-test-workload");
+  install_binary(rootfs, build_path("tests/gpusnap-example-handshake-worker"),
+                 "/bin/handshake-worker");
+  write(rootfs / "bin/gpusnap", "");  // the mount point of the bind-mounted binary
+  auto spec = run_capture({"runc", "spec", "--bundle", dir.string()});
+  EXPECT_TRUE(spec.status.ok()) << spec.output;
+  auto config = json::parse(fs::read_file(dir / "config.json"));
+  config["process"]["terminal"] = false;
+  config["process"]["args"] = args;
+  config["mounts"].push_back({{"destination", "/bin/gpusnap"},
+                              {"type", "bind"},
+                              {"source", stdfs::canonical(gpusnap_bin()).string()},
+                              {"options", {"bind", "ro"}}});
+  // CRIU, run inside the container, probes the kernel with a scratch directory in /tmp.
+  config["mounts"].push_back({{"destination", "/tmp"},
+                              {"type", "tmpfs"},
+                              {"source", "tmpfs"},
+                              {"options", {"nosuid", "nodev", "mode=1777"}}});
+  // The handshake directory: a volume of the container's own, as an emptyDir would be.
+  config["mounts"].push_back({{"destination", "/control"},
+                              {"type", "tmpfs"},
+                              {"source", "tmpfs"},
+                              {"options", {"nosuid", "nodev", "mode=700"}}});
+  config["process"]["env"].push_back("GPUSNAP_CONTROL_DIR=/control");
+  write(dir / "config.json", config.dump(2));
+  return dir;
+}
+
+Container::Container(const stdfs::path& runtime_root, std::string id, const stdfs::path& bundle)
+    : root_(runtime_root), id_(std::move(id)) {
+  Pipe out = Pipe::make();
+  SpawnOptions o;
+  o.argv = {"runc",
+            "--root",
+            root_.string(),
+            "run",
+            "-d",
+            "--pid-file",
+            (bundle / "init.pid").string(),
+            "--bundle",
+            bundle.string(),
+            id_};
+  o.stdout_fd = out.write.get();
+  o.stderr_fd = out.write.get();
+  auto status = *Subprocess(o).wait();
+  output_ = std::move(out.read);
+  started_ = status.ok();
+  if (started_) pid_ = std::stoi(fs::read_file(bundle / "init.pid"));
+}
+
+Container::~Container() { run_capture({"runc", "--root", root_.string(), "delete", "-f", id_}); }
+
+json Container::state() const {
+  auto r = run_capture({"runc", "--root", root_.string(), "state", id_});
+  return r.status.ok() ? json::parse(r.output) : json();
+}
+
+std::string ask_in(pid_t pid, const std::string& line) {
+  std::string reply;
+  // setns applies to the calling thread: a thread of its own joins the namespace and asks.
+  std::thread([&] {
+    UniqueFd ns(::open(("/proc/" + std::to_string(pid) + "/ns/net").c_str(), O_RDONLY | O_CLOEXEC));
+    if (ns && ::setns(ns.get(), CLONE_NEWNET) == 0) reply = ask(kContainerPort, line);
+  }).join();
+  return reply;
+}
+
+std::string namespace_of(pid_t pid, const char* ns) {
+  std::error_code ec;
+  return stdfs::read_symlink("/proc/" + std::to_string(pid) + "/ns/" + ns, ec).string();
+}
+
+std::vector<std::string> shimmed_workload() {
+  return {"/bin/gpusnap", "init",
+          "--",           "/bin/gpusnap-test-workload",
+          "--port",       std::to_string(kContainerPort),
+          "--mib",        "16",
+          "--threads",    "2",
+          "--children",   "1"};
+}
+
+std::vector<std::string> placeholder_args() { return {"/bin/gpusnap", "init", "--placeholder"}; }
+
+}  // namespace gpusnap::testing

@@ -1,0 +1,77 @@
+// Helpers for the tests that run real runc containers (tests/container, tests/kube): a busybox
+// root filesystem holding the test workloads, an OCI bundle around it, a container run
+// detached by runc and deleted at the end, and a request to a workload in a container's
+// network namespace. Nothing here fakes the runtime; it only drives runc as a shim would.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/fd.h"
+#include "testing/harness.h"
+
+namespace gpusnap::testing {
+
+// The port the workloads listen on inside their containers (each has its own network
+// namespace, so every container uses the same one).
+inline constexpr uint16_t kContainerPort = 7000;
+
+// Why real containers cannot run here (no root, no CRIU, no runc, no busybox); nullopt if
+// they can.
+std::optional<std::string> runc_blocker();
+#define SKIP_WITHOUT_RUNC() GPUSNAP_SKIP_IF_BLOCKED(::gpusnap::testing::runc_blocker())
+
+// Copies `binary` and the shared libraries it loads (as ldd lists them) into `rootfs` at `as`.
+void install_binary(const std::filesystem::path& rootfs, const std::filesystem::path& binary,
+                    const std::string& as);
+
+// An OCI bundle in `dir`: a busybox root filesystem with the test workloads, and runc's default
+// config.json edited for `args`: no terminal, the built gpusnap bind-mounted read-only at
+// /bin/gpusnap, a tmpfs /tmp, a handshake directory (GPUSNAP_CONTROL_DIR=/control) on a tmpfs
+// of its own. Returns `dir`.
+std::filesystem::path make_bundle(const std::filesystem::path& dir,
+                                  const std::vector<std::string>& args);
+
+// A container run detached by runc, deleted (runc delete -f) whatever the test's outcome. Its
+// output goes into a pipe this object holds, as a runtime's shim would.
+class Container {
+ public:
+  Container(const std::filesystem::path& runtime_root, std::string id,
+            const std::filesystem::path& bundle);
+  Container(const Container&) = delete;
+  Container& operator=(const Container&) = delete;
+  ~Container();
+
+  bool started() const { return started_; }
+  pid_t pid() const { return pid_; }  // its PID 1, as the host sees it
+  const std::string& id() const { return id_; }
+  // `runc state` as JSON; null when runc does not know the container.
+  nlohmann::json state() const;
+
+ private:
+  std::filesystem::path root_;
+  std::string id_;
+  UniqueFd output_;
+  bool started_ = false;
+  pid_t pid_ = 0;
+};
+
+// One request/reply line to the workload's port in the network namespace of process `pid`;
+// "" when nothing answers.
+std::string ask_in(pid_t pid, const std::string& line);
+
+// The link /proc/PID/ns/NS names (e.g. "net:[4026532]"); "" when the process is gone.
+std::string namespace_of(pid_t pid, const char* ns);
+
+// The test workload under the shim, as a source container runs it, and the placeholder.
+std::vector<std::string> shimmed_workload();
+std::vector<std::string> placeholder_args();
+
+}  // namespace gpusnap::testing
