@@ -1,14 +1,17 @@
 #include "engine/host_images.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cstring>
 #include <fstream>
 #include <mutex>
@@ -281,6 +284,67 @@ bool all_zero(const unsigned char* data, size_t size) {
   return true;
 }
 
+std::string mount_options_of(const std::filesystem::path& path, const std::string& mountinfo) {
+  // mountinfo escapes blanks and backslashes in paths as \ooo (octal).
+  auto unescape = [](const std::string& in) {
+    std::string out;
+    for (size_t i = 0; i < in.size(); ++i) {
+      if (in[i] == '\\' && i + 3 < in.size() &&
+          std::isdigit(static_cast<unsigned char>(in[i + 1])) != 0) {
+        out += static_cast<char>(std::stoi(in.substr(i + 1, 3), nullptr, 8));
+        i += 3;
+      } else {
+        out += in[i];
+      }
+    }
+    return out;
+  };
+  const std::string target = path.string();
+  size_t best = 0;
+  std::string options;
+  std::istringstream lines(mountinfo);
+  for (std::string line; std::getline(lines, line);) {
+    // "ID PARENT MAJ:MIN ROOT MOUNT_POINT OPTS [OPTIONAL...] - FSTYPE SOURCE SUPER_OPTS"
+    std::istringstream fields(line);
+    std::string id, parent, dev, root, point;
+    fields >> id >> parent >> dev >> root >> point;
+    point = unescape(point);
+    auto dash = line.find(" - ");
+    if (dash == std::string::npos) continue;
+    std::istringstream tail(line.substr(dash + 3));
+    std::string type, source, super;
+    tail >> type >> source >> super;
+    const bool holds =
+        target == point ||
+        (target.rfind(point, 0) == 0 &&
+         (point == "/" || (target.size() > point.size() && target[point.size()] == '/')));
+    // The last of equally long mount points is the one on top.
+    if (holds && point.size() >= best) {
+      best = point.size();
+      options = super;
+    }
+  }
+  return options;
+}
+
+bool tmpfs_gives_huge_pages(const std::string& super_options) {
+  std::istringstream items(super_options);
+  for (std::string item; std::getline(items, item, ',');) {
+    if (item == "huge=always" || item == "huge=within_size" || item == "huge=advise") return true;
+  }
+  return false;
+}
+
+bool on_tmpfs_without_huge_pages(const std::filesystem::path& dir) {
+  struct statfs st {};
+  if (::statfs(dir.c_str(), &st) != 0 || st.f_type != TMPFS_MAGIC) return false;
+  std::error_code ec;
+  auto canonical = std::filesystem::canonical(dir, ec);
+  std::string mountinfo;
+  if (ec || !fs::try_read_file("/proc/self/mountinfo", &mountinfo)) return false;
+  return !tmpfs_gives_huge_pages(mount_options_of(canonical, mountinfo));
+}
+
 std::vector<Range> new_anonymous_ranges(const std::vector<Mapping>& before,
                                         const std::vector<Mapping>& after, uint64_t min_bytes) {
   std::vector<Range> out;
@@ -394,6 +458,11 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ra
     stored += rec.stored_bytes;
     out.files.push_back({rec.file, f.file_size(), f.chunks});
     out.images.push_back(std::move(rec));
+  }
+  if (!out.images.empty() && on_tmpfs_without_huge_pages(dir)) {
+    reporter.note("the artifact is on a tmpfs without huge pages: its host images are written and "
+                  "mapped 4 KiB at a time; a tmpfs mounted with huge=within_size stores and "
+                  "restores them faster (docs/benchmarks.md)");
   }
   if (!out.images.empty()) {
     reporter.note("process " + std::to_string(pid) + ": " + fs::human_bytes(total) +

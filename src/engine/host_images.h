@@ -77,6 +77,18 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& ranges,
 // The images' CRIU keys, for criu::DumpOptions::external_files.
 std::vector<std::string> criu_external_keys(const std::vector<HostImageRecord>& images);
 
+// The super options ("rw,size=...,huge=within_size") of the mount holding `path`, from the text
+// of /proc/self/mountinfo; "" when no mount holds it. `path` must be absolute and canonical.
+std::string mount_options_of(const std::filesystem::path& path, const std::string& mountinfo);
+
+// Whether a tmpfs with these super options gives its files 2 MiB pages: huge=always,
+// huge=within_size, or huge=advise (gpusnap advises its own mappings of the files).
+bool tmpfs_gives_huge_pages(const std::string& super_options);
+
+// Whether `dir` is on a tmpfs whose files get 4 KiB pages only (then a note says what a
+// huge-page tmpfs would gain: docs/benchmarks.md).
+bool on_tmpfs_without_huge_pages(const std::filesystem::path& dir);
+
 // Whether `size` bytes at `data` are all zero (such a block is left as a hole).
 bool all_zero(const unsigned char* data, size_t size);
 

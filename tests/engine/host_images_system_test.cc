@@ -7,8 +7,11 @@
 // the real driver does, measured on the H200: docs/design.md), on restore it reads the region
 // back from the process, checks every byte and unmaps it. The state machine is FakeDriver's.
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 
@@ -21,6 +24,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/fs.h"
 #include "common/proc.h"
 #include "common/remote.h"
 #include "engine/host_images.h"
@@ -306,6 +310,27 @@ TEST(HostImages, WithoutThemCriuStoresTheSameBytes) {
   for (const auto& c : run.restore.copies) {
     EXPECT_EQ(ask(c.ports[0].host_port, "CHECK").substr(0, 2), "OK");
   }
+}
+
+// Real tmpfs mounts: the check behind the note that recommends a huge-page artifact store.
+TEST(HostImageStore, ATmpfsWithoutHugePagesIsToldApartFromOneWith) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  auto small = dir / "small", huge = dir / "huge", plain = dir / "plain";
+  for (const auto& d : {small, huge, plain}) std::filesystem::create_directories(d);
+  ASSERT_EQ(::mount("gpusnap-test", small.c_str(), "tmpfs", 0, "size=4m"), 0);
+  ASSERT_EQ(::mount("gpusnap-test", huge.c_str(), "tmpfs", 0, "size=4m,huge=within_size"), 0);
+  std::filesystem::create_directories(huge / "nested");
+  EXPECT_TRUE(engine::on_tmpfs_without_huge_pages(small));
+  EXPECT_FALSE(engine::on_tmpfs_without_huge_pages(huge / "nested"));
+  // Not a tmpfs at all (where the test's own directory is not one): no note.
+  struct statfs st {};
+  ASSERT_EQ(::statfs(plain.c_str(), &st), 0);
+  if (st.f_type != TMPFS_MAGIC) {
+    EXPECT_FALSE(engine::on_tmpfs_without_huge_pages(plain));
+  }
+  ::umount2(small.c_str(), MNT_DETACH);
+  ::umount2(huge.c_str(), MNT_DETACH);
 }
 
 }  // namespace

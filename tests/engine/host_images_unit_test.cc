@@ -60,5 +60,33 @@ TEST(HostImageZeroBlocks, OnlyAllZeroIsZero) {
   }
 }
 
+// Lines as /proc/self/mountinfo writes them (the H200 machine's /dev/shm among them).
+constexpr const char* kMountinfo =
+    "21 1 253:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+    "22 21 0:5 / /dev rw,relatime shared:2 - devtmpfs devtmpfs rw,size=65984560k\n"
+    "23 22 0:20 / /dev/shm rw,relatime shared:3 - tmpfs tmpfs rw,size=131981020k\n"
+    "40 21 0:35 / /run/snap\\040store rw,relatime shared:9 - tmpfs store "
+    "rw,size=104857600k,huge=within_size\n"
+    "41 23 0:36 / /dev/shm rw,relatime shared:10 - tmpfs tmpfs rw,size=1024k,huge=always\n";
+
+TEST(HostImageStore, TheMountHoldingAPathIsTheLongestPrefixAndTheLastOnTop) {
+  EXPECT_EQ(mount_options_of("/var/tmp/a", kMountinfo), "rw");
+  EXPECT_EQ(mount_options_of("/dev/null", kMountinfo), "rw,size=65984560k");
+  EXPECT_EQ(mount_options_of("/dev/shm/snap", kMountinfo), "rw,size=1024k,huge=always");
+  EXPECT_EQ(mount_options_of("/dev/shmx", kMountinfo), "rw,size=65984560k");  // not /dev/shm
+  EXPECT_EQ(mount_options_of("/run/snap store/x", kMountinfo),
+            "rw,size=104857600k,huge=within_size");
+  EXPECT_EQ(mount_options_of("/run/snap", kMountinfo), "rw");
+}
+
+TEST(HostImageStore, OnlyHugeOptionsThatGivePagesCount) {
+  EXPECT_TRUE(tmpfs_gives_huge_pages("rw,huge=within_size"));
+  EXPECT_TRUE(tmpfs_gives_huge_pages("rw,huge=always,size=1k"));
+  EXPECT_TRUE(tmpfs_gives_huge_pages("huge=advise"));
+  EXPECT_FALSE(tmpfs_gives_huge_pages("rw,huge=never"));
+  EXPECT_FALSE(tmpfs_gives_huge_pages("rw,size=131981020k"));
+  EXPECT_FALSE(tmpfs_gives_huge_pages(""));
+}
+
 }  // namespace
 }  // namespace gpusnap::engine
