@@ -31,7 +31,7 @@ const char* Error::kind_name(ErrorKind kind) {
 std::string errno_text(int err) { return std::error_code(err, std::generic_category()).message(); }
 
 Error sys_error(const std::string& what, int err) {
-  return Error(ErrorKind::kInternal, what + ": " + std::strerror(err));
+  return Error(ErrorKind::kInternal, what + ": " + errno_text(err));
 }
 
 }  // namespace gpusnap

@@ -31,7 +31,7 @@ struct CopyInitSpec {
   // The copy's own handshake directory, mounted over the path the workload knows (empty: none).
   std::filesystem::path handshake_source;
   std::filesystem::path handshake_target;
-  int control_fd;  // to gpusnap: we send "R <nspid>" or "F <reason>", await G, then ack "A"
+  int control_fd = -1;  // to gpusnap: we send "R <nspid>" or "F <reason>", await G, then ack "A"
   // Restore into the namespaces of this placeholder container's init (its host pid) instead
   // of fresh ones of our own: we stay outside, CRIU runs inside as pid criu_pid, and on release
   // the placeholder adopts the restored root (container_init.h). Unreleased, we kill the tree.

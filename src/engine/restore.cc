@@ -91,7 +91,7 @@ UniqueFd listen_on(const std::string& address, uint16_t port, uint16_t* bound) {
   if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
     throw Error(
         ErrorKind::kUsage,
-        "cannot publish on " + address + ":" + std::to_string(port) + ": " + std::strerror(errno),
+        "cannot publish on " + address + ":" + std::to_string(port) + ": " + errno_text(errno),
         "choose a free host port, or give only the copy's port to pick one");
   }
   if (::listen(fd.get(), 128) != 0) throw sys_error("listen", errno);
