@@ -472,48 +472,6 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ra
   return out;
 }
 
-void prefault(pid_t pid, const std::vector<Range>& ranges, int threads) {
-  constexpr uint64_t kPage = 4096;
-  constexpr size_t kPagesPerCall = 1024;  // IOV_MAX remote vectors, one byte of a page each
-  struct Job {
-    uint64_t start, end;
-  };
-  std::vector<Job> jobs;
-  for (const auto& r : ranges) {
-    for (uint64_t at = r.start; at < r.end; at += kPage * kPagesPerCall) {
-      jobs.push_back({at, std::min(r.end, at + kPage * kPagesPerCall)});
-    }
-  }
-  std::atomic<size_t> next{0};
-  std::atomic<bool> failed{false};
-  std::atomic<int> failed_errno{0};
-  auto worker = [&] {
-    std::vector<unsigned char> sink(kPagesPerCall);
-    std::vector<iovec> remote(kPagesPerCall);
-    for (size_t j; !failed && (j = next.fetch_add(1)) < jobs.size();) {
-      size_t n = 0;
-      for (uint64_t at = jobs[j].start; at < jobs[j].end; at += kPage) {
-        // An address in the other process: an integer by nature, never dereferenced here.
-        remote[n++] = {reinterpret_cast<void*>(at), 1};  // NOLINT(performance-no-int-to-ptr)
-      }
-      iovec local{sink.data(), n};
-      if (::process_vm_readv(pid, &local, 1, remote.data(), n, 0) != static_cast<ssize_t>(n)) {
-        failed_errno = errno;
-        failed = true;
-      }
-    }
-  };
-  std::vector<std::thread> pool;
-  const int count = std::max(1, std::min<int>(threads, static_cast<int>(jobs.size())));
-  for (int i = 0; i < count; ++i) pool.emplace_back(worker);
-  for (auto& t : pool) t.join();
-  if (failed) {
-    throw Error(ErrorKind::kEnvironment, "cannot read the host images of process " +
-                                             std::to_string(pid) + ": " +
-                                             errno_text(failed_errno.load()));
-  }
-}
-
 std::vector<std::string> criu_external_keys(const std::vector<HostImageRecord>& images) {
   std::vector<std::string> keys;
   keys.reserve(images.size());

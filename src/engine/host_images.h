@@ -74,13 +74,6 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& ranges,
                                    const std::filesystem::path& artifact_root,
                                    const HostImageOptions& options, Reporter& reporter);
 
-// Maps every page of `ranges` of `pid` (a restored copy's host images) into its page tables, from
-// `threads` threads at once, by reading one byte of each page with process_vm_readv: the page
-// faults happen here, in parallel, instead of one by one in the driver's restore, which reads
-// the images through those mappings with one thread. Pages already mapped cost a page-table
-// walk. Throws Error(kEnvironment) when the process cannot be read.
-void prefault(pid_t pid, const std::vector<Range>& ranges, int threads);
-
 // The images' CRIU keys, for criu::DumpOptions::external_files.
 std::vector<std::string> criu_external_keys(const std::vector<HostImageRecord>& images);
 

@@ -6,7 +6,6 @@
 //   criu-restore  each copy's init, in its fresh namespaces, runs `criu restore`; all at once
 //   locate      the restored roots' host pids
 //   gpu-init    (GPU snapshots) CUDA initialised in gpusnap, started after open, beside CRIU
-//   map-images  (host images) each copy's host images mapped into its page tables, on all cores
 //   gpu-restore (GPU snapshots) the driver puts each CUDA process's GPU state back, onto the
 //               mapped GPUs, and unlocks it; all processes of all copies in parallel
 //   release     the copies are handed over and outlive gpusnap
@@ -38,7 +37,6 @@
 #include "engine/copy_init.h"
 #include "engine/gpu_state.h"
 #include "engine/handshake.h"
-#include "engine/host_images.h"
 #include "gpu/driver.h"
 #include "gpusnap/error.h"
 #include "gpusnap/restore.h"
@@ -398,9 +396,6 @@ class Restore {
     });
     if (driver_ready.valid()) phases_.run("gpu-init", [&] { driver_ready.get(); });
     if (verifying.valid()) phases_.run("verify", [&] { check(verifying.get()); });
-    if (!artifact.manifest().host_images.empty()) {
-      phases_.run("map-images", [&] { prefault_host_images(copies, artifact.manifest()); });
-    }
     if (gpu_plan.has_gpu_state) {
       phases_.run("gpu-restore", [&] {
         std::vector<pid_t> pids;
@@ -433,27 +428,6 @@ class Restore {
     if (options_.driver != nullptr) return *options_.driver;
     owned_driver_ = gpu::open_nvidia_driver();
     return *owned_driver_;
-  }
-
-  // The copies' host images, mapped into their page tables on every core (engine::prefault):
-  // the driver's restore then reads them without taking a page fault every 64 KiB.
-  // Only a head start: where it fails, the driver faults the pages in itself as it reads.
-  void prefault_host_images(const std::vector<std::unique_ptr<Copy>>& copies,
-                            const Manifest& manifest) {
-    const int threads = static_cast<int>(std::max(4u, std::thread::hardware_concurrency()));
-    for (const auto& c : copies) {
-      std::map<pid_t, std::vector<engine::Range>> ranges;
-      for (const auto& image : manifest.host_images) {
-        ranges[c->host_pid_of(image.pid)].push_back({image.start, image.end});
-      }
-      for (const auto& [pid, list] : ranges) {
-        try {
-          engine::prefault(pid, list, threads);
-        } catch (const Error& e) {
-          phases_.reporter().note(e.what());
-        }
-      }
-    }
   }
 
   // Every copy is asked to resume with its own context, all at once; each must say RESUMED.
