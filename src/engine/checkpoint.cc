@@ -150,8 +150,15 @@ class Checkpoint {
     });
     Manifest manifest = describe(tree, criu);
 
+    // From here on the workload is changed (paused, its GPU state moved): the guardian undoes
+    // that even if gpusnap dies. Declared before the objects that roll back in-process, so that
+    // on a failure it comes last and finds nothing left to do.
+    std::optional<engine::CaptureGuard> guard;
     std::optional<PausedWorkload> paused;
-    if (auto handshake = find_handshake()) {
+    auto handshake = find_handshake();
+    guard.emplace(options_.helper_binary.empty() ? "/proc/self/exe" : options_.helper_binary,
+                  writer.staging(), cuda, handshake ? handshake->dir() : std::filesystem::path());
+    if (handshake) {
       phases_.run("pause", [&] { handshake->pause(options_.pid, options_.handshake_timeout); });
       paused.emplace(std::move(*handshake), options_.pid, options_.handshake_timeout,
                      phases_.reporter());
@@ -178,15 +185,11 @@ class Checkpoint {
 
     auto log = writer.staging() / "logs" / "criu-dump.log";
     std::filesystem::create_directories(log.parent_path());
-    std::optional<engine::GuardedDump> dump;
     phases_.run("dump", [&] {
-      dump.emplace(
-          options_.helper_binary.empty() ? "/proc/self/exe" : options_.helper_binary,
+      auto status = guard->dump(
           dump_argv(criu, {options_.pid, writer.criu_dir(), log, manifest.shell_job,
                            options_.ghost_limit, engine::criu_external_keys(manifest.host_images)}),
-          writer.staging(), log.parent_path() / "criu-dump.out", cuda,
-          paused ? paused->dir() : std::filesystem::path());
-      auto status = dump->wait();
+          log.parent_path() / "criu-dump.out");
       if (!status.ok()) fail_dump(status, log);
     });
     // The source waits for nothing more: its GPU state goes back before the bookkeeping.
@@ -201,12 +204,12 @@ class Checkpoint {
     // The manifest records its own phases up to the commit; the commit itself is reported.
     manifest.checkpoint_phases = phases_.timings();
     writer.commit(manifest, phases_);
-    dump->commit();
     if (!options_.leave_running) {
       if (gpu) gpu->release();
       if (paused) paused->release();
       phases_.run("stop", [&] { stop_tree(tree); });
     }
+    guard->commit();
     return {writer.final_path(), std::move(manifest), phases_.timings(), paused.has_value()};
   }
 

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 
 #include <nlohmann/json.hpp>
 
@@ -21,61 +22,85 @@ namespace {
 constexpr int kControlFd = 3;
 constexpr int kStatusFd = 4;
 
-}  // namespace
+// Reads exactly `size` bytes; false on EOF or an error (the other side is gone).
+bool read_exact(int fd, void* data, size_t size) {
+  size_t got = 0;
+  while (got < size) {
+    ssize_t n = ::read(fd, static_cast<char*>(data) + got, size - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    got += static_cast<size_t>(n);
+  }
+  return true;
+}
 
-int dump_guard_main(const std::string& spec_json) {
-  auto spec = nlohmann::json::parse(spec_json);
-  auto argv = spec.at("argv").get<std::vector<std::string>>();
-  std::filesystem::path staging = spec.at("staging").get<std::string>();
-  std::filesystem::path output = spec.at("output").get<std::string>();
-  // gpusnap may be gone by the time we report to it: a write to its closed pipe must fail
-  // with EPIPE, not kill us before we clean up.
-  ::signal(SIGPIPE, SIG_IGN);
+bool write_exact(int fd, const void* data, size_t size) {
+  size_t put = 0;
+  while (put < size) {
+    ssize_t n = ::write(fd, static_cast<const char*>(data) + put, size - put);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    put += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// CRIU as the guardian's child, to the end whatever happens to gpusnap.
+ExitStatus run_dump(const nlohmann::json& request) {
+  const auto output = request.at("output").get<std::string>();
   UniqueFd out(::open(output.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
   SpawnOptions o;
-  o.argv = argv;
+  o.argv = request.at("argv").get<std::vector<std::string>>();
   o.stdout_fd = out.get();
   o.stderr_fd = out.get();
   o.kill_with_parent = false;  // CRIU must finish even if we are killed
   Subprocess criu(o);
-  ExitStatus status = *criu.wait();
-  int encoded[2] = {status.exited ? 1 : 0, status.code};
-  (void)::write(kStatusFd, encoded, sizeof encoded);
-  ::close(kStatusFd);
-  char word = 0;
-  ssize_t n;
-  while ((n = ::read(kControlFd, &word, 1)) < 0 && errno == EINTR) {
+  return *criu.wait();
+}
+
+}  // namespace
+
+int dump_guard_main(const std::string& spec_json) {
+  auto spec = nlohmann::json::parse(spec_json);
+  // gpusnap may be gone by the time we report to it: a write to its closed pipe must fail
+  // with EPIPE, not kill us before we clean up.
+  ::signal(SIGPIPE, SIG_IGN);
+  for (;;) {
+    char word = 0;
+    if (!read_exact(kControlFd, &word, 1)) break;  // EOF: gpusnap failed or died
+    if (word == 'C') return 0;
+    uint32_t size = 0;
+    if (word != 'D' || !read_exact(kControlFd, &size, sizeof size)) break;
+    std::string request(size, '\0');
+    if (!read_exact(kControlFd, request.data(), size)) break;
+    ExitStatus status = run_dump(nlohmann::json::parse(request));
+    int encoded[2] = {status.exited ? 1 : 0, status.code};
+    (void)write_exact(kStatusFd, encoded, sizeof encoded);
   }
-  if (n != 1 || word != 'C') {
-    fs::remove_tree_noexcept(staging);
-    // gpusnap died with the workload's GPU state taken away: put it back now rather than
-    // leave the workload blocked in its next CUDA call until someone runs gpusnap again.
-    auto gpu_pids = spec.at("gpu_pids").get<std::vector<pid_t>>();
-    if (!gpu_pids.empty()) {
-      auto driver = gpu::open_nvidia_driver();
-      if (driver->available()) return_to_running(*driver, gpu_pids);
-    }
-    // GPU first, then the workload's own resume: the order gpusnap itself keeps.
-    if (auto dir = spec.at("control_dir").get<std::string>(); !dir.empty()) {
-      Handshake(dir).request_resume_as_source();
-    }
+  fs::remove_tree_noexcept(spec.at("staging").get<std::string>());
+  // The workload's GPU state back first, then its own resume: the order gpusnap itself keeps.
+  // Rather now than leave the workload blocked in its next CUDA call, or paused, until someone
+  // runs gpusnap again.
+  auto gpu_pids = spec.at("gpu_pids").get<std::vector<pid_t>>();
+  if (!gpu_pids.empty()) {
+    auto driver = gpu::open_nvidia_driver();
+    if (driver->available()) return_to_running(*driver, gpu_pids);
+  }
+  if (auto dir = spec.at("control_dir").get<std::string>(); !dir.empty()) {
+    Handshake(dir).request_resume_as_source();
   }
   return 0;
 }
 
-GuardedDump::GuardedDump(const std::string& helper, std::vector<std::string> criu_argv,
-                         std::filesystem::path staging, std::filesystem::path criu_output,
-                         const std::vector<pid_t>& gpu_pids,
-                         const std::filesystem::path& control_dir) {
+CaptureGuard::CaptureGuard(const std::string& helper, const std::filesystem::path& staging,
+                           const std::vector<pid_t>& gpu_pids,
+                           const std::filesystem::path& control_dir) {
   Pipe control = Pipe::make();
   Pipe status = Pipe::make();
   SpawnOptions o;
   // A separate program rather than a forked function: gpusnap may have driver threads by now.
-  nlohmann::json spec{{"argv", criu_argv},
-                      {"staging", staging.string()},
-                      {"output", criu_output.string()},
-                      {"gpu_pids", gpu_pids},
-                      {"control_dir", control_dir.string()}};
+  nlohmann::json spec{
+      {"staging", staging.string()}, {"gpu_pids", gpu_pids}, {"control_dir", control_dir.string()}};
   o.argv = {helper, "__dump-guard", spec.dump()};
   o.keep_fds = {{control.read.get(), kControlFd}, {status.write.get(), kStatusFd}};
   o.kill_with_parent = false;
@@ -85,27 +110,32 @@ GuardedDump::GuardedDump(const std::string& helper, std::vector<std::string> cri
   status_ = std::move(status.read);
 }
 
-GuardedDump::~GuardedDump() {
-  control_.reset();  // EOF without 'C': the guardian cleans up after CRIU
+CaptureGuard::~CaptureGuard() {
+  control_.reset();  // EOF without 'C': the guardian puts things back once CRIU is done
   guardian_->wait();
   guardian_->release();
 }
 
-ExitStatus GuardedDump::wait() {
+ExitStatus CaptureGuard::dump(const std::vector<std::string>& criu_argv,
+                              const std::filesystem::path& criu_output) {
+  const std::string request =
+      nlohmann::json{{"argv", criu_argv}, {"output", criu_output.string()}}.dump();
+  const auto size = static_cast<uint32_t>(request.size());
+  const char word = 'D';
+  if (!write_exact(control_.get(), &word, 1) || !write_exact(control_.get(), &size, sizeof size) ||
+      !write_exact(control_.get(), request.data(), request.size())) {
+    throw Error(ErrorKind::kCriu, "the capture's guardian process died before CRIU's dump");
+  }
   int encoded[2] = {0, 0};
-  size_t got = 0;
-  while (got < sizeof encoded) {
-    ssize_t n = ::read(status_.get(), reinterpret_cast<char*>(encoded) + got, sizeof encoded - got);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) throw Error(ErrorKind::kCriu, "the process running CRIU's dump died");
-    got += static_cast<size_t>(n);
+  if (!read_exact(status_.get(), encoded, sizeof encoded)) {
+    throw Error(ErrorKind::kCriu, "the process running CRIU's dump died");
   }
   return ExitStatus{encoded[0] == 1, encoded[1]};
 }
 
-void GuardedDump::commit() {
-  char word = 'C';
-  if (::write(control_.get(), &word, 1) != 1) throw sys_error("tell the dump guardian", errno);
+void CaptureGuard::commit() {
+  const char word = 'C';
+  if (!write_exact(control_.get(), &word, 1)) throw sys_error("tell the capture's guardian", errno);
   control_.reset();
 }
 

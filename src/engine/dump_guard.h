@@ -1,14 +1,22 @@
-// CRIU's dump, run under a guardian process that outlives gpusnap.
+// The guardian of one capture: a small process, started before gpusnap changes anything of the
+// workload (its pause, the GPU lock), that outlives gpusnap and undoes what gpusnap cannot.
 //
-// Why: if gpusnap is killed mid-dump, interrupting CRIU would be the worst outcome (a process
-// with CRIU's parasite code inside it cannot be resumed safely). So CRIU runs as the child of a
-// small guardian in its own session: it always finishes and, since gpusnap dumps with
-// --leave-running, always resumes the tree. The guardian then waits for gpusnap's word: the
-// artifact was committed, or (gpusnap died) it removes the staging directory, so no partial
-// artifact is ever left behind.
+// Why: a gpusnap killed between the pause and the end of the capture would otherwise leave the
+// workload paused (the handshake waits for a resume nobody sends) or its GPU state checkpointed
+// until someone runs gpusnap again. And CRIU's dump must never be interrupted (a process with
+// CRIU's parasite code inside it cannot be resumed safely), so the guardian also runs the dump,
+// as its own child in its own session: it always finishes and, since gpusnap dumps with
+// --leave-running, always thaws the tree.
+//
+// Unless gpusnap says commit() (the artifact is in place and the source handled), the guardian,
+// once gpusnap's end of the pipe closes (gpusnap failed and rolled back, or died) and any dump
+// has finished: removes the staging directory, returns the CUDA processes to RUNNING and asks a
+// paused workload to resume, withdrawing a pause it may not have seen yet. Each step is a no-op
+// where gpusnap's own rollback already did it, so the guardian always does them all.
 #pragma once
 
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,31 +25,31 @@
 
 namespace gpusnap::engine {
 
-class GuardedDump {
+class CaptureGuard {
  public:
   // `helper` is the gpusnap binary, which runs the guardian as `gpusnap __dump-guard SPEC`.
-  // If gpusnap dies mid-way, the guardian returns `gpu_pids` (CUDA processes) to RUNNING and,
-  // when `control_dir` is set, asks the paused workload to resume.
-  GuardedDump(const std::string& helper, std::vector<std::string> criu_argv,
-              std::filesystem::path staging, std::filesystem::path criu_output,
-              const std::vector<pid_t>& gpu_pids, const std::filesystem::path& control_dir);
-  GuardedDump(const GuardedDump&) = delete;
-  GuardedDump& operator=(const GuardedDump&) = delete;
-  // Without commit(): the guardian removes the staging directory once CRIU has finished.
-  ~GuardedDump();
+  // `control_dir`: the workload's handshake directory (empty: it does not speak it).
+  CaptureGuard(const std::string& helper, const std::filesystem::path& staging,
+               const std::vector<pid_t>& gpu_pids, const std::filesystem::path& control_dir);
+  CaptureGuard(const CaptureGuard&) = delete;
+  CaptureGuard& operator=(const CaptureGuard&) = delete;
+  // Without commit(): the guardian puts everything back (see above) and exits; waits for it.
+  ~CaptureGuard();
 
-  // Blocks until CRIU exits; returns its status.
-  ExitStatus wait();
-  // Tells the guardian the artifact is in place: it must not remove anything.
+  // Runs CRIU (`criu_argv`, output appended to `criu_output`) in the guardian; blocks until CRIU
+  // exits and returns its status.
+  ExitStatus dump(const std::vector<std::string>& criu_argv,
+                  const std::filesystem::path& criu_output);
+  // Tells the guardian the capture is over: it must not touch anything.
   void commit();
 
  private:
-  UniqueFd control_;  // write end: 'C' = committed; EOF = abandoned
+  UniqueFd control_;  // write end: 'D' + a dump request, 'C' = committed; EOF = abandoned
   UniqueFd status_;   // read end: CRIU's exit status from the guardian
   std::optional<Subprocess> guardian_;
 };
 
-// The guardian's entry point (`gpusnap __dump-guard SPEC`); returns its exit code.
+// The guardian's own main (`gpusnap __dump-guard SPEC`).
 int dump_guard_main(const std::string& spec_json);
 
 }  // namespace gpusnap::engine

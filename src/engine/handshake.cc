@@ -123,6 +123,10 @@ void Handshake::resume(pid_t pid, const json& context, std::chrono::milliseconds
 
 void Handshake::request_resume_as_source() const noexcept {
   try {
+    // Whoever asked for the pause gave up on it: a workload that has not seen it yet must not
+    // pause after answering this resume (it answers a resume at once while running).
+    std::error_code ec;
+    std::filesystem::remove(dir_ / "pause", ec);
     write_message(dir_, "resume",
                   {{"id", fs::random_id().substr(0, 12)},
                    {"context",

@@ -94,9 +94,9 @@ TEST(Handshake, WorkloadThatNeverSaysReadyTimesOutAndIsStopped) {
   SKIP_WITHOUT_CRIU();
   TempDir dir;
   auto marker = (dir / "never-ready-port").string();
-  auto run = gpusnap({"run", "-o", (dir / "snap").string(), "--ready-timeout", "2", "--",
-                      "/usr/bin/env", "GPUSNAP_EXAMPLE_NEVER_READY=1", cxx_worker(),
-                      "--ready-file", marker});
+  auto run =
+      gpusnap({"run", "-o", (dir / "snap").string(), "--ready-timeout", "2", "--", "/usr/bin/env",
+               "GPUSNAP_EXAMPLE_NEVER_READY=1", cxx_worker(), "--ready-file", marker});
   EXPECT_EQ(run.exit_code, 11) << run.err;
   EXPECT_NE(run.err.find("did not say READY within 2 s"), std::string::npos) << run.err;
   EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
@@ -134,8 +134,8 @@ TEST(Handshake, FailedPauseAbortsTheCaptureAndLeavesTheSourceServing) {
   TempDir dir;
   HandshakeWorker worker(dir, "fail");
   ASSERT_EQ(ask(worker.process->port(), "INCR"), "1");
-  auto cp = gpusnap({"checkpoint", "-p", std::to_string(worker.process->pid()), "-o",
-                     (dir / "snap").string()});
+  auto cp = gpusnap(
+      {"checkpoint", "-p", std::to_string(worker.process->pid()), "-o", (dir / "snap").string()});
   EXPECT_EQ(cp.exit_code, 9) << cp.err;
   EXPECT_NE(cp.err.find("answered FAILED to pause: refused by test"), std::string::npos) << cp.err;
   EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
@@ -143,12 +143,53 @@ TEST(Handshake, FailedPauseAbortsTheCaptureAndLeavesTheSourceServing) {
   EXPECT_TRUE(running(worker.process->pid()));
 }
 
+// gpusnap killed (SIGKILL: nothing of its own runs) while the workload pauses: the capture's
+// guardian resumes the workload once its pause ends, with no gpusnap run afterwards, and
+// removes the staging directory.
+TEST(Handshake, GpusnapKilledDuringThePauseLeavesTheWorkloadServing) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  HandshakeWorker worker(dir, "slow");  // 3 s to pause
+  const uint16_t port = worker.process->port();
+  ASSERT_EQ(ask(port, "INCR"), "1");
+  SpawnOptions o;
+  o.argv = {
+      gpusnap_bin(),           "checkpoint", "-p", std::to_string(worker.process->pid()), "-o",
+      (dir / "snap").string(), "--quiet"};
+  Subprocess cp(o);
+  ASSERT_TRUE(eventually([&] { return std::filesystem::exists(worker.control / "pause"); }));
+  // The workload polls every 20-50 ms: by now it is in its 3 s pause.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  cp.kill(SIGKILL);
+  cp.wait();
+  // The workload serves on until its pause ends (3 s), pauses, then takes the guardian's
+  // resume: it serves again, as the source, with its cache back. Without the guardian it
+  // would answer "ERR paused" for ever.
+  std::this_thread::sleep_for(std::chrono::milliseconds(3500));
+  EXPECT_TRUE(eventually([&] { return ask(port, "PING") == "PONG" && ask(port, "CHECK") == "OK"; },
+                         std::chrono::seconds(20)))
+      << ask(port, "INFO");
+  const auto counter = ask(port, "INCR");
+  EXPECT_EQ(counter.find_first_not_of("0123456789"), std::string::npos) << counter;
+  const auto info = ask(port, "INFO");
+  EXPECT_EQ(field(info, "restored"), "0") << info;
+  EXPECT_NE(field(info, "cache_mib"), "0") << info;
+  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  EXPECT_TRUE(eventually([&] {
+    for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+      if (e.path().filename().string().rfind(".snap", 0) == 0) return false;
+    }
+    return true;
+  })) << "a staging directory was left";
+  EXPECT_TRUE(running(worker.process->pid()));
+}
+
 TEST(Handshake, WorkloadDyingDuringThePauseAbortsTheCapture) {
   SKIP_WITHOUT_CRIU();
   TempDir dir;
   HandshakeWorker worker(dir, "die");
-  auto cp = gpusnap({"checkpoint", "-p", std::to_string(worker.process->pid()), "-o",
-                     (dir / "snap").string()});
+  auto cp = gpusnap(
+      {"checkpoint", "-p", std::to_string(worker.process->pid()), "-o", (dir / "snap").string()});
   EXPECT_EQ(cp.exit_code, 9) << cp.err;
   EXPECT_NE(cp.err.find("exited during pause"), std::string::npos) << cp.err;
   EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
@@ -158,8 +199,8 @@ TEST(Handshake, CheckpointSaysWhenItCapturesWithoutTheHandshake) {
   SKIP_WITHOUT_CRIU();
   TempDir dir;
   Workload plain(dir, {"--mib", "4"});
-  auto cp = gpusnap({"checkpoint", "-p", std::to_string(plain.pid()), "-o",
-                     (dir / "snap").string(), "--leave-running"});
+  auto cp = gpusnap({"checkpoint", "-p", std::to_string(plain.pid()), "-o", (dir / "snap").string(),
+                     "--leave-running"});
   ASSERT_EQ(cp.exit_code, 0) << cp.err;
   EXPECT_NE(cp.err.find("does not speak the workload handshake"), std::string::npos) << cp.err;
 }
