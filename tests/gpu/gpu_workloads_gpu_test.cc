@@ -8,6 +8,8 @@
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <set>
+#include <thread>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -158,6 +160,40 @@ TEST(CudaWorkload, CheckpointAndRestoreThroughTheAgent) {
   EXPECT_EQ(ask(copies.port(0), "CHECK", std::chrono::seconds(60)), before);
   agent.kill(SIGKILL);
   agent.wait();
+}
+
+// gpusnap killed (SIGKILL) in the middle of the driver's checkpoint: the capture's guardian
+// returns the workload's GPU state, with no gpusnap run afterwards, and nothing is written.
+TEST(CudaWorkload, GpusnapKilledDuringTheGpuCheckpointLeavesTheWorkloadWorking) {
+  SKIP_WITHOUT_GPU(1);
+  TempDir dir;
+  Workload source(dir, cuda_pattern(4), std::chrono::seconds(120));
+  auto before = ask(source.port(), "CHECK", std::chrono::seconds(60));
+  ASSERT_EQ(ok(before), "OK") << before;
+  const std::filesystem::path journal = "/run/gpusnap/journal";
+  auto entries = [&] {
+    std::set<std::string> names;
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(journal, ec)) {
+      names.insert(e.path().filename().string());
+    }
+    return names;
+  };
+  const auto old_entries = entries();
+  SpawnOptions o;
+  o.argv = {gpusnap_bin(),           "checkpoint", "-p", std::to_string(source.pid()), "-o",
+            (dir / "snap").string(), "--quiet"};
+  Subprocess cp(o);
+  // The journal entry appears before the lock; the checkpoint of 4 GiB then takes ~2.7 s.
+  ASSERT_TRUE(eventually([&] { return entries() != old_entries; }, std::chrono::seconds(30)));
+  std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  cp.kill(SIGKILL);
+  cp.wait();
+  EXPECT_TRUE(
+      eventually([&] { return ask(source.port(), "CHECK") == before; }, std::chrono::seconds(60)))
+      << ask(source.port(), "CHECK");
+  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  record("killed-mid-gpu-checkpoint", {{"answer", ask(source.port(), "CHECK")}});
 }
 
 TEST(CudaWorkload, RefusesCopiesThatDoNotFitInGpuMemory) {
