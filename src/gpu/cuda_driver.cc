@@ -131,6 +131,7 @@ static_assert(sizeof(CUcheckpointGpuPair) == 32);
 struct CUcheckpointRestoreArgs {
   CUcheckpointGpuPair* gpuPairs;
   unsigned int gpuPairsCount;
+  // NOLINTNEXTLINE(bugprone-sizeof-expression): the ABI's size of a pointer
   char reserved[52 - sizeof(CUcheckpointGpuPair*)];
   cuuint64_t reserved1;
 };
@@ -367,7 +368,7 @@ class CudaDriver final : public Driver {
 
     const unsigned int count = device_count();
     for (unsigned int index = 0; index < count; ++index) {
-      const nvmlDevice_t device = device_handle(index);
+      nvmlDevice_t device = device_handle(index);
       const std::string where = "(GPU " + std::to_string(index) + ")";
       GpuInfo gpu;
       gpu.index = static_cast<int>(index);
@@ -378,6 +379,7 @@ class CudaDriver final : public Driver {
 
       gpu.uuid = device_uuid(device, where);
 
+      // NOLINTNEXTLINE(cppcoreguidelines-pro-type-member-init): zeroed by the memset, padding too
       nvmlPciInfo_t pci;
       std::memset(&pci, 0, sizeof(pci));
       check_nvml(nvml_.nvmlDeviceGetPciInfo_v3(device, &pci), "nvmlDeviceGetPciInfo_v3" + where);
@@ -386,6 +388,7 @@ class CudaDriver final : public Driver {
       check_nvml(nvml_.nvmlDeviceGetCudaComputeCapability(device, &gpu.cc_major, &gpu.cc_minor),
                  "nvmlDeviceGetCudaComputeCapability" + where);
 
+      // NOLINTNEXTLINE(cppcoreguidelines-pro-type-member-init): zeroed by the memset, padding too
       nvmlMemory_t memory;
       std::memset(&memory, 0, sizeof(memory));
       check_nvml(nvml_.nvmlDeviceGetMemoryInfo(device, &memory), "nvmlDeviceGetMemoryInfo" + where);
@@ -404,7 +407,7 @@ class CudaDriver final : public Driver {
     std::vector<ProcessGpuUsage> result;
     const unsigned int count = device_count();
     for (unsigned int index = 0; index < count; ++index) {
-      const nvmlDevice_t device = device_handle(index);
+      nvmlDevice_t device = device_handle(index);
       const std::string where = "(GPU " + std::to_string(index) + ")";
       const std::string uuid = device_uuid(device, where);
       for (const nvmlProcessInfo_t& info : compute_processes(device, where)) {
@@ -464,6 +467,7 @@ class CudaDriver final : public Driver {
                                             ": negative timeout " +
                                             std::to_string(timeout.count()) + " ms");
     }
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-member-init): zeroed by the memset, padding too
     CUcheckpointLockArgs args;
     std::memset(&args, 0, sizeof(args));
     args.timeoutMs =
@@ -490,6 +494,7 @@ class CudaDriver final : public Driver {
 
   void checkpoint(pid_t pid) override {
     require();
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-member-init): zeroed by the memset, padding too
     CUcheckpointCheckpointArgs args;
     std::memset(&args, 0, sizeof(args));
     const CUresult r =
@@ -508,6 +513,7 @@ class CudaDriver final : public Driver {
     std::vector<CUcheckpointGpuPair> raw_pairs;
     raw_pairs.reserve(pairs.size());
     for (const GpuPair& pair : pairs) {
+      // NOLINTNEXTLINE(cppcoreguidelines-pro-type-member-init): zeroed by the memset, padding too
       CUcheckpointGpuPair raw;
       std::memset(&raw, 0, sizeof(raw));
       to_cuuuid(pair.old_uuid, pid, &raw.oldUuid);
@@ -535,6 +541,7 @@ class CudaDriver final : public Driver {
       }
     }
 
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-member-init): zeroed by the memset, padding too
     CUcheckpointRestoreArgs args;
     std::memset(&args, 0, sizeof(args));
     if (!raw_pairs.empty()) {
@@ -547,6 +554,7 @@ class CudaDriver final : public Driver {
 
   void unlock(pid_t pid) override {
     require();
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-member-init): zeroed by the memset, padding too
     CUcheckpointUnlockArgs args;
     std::memset(&args, 0, sizeof(args));
     const CUresult r = call_initialised([&] { return cu_.cuCheckpointProcessUnlock(pid, &args); });
