@@ -184,19 +184,7 @@ class ControllerAndRealAgent : public ::testing::Test {
   }
   // The Events about one object, "Type Reason: message", in the order they were written.
   std::vector<std::string> events(const std::string& kind, const std::string& name) {
-    auto all = server_.list("events");
-    std::sort(all.begin(), all.end(), [](const json& a, const json& b) {
-      return std::stoull(a["metadata"]["resourceVersion"].get<std::string>()) <
-             std::stoull(b["metadata"]["resourceVersion"].get<std::string>());
-    });
-    std::vector<std::string> out;
-    for (const auto& e : all) {
-      if (e["involvedObject"]["kind"] == kind && e["involvedObject"]["name"] == name) {
-        out.push_back(e["type"].get<std::string>() + " " + e["reason"].get<std::string>() + ": " +
-                      e["message"].get<std::string>());
-      }
-    }
-    return out;
+    return server_.events_about(kind, name);
   }
 
   // The Events about one object once there are at least n: an Event follows the status write

@@ -125,19 +125,7 @@ class ControllerTest : public ::testing::Test {
   }
   // The Events about one object: "Type Reason: message", in order.
   std::vector<std::string> events(const std::string& kind, const std::string& name) {
-    std::vector<std::string> out;
-    auto all = server_.list("events");
-    std::sort(all.begin(), all.end(), [](const json& a, const json& b) {
-      return std::stoull(a["metadata"]["resourceVersion"].get<std::string>()) <
-             std::stoull(b["metadata"]["resourceVersion"].get<std::string>());
-    });
-    for (const auto& e : all) {
-      if (e["involvedObject"]["kind"] == kind && e["involvedObject"]["name"] == name) {
-        out.push_back(e["type"].get<std::string>() + " " + e["reason"].get<std::string>() + ": " +
-                      e["message"].get<std::string>());
-      }
-    }
-    return out;
+    return server_.events_about(kind, name);
   }
 
   // The Events about one object once there are at least n (an Event follows the status write

@@ -1,5 +1,6 @@
 #include "kube/fake_apiserver.h"
 
+#include <algorithm>
 #include <chrono>
 #include <regex>
 #include <sstream>
@@ -209,6 +210,23 @@ std::vector<json> FakeApiServer::list(const std::string& resource) const {
   std::vector<json> out;
   for (const auto& [key, o] : objects_) {
     if (std::get<0>(key) == resource) out.push_back(o);
+  }
+  return out;
+}
+
+std::vector<std::string> FakeApiServer::events_about(const std::string& kind,
+                                                     const std::string& name) const {
+  auto all = list("events");
+  std::sort(all.begin(), all.end(), [](const json& a, const json& b) {
+    return std::stoull(a["metadata"]["resourceVersion"].get<std::string>()) <
+           std::stoull(b["metadata"]["resourceVersion"].get<std::string>());
+  });
+  std::vector<std::string> out;
+  for (const auto& e : all) {
+    if (e["involvedObject"]["kind"] == kind && e["involvedObject"]["name"] == name) {
+      out.push_back(e["type"].get<std::string>() + " " + e["reason"].get<std::string>() + ": " +
+                    e["message"].get<std::string>());
+    }
   }
   return out;
 }

@@ -63,6 +63,8 @@ class FakeApiServer {
   std::optional<json> get(const std::string& resource, const std::string& ns,
                           const std::string& name) const;
   std::vector<json> list(const std::string& resource) const;
+  // The Events about one object, "Type Reason: message", in the order they were written.
+  std::vector<std::string> events_about(const std::string& kind, const std::string& name) const;
 
   uint64_t resource_version() const;
 
