@@ -85,10 +85,10 @@ class OperationReporter : public Reporter {
   json entry_;
 };
 
-// Dump guardians (engine/dump_guard.h) still running CRIU into a staging directory of
-// `storage` whose writer is dead. Such a guardian finishes the dump, thaws the tree, returns
-// its GPU processes to RUNNING and asks a paused workload to resume; recovering the same
-// processes under it would race with CRIU.
+// Capture guardians (engine/dump_guard.h) of a staging directory of `storage` whose writer is
+// dead. Such a guardian finishes a dump it is running, returns its GPU processes to RUNNING,
+// asks a paused workload to resume and exits; recovering the same processes under it would
+// race with CRIU.
 std::vector<pid_t> orphaned_dump_guardians(const std::filesystem::path& storage) {
   std::vector<pid_t> out;
   std::error_code ec;

@@ -36,7 +36,8 @@ class Handshake {
   void resume(pid_t pid, const nlohmann::json& context, std::chrono::milliseconds timeout);
   // Asks the workload to resume as the source without waiting for its answer: for one that
   // may be paused when nobody is left to wait (a pause that timed out, a gpusnap killed
-  // mid-capture). A workload that never paused answers it at once. Never throws.
+  // mid-capture). The pending pause is withdrawn first, so a workload that has not seen it
+  // never pauses; one that is running answers at once. Never throws.
   void request_resume_as_source() const noexcept;
   // Removes the request and answer files of finished steps.
   void clear_exchange() const noexcept;
