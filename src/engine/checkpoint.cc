@@ -267,6 +267,12 @@ class Checkpoint {
                                   stored.images.end());
       host_image_files_.insert(host_image_files_.end(), stored.files.begin(), stored.files.end());
     }
+    if (!manifest.host_images.empty() && engine::on_tmpfs_without_huge_pages(writer.staging())) {
+      phases_.reporter().note(
+          "the artifact is on a tmpfs without huge pages: its host images are written and mapped "
+          "4 KiB at a time; a tmpfs mounted with huge=within_size stores and restores them "
+          "faster (docs/benchmarks.md)");
+    }
   }
 
   std::vector<proc::Process> resolve() {

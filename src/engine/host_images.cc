@@ -459,11 +459,6 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ra
     out.files.push_back({rec.file, f.file_size(), f.chunks});
     out.images.push_back(std::move(rec));
   }
-  if (!out.images.empty() && on_tmpfs_without_huge_pages(dir)) {
-    reporter.note("the artifact is on a tmpfs without huge pages: its host images are written and "
-                  "mapped 4 KiB at a time; a tmpfs mounted with huge=within_size stores and "
-                  "restores them faster (docs/benchmarks.md)");
-  }
   if (!out.images.empty()) {
     reporter.note("process " + std::to_string(pid) + ": " + fs::human_bytes(total) +
                   " of host memory stored as " + std::to_string(out.images.size()) +
