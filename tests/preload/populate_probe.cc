@@ -1,0 +1,64 @@
+// populate_probe: maps memory the way a test asks and reports what the process got, so that
+// tests/preload can watch libgpusnap-preload.so from outside (it acts inside a process only).
+//
+//   populate_probe MIB private|shared populate|lazy
+//
+// Prints one line: `rss_kib=N huge_advised=0|1 zero=0|1 errno=E` for the new mapping: its
+// resident size, whether its VMA carries the huge-page advice (VmFlags "hg"), whether every byte
+// read back zero, and errno after the mmap that succeeded (the library must leave it alone).
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace {
+
+// Rss and VmFlags of the mapping that starts at `start`, from /proc/self/smaps.
+void describe(unsigned long start, long* rss_kib, bool* advised) {
+  std::ifstream smaps("/proc/self/smaps");
+  bool ours = false;
+  for (std::string line; std::getline(smaps, line);) {
+    // A mapping's header line: "start-end perms offset dev inode [path]".
+    char* end = nullptr;
+    unsigned long lo = std::strtoul(line.c_str(), &end, 16);
+    if (end != line.c_str() && *end == '-') {
+      ours = lo == start;
+      continue;
+    }
+    if (!ours) continue;
+    if (line.rfind("Rss:", 0) == 0) *rss_kib = std::strtol(line.c_str() + 4, nullptr, 10);
+    if (line.rfind("VmFlags:", 0) == 0) *advised = line.find(" hg") != std::string::npos;
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 4) {
+    std::fprintf(stderr, "usage: populate_probe MIB private|shared populate|lazy\n");
+    return 2;
+  }
+  size_t len = std::strtoul(argv[1], nullptr, 10) << 20;
+  int flags = MAP_ANONYMOUS | (std::strcmp(argv[2], "shared") == 0 ? MAP_SHARED : MAP_PRIVATE);
+  if (std::strcmp(argv[3], "populate") == 0) flags |= MAP_POPULATE;
+  errno = 0;
+  auto* p = static_cast<unsigned char*>(mmap(nullptr, len, PROT_READ | PROT_WRITE, flags, -1, 0));
+  int err = errno;
+  if (p == MAP_FAILED) {
+    std::perror("mmap");
+    return 1;
+  }
+  long rss_kib = -1;
+  bool advised = false;
+  describe(reinterpret_cast<unsigned long>(p), &rss_kib, &advised);
+  bool zero = true;
+  for (size_t i = 0; i < len; i += 4096) zero = zero && p[i] == 0 && p[i + 4095] == 0;
+  std::printf("rss_kib=%ld huge_advised=%d zero=%d errno=%d\n", rss_kib, advised ? 1 : 0,
+              zero ? 1 : 0, err);
+  return 0;
+}
