@@ -33,6 +33,7 @@
 #include "engine/handshake.h"
 #include "engine/host_images.h"
 #include "engine/preflight.h"
+#include "engine/preload.h"
 #include "gpu/driver.h"
 #include "gpusnap/checkpoint.h"
 #include "gpusnap/error.h"
@@ -175,6 +176,7 @@ class Checkpoint {
         describe_gpu(driver, cuda, manifest);
         for (pid_t pid : cuda) maps_before[pid] = read_mappings(pid);
       });
+      note_processes_without_preload(maps_before);
       gpu.emplace(driver, cuda, options_.gpu_lock_timeout, options_.run_dir, phases_.reporter());
       phases_.run("gpu-lock", [&] { gpu->lock_all(); });
       phases_.run("gpu-checkpoint", [&] { gpu->checkpoint_all(); });
@@ -273,6 +275,22 @@ class Checkpoint {
           "4 KiB at a time; a tmpfs mounted with huge=within_size stores and restores them "
           "faster (docs/benchmarks.md)");
     }
+  }
+
+  // The driver's checkpoint of a process started without libgpusnap-preload.so populates its
+  // host memory in one thread: said once, with the way out.
+  void note_processes_without_preload(const std::map<pid_t, std::vector<Mapping>>& maps) {
+    std::string pids;
+    for (const auto& [pid, m] : maps) {
+      if (!engine::maps_preload_library(m))
+        pids += (pids.empty() ? "" : ", ") + std::to_string(pid);
+    }
+    if (pids.empty()) return;
+    phases_.reporter().note(
+        "CUDA process " + pids + " runs without " + engine::kPreloadFileName +
+        ": the driver's checkpoint fills its host memory in one thread (16 GiB: ~4 s longer on "
+        "the H200); workloads started by `gpusnap run` or `gpusnap init` have it "
+        "(docs/design.md, \"The driver's checkpoint\")");
   }
 
   std::vector<proc::Process> resolve() {

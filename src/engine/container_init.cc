@@ -14,6 +14,7 @@
 #include "common/proc.h"
 #include "common/subprocess.h"
 #include "engine/copy_init.h"
+#include "engine/preload.h"
 #include "gpusnap/error.h"
 
 namespace gpusnap::engine {
@@ -48,6 +49,9 @@ int shim_main(const std::vector<std::string>& command) {
   o.stderr_fd = STDERR_FILENO;
   o.new_session = true;        // CMD's tree is one session: CRIU captures it without a shell job
   o.kill_with_parent = false;  // we are PID 1: the namespace ends with us anyway
+  // The library next to this gpusnap (the node's /opt/gpusnap/bin, mounted into the pod): the
+  // driver's checkpoint of CMD then populates its host memory in parallel.
+  if (auto preload = preload_environment()) o.env_add.push_back(*preload);
   Subprocess child(o);
   pid_t pid = child.release();  // supervise() reaps it, with every orphan
   return supervise(pid, {});

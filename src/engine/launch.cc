@@ -8,6 +8,7 @@
 #include "common/fd.h"
 #include "common/fs.h"
 #include "engine/handshake.h"
+#include "engine/preload.h"
 #include "gpusnap/error.h"
 
 namespace gpusnap::engine {
@@ -18,6 +19,8 @@ LaunchedWorkload::LaunchedWorkload(const std::vector<std::string>& argv,
     throw Error(ErrorKind::kUsage, "no command to run",
                 "give it after --: gpusnap run -o ART -- CMD");
   }
+  // First, as it may refuse (a library named that is not there): nothing is made before.
+  auto preload = preload_environment();
   auto dir = std::filesystem::absolute(run_dir) / "launched" / fs::random_id().substr(0, 12);
   control_dir_ = dir / "control";
   log_ = dir / "output.log";
@@ -27,6 +30,8 @@ LaunchedWorkload::LaunchedWorkload(const std::vector<std::string>& argv,
   SpawnOptions o;
   o.argv = argv;
   o.env_add = {std::string(kControlDirEnv) + "=" + control_dir_.string()};
+  // The driver's checkpoint of this workload then populates its host memory in parallel.
+  if (preload) o.env_add.push_back(*preload);
   o.stdout_fd = log.get();
   o.stderr_fd = log.get();
   // A service's life: no terminal (so no shell-job restore), not killed with gpusnap.

@@ -1,6 +1,7 @@
 // Launching a workload so that it can be captured: its own session, no terminal, its output in
-// a log file, io_uring refused (libraries then fall back to plain system calls), and a
-// handshake control directory in GPUSNAP_CONTROL_DIR.
+// a log file, io_uring refused (libraries then fall back to plain system calls), a
+// handshake control directory in GPUSNAP_CONTROL_DIR, and libgpusnap-preload.so in LD_PRELOAD
+// (engine/preload.h).
 #pragma once
 
 #include <sys/types.h>

@@ -11,6 +11,7 @@
 
 #include "common/fs.h"
 #include "common/proc.h"
+#include "common/subprocess.h"
 #include "testing/harness.h"
 
 namespace gpusnap::testing {
@@ -38,6 +39,13 @@ uint16_t read_port(const std::filesystem::path& ready) {
   return static_cast<uint16_t>(std::stoi(text));
 }
 
+// Whether the process maps libgpusnap-preload.so (it was started with it, or restored so).
+bool maps_preload(pid_t pid) {
+  std::string maps;
+  return fs::try_read_file("/proc/" + std::to_string(pid) + "/maps", &maps) &&
+         maps.find("libgpusnap-preload.so") != std::string::npos;
+}
+
 void run_capture_and_restore(const std::vector<std::string>& worker) {
   TempDir dir;
   auto ready = dir / "port";
@@ -50,6 +58,8 @@ void run_capture_and_restore(const std::vector<std::string>& worker) {
   auto doc = json::parse(run.out);
   TreeKiller source{doc["pid"].get<pid_t>()};
   EXPECT_TRUE(doc["handshake"].get<bool>());
+  // `gpusnap run` starts workloads with the library that speeds up the driver's checkpoint.
+  EXPECT_TRUE(maps_preload(source.pid));
   uint16_t port = read_port(ready);
   ASSERT_NE(port, 0);
 
@@ -76,6 +86,8 @@ void run_capture_and_restore(const std::vector<std::string>& worker) {
     EXPECT_EQ(field(copy_info, "cache_mib"), "256") << copy_info;
     EXPECT_EQ(field(copy_info, "greeting"), "hello") << copy_info;
     EXPECT_EQ(ask(copies.port(i), "INCR"), "1");  // the counter as it was at the capture
+    // CRIU put the library's mapping back in the copy, from the same file.
+    EXPECT_TRUE(maps_preload(copies.doc["copies"][i]["pid"].get<pid_t>()));
   }
   EXPECT_EQ(ask(port, "INCR"), "2");
 }
@@ -203,6 +215,33 @@ TEST(Handshake, CheckpointSaysWhenItCapturesWithoutTheHandshake) {
                      "--leave-running"});
   ASSERT_EQ(cp.exit_code, 0) << cp.err;
   EXPECT_NE(cp.err.find("does not speak the workload handshake"), std::string::npos) << cp.err;
+}
+
+TEST(Handshake, RunRefusesAPreloadLibraryThatIsNotThere) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  auto snap = dir / "snap";
+  auto launched = [] {
+    std::error_code ec;
+    size_t n = 0;
+    for (std::filesystem::directory_iterator it("/run/gpusnap/launched", ec), end; !ec && it != end;
+         it.increment(ec)) {
+      ++n;
+    }
+    return n;
+  };
+  size_t before = launched();
+  auto r =
+      run_capture({"/usr/bin/env", "GPUSNAP_PRELOAD_LIBRARY=/nonexistent/libgpusnap-preload.so",
+                   gpusnap_bin(), "run", "-o", snap.string(), "--", cxx_worker()});
+  EXPECT_FALSE(r.status.ok());
+  EXPECT_EQ(r.status.code, 2) << r.output;  // a usage error, before anything starts
+  EXPECT_NE(r.output.find("GPUSNAP_PRELOAD_LIBRARY names /nonexistent/libgpusnap-preload.so, "
+                          "which cannot be read"),
+            std::string::npos)
+      << r.output;
+  EXPECT_FALSE(std::filesystem::exists(snap));
+  EXPECT_EQ(launched(), before);  // no launch directory left behind
 }
 
 TEST(Handshake, RunRefusesIoUringToTheWorkload) {

@@ -310,9 +310,16 @@ TEST(GpuEngine, LeaveRunningLocksAllThenCheckpointsThenResumesAfterTheDump) {
   }
   EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
   EXPECT_TRUE(journal_empty(dir / "run"));
-  // Nothing to report but that the workload does not speak the handshake: no GPU rollback.
-  ASSERT_EQ(reporter.notes().size(), 1u) << join(reporter.notes());
+  // Nothing to report but that the workload does not speak the handshake, and that it was
+  // started without the preload library (by the test, not by `gpusnap run`): no GPU rollback.
+  ASSERT_EQ(reporter.notes().size(), 2u) << join(reporter.notes());
   EXPECT_NE(reporter.notes()[0].find("does not speak the workload handshake"), std::string::npos);
+  EXPECT_EQ(reporter.notes()[1].find("CUDA process " + std::to_string(pids[0]) + ", " +
+                                     std::to_string(pids[1]) + " runs without " +
+                                     "libgpusnap-preload.so: the driver's checkpoint fills its "
+                                     "host memory in one thread"),
+            0u)
+      << reporter.notes()[1];
 }
 
 TEST(GpuEngine, WithoutLeaveRunningTheSourceStopsCheckpointedAndARestoreOfUnknownPidsFails) {

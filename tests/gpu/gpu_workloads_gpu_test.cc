@@ -82,6 +82,38 @@ TEST(CudaWorkload, CheckpointLeaveRunningThenRestoreWithMemoryIntact) {
   EXPECT_EQ(ask(copies.port(0), "CHECK", std::chrono::seconds(60)), before);
 }
 
+TEST(CudaWorkload, PreloadGivesTheDriversCheckpointItsMemoryAndEveryByteSurvives) {
+  SKIP_WITHOUT_GPU(1);
+  TempDir dir;
+  // Started as `gpusnap run` and `gpusnap init` start workloads: with libgpusnap-preload.so.
+  std::vector<std::string> argv = {
+      "/usr/bin/env", "LD_PRELOAD=" + build_path("libgpusnap-preload.so"), "GPUSNAP_PRELOAD_LOG=1"};
+  auto pattern = cuda_pattern(4);
+  argv.insert(argv.end(), pattern.begin(), pattern.end());
+  Workload source(dir, argv, std::chrono::seconds(120));
+  auto before = ask(source.port(), "CHECK", std::chrono::seconds(60));
+  ASSERT_EQ(ok(before), "OK") << before;
+  auto snap = dir / "snap";
+  auto cp = gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
+                     "--leave-running", "--json"});
+  ASSERT_EQ(cp.exit_code, 0) << cp.err;
+  record("cuda-4gib-preload-checkpoint", json::parse(cp.out));
+  EXPECT_EQ(cp.err.find("runs without libgpusnap-preload.so"), std::string::npos) << cp.err;
+  // The driver's region (4 GiB of pattern and the driver's own state) went through the library.
+  std::string log;
+  ASSERT_TRUE(fs::try_read_file(dir / "workload.log", &log));
+  auto at = log.find("gpusnap-preload: populated ");
+  ASSERT_NE(at, std::string::npos) << log;
+  EXPECT_GE(std::stoul(log.substr(at + 27)), 4096u) << log.substr(at, 120);
+  EXPECT_EQ(ask(source.port(), "CHECK", std::chrono::seconds(60)), before);
+
+  auto rs =
+      gpusnap({"restore", snap.string(), "--publish", std::to_string(source.port()), "--json"});
+  ASSERT_EQ(rs.exit_code, 0) << rs.err;
+  Copies copies{json::parse(rs.out)};
+  EXPECT_EQ(ask(copies.port(0), "CHECK", std::chrono::seconds(60)), before);
+}
+
 TEST(CudaWorkload, TwoCopiesAtOnceOnOneGpu) {
   SKIP_WITHOUT_GPU(1);
   TempDir dir;

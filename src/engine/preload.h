@@ -1,0 +1,33 @@
+// libgpusnap-preload.so in the workloads gpusnap starts (src/preload/populate.cc says what it
+// does and why): where to find it, and how to put it into a workload's environment.
+#pragma once
+
+#include <sys/types.h>
+
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/remote.h"
+
+namespace gpusnap::engine {
+
+inline constexpr const char* kPreloadFileName = "libgpusnap-preload.so";
+// Names the library to use instead of the one found next to gpusnap; empty: none at all.
+inline constexpr const char* kPreloadEnv = "GPUSNAP_PRELOAD_LIBRARY";
+
+// The library for the workloads this gpusnap starts: $GPUSNAP_PRELOAD_LIBRARY when set (empty
+// means none), else next to the running binary (the build tree, /opt/gpusnap/bin on a node),
+// else ../lib/gpusnap/ from it (an installed tree). nullopt when there is none. Throws
+// Error(kUsage) when the variable names a file that cannot be read.
+std::optional<std::filesystem::path> find_preload_library();
+
+// The LD_PRELOAD entry for a workload's environment ("LD_PRELOAD=..."), the library first and
+// any LD_PRELOAD already in ours kept after it; nullopt when there is no library.
+std::optional<std::string> preload_environment();
+
+// Whether a process's mappings include the library (it was started with it).
+bool maps_preload_library(const std::vector<Mapping>& maps);
+
+}  // namespace gpusnap::engine
