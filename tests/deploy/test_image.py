@@ -146,7 +146,10 @@ class ImageTest(unittest.TestCase):
         self.assertEqual(code, 0, out)
         installed = host_bin / "gpusnap"
         self.assertEqual(installed.stat().st_mode & 0o777, 0o755)
-        self.assertEqual(sorted(p.name for p in host_bin.iterdir()), ["gpusnap"])
+        self.assertEqual(sorted(p.name for p in host_bin.iterdir()),
+                         ["gpusnap", "libgpusnap-preload.so"])
+        # Next to gpusnap, where `gpusnap init` finds it for the pods' workloads.
+        self.assertEqual((host_bin / "libgpusnap-preload.so").stat().st_mode & 0o777, 0o755)
         # The host runs it as placeholder pods will: with the host's glibc alone.
         r = subprocess.run([str(installed), "--version"], capture_output=True, text=True)
         self.assertEqual(r.stdout, f"gpusnap {VERSION}\n")
