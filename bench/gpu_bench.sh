@@ -16,7 +16,10 @@
 #            plain pipeline's source start
 #   plain    driver lock + checkpoint (cuda-checkpoint-tool), `criu dump`; `criu restore`,
 #            driver restore + unlock, first answer: the anchors' pipeline, no gpusnap
-#   gpusnap  `gpusnap checkpoint`; `gpusnap restore` to the copy's first correct answer
+#   gpusnap  `gpusnap checkpoint`; `gpusnap restore` to the copy's first correct answer. Its
+#            source runs with libgpusnap-preload.so, as `gpusnap run` and `gpusnap init` start
+#            workloads (PRELOAD=0: without it, as a workload started by hand); its own launch to
+#            first answer is recorded too (source_start_s), to show what the library costs there
 # A correct answer is the CUDA graph's output equal, bit for bit, to the one computed before the
 # checkpoint. Each case writes OUTDIR/gpu-bench-SIZE-STORAGE.json; the report (table + PNG) is
 # made by bench/gpu_bench_report.py at the end.
@@ -49,11 +52,11 @@ drop_cache() {  # prints true when the page cache was dropped
   if echo 3 2>/dev/null >/proc/sys/vm/drop_caches; then echo true; else echo false; fi
 }
 
-start_source() {  # start_source GIB NAME: sets SRC, PORT, COLD (launch to first answer)
-  local gib=$1 name=$2
+start_source() {  # start_source GIB NAME [VAR=VALUE...]: sets SRC, PORT, COLD (launch to first answer)
+  local gib=$1 name=$2; shift 2
   rm -f "$INPUT/$name.ready"
   local t0; t0=$(now)
-  setsid python3 "$BUILD/tests/torch_graph.py" --gib "$gib" --weights "$INPUT/w$gib.bin" \
+  setsid env "$@" python3 "$BUILD/tests/torch_graph.py" --gib "$gib" --weights "$INPUT/w$gib.bin" \
     --ready-file "$INPUT/$name.ready" </dev/null >"$INPUT/$name.log" 2>&1 &
   SRC=$!; KILL+=("$SRC")
   until [[ -f $INPUT/$name.ready ]]; do
@@ -100,7 +103,12 @@ for STORAGE in $STORAGES; do
     kill -9 "$RPID"; rm -rf "$WORK/plain"
 
     # --- gpusnap (the source is stopped once captured, as in the plain pipeline)
-    start_source "$GIB" gs
+    if [[ ${PRELOAD:-1} == 1 ]]; then
+      start_source "$GIB" gs "LD_PRELOAD=$(cd "$BUILD" && pwd)/libgpusnap-preload.so" GPUSNAP_PRELOAD_LOG=1
+    else
+      start_source "$GIB" gs
+    fi
+    g_cold=$COLD
     t=$(now)
     "$GPUSNAP" checkpoint --pid "$SRC" -o "$WORK/gs" --json >"$WORK/gs-cp.json" 2>"$WORK/gs-cp.err"
     g_ckpt=$(since "$t"); wait "$SRC" 2>/dev/null || true
@@ -132,7 +140,10 @@ doc = {"gib": float(gib), "storage": storage, "fs": fstype, "cold_start_s": $col
                  "cache_dropped": "$p_dropped" == "true", "criu_restore_s": $p_criu_restore,
                  "gpu_restore_unlock_s": $p_gpu_restore, "restore_to_answer_s": $p_total,
                  "answer": "$p_answer"},
-       "gpusnap": {"checkpoint_s": $g_ckpt, "restore_to_answer_s": $g_total,
+       "gpusnap": {"preload": "${PRELOAD:-1}" == "1", "source_start_s": $g_cold,
+                   "preload_log": [l for l in open("$INPUT/gs.log").read().splitlines()
+                                   if l.startswith("gpusnap-preload")],
+                   "checkpoint_s": $g_ckpt, "restore_to_answer_s": $g_total,
                    "artifact_apparent_bytes": $g_apparent, "artifact_allocated_bytes": $g_allocated,
                    "cache_dropped": "$g_dropped" == "true", "answer": "$g_answer",
                    "shmem_huge_kib_after_checkpoint": $g_huge_kib,
