@@ -333,8 +333,9 @@ std::vector<Command> commands() {
       {"run",
        "gpusnap run -o ARTIFACT [--leave-running] -- COMMAND [ARGS...]",
        "Launch a workload so that it can be captured (own session, output to a log, io_uring\n"
-       "refused, a handshake directory in $GPUSNAP_CONTROL_DIR), wait until it says READY,\n"
-       "pause it, capture it, then stop it or, with --leave-running, resume it.",
+       "refused, a handshake directory in $GPUSNAP_CONTROL_DIR, libgpusnap-preload.so in\n"
+       "LD_PRELOAD for a faster GPU checkpoint), wait until it says READY, pause it, capture\n"
+       "it, then stop it or, with --leave-running, resume it.",
        {{"--output", "-o", "ARTIFACT", "artifact directory to create (must not exist)"},
         {"--leave-running", "", "", "resume the workload after the capture"},
         {"--ready-timeout", "", "SECONDS", "how long it may take to say READY (default 600)"},
@@ -376,9 +377,10 @@ std::vector<Command> commands() {
        cmd_restore},
       {"init",
        "gpusnap init [--placeholder] [-- COMMAND [ARGS...]]",
-       "PID 1 of a container. With a command: run it (in its own session), reap orphans, pass\n"
-       "SIGTERM, SIGINT and SIGHUP on to it, exit with its status; the container can then be\n"
-       "captured with `checkpoint --container`. With --placeholder: wait until `restore\n"
+       "PID 1 of a container. With a command: run it (in its own session, with\n"
+       "libgpusnap-preload.so in LD_PRELOAD), reap orphans, pass SIGTERM, SIGINT and SIGHUP on\n"
+       "to it, exit with its status; the container can then be captured with `checkpoint\n"
+       "--container`. With --placeholder: wait until `restore\n"
        "--into-container` puts a snapshot into this container, then do the same for it.",
        {{"--placeholder", "", "", "wait for a snapshot to be restored into this container"}, kHelp},
        cmd_init},
