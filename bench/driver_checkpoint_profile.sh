@@ -14,6 +14,8 @@
 #           preload       the workload runs with libgpusnap-preload.so (parallel populate, huge
 #                         pages asked)
 #           preload-small the same without huge pages (GPUSNAP_PRELOAD_HUGE_PAGES=0)
+#           preload-sync  the library populating before mmap returns (GPUSNAP_PRELOAD_AHEAD=0)
+#                         instead of ahead of the driver's copy
 #     TOOLS a folder with bin/perf and lib/ (perf's libraries and their loader)
 # The host's THP settings are put back at the end. Writes OUTDIR/driver-profile-GIB-MODE.{json,txt}.
 set -euo pipefail
@@ -41,11 +43,12 @@ ask() { exec 3<>"/dev/tcp/127.0.0.1/$1"; printf '%s\n' "$2" >&3; IFS= read -r r 
 vmstat_snap() { grep -E '^(thp_|compact_|pgfault|pgalloc_normal|numa_hint)' /proc/vmstat | sort; }
 for mode in $MODES; do
   echo "$enabled_was" >"$THP/enabled"; echo "$defrag_was" >"$THP/defrag"
-  advise=0; preload=$SHIM; huge=1
+  advise=0; preload=$SHIM; huge=1; ahead=1
   case $mode in
     base) ;;
     preload) preload="$SHIM $PRELOAD" ;;
     preload-small) preload="$SHIM $PRELOAD"; huge=0 ;;
+    preload-sync) preload="$SHIM $PRELOAD"; ahead=0 ;;
     advise) advise=1 ;;
     always) echo always >"$THP/enabled" ;;
     advise-defer) advise=1; echo defer >"$THP/defrag" ;;
@@ -56,6 +59,7 @@ for mode in $MODES; do
   shimlog=$OUT/driver-profile-$GIB-$mode.shim.log
   : >"$shimlog"
   LD_PRELOAD=$preload SHIM_ADVISE=$advise GPUSNAP_PRELOAD_LOG=1 GPUSNAP_PRELOAD_HUGE_PAGES=$huge \
+    GPUSNAP_PRELOAD_AHEAD=$ahead \
     "$BUILD/tests/cuda_pattern" --gib "$GIB" --ready-file "$ready" >/dev/null 2>>"$shimlog" &
   PID=$!
   until [[ -s $ready ]]; do sleep 0.05; kill -0 "$PID"; done

@@ -42,6 +42,11 @@ namespace gpusnap {
 
 namespace {
 
+// How long the preload library's helpers may go on populating after the driver's checkpoint
+// returns. They work ahead of the driver's copy, so they normally finish before it; this only
+// bounds a starved machine.
+constexpr std::chrono::milliseconds kFillThreadsLimit{30000};
+
 std::string utc_now() {
   char buf[32];
   time_t now = ::time(nullptr);
@@ -179,7 +184,18 @@ class Checkpoint {
       note_processes_without_preload(maps_before);
       gpu.emplace(driver, cuda, options_.gpu_lock_timeout, options_.run_dir, phases_.reporter());
       phases_.run("gpu-lock", [&] { gpu->lock_all(); });
-      phases_.run("gpu-checkpoint", [&] { gpu->checkpoint_all(); });
+      phases_.run("gpu-checkpoint", [&] {
+        gpu->checkpoint_all();
+        // The preload library may still be populating a region ahead of the driver's copy;
+        // it must be done before the region is copied, moved or dumped.
+        for (pid_t pid : engine::wait_for_fill_threads(cuda, kFillThreadsLimit)) {
+          maps_before.erase(pid);  // its region stays with CRIU
+          phases_.reporter().note(
+              "process " + std::to_string(pid) + ": " + engine::kPreloadFileName +
+              " was still populating its GPU state's host memory after " +
+              std::to_string(kFillThreadsLimit.count()) + " ms; that memory is left to CRIU");
+        }
+      });
       if (options_.host_images) {
         phases_.run("host-images", [&] { store_host_images(maps_before, writer, manifest); });
       }

@@ -3,7 +3,9 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <fstream>
 #include <system_error>
+#include <thread>
 
 #include "gpusnap/error.h"
 
@@ -48,6 +50,32 @@ bool maps_preload_library(const std::vector<Mapping>& maps) {
     if (std::filesystem::path(m.path).filename() == kPreloadFileName) return true;
   }
   return false;
+}
+
+namespace {
+
+bool has_fill_thread(pid_t pid) {
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it("/proc/" + std::to_string(pid) + "/task", ec), end;
+       !ec && it != end; it.increment(ec)) {
+    std::ifstream comm(it->path() / "comm");
+    std::string name;
+    if (std::getline(comm, name) && name == kFillThreadName) return true;
+  }
+  return false;  // none, or the process is gone: nothing of it is being populated
+}
+
+}  // namespace
+
+std::vector<pid_t> wait_for_fill_threads(const std::vector<pid_t>& pids,
+                                         std::chrono::milliseconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  std::vector<pid_t> filling = pids;
+  for (;;) {
+    std::erase_if(filling, [](pid_t pid) { return !has_fill_thread(pid); });
+    if (filling.empty() || std::chrono::steady_clock::now() >= deadline) return filling;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
 }
 
 }  // namespace gpusnap::engine

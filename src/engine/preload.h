@@ -4,6 +4,7 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <filesystem>
 #include <optional>
 #include <string>
@@ -29,5 +30,14 @@ std::optional<std::string> preload_environment();
 
 // Whether a process's mappings include the library (it was started with it).
 bool maps_preload_library(const std::vector<Mapping>& maps);
+
+// The thread name of the library's helpers, which may still be populating the driver's region
+// when the driver's checkpoint call returns (they work ahead of its copy).
+inline constexpr const char* kFillThreadName = "gpusnap-fill";
+
+// Waits up to `limit` until no process of `pids` has a helper thread left; returns those that
+// still have one. Before the region is moved or dumped, nothing may still be faulting it in.
+std::vector<pid_t> wait_for_fill_threads(const std::vector<pid_t>& pids,
+                                         std::chrono::milliseconds limit);
 
 }  // namespace gpusnap::engine

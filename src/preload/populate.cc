@@ -18,10 +18,20 @@
 // failed anyway: when a thread cannot start, or the kernel lacks MADV_POPULATE_WRITE, the work
 // is done in the calling thread.
 //
+// When the caller is one of the CUDA driver's own threads (its name starts with "cuda", as the
+// thread that runs the checkpoint does), mmap returns at once and the helpers populate *ahead*
+// of the driver's copy instead: they take 32 MiB stripes in address order, the copy follows
+// behind (it writes from the start), and a page the copy reaches first is simply faulted by
+// the copy. MADV_POPULATE_WRITE never changes a page that is already there, so the helpers can
+// never overwrite what the driver wrote; and with no MADV_POPULATE_WRITE they stop rather than
+// touch pages. The helpers are named "gpusnap-fill"; gpusnap waits for them to be gone before
+// it moves or dumps the region (engine/preload.h).
+//
 // Settings (environment, read once):
 //   GPUSNAP_PRELOAD_THREADS      threads for one populate (default: online CPUs, at most 16;
 //                                0 turns the library off)
 //   GPUSNAP_PRELOAD_HUGE_PAGES   0: do not ask for huge pages (default 1)
+//   GPUSNAP_PRELOAD_AHEAD        0: populate before mmap returns, even for the driver
 //   GPUSNAP_PRELOAD_LOG          1: one line on stderr per mapping populated
 //
 // The library is plain C++ with no use of the C++ runtime: it is loaded into arbitrary programs
@@ -30,6 +40,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -40,6 +51,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <new>
 
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23  // Linux 5.14
@@ -54,12 +67,18 @@ constexpr size_t kMinSlice = size_t{64} << 20;
 // Slices start on huge-page boundaries, so no 2 MiB page is faulted by two threads.
 constexpr size_t kHugePage = size_t{2} << 20;
 constexpr int kMaxThreads = 16;
+// The unit of work of a populate ahead of the caller: small enough that the front moves in
+// order, large enough to be 16 huge pages per call.
+constexpr size_t kStripe = size_t{32} << 20;
+// The helpers' thread name, which gpusnap looks for (kFillThreadName in engine/preload.h).
+constexpr const char* kFillThreadName = "gpusnap-fill";
 
 using MmapFn = void* (*)(void*, size_t, int, int, int, off_t);
 
 struct Settings {
   int threads = 0;
   bool huge_pages = true;
+  bool ahead = true;
   bool log = false;
 };
 
@@ -102,6 +121,7 @@ void read_settings() {
   int threads = env_int("GPUSNAP_PRELOAD_THREADS", fallback);
   settings.threads = threads < 0 ? 0 : (threads > kMaxThreads ? kMaxThreads : threads);
   settings.huge_pages = env_int("GPUSNAP_PRELOAD_HUGE_PAGES", 1) != 0;
+  settings.ahead = env_int("GPUSNAP_PRELOAD_AHEAD", 1) != 0;
   settings.log = env_int("GPUSNAP_PRELOAD_LOG", 0) != 0;
 }
 
@@ -142,9 +162,103 @@ double now_seconds() {
   return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) / 1e9;
 }
 
+void log_line(size_t len, double seconds, int threads, bool huge, const char* how) {
+  if (!settings.log) return;
+  char line[200];
+  int n = snprintf(line, sizeof line,
+                   "gpusnap-preload: populated %zu MiB in %.3f s with %d threads%s%s\n", len >> 20,
+                   seconds, threads, huge ? ", huge pages asked" : "", how);
+  if (n > 0) (void)!write(STDERR_FILENO, line, static_cast<size_t>(n));
+}
+
+// Whether the calling thread is one of the CUDA driver's (named "cuda..."): only its mapping is
+// populated ahead, because only there is it known what comes next (the driver's sequential
+// copy, and no unmapping of the region while the helpers run).
+bool called_by_the_driver() {
+  char name[16] = {};
+  return prctl(PR_GET_NAME, name, 0, 0, 0) == 0 && std::strncmp(name, "cuda", 4) == 0;
+}
+
+// One populate ahead of the caller, shared by its helpers. It lives in a page of its own (not
+// malloc: this runs inside mmap), freed by the last helper out.
+struct Ahead {
+  char* start = nullptr;
+  size_t len = 0;
+  bool huge = false;
+  double began = 0;
+  int threads = 0;
+  std::atomic<size_t> next{0};
+  std::atomic<int> live{0};
+};
+
+// Drops `n` references to the populate; the last one out logs and frees it.
+void release(Ahead* a, int n) {
+  if (a->live.fetch_sub(n) != n) return;
+  log_line(a->len, now_seconds() - a->began, a->threads, a->huge, ", ahead of the driver's copy");
+  a->~Ahead();
+  munmap(a, sizeof(Ahead));
+}
+
+void* ahead_thread(void* arg) {
+  auto* a = static_cast<Ahead*>(arg);
+  pthread_setname_np(pthread_self(), kFillThreadName);
+  for (;;) {
+    size_t off = a->next.fetch_add(1) * kStripe;
+    if (off >= a->len) break;
+    size_t size = a->len - off < kStripe ? a->len - off : kStripe;
+    // Without MADV_POPULATE_WRITE, or with the mapping gone: stop. Touching pages here could
+    // overwrite what the driver has written.
+    if (madvise(a->start + off, size, MADV_POPULATE_WRITE) != 0) {
+      a->next.store(a->len / kStripe + 1);
+      break;
+    }
+  }
+  release(a, 1);
+  return nullptr;
+}
+
+// Starts the helpers of a populate ahead of the caller and returns; false when none could start
+// (the caller then populates before returning).
+bool populate_ahead(char* start, size_t len, bool huge) {
+  void* page = real_mmap()(nullptr, sizeof(Ahead), PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (page == MAP_FAILED) return false;
+  auto* a = new (page) Ahead;
+  a->start = start;
+  a->len = len;
+  a->huge = huge;
+  a->began = now_seconds();
+  const int wanted = settings.threads;
+  // One reference per helper, and the caller's own until it has counted them.
+  a->live.store(wanted + 1);
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  sigset_t all;
+  sigset_t old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  int started = 0;
+  for (int i = 0; i < wanted; ++i) {
+    pthread_t t;
+    if (pthread_create(&t, &attr, ahead_thread, a) == 0) ++started;
+  }
+  pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  pthread_attr_destroy(&attr);
+  if (started == 0) {
+    a->~Ahead();
+    munmap(a, sizeof(Ahead));
+    return false;
+  }
+  a->threads = started;
+  release(a, wanted - started + 1);  // the helpers that never started, and the caller's
+  return true;
+}
+
 void populate(char* start, size_t len) {
   const double began = settings.log ? now_seconds() : 0;
   const bool huge = settings.huge_pages && madvise(start, len, MADV_HUGEPAGE) == 0;
+  if (settings.ahead && called_by_the_driver() && populate_ahead(start, len, huge)) return;
 
   size_t wanted = len / kMinSlice;
   if (wanted > static_cast<size_t>(settings.threads))
@@ -182,13 +296,7 @@ void populate(char* start, size_t len) {
     }
   }
 
-  if (settings.log) {
-    char line[200];
-    int n = snprintf(line, sizeof line,
-                     "gpusnap-preload: populated %zu MiB in %.3f s with %d threads%s\n", len >> 20,
-                     now_seconds() - began, threads, huge ? ", huge pages asked" : "");
-    if (n > 0) (void)!write(STDERR_FILENO, line, static_cast<size_t>(n));
-  }
+  log_line(len, settings.log ? now_seconds() - began : 0, threads, huge, "");
 }
 
 void* mmap_impl(void* addr, size_t len, int prot, int flags, int fd, off_t off) {

@@ -1,12 +1,21 @@
 // populate_probe: maps memory the way a test asks and reports what the process got, so that
 // tests/preload can watch libgpusnap-preload.so from outside (it acts inside a process only).
 //
-//   populate_probe MIB private|shared populate|lazy
+//   populate_probe MIB private|shared populate|lazy [driver]
 //
 // Prints one line: `rss_kib=N huge_advised=0|1 zero=0|1 errno=E` for the new mapping: its
 // resident size, whether its VMA carries the huge-page advice (VmFlags "hg"), whether every byte
 // read back zero, and errno after the mmap that succeeded (the library must leave it alone).
+//
+// With `driver`, the probe plays the CUDA driver's checkpoint thread: it names itself "cuda…"
+// before the mmap, writes a pattern over the first quarter of the mapping the moment mmap
+// returns (as the driver's copy does while the library's helpers still populate), waits until no
+// "gpusnap-fill" thread is left, and then reports `zero` for the rest and `pattern=0|1` for the
+// quarter it wrote.
+#include <dirent.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
@@ -15,6 +24,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 
 namespace {
 
@@ -36,13 +46,29 @@ void describe(unsigned long start, long* rss_kib, bool* advised) {
   }
 }
 
+// Whether a thread of this process is named "gpusnap-fill" (the library's helpers).
+bool fill_threads_left() {
+  DIR* dir = opendir("/proc/self/task");
+  if (dir == nullptr) return false;
+  bool found = false;
+  while (dirent* e = readdir(dir)) {
+    std::ifstream comm(std::string("/proc/self/task/") + e->d_name + "/comm");
+    std::string name;
+    if (std::getline(comm, name) && name == "gpusnap-fill") found = true;
+  }
+  closedir(dir);
+  return found;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 4) {
-    std::fprintf(stderr, "usage: populate_probe MIB private|shared populate|lazy\n");
+  if (argc != 4 && argc != 5) {
+    std::fprintf(stderr, "usage: populate_probe MIB private|shared populate|lazy [driver]\n");
     return 2;
   }
+  const bool driver = argc == 5 && std::strcmp(argv[4], "driver") == 0;
+  if (driver) prctl(PR_SET_NAME, "cuda-probe", 0, 0, 0);
   size_t len = std::strtoul(argv[1], nullptr, 10) << 20;
   int flags = MAP_ANONYMOUS | (std::strcmp(argv[2], "shared") == 0 ? MAP_SHARED : MAP_PRIVATE);
   if (std::strcmp(argv[3], "populate") == 0) flags |= MAP_POPULATE;
@@ -53,12 +79,22 @@ int main(int argc, char** argv) {
     std::perror("mmap");
     return 1;
   }
+  size_t written = 0;
+  if (driver) {
+    written = len / 4;
+    std::memset(p, 0xab, written);
+    for (int i = 0; i < 30000 && fill_threads_left(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
   long rss_kib = -1;
   bool advised = false;
   describe(reinterpret_cast<unsigned long>(p), &rss_kib, &advised);
+  bool pattern = true;
+  for (size_t i = 0; i < written; ++i) pattern = pattern && p[i] == 0xab;
   bool zero = true;
-  for (size_t i = 0; i < len; i += 4096) zero = zero && p[i] == 0 && p[i + 4095] == 0;
-  std::printf("rss_kib=%ld huge_advised=%d zero=%d errno=%d\n", rss_kib, advised ? 1 : 0,
-              zero ? 1 : 0, err);
+  for (size_t i = written; i < len; i += 4096) zero = zero && p[i] == 0 && p[i + 4095] == 0;
+  std::printf("rss_kib=%ld huge_advised=%d zero=%d errno=%d pattern=%d\n", rss_kib, advised ? 1 : 0,
+              zero ? 1 : 0, err, pattern ? 1 : 0);
   return 0;
 }

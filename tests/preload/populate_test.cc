@@ -60,7 +60,33 @@ TEST(Preload, PopulatesALargePrivateMappingWithThreadsAndHugePageAdvice) {
   EXPECT_EQ(value(p.out, "errno"), "0") << p.out;
   // 512 MiB is 8 slices of 64 MiB: four threads, as many as asked.
   EXPECT_NE(p.err.find("gpusnap-preload: populated 512 MiB in "), std::string::npos) << p.err;
-  EXPECT_NE(p.err.find("with 4 threads, huge pages asked"), std::string::npos) << p.err;
+  EXPECT_NE(p.err.find("with 4 threads, huge pages asked\n"), std::string::npos) << p.err;
+}
+
+TEST(Preload, ForTheDriversThreadItPopulatesAheadAndNeverOverwritesWhatTheDriverWrote) {
+  // The probe names itself as the driver's thread does, and writes over the first quarter of the
+  // mapping as soon as mmap returns, while the helpers are populating.
+  for (int round = 0; round < 3; ++round) {
+    auto p = probe({"1024", "private", "populate", "driver"}, {"GPUSNAP_PRELOAD_THREADS=4"});
+    ASSERT_EQ(p.status, 0) << p.err;
+    EXPECT_EQ(value(p.out, "pattern"), "1") << p.out;  // no helper wrote over the copy
+    EXPECT_EQ(value(p.out, "zero"), "1") << p.out;     // the rest: populated, still zero
+    EXPECT_GE(std::stol(value(p.out, "rss_kib")), 1024L << 10) << p.out;
+    EXPECT_EQ(value(p.out, "huge_advised"), "1") << p.out;
+    EXPECT_NE(p.err.find("gpusnap-preload: populated 1024 MiB in "), std::string::npos) << p.err;
+    EXPECT_NE(p.err.find("with 4 threads, huge pages asked, ahead of the driver's copy"),
+              std::string::npos)
+        << p.err;
+  }
+}
+
+TEST(Preload, AheadCanBeTurnedOff) {
+  auto p = probe({"512", "private", "populate", "driver"}, {"GPUSNAP_PRELOAD_AHEAD=0"});
+  ASSERT_EQ(p.status, 0) << p.err;
+  EXPECT_EQ(value(p.out, "pattern"), "1") << p.out;
+  EXPECT_EQ(value(p.out, "zero"), "1") << p.out;
+  EXPECT_NE(p.err.find("gpusnap-preload: populated 512 MiB"), std::string::npos) << p.err;
+  EXPECT_EQ(p.err.find("ahead"), std::string::npos) << p.err;
 }
 
 TEST(Preload, HugePagesCanBeLeftOut) {
