@@ -304,7 +304,7 @@ class Checkpoint {
     if (pids.empty()) return;
     phases_.reporter().note(
         "CUDA process " + pids + " runs without " + engine::kPreloadFileName +
-        ": the driver's checkpoint fills its host memory in one thread (16 GiB: ~4 s longer on "
+        ": the driver's checkpoint fills its host memory in one thread (16 GiB: 4-6 s longer on "
         "the H200); workloads started by `gpusnap run` or `gpusnap init` have it "
         "(docs/design.md, \"The driver's checkpoint\")");
   }
