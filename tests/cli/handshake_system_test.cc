@@ -39,13 +39,6 @@ uint16_t read_port(const std::filesystem::path& ready) {
   return static_cast<uint16_t>(std::stoi(text));
 }
 
-// Whether the process maps libgpusnap-preload.so (it was started with it, or restored so).
-bool maps_preload(pid_t pid) {
-  std::string maps;
-  return fs::try_read_file("/proc/" + std::to_string(pid) + "/maps", &maps) &&
-         maps.find("libgpusnap-preload.so") != std::string::npos;
-}
-
 void run_capture_and_restore(const std::vector<std::string>& worker) {
   TempDir dir;
   auto ready = dir / "port";
@@ -59,7 +52,7 @@ void run_capture_and_restore(const std::vector<std::string>& worker) {
   TreeKiller source{doc["pid"].get<pid_t>()};
   EXPECT_TRUE(doc["handshake"].get<bool>());
   // `gpusnap run` starts workloads with the library that speeds up the driver's checkpoint.
-  EXPECT_TRUE(maps_preload(source.pid));
+  EXPECT_TRUE(maps_file(source.pid, "libgpusnap-preload.so"));
   uint16_t port = read_port(ready);
   ASSERT_NE(port, 0);
 
@@ -87,7 +80,7 @@ void run_capture_and_restore(const std::vector<std::string>& worker) {
     EXPECT_EQ(field(copy_info, "greeting"), "hello") << copy_info;
     EXPECT_EQ(ask(copies.port(i), "INCR"), "1");  // the counter as it was at the capture
     // CRIU put the library's mapping back in the copy, from the same file.
-    EXPECT_TRUE(maps_preload(copies.doc["copies"][i]["pid"].get<pid_t>()));
+    EXPECT_TRUE(maps_file(copies.doc["copies"][i]["pid"].get<pid_t>(), "libgpusnap-preload.so"));
   }
   EXPECT_EQ(ask(port, "INCR"), "2");
 }

@@ -82,6 +82,12 @@ TEST_F(ContainerTest, CaptureRestoresIntoAPlaceholderWhileTheSourceRuns) {
   std::string seed = field(info, "seed");
   ASSERT_FALSE(seed.empty()) << info;
 
+  // `gpusnap init` started the workload with the preload library found beside it (/bin here,
+  // as /opt/gpusnap/bin on a node).
+  auto source_tree = proc::read_tree(source->pid());
+  ASSERT_GE(source_tree.size(), 2u);
+  EXPECT_TRUE(maps_file(source_tree[1].pid, "libgpusnap-preload.so"));
+
   auto snap = dir_ / "snap";
   auto cp = checkpoint(*source, snap);
   ASSERT_EQ(cp.exit_code, 0) << cp.out << cp.err;
@@ -110,6 +116,8 @@ TEST_F(ContainerTest, CaptureRestoresIntoAPlaceholderWhileTheSourceRuns) {
     EXPECT_EQ(namespace_of(restored, ns), namespace_of(placeholder->pid(), ns)) << ns;
   }
   EXPECT_EQ(proc::read_process(restored).ppid, placeholder->pid());
+  // CRIU mapped the library again, from the placeholder's /bin.
+  EXPECT_TRUE(maps_file(restored, "libgpusnap-preload.so"));
 
   auto copy_info = ask_in(placeholder->pid(), "INFO");
   EXPECT_EQ(field(copy_info, "seed"), seed) << "memory did not come from the snapshot";

@@ -50,6 +50,8 @@ stdfs::path make_bundle(const stdfs::path& dir, const std::vector<std::string>& 
   install_binary(rootfs, build_path("tests/gpusnap-example-handshake-worker"),
                  "/bin/handshake-worker");
   write(rootfs / "bin/gpusnap", "");  // the mount point of the bind-mounted binary
+  // and of the preload library beside it, as a node's /opt/gpusnap/bin holds both
+  write(rootfs / "bin/libgpusnap-preload.so", "");
   auto spec = run_capture({"runc", "spec", "--bundle", dir.string()});
   EXPECT_TRUE(spec.status.ok()) << spec.output;
   auto config = json::parse(fs::read_file(dir / "config.json"));
@@ -59,6 +61,11 @@ stdfs::path make_bundle(const stdfs::path& dir, const std::vector<std::string>& 
                               {"type", "bind"},
                               {"source", stdfs::canonical(gpusnap_bin()).string()},
                               {"options", {"bind", "ro"}}});
+  config["mounts"].push_back(
+      {{"destination", "/bin/libgpusnap-preload.so"},
+       {"type", "bind"},
+       {"source", stdfs::canonical(build_path("libgpusnap-preload.so")).string()},
+       {"options", {"bind", "ro"}}});
   // CRIU, run inside the container, probes the kernel with a scratch directory in /tmp.
   config["mounts"].push_back({{"destination", "/tmp"},
                               {"type", "tmpfs"},

@@ -33,9 +33,9 @@ void install_binary(const std::filesystem::path& rootfs, const std::filesystem::
                     const std::string& as);
 
 // An OCI bundle in `dir`: a busybox root filesystem with the test workloads, and runc's default
-// config.json edited for `args`: no terminal, the built gpusnap bind-mounted read-only at
-// /bin/gpusnap, a tmpfs /tmp, a handshake directory (GPUSNAP_CONTROL_DIR=/control) on a tmpfs
-// of its own. Returns `dir`.
+// config.json edited for `args`: no terminal, the built gpusnap and libgpusnap-preload.so
+// bind-mounted read-only in /bin, a tmpfs /tmp, a handshake directory
+// (GPUSNAP_CONTROL_DIR=/control) on a tmpfs of its own. Returns `dir`.
 std::filesystem::path make_bundle(const std::filesystem::path& dir,
                                   const std::vector<std::string>& args);
 

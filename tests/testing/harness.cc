@@ -55,8 +55,8 @@ Workload::Workload(const TempDir& dir, std::vector<std::string> extra_args)
 Workload::Workload(const TempDir& dir, std::vector<std::string> argv,
                    std::chrono::seconds ready_within) {
   auto ready = dir / ("ready-" + fs::random_id().substr(0, 6));
-  UniqueFd log(::open((dir / "workload.log").c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC,
-                      0644));
+  UniqueFd log(
+      ::open((dir / "workload.log").c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
   SpawnOptions o;
   o.argv = std::move(argv);
   o.argv.push_back("--ready-file");
@@ -92,7 +92,7 @@ void Workload::kill_tree() {
 
 std::string ask(uint16_t port, const std::string& line, std::chrono::milliseconds timeout) {
   UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  struct sockaddr_in addr{};
+  struct sockaddr_in addr {};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(port);
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -107,7 +107,9 @@ std::string ask(uint16_t port, const std::string& line, std::chrono::millisecond
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) return "";
-    struct pollfd p{fd.get(), POLLIN, 0};
+    struct pollfd p {
+      fd.get(), POLLIN, 0
+    };
     if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
     char c;
     ssize_t n = ::recv(fd.get(), &c, 1, 0);
@@ -139,6 +141,16 @@ CliResult gpusnap(const std::vector<std::string>& args, std::chrono::millisecond
   r.out = fs::read_file(dir / "out");
   r.err = fs::read_file(dir / "err");
   return r;
+}
+
+bool maps_file(pid_t pid, const std::string& name) {
+  std::string maps;
+  if (!fs::try_read_file("/proc/" + std::to_string(pid) + "/maps", &maps)) return false;
+  for (size_t at = maps.find(name); at != std::string::npos; at = maps.find(name, at + 1)) {
+    size_t end = at + name.size();
+    if ((end == maps.size() || maps[end] == '\n') && at > 0 && maps[at - 1] == '/') return true;
+  }
+  return false;
 }
 
 std::string field(const std::string& reply, const std::string& key) {

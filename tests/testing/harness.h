@@ -70,6 +70,9 @@ struct CliResult {
 CliResult gpusnap(const std::vector<std::string>& args,
                   std::chrono::milliseconds timeout = std::chrono::minutes(3));
 
+// Whether process `pid` maps a file whose path ends with `name` (e.g. "libgpusnap-preload.so").
+bool maps_file(pid_t pid, const std::string& name);
+
 // The value of `key` in a workload reply of the form "key=value key2=value2"; "" if absent.
 std::string field(const std::string& reply, const std::string& key);
 
