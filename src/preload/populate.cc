@@ -133,6 +133,23 @@ bool qualifies(size_t len, int prot, int flags) {
   return settings.threads > 0;
 }
 
+// Blocks every signal in the calling thread while it lives, so that the helper threads it
+// starts meanwhile inherit a full mask: none of the workload's signals is delivered to them.
+class SignalsBlocked {
+ public:
+  SignalsBlocked() {
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old_);
+  }
+  SignalsBlocked(const SignalsBlocked&) = delete;
+  SignalsBlocked& operator=(const SignalsBlocked&) = delete;
+  ~SignalsBlocked() { pthread_sigmask(SIG_SETMASK, &old_, nullptr); }
+
+ private:
+  sigset_t old_{};
+};
+
 struct Slice {
   char* start = nullptr;
   size_t size = 0;
@@ -234,16 +251,14 @@ bool populate_ahead(char* start, size_t len, bool huge) {
   pthread_attr_t attr;
   pthread_attr_init(&attr);
   pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-  sigset_t all;
-  sigset_t old;
-  sigfillset(&all);
-  pthread_sigmask(SIG_SETMASK, &all, &old);
   int started = 0;
-  for (int i = 0; i < wanted; ++i) {
-    pthread_t t;
-    if (pthread_create(&t, &attr, ahead_thread, a) == 0) ++started;
+  {
+    SignalsBlocked blocked;
+    for (int i = 0; i < wanted; ++i) {
+      pthread_t t;
+      if (pthread_create(&t, &attr, ahead_thread, a) == 0) ++started;
+    }
   }
-  pthread_sigmask(SIG_SETMASK, &old, nullptr);
   pthread_attr_destroy(&attr);
   if (started == 0) {
     a->~Ahead();
@@ -274,18 +289,15 @@ void populate(char* start, size_t len) {
     ++count;
   }
 
-  // The helpers take no signals meant for the process: they block all of them from birth.
-  sigset_t all;
-  sigset_t old;
-  sigfillset(&all);
-  pthread_sigmask(SIG_SETMASK, &all, &old);
   int threads = 1;
-  for (size_t i = 1; i < count; ++i) {
-    slices[i].started =
-        pthread_create(&slices[i].thread, nullptr, populate_thread, &slices[i]) == 0;
-    threads += slices[i].started ? 1 : 0;
+  {
+    SignalsBlocked blocked;
+    for (size_t i = 1; i < count; ++i) {
+      slices[i].started =
+          pthread_create(&slices[i].thread, nullptr, populate_thread, &slices[i]) == 0;
+      threads += slices[i].started ? 1 : 0;
+    }
   }
-  pthread_sigmask(SIG_SETMASK, &old, nullptr);
 
   populate_slice(slices[0]);
   for (size_t i = 1; i < count; ++i) {

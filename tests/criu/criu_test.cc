@@ -34,26 +34,6 @@ std::string value_of(const Strings& args, const std::string& flag) {
   return *(it + 1);
 }
 
-// Sets an environment variable for one test.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const std::string& value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    ::setenv(name, value.c_str(), 1);
-  }
-  ~ScopedEnv() {
-    if (old_) {
-      ::setenv(name_, old_->c_str(), 1);
-    } else {
-      ::unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
-
 TEST(CriuVersionTest, AtLeast) {
   for (const char* v : {"4.2", "4.2.1", "4.3", "4.10", "5.0", "5", "10.1"}) {
     EXPECT_TRUE(version_at_least(v, 4, 2)) << v;

@@ -13,29 +13,7 @@
 namespace gpusnap::engine {
 namespace {
 
-// Sets an environment variable for one test and puts the old value back.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    ::setenv(name, value, 1);  // NOLINT(concurrency-mt-unsafe): tests set it before any thread
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-  // NOLINTBEGIN(concurrency-mt-unsafe): as above
-  ~ScopedEnv() {
-    if (old_) {
-      ::setenv(name_, old_->c_str(), 1);
-    } else {
-      ::unsetenv(name_);
-    }
-  }
-  // NOLINTEND(concurrency-mt-unsafe)
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
+using testing::ScopedEnv;
 
 TEST(PreloadLibrary, FoundBesideTheRunningBinaryOrNamedOrNone) {
   {
@@ -51,7 +29,7 @@ TEST(PreloadLibrary, FoundBesideTheRunningBinaryOrNamedOrNone) {
   auto lib = dir / "libgpusnap-preload.so";
   testing::write(lib, "not really a library, but readable");
   {
-    ScopedEnv env(kPreloadEnv, lib.c_str());
+    ScopedEnv env(kPreloadEnv, lib.string());
     ASSERT_TRUE(find_preload_library());
     EXPECT_EQ(*find_preload_library(), lib);
     ScopedEnv existing("LD_PRELOAD", "/opt/other.so");
@@ -63,7 +41,7 @@ TEST(PreloadLibrary, FoundBesideTheRunningBinaryOrNamedOrNone) {
     EXPECT_FALSE(preload_environment());
   }
   {
-    ScopedEnv env(kPreloadEnv, (dir / "missing.so").c_str());
+    ScopedEnv env(kPreloadEnv, (dir / "missing.so").string());
     auto e = testing::error_of([] { find_preload_library(); });
     ASSERT_TRUE(e);
     EXPECT_EQ(e->kind(), ErrorKind::kUsage);

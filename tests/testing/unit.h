@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -84,5 +85,30 @@ inline pid_t dead_pid() {
   ::waitpid(pid, &status, 0);
   return pid;
 }
+
+// Sets an environment variable for one test and puts the old value (or its absence) back.
+// Tests set it before they start any thread.
+// NOLINTBEGIN(concurrency-mt-unsafe)
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    ::setenv(name, value.c_str(), 1);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+  ~ScopedEnv() {
+    if (old_) {
+      ::setenv(name_, old_->c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+// NOLINTEND(concurrency-mt-unsafe)
 
 }  // namespace gpusnap::testing
