@@ -7,10 +7,12 @@
 
 namespace gpusnap {
 
-// A container as its runtime knows it: `runc --root RUNTIME_ROOT state ID`.
+// A container as its runtime knows it: `runc --root RUNTIME_ROOT state ID`. An empty root is
+// found: the one of runc's (/run/runc) and containerd's (/run/containerd/runc/NAMESPACE, or the
+// root its tasks' options name) that holds the ID.
 struct ContainerRef {
   std::string id;
-  std::filesystem::path runtime_root = "/run/runc";
+  std::filesystem::path runtime_root;
 };
 
 }  // namespace gpusnap

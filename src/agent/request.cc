@@ -68,7 +68,7 @@ ContainerName container_field(const json& body, const std::string& key) {
   if (c.id.empty() || c.id.find('/') != std::string::npos) {
     throw bad("bad container id '" + c.id + "' in " + of, "name the container by its runtime id");
   }
-  // Absent or empty: runc's default state directory.
+  // Absent or empty: found among the runtimes' roots (container::find_runtime_root()).
   if (v.contains("runtime_root") && !string_field(v, "runtime_root", of).empty()) {
     c.runtime_root = string_field(v, "runtime_root", of);
     if (!c.runtime_root.is_absolute()) {

@@ -24,7 +24,8 @@ namespace gpusnap::agent {
 // A container, named as its runtime knows it.
 struct ContainerName {
   std::string id;
-  std::filesystem::path runtime_root = "/run/runc";  // the runtime's state directory
+  // The runtime's state directory; empty: found (container::find_runtime_root()).
+  std::filesystem::path runtime_root;
 };
 
 struct CheckpointRequest {

@@ -324,7 +324,9 @@ std::vector<Command> commands() {
         kIoThreads,
         {"--container", "", "ID",
          "capture the workload of this runc container (its PID 1: `gpusnap init -- CMD`)"},
-        {"--runtime-root", "", "DIR", "runc's state directory (default /run/runc)"},
+        {"--runtime-root", "", "DIR",
+         "runc's state directory (default: found among /run/runc and containerd's "
+         "/run/containerd/runc/NAMESPACE)"},
         kCriu,
         kJson,
         kQuiet,
@@ -367,7 +369,9 @@ std::vector<Command> commands() {
         {"--into-container", "", "ID",
          "restore into this runc container's namespaces (its PID 1: `gpusnap init "
          "--placeholder`)"},
-        {"--runtime-root", "", "DIR", "runc's state directory (default /run/runc)"},
+        {"--runtime-root", "", "DIR",
+         "runc's state directory (default: found among /run/runc and containerd's "
+         "/run/containerd/runc/NAMESPACE)"},
         {"--run-dir", "", "DIR", "where copies keep logs and state (default /run/gpusnap)"},
         {"--timeout", "", "SECONDS", "give up on CRIU's restore after this long (default 300)"},
         kCriu,

@@ -15,6 +15,7 @@
 #include "common/fd.h"
 #include "common/fs.h"
 #include "common/subprocess.h"
+#include "container/runtime_root.h"
 #include "gpusnap/error.h"
 
 namespace gpusnap::container {
@@ -38,6 +39,9 @@ std::string find_runc() {
 
 std::string describe_ref(const ContainerRef& ref) {
   return "container " + ref.id + " (runc root " + ref.runtime_root.string() + ")";
+}
+std::string describe_ref(const State& state) {
+  return describe_ref(ContainerRef{state.id, state.runtime_root});
 }
 
 // gpusnap's role as a container's PID 1, from its command line: `gpusnap init [--placeholder]`.
@@ -67,21 +71,22 @@ std::string ns_link(pid_t pid, const char* ns) {
 }
 
 // The checks a capture and a restore share: running, our user namespace, a writable /tmp.
-void refuse_unusable(const ContainerRef& ref, const State& state) {
+void refuse_unusable(const State& state) {
   if (state.status != "running" || state.pid <= 0) {
-    throw Error(ErrorKind::kNotFound, describe_ref(ref) + " is " + state.status + ", not running",
+    throw Error(ErrorKind::kNotFound, describe_ref(state) + " is " + state.status + ", not running",
                 "start it, or name a running container");
   }
   if (ns_link(state.pid, "user") != ns_link(::getpid(), "user")) {
-    throw Error(ErrorKind::kNotCapturable,
-                describe_ref(ref) + " runs in its own user namespace, which gpusnap does not enter",
-                "run the container without a user namespace");
+    throw Error(
+        ErrorKind::kNotCapturable,
+        describe_ref(state) + " runs in its own user namespace, which gpusnap does not enter",
+        "run the container without a user namespace");
   }
   // CRIU runs inside the container and probes the kernel with a scratch directory in /tmp.
   auto tmp = "/proc/" + std::to_string(state.pid) + "/root/tmp";
   if (::access(tmp.c_str(), W_OK) != 0) {
     throw Error(ErrorKind::kNotCapturable,
-                describe_ref(ref) + " has no writable /tmp, which CRIU needs inside it",
+                describe_ref(state) + " has no writable /tmp, which CRIU needs inside it",
                 "give the container a writable /tmp (e.g. a tmpfs or an emptyDir volume)");
   }
 }
@@ -142,8 +147,10 @@ pid_t ns_pid_of(pid_t host_pid) {
 
 }  // namespace
 
-State read_state(const ContainerRef& ref) {
-  if (ref.id.empty()) throw Error(ErrorKind::kUsage, "no container id given");
+State read_state(const ContainerRef& given) {
+  if (given.id.empty()) throw Error(ErrorKind::kUsage, "no container id given");
+  ContainerRef ref = given;
+  if (ref.runtime_root.empty()) ref.runtime_root = find_runtime_root(ref.id);
   auto runc = find_runc();
   auto r = run_capture({runc, "--root", ref.runtime_root.string(), "state", ref.id},
                        std::chrono::seconds(30));
@@ -166,6 +173,7 @@ State read_state(const ContainerRef& ref) {
     s.pid = doc.at("pid").get<pid_t>();
     s.bundle = doc.at("bundle").get<std::string>();
     s.rootfs = doc.at("rootfs").get<std::string>();
+    s.runtime_root = ref.runtime_root;
     return s;
   } catch (const json::exception& e) {
     throw Error(ErrorKind::kEnvironment, "cannot read runc's state of " + ref.id + ": " + e.what(),
@@ -178,15 +186,15 @@ CaptureTarget capture_target(const ContainerRef& ref) {
   t.state = read_state(ref);
   if (t.state.status == "running" && role_of(t.state.pid) != Role::kShim) {
     throw Error(ErrorKind::kNotCapturable,
-                describe_ref(ref) + ": its PID 1 (pid " + std::to_string(t.state.pid) +
+                describe_ref(t.state) + ": its PID 1 (pid " + std::to_string(t.state.pid) +
                     ") is not the gpusnap shim",
                 "start the container's process as `gpusnap init -- CMD ARGS...`");
   }
-  refuse_unusable(ref, t.state);
+  refuse_unusable(t.state);
   auto children = proc::children(t.state.pid);
   if (children.size() != 1) {
     throw Error(ErrorKind::kNotCapturable,
-                describe_ref(ref) + ": the shim has " + std::to_string(children.size()) +
+                describe_ref(t.state) + ": the shim has " + std::to_string(children.size()) +
                     " children; the capture takes exactly one tree, the command it started",
                 children.empty() ? "wait until the container's command runs"
                                  : "keep the workload in one process tree (no daemonized "
@@ -207,6 +215,7 @@ json describe(const CaptureTarget& target, const std::vector<proc::Process>& tre
     files.push_back({{"path", path}, {"size", id->size}, {"xxh3", id->xxh3}});
   }
   return {{"runtime", "runc"},
+          {"runtime_root", target.state.runtime_root.string()},
           {"id", target.state.id},
           {"bundle", target.state.bundle.string()},
           {"rootfs", target.state.rootfs.string()},
@@ -241,15 +250,15 @@ Placeholder placeholder_target(const ContainerRef& ref, const Manifest& manifest
   p.state = read_state(ref);
   if (p.state.status == "running" && role_of(p.state.pid) != Role::kPlaceholder) {
     throw Error(ErrorKind::kUsage,
-                describe_ref(ref) + ": its PID 1 (pid " + std::to_string(p.state.pid) +
+                describe_ref(p.state) + ": its PID 1 (pid " + std::to_string(p.state.pid) +
                     ") is not a gpusnap placeholder",
                 "start the target container with `gpusnap init --placeholder` as its process");
   }
-  refuse_unusable(ref, p.state);
+  refuse_unusable(p.state);
   if (!proc::children(p.state.pid).empty()) {
     throw Error(ErrorKind::kUsage,
-                describe_ref(ref) + ": the placeholder is not waiting, it already runs a "
-                                    "restored workload",
+                describe_ref(p.state) + ": the placeholder is not waiting, it already runs a "
+                                        "restored workload",
                 "start a new placeholder container for this restore");
   }
   auto root = "/proc/" + std::to_string(p.state.pid) + "/root";
@@ -267,7 +276,7 @@ Placeholder placeholder_target(const ContainerRef& ref, const Manifest& manifest
     }
     if (!problem.empty()) {
       throw Error(ErrorKind::kIncompatible,
-                  describe_ref(ref) +
+                  describe_ref(p.state) +
                       "'s root filesystem differs from the captured container's: it " + problem,
                   "start the placeholder from the same image as the captured container (" +
                       manifest.container.at("id").get<std::string>() + ")");

@@ -23,9 +23,11 @@ struct State {
   pid_t pid = 0;       // its PID 1, as the host sees it
   std::filesystem::path bundle;
   std::filesystem::path rootfs;
+  std::filesystem::path runtime_root;  // the runc root it was found in
 };
 
-// Throws Error: kEnvironment without runc, kNotFound for an unknown container.
+// Throws Error: kEnvironment without runc, kNotFound for an unknown container. A ref without a
+// runtime root is searched for in the runtimes' roots (find_runtime_root()).
 State read_state(const ContainerRef& ref);
 
 // A running container whose PID 1 is `gpusnap init -- CMD`: the tree to capture is CMD's.

@@ -36,14 +36,14 @@ TEST(CheckpointRequest, TakesAContainerWithItsRuntimeRoot) {
       {{"artifact", "llm"}, {"container", {{"id", "abc"}}}, {"leave_running", false}});
   ASSERT_TRUE(r.container);
   EXPECT_EQ(r.container->id, "abc");
-  EXPECT_EQ(r.container->runtime_root, "/run/runc");
+  EXPECT_EQ(r.container->runtime_root, "");  // found by the engine
   EXPECT_FALSE(r.leave_running);
   r = parse_checkpoint_request(
       {{"artifact", "llm"}, {"container", {{"id", "abc"}, {"runtime_root", "/run/x"}}}});
   EXPECT_EQ(r.container->runtime_root, "/run/x");
   r = parse_checkpoint_request(
       {{"artifact", "llm"}, {"container", {{"id", "abc"}, {"runtime_root", ""}}}});
-  EXPECT_EQ(r.container->runtime_root, "/run/runc");
+  EXPECT_EQ(r.container->runtime_root, "");  // found by the engine
 }
 
 TEST(CheckpointRequest, RefusesEachMistakeByName) {
@@ -186,7 +186,7 @@ TEST(RequestOptions, ContainerFieldsBecomeTheEnginesContainerOptions) {
       parse_restore_request({{"artifact", "llm"}, {"into_container", {{"id", "p1"}}}}), s);
   ASSERT_TRUE(ro.into_container.has_value());
   EXPECT_EQ(ro.into_container->id, "p1");
-  EXPECT_EQ(ro.into_container->runtime_root, "/run/runc");  // runc's default
+  EXPECT_EQ(ro.into_container->runtime_root, "");  // found by the engine
   EXPECT_EQ(ro.replicas, 1);
 }
 

@@ -2,7 +2,8 @@
 // runc containers), with the tests' fake API server (fake_apiserver.h) in place of
 // kube-apiserver. The test plays the rest of a cluster: a user creating a GpuSnapshot and pods,
 // the scheduler binding the pods to the controller's node, and the kubelet, which starts each
-// pod's container with runc and reports its id in the pod's status. Root, runc and CRIU.
+// pod's container with runc and reports its id in the pod's status. Root, runc and CRIU. One
+// test has containerd (started by the test) run the pods' containers, as a node's kubelet would.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -29,6 +30,7 @@
 #include "common/proc.h"
 #include "common/subprocess.h"
 #include "kube/fake_apiserver.h"
+#include "testing/containerd.h"
 #include "testing/containers.h"
 #include "testing/harness.h"
 
@@ -111,15 +113,16 @@ class ControllerAndRealAgent : public ::testing::Test {
     agent_.reset();
   }
 
-  // gpusnap-controller as the DaemonSet runs it, with the API server given by URL and token.
-  void start_controller() {
-    controller_ = std::make_unique<Program>(
-        std::vector<std::string>{build_path("src/kube/gpusnap-controller"), "--node", kNode,
-                                 "--api-server", server_.url(), "--token-file",
-                                 (dir_ / "token").string(), "--agent-socket", socket(),
-                                 "--runtime-root", runtime_root(), "--control-root",
-                                 (dir_ / "control").string(), "--poll-ms", "100"},
-        dir_ / "controller.log");
+  // gpusnap-controller as the DaemonSet runs it, with the API server given by URL and token;
+  // with the runtime root of the test's runc containers, or with its default (containerd's).
+  void start_controller(bool default_runtime_root = false) {
+    std::vector<std::string> argv{build_path("src/kube/gpusnap-controller"), "--node", kNode,
+                                  "--api-server", server_.url(), "--token-file",
+                                  (dir_ / "token").string(), "--agent-socket", socket(),
+                                  "--control-root", (dir_ / "control").string(), "--poll-ms",
+                                  "100"};
+    if (!default_runtime_root) argv.insert(argv.end(), {"--runtime-root", runtime_root()});
+    controller_ = std::make_unique<Program>(argv, dir_ / "controller.log");
   }
 
   // The kubelet's part: the pod's container, run by runc.
@@ -130,8 +133,10 @@ class ControllerAndRealAgent : public ::testing::Test {
     EXPECT_TRUE(c->started()) << "runc run " << name;
     return c;
   }
-  // A pod bound to this node whose container `main` runs as `c`; Ready as the kubelet says.
-  void bound_pod(const std::string& name, const Container& c, bool ready,
+  // A pod bound to this node whose container `main` runs as `c` (run by runc or by containerd);
+  // Ready as the kubelet says.
+  template <class C>
+  void bound_pod(const std::string& name, const C& c, bool ready,
                  json annotations = json::object()) {
     json conditions = {{{"type", "Ready"},
                         {"status", ready ? "True" : "False"},
@@ -429,6 +434,63 @@ TEST_F(ControllerAndRealAgent, TheAgentsRefusalIsTheSnapshotsVerdict) {
   EXPECT_EQ(snap_events[1], "Warning NotCapturable: " + message);
   EXPECT_FALSE(stdfs::exists(storage() / "default.plain-snap"));
   EXPECT_EQ(not_shim->state().value("status", ""), "running");
+}
+
+// The same capture and restore on the path a containerd node takes: containerd runs the pods'
+// containers (runc v2 shim, namespace k8s.io), the controller runs with its default runtime
+// root, which is the shim's, and the agent finds each container there by its ID. containerd
+// reports both containers running afterwards, and stopping the restored pod's container
+// through containerd ends the restored workload.
+TEST_F(ControllerAndRealAgent, CapturesAndRestoresPodsThatContainerdRuns) {
+  if (auto why = containerd_blocker()) GTEST_SKIP() << "skipped: " << *why;
+  Containerd containerd(dir_ / "containerd");
+  if (auto why = containerd.failure()) GTEST_SKIP() << "skipped: " << *why;
+  ManagedContainer source(containerd, prefix_ + "source", shimmed_workload());
+  ASSERT_TRUE(source.started()) << source.start_output();
+  ASSERT_TRUE(eventually([&] { return ask_in(source.pid(), "PING") == "PONG"; }));
+  ASSERT_EQ(ask_in(source.pid(), "INCR"), "1");
+  const std::string seed = field(ask_in(source.pid(), "INFO"), "seed");
+  bound_pod("llm-0", source, /*ready=*/true);
+  start_agent();
+  start_controller(/*default_runtime_root=*/true);
+
+  snapshot_of("llm-warm", "llm-0");
+  ASSERT_TRUE(eventually([&] { return snap_status("llm-warm").value("phase", "") == "Succeeded"; },
+                         kOperationLimit))
+      << snap_status("llm-warm").dump(2);
+  auto inspect = gpusnap({"inspect", (storage() / "default.llm-warm").string(), "--json"});
+  ASSERT_EQ(inspect.exit_code, 0) << inspect.err;
+  json manifest = json::parse(inspect.out);
+  EXPECT_EQ(manifest["container"]["id"], source.id());
+  EXPECT_EQ(manifest["container"]["runtime_root"], "/run/containerd/runc/k8s.io");
+  json op = agent_operation(snap_status("llm-warm")["operation"]["id"].get<std::string>());
+  EXPECT_EQ(op["request"]["container"],
+            (json{{"id", source.id()}, {"runtime_root", "/run/containerd/runc/k8s.io"}}));
+  EXPECT_EQ(ask_in(source.pid(), "INCR"), "2");
+
+  ManagedContainer placeholder(containerd, prefix_ + "replica", placeholder_args());
+  ASSERT_TRUE(placeholder.started()) << placeholder.start_output();
+  bound_pod("llm-replica", placeholder, /*ready=*/false, {{"gpusnap.io/snapshot", "llm-warm"}});
+  ASSERT_TRUE(eventually([&] { return restored("llm-replica").value("status", "") == "True"; },
+                         kOperationLimit))
+      << pod("llm-replica").dump(2);
+  const pid_t restored_pid = proc::children(placeholder.pid()).at(0);
+  for (const char* ns : {"pid", "mnt", "net"}) {
+    EXPECT_EQ(namespace_of(restored_pid, ns), namespace_of(placeholder.pid(), ns)) << ns;
+  }
+  EXPECT_EQ(field(ask_in(placeholder.pid(), "INFO"), "seed"), seed);
+  EXPECT_EQ(ask_in(placeholder.pid(), "INCR"), "2");
+
+  // containerd's account: both tasks running, each with its own PID 1.
+  EXPECT_EQ(source.status(), "RUNNING");
+  EXPECT_EQ(source.listed_pid(), source.pid());
+  EXPECT_EQ(placeholder.status(), "RUNNING");
+  EXPECT_EQ(placeholder.listed_pid(), placeholder.pid());
+  // The kubelet stops the restored pod's container: the restored workload ends with it.
+  ASSERT_TRUE(containerd.ctr({"task", "kill", placeholder.id()}).status.ok());
+  EXPECT_TRUE(eventually([&] { return placeholder.status() == "STOPPED"; }));
+  EXPECT_FALSE(running(restored_pid));
+  EXPECT_EQ(ask_in(source.pid(), "INCR"), "3");
 }
 
 }  // namespace

@@ -39,8 +39,7 @@ void install_binary(const stdfs::path& rootfs, const stdfs::path& binary, const 
   }
 }
 
-stdfs::path make_bundle(const stdfs::path& dir, const std::vector<std::string>& args) {
-  auto rootfs = dir / "rootfs";
+void make_rootfs(const stdfs::path& rootfs) {
   for (const char* d : {"bin", "proc", "dev", "sys", "tmp", "control"}) {
     stdfs::create_directories(rootfs / d);
   }
@@ -52,6 +51,11 @@ stdfs::path make_bundle(const stdfs::path& dir, const std::vector<std::string>& 
   write(rootfs / "bin/gpusnap", "");  // the mount point of the bind-mounted binary
   // and of the preload library beside it, as a node's /opt/gpusnap/bin holds both
   write(rootfs / "bin/libgpusnap-preload.so", "");
+}
+
+stdfs::path make_bundle(const stdfs::path& dir, const std::vector<std::string>& args) {
+  auto rootfs = dir / "rootfs";
+  make_rootfs(rootfs);
   auto spec = run_capture({"runc", "spec", "--bundle", dir.string()});
   EXPECT_TRUE(spec.status.ok()) << spec.output;
   auto config = json::parse(fs::read_file(dir / "config.json"));

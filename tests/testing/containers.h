@@ -32,7 +32,11 @@ std::optional<std::string> runc_blocker();
 void install_binary(const std::filesystem::path& rootfs, const std::filesystem::path& binary,
                     const std::string& as);
 
-// An OCI bundle in `dir`: a busybox root filesystem with the test workloads, and runc's default
+// A busybox root filesystem in `rootfs` with the test workloads and their libraries, and empty
+// files at /bin/gpusnap and /bin/libgpusnap-preload.so for the built ones to be bind-mounted on.
+void make_rootfs(const std::filesystem::path& rootfs);
+
+// An OCI bundle in `dir`: make_rootfs()'s root filesystem, and runc's default
 // config.json edited for `args`: no terminal, the built gpusnap and libgpusnap-preload.so
 // bind-mounted read-only in /bin, a tmpfs /tmp, a handshake directory
 // (GPUSNAP_CONTROL_DIR=/control) on a tmpfs of its own. Returns `dir`.
