@@ -45,7 +45,8 @@ class ContainerdTest : public ::testing::Test {
     return c;
   }
   // The source, serving: its first INCR answered 1.
-  std::unique_ptr<ManagedContainer> start_source(std::vector<std::string> args = shimmed_workload()) {
+  std::unique_ptr<ManagedContainer> start_source(
+      std::vector<std::string> args = shimmed_workload()) {
     auto source = start("source", args);
     EXPECT_TRUE(eventually([&] { return ask_in(source->pid(), "PING") == "PONG"; }))
         << "the workload did not answer in its container";
@@ -54,8 +55,8 @@ class ContainerdTest : public ::testing::Test {
   }
   // By ID alone: no --runtime-root.
   CliResult checkpoint(const std::string& id, const stdfs::path& out) {
-    return gpusnap({"checkpoint", "--container", id, "-o", out.string(), "--leave-running",
-                    "--json"});
+    return gpusnap(
+        {"checkpoint", "--container", id, "-o", out.string(), "--leave-running", "--json"});
   }
   CliResult restore(const stdfs::path& snap, const std::string& id) {
     return gpusnap({"restore", snap.string(), "--into-container", id, "--run-dir",
@@ -92,8 +93,10 @@ TEST_F(ContainerdTest, CapturesByIdAndRestoresIntoAPlaceholderContainerdStarted)
   EXPECT_EQ(manifest.at("container").at("runtime_root"), kShimRoot);
   EXPECT_EQ(manifest.at("container").at("id"), source->id());
   // The root filesystem is containerd's snapshot of the image, mounted for the task.
-  EXPECT_NE(manifest.at("container").at("rootfs").get<std::string>().find(
-                "io.containerd.runtime.v2.task/k8s.io/" + source->id()),
+  EXPECT_NE(manifest.at("container")
+                .at("rootfs")
+                .get<std::string>()
+                .find("io.containerd.runtime.v2.task/k8s.io/" + source->id()),
             std::string::npos)
       << manifest.at("container").dump();
   expect_source_running(*source, "2");
@@ -134,8 +137,9 @@ TEST_F(ContainerdTest, RefusesAnIdThatIsNotThereAndOneInTwoRoots) {
   auto missing = checkpoint(prefix_ + "nosuch", out);
   EXPECT_EQ(missing.exit_code, 3) << missing.out << missing.err;
   auto message = error_message(missing);
-  EXPECT_EQ(message.rfind("container " + prefix_ + "nosuch was not found in the runtime roots "
-                          "searched (",
+  EXPECT_EQ(message.rfind("container " + prefix_ +
+                              "nosuch was not found in the runtime roots "
+                              "searched (",
                           0),
             0u)
       << message;
@@ -150,9 +154,8 @@ TEST_F(ContainerdTest, RefusesAnIdThatIsNotThereAndOneInTwoRoots) {
   ASSERT_TRUE(twin.started());
   auto ambiguous = checkpoint(source->id(), out);
   EXPECT_EQ(ambiguous.exit_code, 2);
-  EXPECT_EQ(error_message(ambiguous), "container " + source->id() +
-                                          " is in 2 runtime roots (/run/runc, " + kShimRoot +
-                                          ")");
+  EXPECT_EQ(error_message(ambiguous),
+            "container " + source->id() + " is in 2 runtime roots (/run/runc, " + kShimRoot + ")");
   EXPECT_FALSE(stdfs::exists(out));
   // --runtime-root picks one.
   auto picked = gpusnap({"checkpoint", "--container", source->id(), "--runtime-root", kShimRoot,
@@ -184,8 +187,8 @@ TEST_F(ContainerdTest, ContainerdRestartedDuringACaptureLosesNothing) {
   auto log = dir_ / "checkpoint.out";
   UniqueFd out(::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
   SpawnOptions o;
-  o.argv = {gpusnap_bin(), "checkpoint", "--container", source->id(),
-            "-o", snap.string(), "--leave-running", "--json"};
+  o.argv = {gpusnap_bin(), "checkpoint",  "--container",     source->id(),
+            "-o",          snap.string(), "--leave-running", "--json"};
   o.stdout_fd = out.get();
   o.stderr_fd = out.get();
   Subprocess capture(o);

@@ -57,8 +57,8 @@ Containerd::Containerd(const stdfs::path& dir) : dir_(dir) {
 }
 
 void Containerd::start() {
-  UniqueFd log(::open((dir_ / "containerd.log").c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC,
-                      0600));
+  UniqueFd log(
+      ::open((dir_ / "containerd.log").c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600));
   SpawnOptions o;
   o.argv = {"/usr/bin/containerd", "--config", (dir_ / "config.toml").string()};
   o.stdout_fd = log.get();
@@ -88,8 +88,8 @@ Containerd::~Containerd() {
 }
 
 RunResult Containerd::ctr(const std::vector<std::string>& args) const {
-  std::vector<std::string> argv = {"/usr/bin/ctr", "-a", (dir_ / "containerd.sock").string(),
-                                   "-n", kNamespace};
+  std::vector<std::string> argv = {"/usr/bin/ctr", "-a", (dir_ / "containerd.sock").string(), "-n",
+                                   kNamespace};
   argv.insert(argv.end(), args.begin(), args.end());
   return run_capture(argv, std::chrono::seconds(60));
 }
