@@ -43,9 +43,9 @@ namespace gpusnap::kube {
 
 struct ControllerOptions {
   std::string node;  // this node's name, as in the pods' spec.nodeName
-  // runc's state directory of the node's container runtime (containerd's k8s.io namespace by
-  // default; /run/runc for CRI-O).
-  std::string runtime_root = "/run/containerd/runc/k8s.io";
+  // runc's state directory of the node's container runtime (containerd's
+  // /run/containerd/runc/k8s.io, CRI-O's /run/runc); empty: the agent finds it by the ID.
+  std::string runtime_root;
   // The host directory under which each launched pod's handshake directory lives
   // (CONTROL_ROOT/NAMESPACE.POD), shared by hostPath with the pod and the agent. The pod sees
   // it at the same path, so that the GPUSNAP_CONTROL_DIR the agent reads in the workload's

@@ -114,12 +114,20 @@ class ControllerAndRealAgent : public ::testing::Test {
   }
 
   // gpusnap-controller as the DaemonSet runs it, with the API server given by URL and token;
-  // with the runtime root of the test's runc containers, or with its default (containerd's).
+  // with the runtime root of the test's runc containers, or with none (found by the agent).
   void start_controller(bool default_runtime_root = false) {
-    std::vector<std::string> argv{build_path("src/kube/gpusnap-controller"), "--node", kNode,
-                                  "--api-server", server_.url(), "--token-file",
-                                  (dir_ / "token").string(), "--agent-socket", socket(),
-                                  "--control-root", (dir_ / "control").string(), "--poll-ms",
+    std::vector<std::string> argv{build_path("src/kube/gpusnap-controller"),
+                                  "--node",
+                                  kNode,
+                                  "--api-server",
+                                  server_.url(),
+                                  "--token-file",
+                                  (dir_ / "token").string(),
+                                  "--agent-socket",
+                                  socket(),
+                                  "--control-root",
+                                  (dir_ / "control").string(),
+                                  "--poll-ms",
                                   "100"};
     if (!default_runtime_root) argv.insert(argv.end(), {"--runtime-root", runtime_root()});
     controller_ = std::make_unique<Program>(argv, dir_ / "controller.log");
@@ -437,8 +445,8 @@ TEST_F(ControllerAndRealAgent, TheAgentsRefusalIsTheSnapshotsVerdict) {
 }
 
 // The same capture and restore on the path a containerd node takes: containerd runs the pods'
-// containers (runc v2 shim, namespace k8s.io), the controller runs with its default runtime
-// root, which is the shim's, and the agent finds each container there by its ID. containerd
+// containers (runc v2 shim, namespace k8s.io), the controller runs without a runtime root, and
+// the agent finds each container in the shim's by its ID. containerd
 // reports both containers running afterwards, and stopping the restored pod's container
 // through containerd ends the restored workload.
 TEST_F(ControllerAndRealAgent, CapturesAndRestoresPodsThatContainerdRuns) {
@@ -463,9 +471,9 @@ TEST_F(ControllerAndRealAgent, CapturesAndRestoresPodsThatContainerdRuns) {
   json manifest = json::parse(inspect.out);
   EXPECT_EQ(manifest["container"]["id"], source.id());
   EXPECT_EQ(manifest["container"]["runtime_root"], "/run/containerd/runc/k8s.io");
+  // The controller named the container by its ID alone; the agent found the shim's root.
   json op = agent_operation(snap_status("llm-warm")["operation"]["id"].get<std::string>());
-  EXPECT_EQ(op["request"]["container"],
-            (json{{"id", source.id()}, {"runtime_root", "/run/containerd/runc/k8s.io"}}));
+  EXPECT_EQ(op["request"]["container"], (json{{"id", source.id()}, {"runtime_root", ""}}));
   EXPECT_EQ(ask_in(source.pid(), "INCR"), "2");
 
   ManagedContainer placeholder(containerd, prefix_ + "replica", placeholder_args());
