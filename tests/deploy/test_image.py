@@ -122,6 +122,9 @@ class ImageTest(unittest.TestCase):
                               text=True)
         self.assertEqual(self.run_in_image(["/opt/gpusnap/criu/criu", "--version"]),
                          (0, host.stdout))
+        # runc, through which the agent finds a container, with its libraries.
+        host = subprocess.run(["runc", "--version"], capture_output=True, text=True)
+        self.assertEqual(self.run_in_image(["runc", "--version"]), (0, host.stdout))
         # Bad input gets its one-line error from the image's programs too.
         code, out = self.run_in_image(["gpusnap-controller", "--bogus"])
         self.assertEqual((code, out), (2, "gpusnap-controller: error: unknown option --bogus "
