@@ -205,6 +205,16 @@ SEED_PODMAN=$(seed_of "$PODMAN_SRC")
 SEED_CTR=$(seed_of "$CTR_SRC")
 
 ROWS=()
+# A copy counts only if its whole memory checks out and is the source's.
+check_copy() {
+  local seed
+  seed=$(seed_of "$3")
+  [[ $seed == "$4" ]] || die "$1's copy $2 (pid $3) answered '$seed', not the source's $4"
+}
+# One row: TOOL ROUND, capture from $3 to $4, restore from $5 to $6, the artifact at $7.
+record() {
+  ROWS+=("$1|$2|$(secs "$3" "$4")|$(secs "$5" "$6")|$(du -sb "$7" | cut -f1)")
+}
 run_podman() {
   local n=$1 tar=$WORK/podman-$n.tar t0 t1 t2 pid
   t0=$(now)
@@ -219,15 +229,10 @@ run_podman() {
   # Podman 4.3 restores a `--network none` container into a new network namespace whose
   # loopback is down: the workload listens, unreachable. Up it, outside the timing.
   nsenter -t "$pid" -n ip link set lo up
-  local seed
-  seed=$(seed_of "$pid")
-  [[ $seed == "$SEED_PODMAN" ]] ||
-    die "podman's copy $n (pid $pid) answered '$seed', not the source's $SEED_PODMAN"
-  local size
-  size=$(du -sb "$tar" | cut -f1)
+  check_copy podman "$n" "$pid" "$SEED_PODMAN"
+  record podman "$n" "$t0" "$t1" "$t1" "$t2" "$tar"
   podman rm -f -t 0 "bench-copy-$TAG-$n" >/dev/null
   rm -f "$tar"
-  ROWS+=("podman|$n|$(secs "$t0" "$t1")|$(secs "$t1" "$t2")|$size")
 }
 run_gpusnap() {
   local n=$1 out=$WORK/gpusnap-$n t0 t1 t2 ph
@@ -241,15 +246,10 @@ run_gpusnap() {
   "$GPUSNAP" restore "$out" --into-container "bench-ph-$TAG-$n" --run-dir "$WORK/run" --json \
     --quiet >"$LOGS/gpusnap-restore-$n.json"
   t2=$(now)
-  local seed
-  seed=$(seed_of "$ph")
-  [[ $seed == "$SEED_CTR" ]] ||
-    die "gpusnap's copy $n (pid $ph) answered '$seed', not the source's $SEED_CTR"
-  local size
-  size=$(du -sb "$out" | cut -f1)
+  check_copy gpusnap "$n" "$ph" "$SEED_CTR"
+  record gpusnap "$n" "$t0" "$t1" "$t1r" "$t2" "$out"
   ctr_end "bench-ph-$TAG-$n"
   rm -rf "$out"
-  ROWS+=("gpusnap|$n|$(secs "$t0" "$t1")|$(secs "$t1r" "$t2")|$size")
 }
 
 for n in $(seq "$RUNS"); do

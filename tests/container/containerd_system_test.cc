@@ -104,13 +104,7 @@ TEST_F(ContainerdTest, CapturesByIdAndRestoresIntoAPlaceholderContainerdStarted)
   auto placeholder = start("placeholder", placeholder_args());
   auto rs = restore(snap, placeholder->id());
   ASSERT_EQ(rs.exit_code, 0) << rs.out << rs.err;
-  auto copy = json::parse(rs.out).at("copies").at(0);
-  EXPECT_EQ(copy.at("init_pid").get<pid_t>(), placeholder->pid());
-  auto restored = copy.at("pid").get<pid_t>();
-  for (const char* ns : {"pid", "mnt", "net", "ipc", "uts", "cgroup"}) {
-    EXPECT_EQ(namespace_of(restored, ns), namespace_of(placeholder->pid(), ns)) << ns;
-  }
-  EXPECT_EQ(proc::read_process(restored).ppid, placeholder->pid());
+  auto restored = restored_into(rs.out, placeholder->pid());  // in the placeholder's namespaces
   // Asked inside the placeholder's network namespace: the snapshot's memory, counting on.
   EXPECT_EQ(field(ask_in(placeholder->pid(), "INFO"), "seed"), seed);
   EXPECT_EQ(ask_in(placeholder->pid(), "CHECK").substr(0, 2), "OK");

@@ -114,23 +114,16 @@ class ControllerAndRealAgent : public ::testing::Test {
   }
 
   // gpusnap-controller as the DaemonSet runs it, with the API server given by URL and token;
-  // with the runtime root of the test's runc containers, or with none (found by the agent).
-  void start_controller(bool default_runtime_root = false) {
-    std::vector<std::string> argv{build_path("src/kube/gpusnap-controller"),
-                                  "--node",
-                                  kNode,
-                                  "--api-server",
-                                  server_.url(),
-                                  "--token-file",
-                                  (dir_ / "token").string(),
-                                  "--agent-socket",
-                                  socket(),
-                                  "--control-root",
-                                  (dir_ / "control").string(),
-                                  "--poll-ms",
-                                  "100"};
-    if (!default_runtime_root) argv.insert(argv.end(), {"--runtime-root", runtime_root()});
-    controller_ = std::make_unique<Program>(argv, dir_ / "controller.log");
+  // with the runtime root of the test's runc containers, or with an empty one (the chart's
+  // default: the agent finds the root from the container's ID).
+  void start_controller(bool found_runtime_root = false) {
+    controller_ = std::make_unique<Program>(
+        std::vector<std::string>{build_path("src/kube/gpusnap-controller"), "--node", kNode,
+                                 "--api-server", server_.url(), "--token-file",
+                                 (dir_ / "token").string(), "--agent-socket", socket(),
+                                 "--runtime-root", found_runtime_root ? "" : runtime_root(),
+                                 "--control-root", (dir_ / "control").string(), "--poll-ms", "100"},
+        dir_ / "controller.log");
   }
 
   // The kubelet's part: the pod's container, run by runc.
@@ -445,8 +438,8 @@ TEST_F(ControllerAndRealAgent, TheAgentsRefusalIsTheSnapshotsVerdict) {
 }
 
 // The same capture and restore on the path a containerd node takes: containerd runs the pods'
-// containers (runc v2 shim, namespace k8s.io), the controller runs without a runtime root, and
-// the agent finds each container in the shim's by its ID. containerd
+// containers (runc v2 shim, namespace k8s.io), the controller runs with an empty runtime root,
+// and the agent finds each container in the shim's by its ID. containerd
 // reports both containers running afterwards, and stopping the restored pod's container
 // through containerd ends the restored workload.
 TEST_F(ControllerAndRealAgent, CapturesAndRestoresPodsThatContainerdRuns) {
@@ -460,7 +453,7 @@ TEST_F(ControllerAndRealAgent, CapturesAndRestoresPodsThatContainerdRuns) {
   const std::string seed = field(ask_in(source.pid(), "INFO"), "seed");
   bound_pod("llm-0", source, /*ready=*/true);
   start_agent();
-  start_controller(/*default_runtime_root=*/true);
+  start_controller(/*found_runtime_root=*/true);
 
   snapshot_of("llm-warm", "llm-0");
   ASSERT_TRUE(eventually([&] { return snap_status("llm-warm").value("phase", "") == "Succeeded"; },

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "common/fs.h"
+#include "common/proc.h"
 #include "common/subprocess.h"
 
 namespace gpusnap::testing {
@@ -127,6 +128,22 @@ std::string ask_in(pid_t pid, const std::string& line) {
 std::string namespace_of(pid_t pid, const char* ns) {
   std::error_code ec;
   return stdfs::read_symlink("/proc/" + std::to_string(pid) + "/ns/" + ns, ec).string();
+}
+
+pid_t restored_into(const std::string& restore_json, pid_t placeholder_pid) {
+  auto doc = json::parse(restore_json, nullptr, /*allow_exceptions=*/false);
+  if (!doc.is_object() || !doc.contains("copies") || doc["copies"].empty()) {
+    ADD_FAILURE() << "no restored copy in: " << restore_json;
+    return 0;
+  }
+  const auto& copy = doc["copies"][0];
+  EXPECT_EQ(copy.at("init_pid").get<pid_t>(), placeholder_pid);
+  auto restored = copy.at("pid").get<pid_t>();
+  for (const char* ns : {"pid", "mnt", "net", "ipc", "uts", "cgroup"}) {
+    EXPECT_EQ(namespace_of(restored, ns), namespace_of(placeholder_pid, ns)) << ns;
+  }
+  EXPECT_EQ(proc::read_process(restored).ppid, placeholder_pid);
+  return restored;
 }
 
 std::vector<std::string> shimmed_workload() {

@@ -74,6 +74,11 @@ std::string ask_in(pid_t pid, const std::string& line);
 // The link /proc/PID/ns/NS names (e.g. "net:[4026532]"); "" when the process is gone.
 std::string namespace_of(pid_t pid, const char* ns);
 
+// From `gpusnap restore --into-container --json`'s output: the restored workload's root, after
+// checking (gtest expectations) that it runs in the placeholder's (PID 1 `placeholder_pid`)
+// namespaces, as the placeholder's child; 0 when the output names no copy.
+pid_t restored_into(const std::string& restore_json, pid_t placeholder_pid);
+
 // The test workload under the shim, as a source container runs it, and the placeholder.
 std::vector<std::string> shimmed_workload();
 std::vector<std::string> placeholder_args();
