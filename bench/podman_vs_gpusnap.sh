@@ -172,8 +172,8 @@ seed_of() {
 now() { date +%s.%N; }
 secs() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", b - a }'; }
 
+# These run in $(...), a subshell: the caller registers what they start for the cleanup.
 podman_source() {
-  PODMAN_CONTAINERS+=(bench-src-$TAG)
   # Podman's default rlimits can be above the host's hard limits (nofile 20000 here), which
   # runc cannot raise, and the container fails to start: runc's own defaults instead.
   podman run -d -q --name "bench-src-$TAG" --network none --runtime runc \
@@ -186,7 +186,6 @@ podman_source() {
 ctr_run() {
   local id=$1
   shift
-  CTR_TASKS+=("$id")
   ctr_ run -d --log-uri "file://$WORK/$id.log" \
     --mount "type=bind,src=$(readlink -f "$GPUSNAP"),dst=/bin/gpusnap,options=rbind:ro" \
     --mount "type=bind,src=$(readlink -f "$PRELOAD"),dst=/bin/libgpusnap-preload.so,options=rbind:ro" \
@@ -197,7 +196,9 @@ ctr_run() {
 }
 
 echo "bench: sources: ${MIB} MiB, $((CHILDREN + 1)) processes, $THREADS threads" >&2
+PODMAN_CONTAINERS+=("bench-src-$TAG")
 PODMAN_SRC=$(podman_source)
+CTR_TASKS+=("bench-src-$TAG")
 CTR_SRC=$(ctr_run "bench-src-$TAG" "${CMD[@]}")
 wait_ready "$PODMAN_SRC"
 wait_ready "$CTR_SRC"
@@ -240,6 +241,7 @@ run_gpusnap() {
   "$GPUSNAP" checkpoint --container "bench-src-$TAG" -o "$out" --leave-running --json --quiet \
     >"$LOGS/gpusnap-checkpoint-$n.json"
   t1=$(now)
+  CTR_TASKS+=("bench-ph-$TAG-$n")
   ph=$(ctr_run "bench-ph-$TAG-$n" "${PLACEHOLDER[@]}")
   local t1r
   t1r=$(now)
