@@ -27,20 +27,38 @@
 // touch pages. The helpers are named "gpusnap-fill"; gpusnap waits for them to be gone before
 // it moves or dumps the region (engine/preload.h).
 //
+// Straight into the artifact: when gpusnap is about to run the driver's checkpoint of this
+// process, it leaves a request, a file named "PIDNS-PID" (this process's PID namespace inode and
+// its PID there) in the requests directory, naming an empty file of the artifact being written.
+// The driver thread's mapping is then a SHARED mapping of that file instead of anonymous memory,
+// so that the driver's own copy is the write into the artifact and gpusnap copies nothing
+// (docs/design.md, "Host images"). The request is honoured once (it is removed when taken), only
+// for the driver's thread and a mapping the caller lets the kernel place, only when it is
+// recent (kRequestLifetime), owned by root and not writable by others, and only when the file is
+// an empty regular file owned by root on a file system with room for the whole mapping (a write
+// into a full one would be a SIGBUS in the driver). In every other case, and on any failure, the
+// mapping is the anonymous memory the caller asked for. The mapping starts on a 2 MiB boundary
+// at file offset 0, so that a huge-page tmpfs can map the file 2 MiB at a time.
+//
 // Settings (environment, read once):
 //   GPUSNAP_PRELOAD_THREADS      threads for one populate (default: online CPUs, at most 16;
 //                                0 turns the library off)
 //   GPUSNAP_PRELOAD_HUGE_PAGES   0: do not ask for huge pages (default 1)
 //   GPUSNAP_PRELOAD_AHEAD        0: populate before mmap returns, even for the driver
 //   GPUSNAP_PRELOAD_LOG          1: one line on stderr per mapping populated
+//   GPUSNAP_PRELOAD_REQUESTS     gpusnap's requests directory (default /run/gpusnap/preload,
+//                                gpusnap's own under its default --run-dir); empty: none
 //
 // The library is plain C++ with no use of the C++ runtime: it is loaded into arbitrary programs
 // and must not bring its own copy of libstdc++ into them, nor allocate inside mmap.
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -73,6 +91,11 @@ constexpr size_t kStripe = size_t{32} << 20;
 // The helpers' thread name, which gpusnap looks for (kFillThreadName in engine/preload.h).
 constexpr const char* kFillThreadName = "gpusnap-fill";
 
+// A request older than this is left over from a gpusnap that died before the driver's call:
+// gpusnap writes it just before that call.
+constexpr time_t kRequestLifetime = 60;
+constexpr size_t kPathMax = 4096;
+
 using MmapFn = void* (*)(void*, size_t, int, int, int, off_t);
 
 struct Settings {
@@ -80,6 +103,7 @@ struct Settings {
   bool huge_pages = true;
   bool ahead = true;
   bool log = false;
+  char requests[kPathMax] = "/run/gpusnap/preload";
 };
 
 // Process-wide by nature: the library has one interposed mmap per process. Plain globals with
@@ -123,6 +147,11 @@ void read_settings() {
   settings.huge_pages = env_int("GPUSNAP_PRELOAD_HUGE_PAGES", 1) != 0;
   settings.ahead = env_int("GPUSNAP_PRELOAD_AHEAD", 1) != 0;
   settings.log = env_int("GPUSNAP_PRELOAD_LOG", 0) != 0;
+  if (const char* dir = getenv("GPUSNAP_PRELOAD_REQUESTS"); dir != nullptr) {
+    if (std::strlen(dir) < sizeof settings.requests) {
+      std::strcpy(settings.requests, dir);  // NOLINT(clang-analyzer-security.insecureAPI.strcpy)
+    }
+  }
 }
 
 bool qualifies(size_t len, int prot, int flags) {
@@ -311,10 +340,129 @@ void populate(char* start, size_t len) {
   log_line(len, settings.log ? now_seconds() - began : 0, threads, huge, "");
 }
 
+void log_text(const char* a, const char* b) {
+  if (!settings.log) return;
+  char line[kPathMax + 200];
+  int n = snprintf(line, sizeof line, "gpusnap-preload: %s%s\n", a, b);
+  if (n > 0) (void)!write(STDERR_FILENO, line, std::strlen(line));
+}
+
+// Closes a descriptor when it goes out of scope.
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() {
+    if (fd_ >= 0) close(fd_);
+  }
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+// The request's path for this process: "DIR/PIDNS-PID", the PID namespace's inode taken from
+// /proc/self/ns/pid ("pid:[4026531836]"). False when it cannot be made.
+bool request_path(char* out, size_t size) {
+  char ns[64] = {};
+  ssize_t n = readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
+  if (n <= 0) return false;
+  const char* open_bracket = std::strchr(ns, '[');
+  if (open_bracket == nullptr) return false;
+  unsigned long long inode = std::strtoull(open_bracket + 1, nullptr, 10);
+  int len = snprintf(out, size, "%s/%llu-%d", settings.requests, inode, static_cast<int>(getpid()));
+  return len > 0 && static_cast<size_t>(len) < size;
+}
+
+// Takes this process's request, if there is a valid one: the path of the file it names, in
+// `file`. The request is removed either way once read, so that it is honoured at most once.
+bool take_request(char* file, size_t size) {
+  if (settings.requests[0] == '\0') return false;
+  char path[kPathMax];
+  if (!request_path(path, sizeof path)) return false;
+  Fd fd(open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  if (fd.get() < 0) return false;  // the usual case: no capture in progress
+  struct stat st {};
+  timespec now{};
+  clock_gettime(CLOCK_REALTIME, &now);
+  ssize_t n = -1;
+  if (fstat(fd.get(), &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == 0 &&
+      (st.st_mode & (S_IWGRP | S_IWOTH)) == 0 && st.st_size > 0 &&
+      static_cast<size_t>(st.st_size) < size && now.tv_sec - st.st_mtime <= kRequestLifetime &&
+      st.st_mtime <= now.tv_sec + 1) {
+    n = read(fd.get(), file, size - 1);
+  }
+  unlink(path);
+  if (n <= 0 || n != st.st_size) {
+    log_text("ignored a stale or malformed request ", path);
+    return false;
+  }
+  file[n] = '\0';
+  if (file[n - 1] == '\n') file[n - 1] = '\0';
+  return file[0] == '/';
+}
+
+// The caller's mapping as a shared mapping of the file gpusnap asked for, 2 MiB-aligned at file
+// offset 0; MAP_FAILED when there is no request or it cannot be honoured (nothing is then
+// changed but the file's size, which gpusnap checks).
+void* map_into_file(size_t len, int prot, int flags) {
+  char file[kPathMax];
+  if (!take_request(file, sizeof file)) return MAP_FAILED;
+  Fd fd(open(file, O_RDWR | O_CLOEXEC | O_NOFOLLOW));
+  struct stat st {};
+  struct statvfs vfs {};
+  if (fd.get() < 0 || fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != 0 ||
+      st.st_size != 0 || fstatvfs(fd.get(), &vfs) != 0) {
+    log_text("cannot use the requested file ", file);
+    return MAP_FAILED;
+  }
+  // Every page the driver writes must find room: a shared mapping of a full file system faults
+  // with SIGBUS, where anonymous memory would simply have been allocated.
+  if (static_cast<unsigned long long>(vfs.f_bavail) * vfs.f_frsize < len) {
+    log_text("no room for the driver's memory beside ", file);
+    return MAP_FAILED;
+  }
+  if (ftruncate(fd.get(), static_cast<off_t>(len)) != 0) return MAP_FAILED;
+  MmapFn real = real_mmap();
+  // Room for a 2 MiB-aligned start, reserved without memory, then the file mapped over it.
+  void* room =
+      real(nullptr, len + kHugePage, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (room == MAP_FAILED) {
+    (void)!ftruncate(fd.get(), 0);
+    return MAP_FAILED;
+  }
+  auto base = reinterpret_cast<uintptr_t>(room);
+  uintptr_t start = (base + kHugePage - 1) / kHugePage * kHugePage;
+  const int keep = flags & MAP_NORESERVE;
+  // NOLINTNEXTLINE(performance-no-int-to-ptr): an address the kernel gave, rounded up.
+  void* p =
+      real(reinterpret_cast<void*>(start), len, prot, MAP_SHARED | MAP_FIXED | keep, fd.get(), 0);
+  if (p == MAP_FAILED) {
+    munmap(room, len + kHugePage);
+    (void)!ftruncate(fd.get(), 0);
+    return MAP_FAILED;
+  }
+  // NOLINTBEGIN(performance-no-int-to-ptr)
+  if (start > base) munmap(room, start - base);
+  if (base + kHugePage > start) {
+    munmap(reinterpret_cast<void*>(start + len), base + kHugePage - start);
+  }
+  // NOLINTEND(performance-no-int-to-ptr)
+  log_text("the driver's memory goes straight into ", file);
+  return p;
+}
+
 void* mmap_impl(void* addr, size_t len, int prot, int flags, int fd, off_t off) {
   MmapFn real = real_mmap();
   if (!qualifies(len, prot, flags)) return real(addr, len, prot, flags, fd, off);
-  void* p = real(addr, len, prot, flags & ~MAP_POPULATE, fd, off);
+  void* p = MAP_FAILED;
+  if (addr == nullptr && called_by_the_driver()) {
+    const int saved = errno;
+    p = map_into_file(len, prot, flags);
+    errno = saved;
+  }
+  if (p == MAP_FAILED) p = real(addr, len, prot, flags & ~MAP_POPULATE, fd, off);
   if (p == MAP_FAILED) return p;
   const int saved = errno;
   populate(static_cast<char*>(p), len);

@@ -12,9 +12,16 @@
 // returns (as the driver's copy does while the library's helpers still populate), waits until no
 // "gpusnap-fill" thread is left, and then reports `zero` for the rest and `pattern=0|1` for the
 // quarter it wrote.
+//
+// With PROBE_REQUEST=FILE in the environment the probe first leaves, as gpusnap does, a request
+// for its own mapping to go into FILE (in $GPUSNAP_PRELOAD_REQUESTS, dated PROBE_REQUEST_AGE
+// seconds ago, default 0), and adds to its report `shared=0|1` (the mapping is a shared mapping
+// of FILE), `aligned=0|1` (it starts on a 2 MiB boundary) and `request_left=0|1`.
 #include <dirent.h>
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -60,6 +67,44 @@ bool fill_threads_left() {
   return found;
 }
 
+// The request's path, named as the library looks for it: "DIR/PIDNS-PID".
+std::string request_path() {
+  char ns[64] = {};
+  if (readlink("/proc/self/ns/pid", ns, sizeof ns - 1) <= 0) return {};
+  std::string text(ns);
+  auto inode = text.substr(text.find('[') + 1);
+  inode.pop_back();
+  return std::string(std::getenv("GPUSNAP_PRELOAD_REQUESTS")) + "/" + inode + "-" +
+         std::to_string(getpid());
+}
+
+void leave_request(const std::string& file) {
+  auto path = request_path();
+  std::ofstream(path) << file << "\n";
+  chmod(path.c_str(), 0644);
+  const char* age = std::getenv("PROBE_REQUEST_AGE");
+  if (age != nullptr) {
+    timespec times[2] = {};
+    clock_gettime(CLOCK_REALTIME, &times[0]);
+    times[0].tv_sec -= std::atol(age);
+    times[1] = times[0];
+    utimensat(AT_FDCWD, path.c_str(), times, 0);
+  }
+}
+
+// Whether the mapping at `start` is a shared mapping of `file` (/proc/self/maps).
+bool shared_mapping_of(unsigned long start, const std::string& file) {
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    if (std::strtoul(line.c_str(), nullptr, 16) != start) continue;
+    std::istringstream fields(line);
+    std::string range, perms, offset, dev, inode, path;
+    fields >> range >> perms >> offset >> dev >> inode >> path;
+    return perms == "rw-s" && path == file && offset == "00000000";
+  }
+  return false;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -72,6 +117,8 @@ int main(int argc, char** argv) {
   size_t len = std::strtoul(argv[1], nullptr, 10) << 20;
   int flags = MAP_ANONYMOUS | (std::strcmp(argv[2], "shared") == 0 ? MAP_SHARED : MAP_PRIVATE);
   if (std::strcmp(argv[3], "populate") == 0) flags |= MAP_POPULATE;
+  const char* request = std::getenv("PROBE_REQUEST");
+  if (request != nullptr) leave_request(request);
   errno = 0;
   auto* p = static_cast<unsigned char*>(mmap(nullptr, len, PROT_READ | PROT_WRITE, flags, -1, 0));
   int err = errno;
@@ -94,7 +141,14 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < written; ++i) pattern = pattern && p[i] == 0xab;
   bool zero = true;
   for (size_t i = written; i < len; i += 4096) zero = zero && p[i] == 0 && p[i + 4095] == 0;
-  std::printf("rss_kib=%ld huge_advised=%d zero=%d errno=%d pattern=%d\n", rss_kib, advised ? 1 : 0,
+  std::printf("rss_kib=%ld huge_advised=%d zero=%d errno=%d pattern=%d", rss_kib, advised ? 1 : 0,
               zero ? 1 : 0, err, pattern ? 1 : 0);
+  if (request != nullptr) {
+    auto start = reinterpret_cast<unsigned long>(p);
+    std::printf(" shared=%d aligned=%d request_left=%d", shared_mapping_of(start, request) ? 1 : 0,
+                start % (2ul << 20) == 0 ? 1 : 0,
+                access(request_path().c_str(), F_OK) == 0 ? 1 : 0);
+  }
+  std::printf("\n");
   return 0;
 }

@@ -1,13 +1,17 @@
 // libgpusnap-preload.so in real processes: a probe maps memory under the library and reports
 // what it got; the library's own log line says what it did.
 #include <gtest/gtest.h>
+#include <sys/mount.h>
+#include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "common/subprocess.h"
+#include "testing/unit.h"
 
 namespace gpusnap::testing {
 namespace {
@@ -133,6 +137,116 @@ TEST(Preload, WithoutTheLibraryTheProbeSeesTheKernelsPopulate) {
   EXPECT_GE(std::stol(value(p.out, "rss_kib")), 512L << 10) << p.out;
   EXPECT_EQ(value(p.out, "huge_advised"), "0") << p.out;
   EXPECT_EQ(p.err.find("gpusnap-preload"), std::string::npos) << p.err;
+}
+
+// A requests directory and an empty file for the driver's memory, as gpusnap prepares them.
+struct Request {
+  TempDir dir;
+  std::filesystem::path requests = dir / "requests";
+  std::filesystem::path file = dir / "image";
+  Request() {
+    std::filesystem::create_directory(requests);
+    std::ofstream(file).close();
+  }
+  std::vector<std::string> env(const std::vector<std::string>& more = {}) const {
+    std::vector<std::string> e = {"GPUSNAP_PRELOAD_THREADS=4",
+                                  "GPUSNAP_PRELOAD_REQUESTS=" + requests.string(),
+                                  "PROBE_REQUEST=" + file.string()};
+    e.insert(e.end(), more.begin(), more.end());
+    return e;
+  }
+  // The byte at `offset` of the file.
+  int byte_at(uint64_t offset) const {
+    std::ifstream in(file, std::ios::binary);
+    in.seekg(static_cast<std::streamoff>(offset));
+    return in.get();
+  }
+};
+
+// The library honours only root's requests (gpusnap runs as root): skip where tests do not.
+#define SKIP_UNLESS_ROOT() \
+  if (::geteuid() != 0) GTEST_SKIP() << "skipped: needs root"
+
+TEST(PreloadRequest, TheDriversMemoryGoesStraightIntoTheRequestedFile) {
+  SKIP_UNLESS_ROOT();
+  Request r;
+  auto p = probe({"512", "private", "populate", "driver"}, r.env());
+  ASSERT_EQ(p.status, 0) << p.err;
+  // A shared mapping of the file, on a 2 MiB boundary at offset 0, taken once.
+  EXPECT_EQ(value(p.out, "shared"), "1") << p.out << p.err;
+  EXPECT_EQ(value(p.out, "aligned"), "1") << p.out;
+  EXPECT_EQ(value(p.out, "request_left"), "0") << p.out;
+  // Populated ahead as before, and what the driver wrote is in the file, the rest zero.
+  EXPECT_EQ(value(p.out, "pattern"), "1") << p.out;
+  EXPECT_EQ(value(p.out, "zero"), "1") << p.out;
+  EXPECT_GE(std::stol(value(p.out, "rss_kib")), 512L << 10) << p.out;
+  EXPECT_NE(p.err.find("the driver's memory goes straight into " + r.file.string()),
+            std::string::npos)
+      << p.err;
+  EXPECT_NE(p.err.find("ahead of the driver's copy"), std::string::npos) << p.err;
+  EXPECT_EQ(std::filesystem::file_size(r.file), 512ull << 20);
+  EXPECT_EQ(r.byte_at(0), 0xab);
+  EXPECT_EQ(r.byte_at((128ull << 20) - 1), 0xab);
+  EXPECT_EQ(r.byte_at(128ull << 20), 0);
+  EXPECT_EQ(r.byte_at((512ull << 20) - 1), 0);
+}
+
+TEST(PreloadRequest, OnlyTheDriversThreadTakesIt) {
+  SKIP_UNLESS_ROOT();
+  Request r;
+  // The workload's own large mapping while a request waits: anonymous memory, as it asked.
+  auto p = probe({"512", "private", "populate"}, r.env());
+  ASSERT_EQ(p.status, 0) << p.err;
+  EXPECT_EQ(value(p.out, "shared"), "0") << p.out;
+  EXPECT_EQ(value(p.out, "request_left"), "1") << p.out;
+  EXPECT_EQ(value(p.out, "zero"), "1") << p.out;
+  EXPECT_EQ(std::filesystem::file_size(r.file), 0u);
+}
+
+TEST(PreloadRequest, AStaleRequestIsRemovedAndIgnored) {
+  SKIP_UNLESS_ROOT();
+  Request r;
+  // Left by a gpusnap that died before the driver's call.
+  auto p = probe({"512", "private", "populate", "driver"}, r.env({"PROBE_REQUEST_AGE=120"}));
+  ASSERT_EQ(p.status, 0) << p.err;
+  EXPECT_EQ(value(p.out, "shared"), "0") << p.out;
+  EXPECT_EQ(value(p.out, "request_left"), "0") << p.out;
+  EXPECT_EQ(value(p.out, "pattern"), "1") << p.out;
+  EXPECT_EQ(value(p.out, "zero"), "1") << p.out;
+  EXPECT_NE(p.err.find("ignored a stale or malformed request"), std::string::npos) << p.err;
+  EXPECT_EQ(std::filesystem::file_size(r.file), 0u);
+}
+
+TEST(PreloadRequest, AFileThatIsNotEmptyIsNeverWritten) {
+  SKIP_UNLESS_ROOT();
+  Request r;
+  std::ofstream(r.file) << "someone else's data";
+  auto p = probe({"512", "private", "populate", "driver"}, r.env());
+  ASSERT_EQ(p.status, 0) << p.err;
+  EXPECT_EQ(value(p.out, "shared"), "0") << p.out;
+  EXPECT_EQ(value(p.out, "pattern"), "1") << p.out;
+  std::ifstream in(r.file);
+  std::string text;
+  std::getline(in, text);
+  EXPECT_EQ(text, "someone else's data");
+}
+
+TEST(PreloadRequest, AStoreWithoutRoomForTheWholeMappingIsNotUsed) {
+  SKIP_UNLESS_ROOT();
+  Request r;
+  auto small = r.dir / "small";
+  std::filesystem::create_directory(small);
+  ASSERT_EQ(::mount("gpusnap-test", small.c_str(), "tmpfs", 0, "size=64m"), 0);
+  r.file = small / "image";
+  std::ofstream(r.file).close();
+  // A write into a full store through a shared mapping would be a SIGBUS in the driver.
+  auto p = probe({"512", "private", "populate", "driver"}, r.env());
+  ::umount2(small.c_str(), MNT_DETACH);
+  ASSERT_EQ(p.status, 0) << p.err;
+  EXPECT_EQ(value(p.out, "shared"), "0") << p.out;
+  EXPECT_EQ(value(p.out, "pattern"), "1") << p.out;
+  EXPECT_EQ(value(p.out, "zero"), "1") << p.out;
+  EXPECT_NE(p.err.find("no room for the driver's memory"), std::string::npos) << p.err;
 }
 
 }  // namespace
