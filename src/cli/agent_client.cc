@@ -119,7 +119,7 @@ void refuse_local_flags(const Args& args, const std::vector<std::string>& flags)
 
 json checkpoint_request(const Args& args) {
   refuse_local_flags(args, {"--ghost-limit-mib", "--gpu-lock-timeout", "--no-handshake",
-                            "--no-host-images", "--io-threads", "--host-image-file-mib", "--criu"});
+                            "--no-host-images", "--no-direct-host-images", "--io-threads", "--host-image-file-mib", "--criu"});
   if (!args.has("--pid")) throw args.usage_error("checkpoint needs --pid PID");
   if (!args.has("--output")) throw args.usage_error("checkpoint needs -o ARTIFACT");
   json body{{"artifact", args.get("--output")},

@@ -41,6 +41,10 @@ const FlagSpec kCriu{"--criu", "", "PATH",
 const FlagSpec kHelp{"--help", "-h", "", "show this help"};
 const FlagSpec kNoHostImages{"--no-host-images", "", "",
                              "store GPU memory through CRIU's pages, not as host images"};
+const FlagSpec kNoDirectHostImages{
+    "--no-direct-host-images", "", "",
+    "copy the driver's memory into the artifact after its checkpoint, even where "
+    "libgpusnap-preload.so could have it written there directly"};
 const FlagSpec kHostImageFile{
     "--host-image-file-mib", "", "MIB",
     "split host images into files of at most MIB (default: one per region)"};
@@ -100,6 +104,7 @@ CheckpointOptions capture_options(const Args& args) {
   o.handshake = !args.has("--no-handshake");
   o.handshake_timeout = std::chrono::seconds(args.get_int("--handshake-timeout", 60, 1, 86400));
   o.host_images = !args.has("--no-host-images");
+  o.direct_host_images = !args.has("--no-direct-host-images");
   o.io_threads = static_cast<int>(args.get_int("--io-threads", 0, 0, 256));
   o.host_image_file_bytes =
       static_cast<uint64_t>(args.get_int("--host-image-file-mib", 0, 0, 1 << 24)) << 20;
@@ -320,6 +325,7 @@ std::vector<Command> commands() {
         {"--handshake-timeout", "", "SECONDS",
          "how long the workload may take to pause (default 60)"},
         kNoHostImages,
+        kNoDirectHostImages,
         kHostImageFile,
         kIoThreads,
         {"--container", "", "ID",
@@ -343,6 +349,7 @@ std::vector<Command> commands() {
         {"--ready-timeout", "", "SECONDS", "how long it may take to say READY (default 600)"},
         {"--handshake-timeout", "", "SECONDS", "how long it may take to pause (default 60)"},
         kNoHostImages,
+        kNoDirectHostImages,
         kHostImageFile,
         kIoThreads,
         kCriu,

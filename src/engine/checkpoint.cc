@@ -1,13 +1,17 @@
 // The checkpoint flow. Each step is a named, timed phase; the order is the contract:
 //
 //   resolve      read the process tree from /proc (of a container: find it through runc)
-//   preflight    refuse what CRIU cannot capture, before anything is frozen
+//   preflight    refuse what CRIU cannot capture, or what the host has no memory or store
+//                space for, before anything is frozen
 //   pause        (workloads speaking the handshake) finish in-flight work, release the KV cache
 //   gpu-facts    (CUDA processes only) driver, GPUs and GPU bytes per process
 //   gpu-lock     every CUDA process locked, all before any is checkpointed
-//   gpu-checkpoint  the driver moves GPU memory into each process's host memory
-//   host-images  that memory goes into files of the artifact, mapped back in place
-//                (engine/host_images.h): CRIU then records the mapping, not the bytes
+//   gpu-checkpoint  the driver moves GPU memory into each process's host memory: with
+//                libgpusnap-preload.so, straight into a file of the artifact
+//   host-images  that memory goes into files of the artifact (where the driver did not write
+//                it there itself), mapped back in place, privately (engine/host_images.h):
+//                CRIU then records the mapping, not the bytes; hashing goes on meanwhile
+//   host-images-hash  (only what the dump did not hide) the files the driver wrote, hashed
 //   dump         CRIU dumps the tree into the staging directory (--leave-running)
 //   gpu-resume   with --leave-running: the source's GPU state goes back, unlocked
 //   resume       with --leave-running and the handshake: the source serves again
@@ -19,7 +23,10 @@
 #include <signal.h>
 #include <time.h>
 
+#include <algorithm>
 #include <map>
+#include <memory>
+#include <set>
 #include <thread>
 
 #include "artifact/writer.h"
@@ -150,9 +157,17 @@ class Checkpoint {
     ArtifactWriter writer(options_.output);
     auto tree = phases_.run("resolve", [&] { return resolve(); });
     auto cuda = engine::cuda_processes(driver, tree);
+    // Which CUDA processes get their GPU memory written straight into the artifact.
+    std::set<pid_t> direct;
+    if (options_.host_images && options_.direct_host_images) {
+      for (pid_t pid : cuda) {
+        if (engine::direct_capture_possible(pid, read_mappings(pid))) direct.insert(pid);
+      }
+    }
     phases_.run("preflight", [&] {
       preflight(tree);
       engine::refuse_unsafe_nccl(tree, cuda);
+      refuse_without_room(driver, tree, cuda, direct, writer.staging());
     });
     Manifest manifest = describe(tree, criu);
 
@@ -162,8 +177,12 @@ class Checkpoint {
     std::optional<engine::CaptureGuard> guard;
     std::optional<PausedWorkload> paused;
     auto handshake = find_handshake();
+    const auto requests_dir = options_.run_dir / engine::kPreloadRequestsDir;
+    std::vector<std::filesystem::path> requests;
+    for (pid_t pid : direct) requests.push_back(engine::preload_request_path(requests_dir, pid));
     guard.emplace(options_.helper_binary.empty() ? "/proc/self/exe" : options_.helper_binary,
-                  writer.staging(), cuda, handshake ? handshake->dir() : std::filesystem::path());
+                  writer.staging(), cuda, handshake ? handshake->dir() : std::filesystem::path(),
+                  requests);
     if (handshake) {
       phases_.run("pause", [&] { handshake->pause(options_.pid, options_.handshake_timeout); });
       paused.emplace(std::move(*handshake), options_.pid, options_.handshake_timeout,
@@ -176,6 +195,8 @@ class Checkpoint {
 
     std::optional<engine::GpuCapture> gpu;
     std::map<pid_t, std::vector<Mapping>> maps_before;
+    std::vector<std::unique_ptr<engine::DirectHostImage>> direct_images;
+    std::optional<engine::HashedFiles> hashing;
     if (!cuda.empty()) {
       phases_.run("gpu-facts", [&] {
         describe_gpu(driver, cuda, manifest);
@@ -185,10 +206,23 @@ class Checkpoint {
       gpu.emplace(driver, cuda, options_.gpu_lock_timeout, options_.run_dir, phases_.reporter());
       phases_.run("gpu-lock", [&] { gpu->lock_all(); });
       phases_.run("gpu-checkpoint", [&] {
+        // Just before the driver's call, so that no other mapping of the process takes it.
+        for (pid_t pid : direct) {
+          direct_images.push_back(std::make_unique<engine::DirectHostImage>(
+              pid, writer.staging(), requests_dir, phases_.reporter()));
+        }
         gpu->checkpoint_all();
+        for (auto& d : direct_images) d->withdraw();
         // The preload library may still be populating a region ahead of the driver's copy;
         // it must be done before the region is copied, moved or dumped.
         for (pid_t pid : engine::wait_for_fill_threads(cuda, kFillThreadsLimit)) {
+          if (direct.count(pid) > 0) {
+            throw Error(ErrorKind::kTimeout,
+                        "process " + std::to_string(pid) + ": " + engine::kPreloadFileName +
+                            " was still populating its GPU state's memory after " +
+                            std::to_string(kFillThreadsLimit.count()) + " ms",
+                        "try again on a less loaded machine, or with --no-direct-host-images");
+          }
           maps_before.erase(pid);  // its region stays with CRIU
           phases_.reporter().note(
               "process " + std::to_string(pid) + ": " + engine::kPreloadFileName +
@@ -197,7 +231,17 @@ class Checkpoint {
         }
       });
       if (options_.host_images) {
-        phases_.run("host-images", [&] { store_host_images(maps_before, writer, manifest); });
+        phases_.run("host-images", [&] {
+          std::vector<HostImageRecord> written;
+          for (auto& d : direct_images) {
+            if (auto rec = d->adopt(writer.staging(), phases_.reporter())) written.push_back(*rec);
+          }
+          if (!written.empty()) {
+            hashing.emplace(writer.staging(), written, manifest.chunk_bytes, io_threads());
+          }
+          manifest.host_images = written;
+          store_host_images(maps_before, writer, manifest);
+        });
       }
     }
 
@@ -215,6 +259,12 @@ class Checkpoint {
     if (paused && options_.leave_running) {
       paused->set_artifact_id(manifest.id);
       phases_.run("resume", [&] { paused->resume(); });
+    }
+    if (hashing) {
+      phases_.run("host-images-hash", [&] {
+        auto files = hashing->join(manifest.host_images);
+        host_image_files_.insert(host_image_files_.end(), files.begin(), files.end());
+      });
     }
     if (target_) container::use_namespace_pids(manifest);
     manifest.checkpoint_phases = phases_.timings();
@@ -267,14 +317,46 @@ class Checkpoint {
     }
   }
 
+  int io_threads() const {
+    return options_.io_threads > 0
+               ? options_.io_threads
+               : std::max(4, static_cast<int>(std::thread::hardware_concurrency()));
+  }
+
+  // Refuses, before anything is frozen, a capture the host has no memory or store space for
+  // (GPU bytes per process from NVML). Without NVML's per-process figures nothing is known, and
+  // nothing refused.
+  void refuse_without_room(gpu::Driver& driver, const std::vector<proc::Process>& tree,
+                           const std::vector<pid_t>& cuda, const std::set<pid_t>& direct,
+                           const std::filesystem::path& store) {
+    engine::CaptureRoom room;
+    for (const auto& p : tree) room.cpu_bytes += p.rss_bytes;
+    if (!cuda.empty() && driver.available()) {
+      bool seen = false;
+      for (const auto& u : driver.usage()) {
+        if (std::find(cuda.begin(), cuda.end(), u.host_pid) == cuda.end()) continue;
+        seen = true;
+        room.gpu_bytes += u.bytes;
+        if (direct.count(u.host_pid) == 0) room.copied_gpu_bytes += u.bytes;
+      }
+      if (!seen) {
+        phases_.reporter().note(
+            "NVML shows no GPU memory for the CUDA processes: the host memory and store space "
+            "the capture needs were not checked");
+        return;
+      }
+    }
+    engine::measure_host(room, store);
+    room.store = store.parent_path();  // the staging directory's name means nothing to a user
+    engine::refuse_without_room(room);
+  }
+
   // Each CUDA process's new host memory into files of the artifact, one process at a time,
   // each with every I/O thread.
   void store_host_images(const std::map<pid_t, std::vector<Mapping>>& before,
                          const ArtifactWriter& writer, Manifest& manifest) {
     engine::HostImageOptions o;
-    o.threads = options_.io_threads > 0
-                    ? options_.io_threads
-                    : std::max(4, static_cast<int>(std::thread::hardware_concurrency()));
+    o.threads = io_threads();
     o.chunk_bytes = manifest.chunk_bytes;
     o.file_bytes = options_.host_image_file_bytes;
     for (const auto& [pid, maps] : before) {

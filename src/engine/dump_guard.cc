@@ -77,6 +77,11 @@ int dump_guard_main(const std::string& spec_json) {
     int encoded[2] = {status.exited ? 1 : 0, status.code};
     (void)write_exact(kStatusFd, encoded, sizeof encoded);
   }
+  // A request nobody took must not send a later mapping into a removed artifact (the library
+  // would only fail to open the file, but the request is ours to take back).
+  for (const auto& request : spec.value("preload_requests", std::vector<std::string>{})) {
+    ::unlink(request.c_str());
+  }
   fs::remove_tree_noexcept(spec.at("staging").get<std::string>());
   // The workload's GPU state back first, then its own resume: the order gpusnap itself keeps.
   // Rather now than leave the workload blocked in its next CUDA call, or paused, until someone
@@ -94,13 +99,18 @@ int dump_guard_main(const std::string& spec_json) {
 
 CaptureGuard::CaptureGuard(const std::string& helper, const std::filesystem::path& staging,
                            const std::vector<pid_t>& gpu_pids,
-                           const std::filesystem::path& control_dir) {
+                           const std::filesystem::path& control_dir,
+                           const std::vector<std::filesystem::path>& preload_requests) {
   Pipe control = Pipe::make();
   Pipe status = Pipe::make();
   SpawnOptions o;
   // A separate program rather than a forked function: gpusnap may have driver threads by now.
-  nlohmann::json spec{
-      {"staging", staging.string()}, {"gpu_pids", gpu_pids}, {"control_dir", control_dir.string()}};
+  std::vector<std::string> requests;
+  for (const auto& r : preload_requests) requests.push_back(r.string());
+  nlohmann::json spec{{"staging", staging.string()},
+                      {"gpu_pids", gpu_pids},
+                      {"control_dir", control_dir.string()},
+                      {"preload_requests", requests}};
   o.argv = {helper, "__dump-guard", spec.dump()};
   o.keep_fds = {{control.read.get(), kControlFd}, {status.write.get(), kStatusFd}};
   o.kill_with_parent = false;

@@ -10,8 +10,9 @@
 //
 // Unless gpusnap says commit() (the artifact is in place and the source handled), the guardian,
 // once gpusnap's end of the pipe closes (gpusnap failed and rolled back, or died) and any dump
-// has finished: removes the staging directory, returns the CUDA processes to RUNNING and asks a
-// paused workload to resume, withdrawing a pause it may not have seen yet. Each step is a no-op
+// has finished: removes the staging directory and the requests left for libgpusnap-preload.so
+// (the driver's memory straight into the artifact), returns the CUDA processes to RUNNING and asks
+// a paused workload to resume, withdrawing a pause it may not have seen yet. Each step is a no-op
 // where gpusnap's own rollback already did it, so the guardian always does them all.
 #pragma once
 
@@ -29,8 +30,10 @@ class CaptureGuard {
  public:
   // `helper` is the gpusnap binary, which runs the guardian as `gpusnap __dump-guard SPEC`.
   // `control_dir`: the workload's handshake directory (empty: it does not speak it).
+  // `preload_requests`: the requests this capture may leave the preload library.
   CaptureGuard(const std::string& helper, const std::filesystem::path& staging,
-               const std::vector<pid_t>& gpu_pids, const std::filesystem::path& control_dir);
+               const std::vector<pid_t>& gpu_pids, const std::filesystem::path& control_dir,
+               const std::vector<std::filesystem::path>& preload_requests = {});
   CaptureGuard(const CaptureGuard&) = delete;
   CaptureGuard& operator=(const CaptureGuard&) = delete;
   // Without commit(): the guardian puts everything back (see above) and exits; waits for it.

@@ -22,6 +22,8 @@
 #include "artifact/chunk_hash.h"
 #include "common/fd.h"
 #include "common/fs.h"
+#include "common/proc.h"
+#include "engine/preload.h"
 #include "gpusnap/error.h"
 
 namespace gpusnap::engine {
@@ -248,7 +250,8 @@ void remap(pid_t pid, std::vector<ImageFile>& files, const std::vector<Mapping>&
   thread.syscall(SYS_munmap, static_cast<uint64_t>(scratch), 4096);
 }
 
-// Whether [range) of `pid` is now mapped from `file` only, the range's first byte at `offset`.
+// Whether [range) of `pid` is now mapped privately from `file` only, the range's first byte at
+// `offset`.
 bool mapped_from(const std::vector<Mapping>& maps, const Range& range,
                  const std::filesystem::path& file, uint64_t offset) {
   auto want = std::filesystem::absolute(file).string();
@@ -256,7 +259,7 @@ bool mapped_from(const std::vector<Mapping>& maps, const Range& range,
   for (const auto& m : maps) {
     if (m.end <= range.start || m.start >= range.end) continue;
     if (m.path != want || m.start > covered || m.start < range.start ||
-        m.offset != offset + (m.start - range.start)) {
+        m.offset != offset + (m.start - range.start) || m.perms.size() != 4 || m.perms[3] != 'p') {
       return false;
     }
     covered = m.end;
@@ -463,6 +466,226 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ra
     reporter.note("process " + std::to_string(pid) + ": " + fs::human_bytes(total) +
                   " of host memory stored as " + std::to_string(out.images.size()) +
                   " host image file(s), " + fs::human_bytes(stored) + " of it not zero");
+  }
+  return out;
+}
+
+bool direct_capture_possible(pid_t pid, const std::vector<Mapping>& maps) {
+#if defined(__x86_64__)
+  std::string status;
+  if (!maps_preload_library(maps) || ns_of(std::to_string(pid), "mnt") != ns_of("self", "mnt") ||
+      !fs::try_read_file("/proc/" + std::to_string(pid) + "/status", &status)) {
+    return false;
+  }
+  auto at = status.find("TracerPid:");
+  return at != std::string::npos && std::atoi(status.c_str() + at + 10) == 0;
+#else
+  (void)pid;
+  (void)maps;
+  return false;
+#endif
+}
+
+std::filesystem::path preload_request_path(const std::filesystem::path& requests_dir, pid_t pid) {
+  // "pid:[4026531836]" -> 4026531836
+  auto ns = ns_of(std::to_string(pid), "pid");
+  auto open_bracket = ns.find('[');
+  if (open_bracket == std::string::npos) {
+    throw Error(ErrorKind::kNotFound,
+                "cannot read the PID namespace of process " + std::to_string(pid));
+  }
+  auto inode = ns.substr(open_bracket + 1, ns.find(']') - open_bracket - 1);
+  return requests_dir /
+         (inode + "-" + std::to_string(proc::innermost_pid(proc::read_process(pid))));
+}
+
+DirectHostImage::DirectHostImage(pid_t pid, const std::filesystem::path& artifact_root,
+                                 const std::filesystem::path& requests_dir, Reporter& reporter)
+    : pid_(pid) {
+  try {
+    auto dir = artifact_root / kHostImageDir;
+    std::filesystem::create_directories(dir);
+    auto file = std::filesystem::absolute(dir / (std::to_string(pid) + ".img"));
+    UniqueFd fd(::open(file.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+    if (!fd) throw sys_error("create " + file.string(), errno);
+    // As /proc/PID/maps will name it.
+    file_ = std::filesystem::canonical(file);
+    // Root's only: the library takes no request anyone else could have written.
+    if (::mkdir(requests_dir.c_str(), 0700) != 0 && errno != EEXIST) {
+      throw sys_error("create " + requests_dir.string(), errno);
+    }
+    auto request = preload_request_path(requests_dir, pid);
+    auto temp = request;
+    temp += ".tmp";
+    {
+      UniqueFd out(::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+      const std::string text = file_.string() + "\n";
+      if (!out ||
+          ::write(out.get(), text.data(), text.size()) != static_cast<ssize_t>(text.size())) {
+        throw sys_error("write " + temp.string(), errno);
+      }
+    }
+    // Renamed into place whole: the library never reads half a request.
+    if (::rename(temp.c_str(), request.c_str()) != 0)
+      throw sys_error("rename " + temp.string(), errno);
+    request_ = request;
+  } catch (const std::exception& e) {
+    reporter.note("process " + std::to_string(pid) + ": " + e.what() +
+                  "; its GPU memory is copied into the artifact after the driver's checkpoint");
+  }
+}
+
+void DirectHostImage::withdraw() noexcept {
+  if (request_.empty()) return;
+  ::unlink(request_.c_str());
+  request_.clear();
+}
+
+std::optional<HostImageRecord> DirectHostImage::adopt(const std::filesystem::path& artifact_root,
+                                                      Reporter& reporter) {
+  withdraw();
+  if (file_.empty()) return std::nullopt;
+  auto maps = read_mappings(pid_);
+  std::vector<const Mapping*> pieces;
+  for (const auto& m : maps) {
+    if (m.path == file_.string()) pieces.push_back(&m);
+  }
+  std::error_code ec;
+  if (pieces.empty()) {  // the library did not take the request: the copying path
+    std::filesystem::remove(file_, ec);
+    file_.clear();
+    return std::nullopt;
+  }
+  // One range at consecutive offsets of the file, as the library mapped it (the driver may
+  // have split it by changing the advice or protection of parts).
+  const Range range{pieces.front()->start, pieces.back()->end};
+  const uint64_t offset = pieces.front()->offset;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    if ((i > 0 && pieces[i]->start != pieces[i - 1]->end) ||
+        pieces[i]->offset != offset + (pieces[i]->start - range.start)) {
+      throw Error(ErrorKind::kEnvironment,
+                  "process " + std::to_string(pid_) +
+                      " maps its host image file in unexpected pieces; it cannot be captured",
+                  "capture it with --no-direct-host-images");
+    }
+  }
+  std::ostringstream name;
+  name << pid_ << "-" << std::hex << range.start << ".img";
+  auto named = file_.parent_path() / name.str();
+  if (::rename(file_.c_str(), named.c_str()) != 0)
+    throw sys_error("rename " + file_.string(), errno);
+  file_ = named;
+  std::vector<ImageFile> files(1);
+  auto& f = files.front();
+  f.range = range;
+  f.pad = offset;
+  f.path = file_;
+  f.fd.reset(::open(file_.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!f.fd) throw sys_error("open " + file_.string(), errno);
+  // A copy restored later, or the source, must never write into the artifact: private, or the
+  // capture fails (and the source's GPU state goes back from the shared mapping as it is).
+  remap(pid_, files, read_mappings(pid_), reporter);
+  if (!mapped_from(read_mappings(pid_), range, file_, offset)) {
+    throw Error(ErrorKind::kEnvironment,
+                "process " + std::to_string(pid_) +
+                    ": the driver's memory, written into the artifact, could not be made private",
+                "capture it with --no-direct-host-images");
+  }
+  ::fchmod(f.fd.get(), 0444);
+  HostImageRecord rec;
+  rec.pid = pid_;
+  rec.start = range.start;
+  rec.end = range.end;
+  rec.file = std::filesystem::relative(file_, artifact_root).string();
+  rec.file_offset = offset;
+  rec.criu_key = criu_file_key(f.fd.get());
+  reporter.note("process " + std::to_string(pid_) + ": " + fs::human_bytes(range.size()) +
+                " of host memory written into the artifact by the driver's checkpoint itself");
+  return rec;
+}
+
+struct HashedFiles::File {
+  std::string record;  // the image's file, relative to the artifact root
+  std::filesystem::path path;
+  uint64_t size = 0;
+  unsigned char* map = nullptr;
+  std::vector<std::string> chunks;
+  std::atomic<uint64_t> stored{0};
+  ~File() {
+    if (map != nullptr) ::munmap(map, size);
+  }
+};
+
+HashedFiles::HashedFiles(const std::filesystem::path& artifact_root,
+                         const std::vector<HostImageRecord>& images, uint64_t chunk_bytes,
+                         int threads)
+    : chunk_bytes_(chunk_bytes) {
+  for (const auto& image : images) {
+    auto f = std::make_unique<File>();
+    f->record = image.file;
+    f->path = artifact_root / image.file;
+    f->size = image.file_offset + (image.end - image.start);
+    f->chunks.resize((f->size + chunk_bytes - 1) / chunk_bytes);
+    UniqueFd fd(::open(f->path.c_str(), O_RDONLY | O_CLOEXEC));
+    void* map = fd ? ::mmap(nullptr, f->size, PROT_READ, MAP_SHARED, fd.get(), 0) : MAP_FAILED;
+    if (map == MAP_FAILED) {
+      failure_ = "cannot read " + f->path.string() + ": " + errno_text(errno);
+      return;
+    }
+    f->map = static_cast<unsigned char*>(map);
+    files_.push_back(std::move(f));
+  }
+  size_t chunks = 0;
+  for (const auto& f : files_) chunks += f->chunks.size();
+  int n = std::max(1, std::min<int>(threads, static_cast<int>(chunks)));
+  for (int i = 0; i < n; ++i) threads_.emplace_back([this] { work(); });
+}
+
+void HashedFiles::work() {
+  ChunkHash hash;
+  while (!stop_) {
+    // The next chunk, counted across the files in order.
+    size_t job = next_.fetch_add(1);
+    File* file = nullptr;
+    for (const auto& f : files_) {
+      if (job < f->chunks.size()) {
+        file = f.get();
+        break;
+      }
+      job -= f->chunks.size();
+    }
+    if (file == nullptr) return;
+    const uint64_t begin = job * chunk_bytes_;
+    const uint64_t end = std::min(file->size, begin + chunk_bytes_);
+    hash.reset();
+    uint64_t stored = 0;
+    for (uint64_t at = begin; at < end && !stop_; at += kHoleBlock) {
+      const uint64_t block = std::min(kHoleBlock, end - at);
+      if (!all_zero(file->map + at, block)) stored += block;
+      hash.update(file->map + at, block);
+    }
+    file->stored += stored;
+    file->chunks[job] = hash.hex();
+  }
+}
+
+HashedFiles::~HashedFiles() {
+  stop_ = true;
+  for (auto& t : threads_) {
+    if (t.joinable()) t.join();
+  }
+}
+
+std::vector<FileRecord> HashedFiles::join(std::vector<HostImageRecord>& images) {
+  for (auto& t : threads_) t.join();
+  threads_.clear();
+  if (!failure_.empty()) throw Error(ErrorKind::kEnvironment, failure_);
+  std::vector<FileRecord> out;
+  for (const auto& f : files_) {
+    for (auto& image : images) {
+      if (image.file == f->record) image.stored_bytes = f->stored;
+    }
+    out.push_back({f->record, f->size, f->chunks});
   }
   return out;
 }

@@ -25,9 +25,13 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <filesystem>
+#include <memory>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/remote.h"
@@ -91,5 +95,84 @@ bool on_tmpfs_without_huge_pages(const std::filesystem::path& dir);
 
 // Whether `size` bytes at `data` are all zero (such a block is left as a hole).
 bool all_zero(const unsigned char* data, size_t size);
+
+// --- The driver's memory straight into the artifact ------------------------------------------
+//
+// With libgpusnap-preload.so in the process (src/preload/populate.cc), the copy above is not
+// needed at all: just before the driver's checkpoint, gpusnap leaves the library a request
+// naming an empty file of the artifact, and the library maps the driver's region as a shared
+// mapping of that file, so that the driver's own copy is the write into the artifact. After the
+// call the region is made a private mapping of the same file (remapped in place as above: the
+// same pages of the page cache, nothing copied), so that neither the source nor a copy restored
+// later can write into the artifact, and the file is hashed while CRIU dumps.
+
+// The requests' directory under gpusnap's run directory (the library's default is
+// /run/gpusnap/preload: GPUSNAP_PRELOAD_REQUESTS names another).
+inline constexpr const char* kPreloadRequestsDir = "preload";
+
+// Whether the driver's region of `pid` can go straight into the artifact: the process maps the
+// library, lives in gpusnap's mount namespace (it opens the file by path), has no tracer (the
+// remap stops a thread with ptrace), and the machine is x86-64 (the remap's injection).
+bool direct_capture_possible(pid_t pid, const std::vector<Mapping>& maps);
+
+// The request's path for `pid`: "REQUESTS/PIDNS-PID", the process's PID namespace inode and its
+// pid there, which is what the library knows of itself.
+std::filesystem::path preload_request_path(const std::filesystem::path& requests_dir, pid_t pid);
+
+// One process's request, from before the driver's call until its region is adopted. Failures
+// to set it up are notes, never errors: the process then takes the copying path.
+class DirectHostImage {
+ public:
+  // Creates the empty file `artifact_root/host-images/PID.img` (root's only) and the request
+  // naming it.
+  DirectHostImage(pid_t pid, const std::filesystem::path& artifact_root,
+                  const std::filesystem::path& requests_dir, Reporter& reporter);
+  DirectHostImage(const DirectHostImage&) = delete;
+  DirectHostImage& operator=(const DirectHostImage&) = delete;
+  ~DirectHostImage() { withdraw(); }
+
+  pid_t pid() const { return pid_; }
+  // Removes the request whether or not the library took it (after the driver's call).
+  void withdraw() noexcept;
+  // After the driver's call: when the process maps the file, shared, as one range, the file is
+  // renamed `PID-ADDR.img` as the copying path names it, the range is remapped privately and
+  // checked, and its record returned (stored_bytes and checksums come from HashedFiles).
+  // Otherwise the file is removed and nullopt returned, the process left to the copying path.
+  // Throws Error(kEnvironment) when the range is mapped from the file but cannot be made
+  // private: a shared mapping of the artifact must never be captured.
+  std::optional<HostImageRecord> adopt(const std::filesystem::path& artifact_root,
+                                       Reporter& reporter);
+
+ private:
+  pid_t pid_;
+  std::filesystem::path file_;
+  std::filesystem::path request_;
+};
+
+// Host image files hashed chunk by chunk in the background, on `threads` threads, while the
+// capture goes on (CRIU's dump needs one core). The destructor stops and waits.
+class HashedFiles {
+ public:
+  HashedFiles(const std::filesystem::path& artifact_root,
+              const std::vector<HostImageRecord>& images, uint64_t chunk_bytes, int threads);
+  HashedFiles(const HashedFiles&) = delete;
+  HashedFiles& operator=(const HashedFiles&) = delete;
+  ~HashedFiles();
+  // Waits for the hashes; fills in the stored_bytes (bytes in 64 KiB blocks not all zero) of the
+  // images of `images` it hashed and returns the files' records for ArtifactWriter::seal.
+  // Throws Error on a read failure.
+  std::vector<FileRecord> join(std::vector<HostImageRecord>& images);
+
+ private:
+  struct File;
+  void work();
+
+  std::vector<std::unique_ptr<File>> files_;
+  uint64_t chunk_bytes_;
+  std::atomic<size_t> next_{0};
+  std::atomic<bool> stop_{false};
+  std::vector<std::thread> threads_;
+  std::string failure_;  // set before the threads start, read after they end
+};
 
 }  // namespace gpusnap::engine

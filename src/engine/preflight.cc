@@ -1,6 +1,11 @@
 #include "engine/preflight.h"
 
+#include <linux/magic.h>
+#include <sys/statfs.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
+
+#include <sstream>
 
 #include "common/fs.h"
 #include "gpusnap/error.h"
@@ -113,6 +118,65 @@ void refuse_bad_root(pid_t root) {
     } catch (const Error&) {
       break;
     }
+  }
+}
+
+uint64_t memory_available(const std::string& meminfo) {
+  std::istringstream lines(meminfo);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("MemAvailable:", 0) != 0) continue;
+    std::istringstream fields(line.substr(13));
+    uint64_t kib = 0;
+    fields >> kib;
+    return kib * 1024;
+  }
+  return 0;
+}
+
+void measure_host(CaptureRoom& room, const std::filesystem::path& store) {
+  room.store = store;
+  struct statfs fs_type {};
+  struct statvfs vfs {};
+  if (::statfs(store.c_str(), &fs_type) != 0 || ::statvfs(store.c_str(), &vfs) != 0) {
+    throw sys_error("statfs " + store.string(), errno);
+  }
+  room.store_in_ram = fs_type.f_type == TMPFS_MAGIC || fs_type.f_type == RAMFS_MAGIC;
+  room.store_free = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+  std::string meminfo;
+  room.memory_available =
+      fs::try_read_file("/proc/meminfo", &meminfo) ? memory_available(meminfo) : 0;
+}
+
+void refuse_without_room(const CaptureRoom& room) {
+  using fs::human_bytes;
+  if (room.memory_available > 0 && room.memory_needed() > room.memory_available) {
+    std::string parts;
+    if (room.copied_gpu_bytes > 0) {
+      parts += human_bytes(room.copied_gpu_bytes) +
+               " of GPU memory the driver's checkpoint puts in "
+               "the processes' own memory";
+    }
+    if (room.store_in_ram) {
+      parts += std::string(parts.empty() ? "" : " + ") + human_bytes(room.store_needed()) +
+               " of artifact in RAM (" + room.store.string() + ")";
+    }
+    throw Error(ErrorKind::kEnvironment,
+                "the capture needs " + human_bytes(room.memory_needed()) + " of host memory (" +
+                    parts + "), this host has " + human_bytes(room.memory_available) +
+                    " available (MemAvailable)",
+                room.copied_gpu_bytes > 0
+                    ? "start the workload with libgpusnap-preload.so (gpusnap run or init), so "
+                      "that the driver writes its GPU memory straight into the artifact; or free "
+                      "memory, or write the artifact to disk"
+                    : "free memory, or write the artifact to a store on disk");
+  }
+  if (room.store_needed() > room.store_free) {
+    throw Error(ErrorKind::kEnvironment,
+                "the artifact needs up to " + human_bytes(room.store_needed()) + " (" +
+                    human_bytes(room.gpu_bytes) + " of GPU memory + " +
+                    human_bytes(room.cpu_bytes) + " of CPU memory), " + room.store.string() +
+                    " has " + human_bytes(room.store_free) + " free",
+                "free space there, or write the artifact elsewhere (-o)");
   }
 }
 

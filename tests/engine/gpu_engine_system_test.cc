@@ -10,6 +10,7 @@
 // copies' processes with the fake when the "gpu-restore" phase starts (via the Reporter), which
 // is where the real driver would first see them, in the CHECKPOINTED state CRIU restored.
 #include <signal.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -35,6 +36,7 @@
 #include "common/subprocess.h"
 #include "criu/criu.h"
 #include "engine/gpu_state.h"
+#include "engine/preflight.h"
 #include "gpu/fake_driver.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/checkpoint.h"
@@ -681,6 +683,73 @@ TEST(GpuEngine, IoUringIsRefusedBeforeAnyDriverCall) {
   EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
   EXPECT_TRUE(staging_left(dir.path(), "snap").empty());
   EXPECT_EQ(ask(source->port(), "CHECK").substr(0, 2), "OK");
+}
+
+// What must hold after a refusal for want of room: nothing was asked of the driver but facts,
+// nothing is at the output, the workload runs on.
+void expect_refused_untouched(const Error& e, FakeDriver& fake, Workload& source,
+                              const std::filesystem::path& out) {
+  EXPECT_EQ(e.kind(), ErrorKind::kEnvironment) << e.what();
+  EXPECT_EQ(e.exit_code(), 10);
+  EXPECT_TRUE(fake.transitions().empty()) << join(fake.calls());
+  EXPECT_EQ(fake.peek_state(source.pid()), ProcessState::kRunning);
+  EXPECT_FALSE(std::filesystem::exists(out));
+  EXPECT_TRUE(staging_left(out.parent_path(), out.filename().string()).empty());
+  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
+}
+
+TEST(GpuEngine, AStoreTooSmallForTheGpuMemoryIsRefusedBeforeAnythingIsFrozen) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Workload source(dir, {"--mib", "4", "--children", "0"});
+  auto store = dir / "store";
+  std::filesystem::create_directory(store);
+  ASSERT_EQ(::mount("gpusnap-test", store.c_str(), "tmpfs", 0, "size=16m"), 0);
+  FakeDriver fake;
+  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
+  fake.add_process(source.pid());
+  fake.set_usage(source.pid(), kGpuA, 64 * kMiB);
+  RecordingReporter reporter;
+  auto e = error_of([&] {
+    checkpoint(checkpoint_options(source.pid(), store / "snap", fake, dir / "run"), reporter);
+  });
+  ASSERT_TRUE(e);
+  // The numbers: what the artifact needs, of which GPU memory, and what the store has.
+  EXPECT_TRUE(contains(e->what(), "the artifact needs up to ")) << e->what();
+  EXPECT_TRUE(contains(e->what(), "(64.0 MiB of GPU memory + ")) << e->what();
+  EXPECT_TRUE(contains(e->what(), store.string() + " has ")) << e->what();
+  EXPECT_TRUE(contains(e->what(), " free")) << e->what();
+  EXPECT_TRUE(contains(e->hint(), "-o")) << e->hint();
+  expect_refused_untouched(*e, fake, source, store / "snap");
+  ::umount2(store.c_str(), MNT_DETACH);
+}
+
+TEST(GpuEngine, GpuMemoryBeyondTheHostsAvailableMemoryIsRefusedBeforeAnythingIsFrozen) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Workload source(dir, {"--mib", "4", "--children", "0"});
+  std::string meminfo = fs::read_file("/proc/meminfo");
+  const uint64_t available = engine::memory_available(meminfo);
+  ASSERT_GT(available, 0u);
+  // A GPU larger than this host's memory, its process holding twice what is available: without
+  // the preload library the driver's checkpoint would need all of it in the process.
+  FakeDriver fake;
+  fake.add_gpu(FakeDriver::make_gpu(kGpuA, "NVIDIA H200", 4 * available));
+  fake.add_process(source.pid());
+  fake.set_usage(source.pid(), kGpuA, 2 * available);
+  RecordingReporter reporter;
+  auto e = error_of([&] {
+    checkpoint(checkpoint_options(source.pid(), dir / "snap", fake, dir / "run"), reporter);
+  });
+  ASSERT_TRUE(e);
+  EXPECT_TRUE(contains(e->what(), "the capture needs ")) << e->what();
+  EXPECT_TRUE(contains(e->what(), fs::human_bytes(2 * available) +
+                                      " of GPU memory the driver's checkpoint puts in the "
+                                      "processes' own memory"))
+      << e->what();
+  EXPECT_TRUE(contains(e->what(), " available (MemAvailable)")) << e->what();
+  EXPECT_TRUE(contains(e->hint(), "libgpusnap-preload.so")) << e->hint();
+  expect_refused_untouched(*e, fake, source, dir / "snap");
 }
 
 TEST(GpuEngine, CriuDumpFailingAfterTheGpuCheckpointResumesTheGpuState) {

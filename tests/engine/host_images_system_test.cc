@@ -19,6 +19,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,8 @@ using gpu::ProcessState;
 constexpr const char* kGpu = "GPU-0a0a0a0a-1111-2222-3333-444444444444";
 constexpr uint64_t kMiB = 1ull << 20;
 constexpr uint64_t kRegion = 192 * kMiB;
+// The preload library takes only mappings of at least 256 MiB for the driver's.
+constexpr uint64_t kLibraryRegion = 320 * kMiB;
 constexpr uint64_t kHugePage = 2 * kMiB;
 // Where the real driver's region started within a 2 MiB page on the H200 (0x7f7ab85db000):
 // not on a boundary, which gpusnap's files must make up for.
@@ -59,7 +62,9 @@ uint64_t word_at(uint64_t index) {
 
 class StagingDriver final : public gpu::Driver {
  public:
-  explicit StagingDriver(FakeDriver& fake) : fake_(fake) {}
+  // `port`: the test workload's; its checkpoint is then played inside the workload, through the
+  // C library's mmap (DRIVER-MAP), where libgpusnap-preload.so sees it as it sees the driver's.
+  explicit StagingDriver(FakeDriver& fake, uint16_t port = 0) : fake_(fake), port_(port) {}
 
   bool available() const override { return fake_.available(); }
   std::string reason() const override { return fake_.reason(); }
@@ -72,6 +77,13 @@ class StagingDriver final : public gpu::Driver {
 
   void checkpoint(pid_t pid) override {
     fake_.checkpoint(pid);
+    if (port_ != 0) {
+      auto reply = ask(port_, "DRIVER-MAP " + std::to_string(kLibraryRegion / kMiB));
+      ASSERT_EQ(reply.rfind("addr=", 0), 0u) << reply;
+      std::lock_guard<std::mutex> g(mutex_);
+      region_ = std::stoull(reply.substr(5), nullptr, 16);
+      return;
+    }
     RemoteThread thread(pid);
     // A region that starts kRegionSkew past a 2 MiB boundary, as the driver's did.
     long room = thread.syscall(SYS_mmap, 0, kRegion + 2 * kHugePage, PROT_READ | PROT_WRITE,
@@ -97,10 +109,11 @@ class StagingDriver final : public gpu::Driver {
       std::lock_guard<std::mutex> g(mutex_);
       region = region_;  // a copy has the source's address space layout
     }
-    std::string outcome = check_region(pid, region);
+    const uint64_t bytes = port_ != 0 ? kLibraryRegion : kRegion;
+    std::string outcome = check_region(pid, region, bytes);
     {
       RemoteThread thread(pid);
-      thread.syscall(SYS_munmap, region, kRegion);
+      thread.syscall(SYS_munmap, region, bytes);
     }
     std::lock_guard<std::mutex> g(mutex_);
     outcomes_[pid] = outcome;
@@ -114,9 +127,9 @@ class StagingDriver final : public gpu::Driver {
 
  private:
   // "ok", or what differs.
-  static std::string check_region(pid_t pid, uint64_t region) {
+  static std::string check_region(pid_t pid, uint64_t region, uint64_t bytes) {
     std::vector<uint64_t> words(kMiB / 8);
-    for (uint64_t off = 0; off < kRegion; off += kMiB) {
+    for (uint64_t off = 0; off < bytes; off += kMiB) {
       iovec local{words.data(), kMiB};
       iovec remote{reinterpret_cast<void*>(region + off), kMiB};
       if (::process_vm_readv(pid, &local, 1, &remote, 1, 0) != static_cast<ssize_t>(kMiB)) {
@@ -132,6 +145,7 @@ class StagingDriver final : public gpu::Driver {
   }
 
   FakeDriver& fake_;
+  uint16_t port_;
   mutable std::mutex mutex_;
   uint64_t region_ = 0;
   std::map<pid_t, std::string> outcomes_;
@@ -177,16 +191,19 @@ struct CaptureRun {
   CheckpointResult checkpoint;
   RestoreResult restore;
   std::map<pid_t, std::string> outcomes;
+  std::vector<std::string> notes, phases;  // the checkpoint's
 };
 
-// Checkpoint (leaving the source running) and restore two copies, all through StagingDriver.
+// Checkpoint (leaving the source running) and restore two copies, all through StagingDriver
+// (played inside the workload when `in_process`).
 CaptureRun checkpoint_and_restore(const TempDir& dir, Workload& source, bool host_images,
-                                  uint64_t file_bytes = 0) {
+                                  uint64_t file_bytes = 0, bool in_process = false,
+                                  bool direct = true) {
   FakeDriver fake;
   fake.add_gpu(FakeDriver::make_gpu(kGpu));
   fake.add_process(source.pid());
   fake.set_usage(source.pid(), kGpu, kRegion);
-  StagingDriver driver(fake);
+  StagingDriver driver(fake, in_process ? source.port() : 0);
 
   CheckpointOptions co;
   co.pid = source.pid();
@@ -197,6 +214,7 @@ CaptureRun checkpoint_and_restore(const TempDir& dir, Workload& source, bool hos
   co.leave_running = true;
   co.host_images = host_images;
   co.host_image_file_bytes = file_bytes;
+  co.direct_host_images = direct;
   Phases cp_phases;
   CaptureRun run;
   run.checkpoint = checkpoint(co, cp_phases);
@@ -222,7 +240,20 @@ CaptureRun checkpoint_and_restore(const TempDir& dir, Workload& source, bool hos
   };
   run.restore = restore(ro, rs_phases);
   run.outcomes = driver.outcomes();
+  run.notes = cp_phases.notes;
+  run.phases = cp_phases.names;
   return run;
+}
+
+// The test workload with libgpusnap-preload.so, looking for requests where a capture run with
+// run_dir `dir/run` leaves them.
+Workload preloaded_workload(const TempDir& dir) {
+  return Workload(
+      dir,
+      {"/usr/bin/env", "LD_PRELOAD=" + build_path("libgpusnap-preload.so"),
+       "GPUSNAP_PRELOAD_REQUESTS=" + (dir / "run" / "preload").string(), "GPUSNAP_PRELOAD_LOG=1",
+       build_path("tests/gpusnap-test-workload"), "--mib", "8"},
+      std::chrono::seconds(30));
 }
 
 TEST(HostImages, GpuMemoryIsStoredBesideCriuAndMappedBackInEveryCopy) {
@@ -310,6 +341,73 @@ TEST(HostImages, WithoutThemCriuStoresTheSameBytes) {
   for (const auto& c : run.restore.copies) {
     EXPECT_EQ(ask(c.ports[0].host_port, "CHECK").substr(0, 2), "OK");
   }
+}
+
+TEST(HostImages, WithThePreloadLibraryTheDriverWritesStraightIntoTheArtifact) {
+  SKIP_WITHOUT_CRIU();
+  if (::geteuid() != 0) GTEST_SKIP() << "skipped: needs root";
+  TempDir dir;
+  Workload source = preloaded_workload(dir);
+  CaptureRun run = checkpoint_and_restore(dir, source, true, 0, /*in_process=*/true);
+  Copies reaper{run.restore.copies};
+
+  // One image, the driver's whole region, written by the driver's own copy: 2 MiB-aligned at
+  // offset 0 of its file (the library placed it), zero blocks counted out of stored_bytes.
+  const auto& images = run.checkpoint.manifest.host_images;
+  ASSERT_EQ(images.size(), 1u);
+  const auto& image = images.front();
+  EXPECT_EQ(image.end - image.start, kLibraryRegion);
+  EXPECT_EQ(image.start % kHugePage, 0u);
+  EXPECT_EQ(image.file_offset, 0u);
+  EXPECT_EQ(image.stored_bytes, kLibraryRegion / 4 * 3);
+  std::ostringstream name;
+  name << engine::kHostImageDir << "/" << source.pid() << "-" << std::hex << image.start << ".img";
+  EXPECT_EQ(image.file, name.str());
+  EXPECT_EQ(std::filesystem::file_size(dir / "snap" / image.file), kLibraryRegion);
+  EXPECT_NE(std::find_if(run.notes.begin(), run.notes.end(),
+                         [](const std::string& n) {
+                           return n.find("written into the artifact by the driver's checkpoint "
+                                         "itself") != std::string::npos;
+                         }),
+            run.notes.end())
+      << ::testing::PrintToString(run.notes) << fs::read_file(dir / "workload.log");
+  EXPECT_EQ(std::count(run.phases.begin(), run.phases.end(), "host-images-hash"), 1);
+  EXPECT_LT(criu_page_bytes(dir / "snap"), 64 * kMiB) << "CRIU stored the region too";
+  // No request is left behind.
+  EXPECT_TRUE(std::filesystem::is_empty(dir / "run" / "preload"));
+
+  // The source's region is now a private mapping of the artifact's file: what the source
+  // writes there (the driver's restore reads it, then unmaps it) never reaches the artifact.
+  // The driver found the exact bytes in the source and in both copies, and the artifact
+  // verifies against the checksums hashed beside the dump.
+  ASSERT_EQ(run.outcomes.size(), 3u);
+  for (const auto& [pid, outcome] : run.outcomes) EXPECT_EQ(outcome, "ok") << "pid " << pid;
+  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
+  for (const auto& c : run.restore.copies) {
+    EXPECT_EQ(ask(c.ports[0].host_port, "CHECK").substr(0, 2), "OK");
+  }
+  EXPECT_TRUE(Artifact::open(dir / "snap").verify().empty());
+}
+
+TEST(HostImages, TheCopyingPathStaysSelectableForAPreloadedWorkload) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Workload source = preloaded_workload(dir);
+  CaptureRun run = checkpoint_and_restore(dir, source, true, 0, /*in_process=*/true,
+                                          /*direct=*/false);
+  Copies reaper{run.restore.copies};
+  const auto& images = run.checkpoint.manifest.host_images;
+  ASSERT_EQ(images.size(), 1u);
+  // Copied after the call: the file starts with the hole that aligns it, zero blocks are holes.
+  EXPECT_EQ(images[0].file_offset, images[0].start % kHugePage);
+  EXPECT_EQ(images[0].stored_bytes, kLibraryRegion / 4 * 3);
+  EXPECT_EQ(images[0].file.rfind(
+                std::string(engine::kHostImageDir) + "/" + std::to_string(source.pid()) + "-", 0),
+            0u);
+  EXPECT_EQ(std::count(run.phases.begin(), run.phases.end(), "host-images-hash"), 0);
+  ASSERT_EQ(run.outcomes.size(), 3u);
+  for (const auto& [pid, outcome] : run.outcomes) EXPECT_EQ(outcome, "ok") << "pid " << pid;
+  EXPECT_TRUE(Artifact::open(dir / "snap").verify().empty());
 }
 
 // Real tmpfs mounts: the check behind the note that recommends a huge-page artifact store.

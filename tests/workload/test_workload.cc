@@ -13,7 +13,10 @@
 // Descriptors inherited from the starter (other than stdio) are closed at start, so that none
 // ends up in the snapshot. See tests/workload/README.md for the protocol and the flags.
 
+#include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -24,9 +27,6 @@
 #include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/wait.h>
-#include <netinet/in.h>
-#include <arpa/inet.h>
-#include <dirent.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -155,7 +156,9 @@ std::string errno_text(std::string_view what) {
   return std::string(what) + ": " + std::error_code(errno, std::generic_category()).message();
 }
 
-[[noreturn]] void fail_setup(std::string_view what) { throw SetupError(kExitSetup, errno_text(what)); }
+[[noreturn]] void fail_setup(std::string_view what) {
+  throw SetupError(kExitSetup, errno_text(what));
+}
 
 std::string hex16(std::uint64_t v) {
   char buf[17];
@@ -295,7 +298,8 @@ std::set<pid_t> own_thread_ids() {
         std::string_view line = s.substr(pos + 7);
         line = line.substr(0, line.find('\n'));
         auto last = line.find_last_of(" \t");
-        if (auto v = parse_number<pid_t>(line.substr(last == std::string_view::npos ? 0 : last + 1)))
+        if (auto v =
+                parse_number<pid_t>(line.substr(last == std::string_view::npos ? 0 : last + 1)))
           tid = *v;
       }
     }
@@ -470,7 +474,8 @@ class Workload {
 
   // Announces readiness on stdout and, if asked, through the ready file (written atomically).
   void announce_ready() {
-    std::printf("ready port=%u pid=%d\n", static_cast<unsigned>(port_), static_cast<int>(::getpid()));
+    std::printf("ready port=%u pid=%d\n", static_cast<unsigned>(port_),
+                static_cast<int>(::getpid()));
     std::fflush(stdout);
     if (opts_.ready_file.empty()) return;
     const std::string tmp = opts_.ready_file + ".tmp";
@@ -583,7 +588,8 @@ class Workload {
     file_ = Fd(::open(opts_.file.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
     if (!file_) fail_setup("open " + opts_.file);
     if (!write_all(file_.get(), file_content())) fail_setup("write " + opts_.file);
-    if (::lseek(file_.get(), kFileOffset, SEEK_SET) != kFileOffset) fail_setup("lseek " + opts_.file);
+    if (::lseek(file_.get(), kFileOffset, SEEK_SET) != kFileOffset)
+      fail_setup("lseek " + opts_.file);
   }
 
   void open_lock() {
@@ -725,6 +731,11 @@ class Workload {
     }
     if (line == "INCR") return std::to_string(counter_.fetch_add(1) + 1);
     if (line == "CHECK") return check();
+    if (line.starts_with("DRIVER-MAP ")) {
+      auto mib = parse_number<unsigned>(line.substr(11));
+      if (!mib || *mib == 0 || *mib > 65536) return "ERR bad argument";
+      return driver_map(static_cast<std::size_t>(*mib) << 20);
+    }
     if (line.starts_with("SLEEP ")) {
       auto ms = parse_number<unsigned>(line.substr(6));
       if (!ms || *ms > 3'600'000) return "ERR bad argument";
@@ -732,6 +743,41 @@ class Workload {
       return "SLEPT";
     }
     return "ERR unknown command";
+  }
+
+  // --- DRIVER-MAP
+  // ---------------------------------------------------------------------------------
+
+  // Plays the CUDA driver's checkpoint inside the process, through the C library's mmap (where
+  // libgpusnap-preload.so sits when preloaded): a thread named as the driver's, one private
+  // anonymous MAP_POPULATE mapping, then the "GPU contents" written into it front to back.
+  std::string driver_map(std::size_t len) {
+    std::string reply;
+    std::thread driver([&] {
+      ::prctl(PR_SET_NAME, "cuda-checkpoint", 0, 0, 0);
+      void* p = ::mmap(nullptr, len, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+      if (p == MAP_FAILED) {
+        reply = "ERR mmap: " + std::string(std::strerror(errno));
+        return;
+      }
+      auto* words = static_cast<std::uint64_t*>(p);
+      for (std::size_t i = 0; i < len / 8; ++i) words[i] = driver_word(i);
+      char hex[32];
+      std::snprintf(hex, sizeof hex, "%lx", reinterpret_cast<unsigned long>(p));
+      reply = std::string("addr=") + hex;
+    });
+    driver.join();
+    return reply;
+  }
+
+  // Word `index` of DRIVER-MAP's contents: every fourth 4 MiB block zero, the rest a mix of the
+  // index (tests/engine/host_images_system_test.cc checks the same words).
+  static std::uint64_t driver_word(std::uint64_t index) {
+    if ((index * 8 / (4u << 20)) % 4 == 3) return 0;
+    std::uint64_t z = index + 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    return z ^ (z >> 27);
   }
 
   // --- CHECK -------------------------------------------------------------------------------------
