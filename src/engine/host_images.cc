@@ -204,6 +204,17 @@ void copy_out(pid_t pid, std::vector<ImageFile>& files, int threads, uint64_t ch
 // and madvise flags. Ranges whose flags gpusnap cannot carry over are left alone.
 void remap(pid_t pid, std::vector<ImageFile>& files, const std::vector<Mapping>& maps,
            Reporter& reporter) {
+  // Each range's madvise flags, read before the thread is stopped: /proc/PID/smaps walks the
+  // page tables, slow for tens of GiB, and the time the thread is held is the time a gpusnap
+  // killed would leave it broken (docs/design.md, "Host images").
+  std::vector<std::vector<std::string>> range_flags;
+  for (const auto& f : files) {
+    auto mapping = std::find_if(maps.begin(), maps.end(), [&](const Mapping& m) {
+      return m.start <= f.range.start && f.range.start < m.end;
+    });
+    range_flags.push_back(mapping == maps.end() ? std::vector<std::string>{}
+                                                : vm_flags(pid, mapping->start));
+  }
   RemoteThread thread(pid);
   long scratch = thread.syscall(SYS_mmap, 0, 4096, PROT_READ | PROT_WRITE,
                                 MAP_PRIVATE | MAP_ANONYMOUS, static_cast<uint64_t>(-1), 0);
@@ -212,12 +223,13 @@ void remap(pid_t pid, std::vector<ImageFile>& files, const std::vector<Mapping>&
                                              std::to_string(pid) + ": " +
                                              errno_text(static_cast<int>(-scratch)));
   }
-  for (auto& f : files) {
+  for (size_t i = 0; i < files.size(); ++i) {
+    auto& f = files[i];
     auto mapping = std::find_if(maps.begin(), maps.end(), [&](const Mapping& m) {
       return m.start <= f.range.start && f.range.start < m.end;
     });
     if (mapping == maps.end()) continue;
-    auto flags = vm_flags(pid, mapping->start);
+    const auto& flags = range_flags[i];
     if (std::find(flags.begin(), flags.end(), "lo") != flags.end()) {
       // mlock on a private file mapping would copy every page: leave this one to CRIU.
       reporter.note("a locked (mlock) region of process " + std::to_string(pid) +
@@ -580,8 +592,17 @@ std::optional<HostImageRecord> DirectHostImage::adopt(const std::filesystem::pat
   f.range = range;
   f.pad = offset;
   f.path = file_;
-  f.fd.reset(::open(file_.c_str(), O_RDONLY | O_CLOEXEC));
+  f.fd.reset(::open(file_.c_str(), O_RDWR | O_CLOEXEC));
   if (!f.fd) throw sys_error("open " + file_.string(), errno);
+  // The file holds the range and nothing more, as its record says (a mapping ends on a page
+  // boundary, the length the driver asked for need not: the last page's tail reads zero either
+  // way; and a part the driver unmapped is no part of the image).
+  struct stat st {};
+  if (::fstat(f.fd.get(), &st) != 0 ||
+      (static_cast<uint64_t>(st.st_size) != offset + range.size() &&
+       ::ftruncate(f.fd.get(), static_cast<off_t>(offset + range.size())) != 0)) {
+    throw sys_error("size " + file_.string(), errno);
+  }
   // A copy restored later, or the source, must never write into the artifact: private, or the
   // capture fails (and the source's GPU state goes back from the shared mapping as it is).
   remap(pid_, files, read_mappings(pid_), reporter);

@@ -423,7 +423,11 @@ void* map_into_file(size_t len, int prot, int flags) {
     log_text("no room for the driver's memory beside ", file);
     return MAP_FAILED;
   }
-  if (ftruncate(fd.get(), static_cast<off_t>(len)) != 0) return MAP_FAILED;
+  // Whole pages, as the mapping is: the file then holds every byte the process can see.
+  const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  if (ftruncate(fd.get(), static_cast<off_t>((len + page - 1) / page * page)) != 0) {
+    return MAP_FAILED;
+  }
   MmapFn real = real_mmap();
   // Room for a 2 MiB-aligned start, reserved without memory, then the file mapped over it.
   void* room =

@@ -734,7 +734,8 @@ class Workload {
     if (line.starts_with("DRIVER-MAP ")) {
       auto mib = parse_number<unsigned>(line.substr(11));
       if (!mib || *mib == 0 || *mib > 65536) return "ERR bad argument";
-      return driver_map(static_cast<std::size_t>(*mib) << 20);
+      // 100 bytes short of whole MiB: the driver's length is no whole number of pages either.
+      return driver_map((static_cast<std::size_t>(*mib) << 20) - 100);
     }
     if (line.starts_with("SLEEP ")) {
       auto ms = parse_number<unsigned>(line.substr(6));
