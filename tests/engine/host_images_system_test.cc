@@ -8,12 +8,14 @@
 // back from the process, checks every byte and unmaps it. The state machine is FakeDriver's.
 #include <fcntl.h>
 #include <linux/magic.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
+#include <sys/wait.h>
 
 #include <filesystem>
 #include <map>
@@ -125,7 +127,6 @@ class StagingDriver final : public gpu::Driver {
     return outcomes_;
   }
 
- private:
   // "ok", or what differs.
   static std::string check_region(pid_t pid, uint64_t region, uint64_t bytes) {
     std::vector<uint64_t> words(kMiB / 8);
@@ -144,6 +145,7 @@ class StagingDriver final : public gpu::Driver {
     return "ok";
   }
 
+ private:
   FakeDriver& fake_;
   uint16_t port_;
   mutable std::mutex mutex_;
@@ -408,6 +410,80 @@ TEST(HostImages, TheCopyingPathStaysSelectableForAPreloadedWorkload) {
   ASSERT_EQ(run.outcomes.size(), 3u);
   for (const auto& [pid, outcome] : run.outcomes) EXPECT_EQ(outcome, "ok") << "pid " << pid;
   EXPECT_TRUE(Artifact::open(dir / "snap").verify().empty());
+}
+
+// Stops its own process (SIGKILL) when the phase named starts: a gpusnap killed there.
+class KillAt final : public Reporter {
+ public:
+  explicit KillAt(std::string phase) : phase_(std::move(phase)) {}
+  void phase_started(std::string_view name) override {
+    if (name == phase_) ::raise(SIGKILL);
+  }
+  void phase_finished(std::string_view, double) override {}
+  void note(std::string_view) override {}
+
+ private:
+  std::string phase_;
+};
+
+TEST(HostImages, ACaptureKilledOnTheDirectPathLeavesTheWorkloadItsMemoryAndNoArtifact) {
+  SKIP_WITHOUT_CRIU();
+  if (::geteuid() != 0) GTEST_SKIP() << "skipped: needs root";
+  // After the driver's call (its memory in a shared mapping of the artifact's file), after the
+  // remap (mapped privately, hashing under way), and while waiting for the hash.
+  for (const std::string phase : {"host-images", "dump", "host-images-hash"}) {
+    SCOPED_TRACE(phase);
+    TempDir dir;
+    Workload source = preloaded_workload(dir);
+    // The capture in a process of its own, killed there; the guardian outlives it.
+    pid_t capture = ::fork();
+    if (capture == 0) {
+      FakeDriver fake;
+      fake.add_gpu(FakeDriver::make_gpu(kGpu));
+      fake.add_process(source.pid());
+      fake.set_usage(source.pid(), kGpu, kLibraryRegion);
+      StagingDriver driver(fake, source.port());
+      CheckpointOptions co;
+      co.pid = source.pid();
+      co.output = dir / "snap";
+      co.driver = &driver;
+      co.helper_binary = gpusnap_bin();
+      co.run_dir = dir / "run";
+      KillAt reporter(phase);
+      try {
+        checkpoint(co, reporter);
+      } catch (...) {
+      }
+      ::_exit(3);  // the phase never came
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(capture, &status, 0), capture);
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << status;
+
+    // The guardian removes the staging directory and takes back any request: nothing visible.
+    auto staging_left = [&] {
+      for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+        if (e.path().filename().string().rfind(".snap.staging-", 0) == 0) return true;
+      }
+      return false;
+    };
+    EXPECT_TRUE(eventually([&] { return !staging_left(); }));
+    EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+    std::error_code ec;
+    EXPECT_TRUE(!std::filesystem::exists(dir / "run" / "preload") ||
+                std::filesystem::is_empty(dir / "run" / "preload", ec));
+    // The workload keeps the driver's bytes (what the driver's restore reads back), now from a
+    // file that is in no artifact, and works on.
+    const Mapping* region = nullptr;
+    auto maps = read_mappings(source.pid());
+    for (const auto& m : maps) {
+      if (m.path.find("/host-images/") != std::string::npos) region = &m;
+    }
+    ASSERT_NE(region, nullptr);
+    EXPECT_NE(region->path.find("(deleted)"), std::string::npos) << region->path;
+    EXPECT_EQ(StagingDriver::check_region(source.pid(), region->start, kLibraryRegion), "ok");
+    EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
+  }
 }
 
 // Real tmpfs mounts: the check behind the note that recommends a huge-page artifact store.

@@ -17,6 +17,7 @@
 #include "common/fd.h"
 #include "common/fs.h"
 #include "common/proc.h"
+#include "common/remote.h"
 #include "common/subprocess.h"
 #include "gpu/driver.h"
 #include "testing/harness.h"
@@ -105,6 +106,16 @@ TEST(CudaWorkload, PreloadGivesTheDriversCheckpointItsMemoryAndEveryByteSurvives
   auto at = log.find("gpusnap-preload: populated ");
   ASSERT_NE(at, std::string::npos) << log;
   EXPECT_GE(std::stoul(log.substr(at + 27)), 4096u) << log.substr(at, 120);
+  // ... straight into the artifact's file: one host image, at offset 0 of its file, written by
+  // the driver's copy; the source got its GPU state back from that file (privately mapped).
+  EXPECT_NE(log.find("gpusnap-preload: the driver's memory goes straight into "), std::string::npos)
+      << log;
+  auto manifest = json::parse(fs::read_file(snap / "manifest.json"));
+  ASSERT_EQ(manifest["host_images"].size(), 1u) << manifest["host_images"].dump();
+  EXPECT_EQ(manifest["host_images"][0]["file_offset"].get<uint64_t>(), 0u);
+  EXPECT_NE(cp.out.find("written into the artifact by the driver's checkpoint itself"),
+            std::string::npos)
+      << cp.out;
   EXPECT_EQ(ask(source.port(), "CHECK", std::chrono::seconds(60)), before);
 
   auto rs =
@@ -226,6 +237,91 @@ TEST(CudaWorkload, GpusnapKilledDuringTheGpuCheckpointLeavesTheWorkloadWorking) 
       << ask(source.port(), "CHECK");
   EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
   record("killed-mid-gpu-checkpoint", {{"answer", ask(source.port(), "CHECK")}});
+}
+
+std::vector<std::string> with_preload(std::vector<std::string> argv) {
+  argv.insert(argv.begin(), {"/usr/bin/env", "LD_PRELOAD=" + build_path("libgpusnap-preload.so")});
+  return argv;
+}
+
+// gpusnap killed (SIGKILL) while the driver writes the GPU memory straight into the artifact's
+// file (the workload runs with libgpusnap-preload.so), or after, once the file is named and
+// mapped privately in the workload: the guardian returns the GPU state from the file, which it
+// unlinks with the staging directory; nothing is written, and no request is left behind. (Not
+// in between: while the remap holds a thread with ptrace, a killed gpusnap breaks it.)
+void kill_direct_capture(const std::string& name, bool after_the_drivers_call) {
+  TempDir dir;
+  Workload source(dir, with_preload(cuda_pattern(4)), std::chrono::seconds(120));
+  auto before = ask(source.port(), "CHECK", std::chrono::seconds(60));
+  ASSERT_EQ(ok(before), "OK") << before;
+  auto request_left = [&] {
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator("/run/gpusnap/preload", ec)) {
+      if (e.path().filename().string().find("-" + std::to_string(source.pid())) !=
+          std::string::npos) {
+        return true;
+      }
+    }
+    return false;
+  };
+  // The staging directory's host image: "PID.img" until the driver's call is over, then
+  // "PID-ADDR.img".
+  // Whether the workload maps its host image privately (the remap is over).
+  auto private_image = [&] {
+    for (const auto& m : read_mappings(source.pid())) {
+      if (m.path.find("/host-images/" + std::to_string(source.pid()) + "-") != std::string::npos &&
+          m.perms.size() == 4 && m.perms[3] == 'p') {
+        return true;
+      }
+    }
+    return false;
+  };
+  auto image = [&](bool named) {
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(dir.path(), ec)) {
+      if (e.path().filename().string().rfind(".snap.staging-", 0) != 0) continue;
+      for (const auto& f : std::filesystem::directory_iterator(e.path() / "host-images", ec)) {
+        auto n = f.path().filename().string();
+        if (n.rfind(std::to_string(source.pid()) + (named ? "-" : ".img"), 0) == 0) return true;
+      }
+    }
+    return false;
+  };
+  SpawnOptions o;
+  o.argv = {gpusnap_bin(),           "checkpoint", "-p", std::to_string(source.pid()), "-o",
+            (dir / "snap").string(), "--json"};
+  UniqueFd output(::open((dir / "gpusnap.out").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600));
+  o.stdout_fd = output.get();
+  o.stderr_fd = output.get();
+  Subprocess cp(o);
+  if (after_the_drivers_call) {
+    ASSERT_TRUE(eventually([&] { return private_image(); }, std::chrono::seconds(30)))
+        << fs::read_file(dir / "gpusnap.out");
+  } else {
+    // The request is left just before the driver's call; its copy of 4 GiB takes ~1 s.
+    ASSERT_TRUE(
+        eventually([&] { return image(false) && !request_left(); }, std::chrono::seconds(60)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  }
+  cp.kill(SIGKILL);
+  cp.wait();
+  EXPECT_TRUE(
+      eventually([&] { return ask(source.port(), "CHECK") == before; }, std::chrono::seconds(60)))
+      << ask(source.port(), "CHECK");
+  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  EXPECT_TRUE(eventually([&] { return !image(false) && !image(true); }));
+  EXPECT_FALSE(request_left());
+  record(name, {{"answer", ask(source.port(), "CHECK")}});
+}
+
+TEST(CudaWorkload, GpusnapKilledWhileTheDriverWritesIntoTheArtifactLeavesTheWorkloadWorking) {
+  SKIP_WITHOUT_GPU(1);
+  kill_direct_capture("killed-mid-direct-gpu-checkpoint", false);
+}
+
+TEST(CudaWorkload, GpusnapKilledAfterTheDriverWroteIntoTheArtifactLeavesTheWorkloadWorking) {
+  SKIP_WITHOUT_GPU(1);
+  kill_direct_capture("killed-after-direct-gpu-checkpoint", true);
 }
 
 TEST(CudaWorkload, RefusesCopiesThatDoNotFitInGpuMemory) {
