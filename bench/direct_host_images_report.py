@@ -104,7 +104,9 @@ def svg(rows, path):
 
     t = {"copy capture": [], "direct capture": [], "driver's call (direct)": []}
     m = {"copy peak": [], "direct peak": [], "driver": []}
-    rows = [r for r in rows if r["mode"] in ("copy", "direct")] or rows
+    rows = [r for r in rows if r["mode"] in ("copy", "direct")]
+    if not rows:
+        return
     for r in rows:
         g = r["gpu_bytes"] / GIB
         t[r["mode"] + " capture"].append((g, r["capture"]))
