@@ -685,6 +685,17 @@ TEST(GpuEngine, IoUringIsRefusedBeforeAnyDriverCall) {
   EXPECT_EQ(ask(source->port(), "CHECK").substr(0, 2), "OK");
 }
 
+// A capture of `source`, registered as a CUDA process holding `bytes` on kGpuA; its error.
+std::optional<Error> capture_holding(FakeDriver& fake, Workload& source, uint64_t bytes,
+                                     const std::filesystem::path& output,
+                                     const std::filesystem::path& run_dir) {
+  fake.add_process(source.pid());
+  fake.set_usage(source.pid(), kGpuA, bytes);
+  RecordingReporter reporter;
+  return error_of(
+      [&] { checkpoint(checkpoint_options(source.pid(), output, fake, run_dir), reporter); });
+}
+
 // What must hold after a refusal for want of room: nothing was asked of the driver but facts,
 // nothing is at the output, the workload runs on.
 void expect_refused_untouched(const Error& e, FakeDriver& fake, Workload& source,
@@ -707,12 +718,7 @@ TEST(GpuEngine, AStoreTooSmallForTheGpuMemoryIsRefusedBeforeAnythingIsFrozen) {
   ASSERT_EQ(::mount("gpusnap-test", store.c_str(), "tmpfs", 0, "size=16m"), 0);
   FakeDriver fake;
   fake.add_gpu(FakeDriver::make_gpu(kGpuA));
-  fake.add_process(source.pid());
-  fake.set_usage(source.pid(), kGpuA, 64 * kMiB);
-  RecordingReporter reporter;
-  auto e = error_of([&] {
-    checkpoint(checkpoint_options(source.pid(), store / "snap", fake, dir / "run"), reporter);
-  });
+  auto e = capture_holding(fake, source, 64 * kMiB, store / "snap", dir / "run");
   ASSERT_TRUE(e);
   // The numbers: what the artifact needs, of which GPU memory, and what the store has.
   EXPECT_TRUE(contains(e->what(), "the artifact needs up to ")) << e->what();
@@ -735,12 +741,7 @@ TEST(GpuEngine, GpuMemoryBeyondTheHostsAvailableMemoryIsRefusedBeforeAnythingIsF
   // the preload library the driver's checkpoint would need all of it in the process.
   FakeDriver fake;
   fake.add_gpu(FakeDriver::make_gpu(kGpuA, "NVIDIA H200", 4 * available));
-  fake.add_process(source.pid());
-  fake.set_usage(source.pid(), kGpuA, 2 * available);
-  RecordingReporter reporter;
-  auto e = error_of([&] {
-    checkpoint(checkpoint_options(source.pid(), dir / "snap", fake, dir / "run"), reporter);
-  });
+  auto e = capture_holding(fake, source, 2 * available, dir / "snap", dir / "run");
   ASSERT_TRUE(e);
   EXPECT_TRUE(contains(e->what(), "the capture needs ")) << e->what();
   EXPECT_TRUE(contains(e->what(), fs::human_bytes(2 * available) +

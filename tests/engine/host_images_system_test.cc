@@ -247,6 +247,21 @@ CaptureRun checkpoint_and_restore(const TempDir& dir, Workload& source, bool hos
   return run;
 }
 
+// The driver found the exact bytes in the source (its gpu-resume) and in both copies, the
+// workload works everywhere, and the artifact verifies.
+void expect_intact_everywhere(const CaptureRun& run, Workload& source,
+                              const std::filesystem::path& artifact) {
+  ASSERT_EQ(run.outcomes.size(), 3u);
+  for (const auto& [pid, outcome] : run.outcomes) EXPECT_EQ(outcome, "ok") << "pid " << pid;
+  EXPECT_EQ(run.outcomes.count(source.pid()), 1u);
+  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
+  ASSERT_EQ(run.restore.copies.size(), 2u);
+  for (const auto& c : run.restore.copies) {
+    EXPECT_EQ(ask(c.ports[0].host_port, "CHECK").substr(0, 2), "OK");
+  }
+  EXPECT_TRUE(Artifact::open(artifact).verify().empty());
+}
+
 // The test workload with libgpusnap-preload.so, looking for requests where a capture run with
 // run_dir `dir/run` leaves them.
 Workload preloaded_workload(const TempDir& dir) {
@@ -299,19 +314,8 @@ TEST(HostImages, GpuMemoryIsStoredBesideCriuAndMappedBackInEveryCopy) {
   EXPECT_LE(allocated, kRegion - zero_blocks * kHugePage + 8 * kMiB) << "not sparse";
   EXPECT_LT(criu_page_bytes(dir / "snap"), 64 * kMiB) << "CRIU stored the region too";
 
-  // The driver found the exact bytes in the source (gpu-resume) and in both copies.
-  ASSERT_EQ(run.outcomes.size(), 3u);
-  for (const auto& [pid, outcome] : run.outcomes) EXPECT_EQ(outcome, "ok") << "pid " << pid;
-  EXPECT_EQ(run.outcomes.count(source.pid()), 1u);
-
-  // The workload itself is intact everywhere, and the artifact verifies: the checksums recorded
-  // for the host images while they were copied are those of the files' bytes.
-  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
-  ASSERT_EQ(run.restore.copies.size(), 2u);
-  for (const auto& c : run.restore.copies) {
-    EXPECT_EQ(ask(c.ports[0].host_port, "CHECK").substr(0, 2), "OK");
-  }
-  EXPECT_TRUE(Artifact::open(dir / "snap").verify().empty());
+  // The checksums recorded for the host images while they were copied are the files' bytes'.
+  expect_intact_everywhere(run, source, dir / "snap");
 }
 
 TEST(HostImages, ByDefaultARegionIsOneFile) {
@@ -380,15 +384,8 @@ TEST(HostImages, WithThePreloadLibraryTheDriverWritesStraightIntoTheArtifact) {
 
   // The source's region is now a private mapping of the artifact's file: what the source
   // writes there (the driver's restore reads it, then unmaps it) never reaches the artifact.
-  // The driver found the exact bytes in the source and in both copies, and the artifact
-  // verifies against the checksums hashed beside the dump.
-  ASSERT_EQ(run.outcomes.size(), 3u);
-  for (const auto& [pid, outcome] : run.outcomes) EXPECT_EQ(outcome, "ok") << "pid " << pid;
-  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
-  for (const auto& c : run.restore.copies) {
-    EXPECT_EQ(ask(c.ports[0].host_port, "CHECK").substr(0, 2), "OK");
-  }
-  EXPECT_TRUE(Artifact::open(dir / "snap").verify().empty());
+  // The artifact verifies against the checksums hashed beside the dump.
+  expect_intact_everywhere(run, source, dir / "snap");
 }
 
 TEST(HostImages, TheCopyingPathStaysSelectableForAPreloadedWorkload) {

@@ -51,9 +51,8 @@ TEST(PreflightTest, RefusesIoUringNamingProcessAndFd) {
   tree[1].files.push_back({7, "anon_inode:[io_uring]"});
   Error e = catch_error([&] { refuse_uncapturable(tree); });
   EXPECT_EQ(e.kind(), ErrorKind::kNotCapturable);
-  EXPECT_STREQ(e.what(),
-               "process 4321 (node) holds an io_uring instance (fd 7), which CRIU cannot "
-               "checkpoint");
+  EXPECT_STREQ(e.what(), "process 4321 (node) holds an io_uring instance (fd 7), which CRIU cannot "
+                         "checkpoint");
   EXPECT_TRUE(Contains(e.hint(), "`gpusnap run`"));
   EXPECT_TRUE(Contains(e.hint(), "UV_USE_IO_URING=0"));
 }
@@ -133,6 +132,52 @@ TEST(PreflightTest, AcceptsAChild) {
   EXPECT_NO_THROW(refuse_bad_root(child));
   ::kill(child, SIGKILL);
   ::waitpid(child, nullptr, 0);
+}
+
+TEST(CaptureRoomTest, ReadsMemAvailableFromMeminfo) {
+  EXPECT_EQ(memory_available("MemTotal:       131961788 kB\nMemFree:  1 kB\n"
+                             "MemAvailable:   131454724 kB\nBuffers: 2 kB\n"),
+            131454724ull * 1024);
+  EXPECT_EQ(memory_available("MemTotal: 5 kB\n"), 0u);
+}
+
+constexpr uint64_t kGiB = 1ull << 30;
+
+CaptureRoom room(uint64_t gpu, uint64_t copied, bool in_ram, uint64_t available, uint64_t free) {
+  CaptureRoom r;
+  r.gpu_bytes = gpu * kGiB;
+  r.copied_gpu_bytes = copied * kGiB;
+  r.cpu_bytes = 0;
+  r.store_in_ram = in_ram;
+  r.memory_available = available * kGiB;
+  r.store_free = free * kGiB;
+  r.store = "/mnt/store";
+  return r;
+}
+
+TEST(CaptureRoomTest, TheDirectPathNeedsTheGpuBytesOnceTheCopyTwice) {
+  // 48 GiB on a RAM store of a host with 100 GiB available: written straight into the
+  // artifact it fits; copied after the driver's call it needs 96 GiB of memory.
+  EXPECT_NO_THROW(refuse_without_room(room(48, 0, true, 100, 110)));
+  EXPECT_NO_THROW(refuse_without_room(room(48, 48, true, 100, 110)));
+  Error e = catch_error([] { refuse_without_room(room(60, 60, true, 100, 110)); });
+  EXPECT_EQ(e.kind(), ErrorKind::kEnvironment);
+  EXPECT_EQ(std::string(e.what()),
+            "the capture needs 120.0 GiB of host memory (60.0 GiB of GPU memory the driver's "
+            "checkpoint puts in the processes' own memory + 60.0 GiB of artifact in RAM "
+            "(/mnt/store)), this host has 100.0 GiB available (MemAvailable)");
+  EXPECT_TRUE(Contains(e.hint(), "libgpusnap-preload.so"));
+  EXPECT_NO_THROW(refuse_without_room(room(60, 0, true, 100, 110)));
+  // On disk the artifact is page cache, which can be reclaimed: only the driver's memory counts.
+  EXPECT_NO_THROW(refuse_without_room(room(60, 60, false, 100, 110)));
+}
+
+TEST(CaptureRoomTest, AStoreTooSmallIsRefusedWithItsNumbers) {
+  Error e = catch_error([] { refuse_without_room(room(16, 0, false, 100, 10)); });
+  EXPECT_EQ(e.kind(), ErrorKind::kEnvironment);
+  EXPECT_EQ(std::string(e.what()),
+            "the artifact needs up to 16.0 GiB (16.0 GiB of GPU memory + 0 B of CPU memory), "
+            "/mnt/store has 10.0 GiB free");
 }
 
 }  // namespace

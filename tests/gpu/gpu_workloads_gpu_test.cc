@@ -205,6 +205,18 @@ TEST(CudaWorkload, CheckpointAndRestoreThroughTheAgent) {
   agent.wait();
 }
 
+// Kills the capture `cp`; the guardian must then give the workload its GPU state back (it answers
+// as `before`), with nothing written at `output`.
+void expect_killed_capture_undone(Subprocess& cp, Workload& source, const std::string& before,
+                                  const std::filesystem::path& output) {
+  cp.kill(SIGKILL);
+  cp.wait();
+  EXPECT_TRUE(
+      eventually([&] { return ask(source.port(), "CHECK") == before; }, std::chrono::seconds(60)))
+      << ask(source.port(), "CHECK");
+  EXPECT_FALSE(std::filesystem::exists(output));
+}
+
 // gpusnap killed (SIGKILL) in the middle of the driver's checkpoint: the capture's guardian
 // returns the workload's GPU state, with no gpusnap run afterwards, and nothing is written.
 TEST(CudaWorkload, GpusnapKilledDuringTheGpuCheckpointLeavesTheWorkloadWorking) {
@@ -230,12 +242,7 @@ TEST(CudaWorkload, GpusnapKilledDuringTheGpuCheckpointLeavesTheWorkloadWorking) 
   // The journal entry appears before the lock; the checkpoint of 4 GiB then takes ~2.7 s.
   ASSERT_TRUE(eventually([&] { return entries() != old_entries; }, std::chrono::seconds(30)));
   std::this_thread::sleep_for(std::chrono::milliseconds(800));
-  cp.kill(SIGKILL);
-  cp.wait();
-  EXPECT_TRUE(
-      eventually([&] { return ask(source.port(), "CHECK") == before; }, std::chrono::seconds(60)))
-      << ask(source.port(), "CHECK");
-  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  expect_killed_capture_undone(cp, source, before, dir / "snap");
   record("killed-mid-gpu-checkpoint", {{"answer", ask(source.port(), "CHECK")}});
 }
 
@@ -303,12 +310,7 @@ void kill_direct_capture(const std::string& name, bool after_the_drivers_call) {
         eventually([&] { return image(false) && !request_left(); }, std::chrono::seconds(60)));
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
   }
-  cp.kill(SIGKILL);
-  cp.wait();
-  EXPECT_TRUE(
-      eventually([&] { return ask(source.port(), "CHECK") == before; }, std::chrono::seconds(60)))
-      << ask(source.port(), "CHECK");
-  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  expect_killed_capture_undone(cp, source, before, dir / "snap");
   EXPECT_TRUE(eventually([&] { return !image(false) && !image(true); }));
   EXPECT_FALSE(request_left());
   record(name, {{"answer", ask(source.port(), "CHECK")}});
