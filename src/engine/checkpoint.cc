@@ -179,6 +179,7 @@ class Checkpoint {
     auto handshake = find_handshake();
     const auto requests_dir = options_.run_dir / engine::kPreloadRequestsDir;
     std::vector<std::filesystem::path> requests;
+    requests.reserve(direct.size());
     for (pid_t pid : direct) requests.push_back(engine::preload_request_path(requests_dir, pid));
     guard.emplace(options_.helper_binary.empty() ? "/proc/self/exe" : options_.helper_binary,
                   writer.staging(), cuda, handshake ? handshake->dir() : std::filesystem::path(),

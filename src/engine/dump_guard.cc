@@ -106,6 +106,7 @@ CaptureGuard::CaptureGuard(const std::string& helper, const std::filesystem::pat
   SpawnOptions o;
   // A separate program rather than a forked function: gpusnap may have driver threads by now.
   std::vector<std::string> requests;
+  requests.reserve(preload_requests.size());
   for (const auto& r : preload_requests) requests.push_back(r.string());
   nlohmann::json spec{{"staging", staging.string()},
                       {"gpu_pids", gpu_pids},

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cctype>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <mutex>
@@ -490,7 +491,7 @@ bool direct_capture_possible(pid_t pid, const std::vector<Mapping>& maps) {
     return false;
   }
   auto at = status.find("TracerPid:");
-  return at != std::string::npos && std::atoi(status.c_str() + at + 10) == 0;
+  return at != std::string::npos && std::strtol(status.c_str() + at + 10, nullptr, 10) == 0;
 #else
   (void)pid;
   (void)maps;
@@ -632,6 +633,9 @@ struct HashedFiles::File {
   unsigned char* map = nullptr;
   std::vector<std::string> chunks;
   std::atomic<uint64_t> stored{0};
+  File() = default;
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
   ~File() {
     if (map != nullptr) ::munmap(map, size);
   }

@@ -439,9 +439,9 @@ void* map_into_file(size_t len, int prot, int flags) {
   auto base = reinterpret_cast<uintptr_t>(room);
   uintptr_t start = (base + kHugePage - 1) / kHugePage * kHugePage;
   const int keep = flags & MAP_NORESERVE;
-  // NOLINTNEXTLINE(performance-no-int-to-ptr): an address the kernel gave, rounded up.
-  void* p =
-      real(reinterpret_cast<void*>(start), len, prot, MAP_SHARED | MAP_FIXED | keep, fd.get(), 0);
+  // An address the kernel gave, rounded up.
+  void* p = real(reinterpret_cast<void*>(start),  // NOLINT(performance-no-int-to-ptr)
+                 len, prot, MAP_SHARED | MAP_FIXED | keep, fd.get(), 0);
   if (p == MAP_FAILED) {
     munmap(room, len + kHugePage);
     (void)!ftruncate(fd.get(), 0);

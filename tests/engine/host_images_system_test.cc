@@ -196,6 +196,17 @@ struct CaptureRun {
   std::vector<std::string> notes, phases;  // the checkpoint's
 };
 
+// A capture of `source` into `dir`/snap through `driver`, gpusnap's state in `dir`/run.
+CheckpointOptions capture_options(const TempDir& dir, const Workload& source, gpu::Driver& driver) {
+  CheckpointOptions co;
+  co.pid = source.pid();
+  co.output = dir / "snap";
+  co.driver = &driver;
+  co.helper_binary = gpusnap_bin();
+  co.run_dir = dir / "run";
+  return co;
+}
+
 // Checkpoint (leaving the source running) and restore two copies, all through StagingDriver
 // (played inside the workload when `in_process`).
 CaptureRun checkpoint_and_restore(const TempDir& dir, Workload& source, bool host_images,
@@ -207,12 +218,7 @@ CaptureRun checkpoint_and_restore(const TempDir& dir, Workload& source, bool hos
   fake.set_usage(source.pid(), kGpu, kRegion);
   StagingDriver driver(fake, in_process ? source.port() : 0);
 
-  CheckpointOptions co;
-  co.pid = source.pid();
-  co.output = dir / "snap";
-  co.driver = &driver;
-  co.helper_binary = gpusnap_bin();
-  co.run_dir = dir / "run";
+  CheckpointOptions co = capture_options(dir, source, driver);
   co.leave_running = true;
   co.host_images = host_images;
   co.host_image_file_bytes = file_bytes;
@@ -440,15 +446,9 @@ TEST(HostImages, ACaptureKilledOnTheDirectPathLeavesTheWorkloadItsMemoryAndNoArt
       fake.add_process(source.pid());
       fake.set_usage(source.pid(), kGpu, kLibraryRegion);
       StagingDriver driver(fake, source.port());
-      CheckpointOptions co;
-      co.pid = source.pid();
-      co.output = dir / "snap";
-      co.driver = &driver;
-      co.helper_binary = gpusnap_bin();
-      co.run_dir = dir / "run";
       KillAt reporter(phase);
       try {
-        checkpoint(co, reporter);
+        checkpoint(capture_options(dir, source, driver), reporter);
       } catch (...) {
       }
       ::_exit(3);  // the phase never came
