@@ -135,7 +135,8 @@ store::PullOptions pull_options(const Args& args) {
   store::PullOptions o;
   o.transfer = transfer_options(args);
   o.cache = args.get("--cache", store::kDefaultCache);
-  o.cache_budget = static_cast<uint64_t>(args.get_int("--cache-budget-gib", 64, 0, 1 << 20)) << 30;
+  o.cache_budget = static_cast<uint64_t>(args.get_int("--cache-budget-mib", 64 << 10, 0, 1L << 30))
+                   << 20;
   return o;
 }
 
@@ -175,8 +176,8 @@ std::vector<FlagSpec> cache_flags() {
   return {
       {"--cache", "", "DIR",
        "the node cache of pulled snapshots (default " + std::string(store::kDefaultCache) + ")"},
-      {"--cache-budget-gib", "", "GIB",
-       "keep the cache within GIB, least recently used snapshots leaving first (default 64)"}};
+      {"--cache-budget-mib", "", "MIB",
+       "keep the cache within MIB, least recently used snapshots leaving first (default 65536)"}};
 }
 
 const FlagSpec kJsonFlag{"--json", "", "", "print the result as one JSON document on stdout"};

@@ -43,10 +43,10 @@ void write_all(int fd, std::string_view data, const std::string& what) {
   }
 }
 
-int64_t mtime_seconds(const sfs::path& p) {
+int64_t mtime_ns(const sfs::path& p) {
   struct stat st {};
   if (::stat(p.c_str(), &st) != 0) return 0;
-  return st.st_mtim.tv_sec;
+  return st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
 }
 
 }  // namespace
@@ -171,14 +171,15 @@ std::vector<CachedSnapshot> BlobStore::list() const {
     try {
       auto doc = json::parse(text);
       auto layout = Layout::from_json(doc.at("layout"));
+      const int64_t used = mtime_ns(e.path());
       out.push_back({name.substr(0, 64), doc.at("reference").get<std::string>(),
-                     layout.apparent_bytes(), layout.stored_bytes(), mtime_seconds(e.path())});
+                     layout.apparent_bytes(), layout.stored_bytes(), used / 1000000000LL, used});
     } catch (const std::exception&) {
       continue;  // a damaged record is not listed; evict() removes its blobs
     }
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
-    return a.last_used != b.last_used ? a.last_used > b.last_used : a.key < b.key;
+    return a.last_used_ns != b.last_used_ns ? a.last_used_ns > b.last_used_ns : a.key < b.key;
   });
   return out;
 }

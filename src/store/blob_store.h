@@ -33,6 +33,7 @@ struct CachedSnapshot {
   uint64_t apparent_bytes = 0;
   uint64_t stored_bytes = 0;  // its chunks, shared ones included
   int64_t last_used = 0;      // seconds since the epoch
+  int64_t last_used_ns = 0;   // the same in nanoseconds: the eviction order
 };
 
 struct EvictResult {

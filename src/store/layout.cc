@@ -1,5 +1,7 @@
 #include "store/layout.h"
 
+#include <algorithm>
+#include <filesystem>
 #include <map>
 #include <set>
 
@@ -100,6 +102,13 @@ Layout Layout::from_json(const json& doc) {
     FileLayout f;
     f.path = field<std::string>(fj, "path", "file");
     const std::string where = "file '" + f.path.substr(0, 200) + "'";
+    // The path names a file to write: nothing outside the artifact, not the manifest itself.
+    const std::filesystem::path p(f.path);
+    if (f.path.empty() || f.path.size() > 4096 || p.is_absolute() || f.path == kManifestName ||
+        std::any_of(p.begin(), p.end(),
+                    [](const auto& part) { return part == ".." || part == "." || part.empty(); })) {
+      throw bad(where + ": not a plain relative path inside the artifact");
+    }
     f.size = field<uint64_t>(fj, "size", where);
     if (f.size > kMaxFileBytes) throw bad(where + ": size " + std::to_string(f.size));
     const json& ex = fj.contains("extents") ? fj.at("extents") : json();

@@ -19,31 +19,34 @@ namespace gpusnap::store {
 namespace {
 
 namespace sfs = std::filesystem;
-constexpr uint64_t kZeroBlock = 64 << 10;
+constexpr uint64_t kPage = 4096;
 
 bool is_zero(const char* p, size_t n) {
   return n == 0 || (p[0] == 0 && std::memcmp(p, p + 1, n - 1) == 0);
 }
 
-// Writes data at offset, leaving 64 KiB blocks (of the file's grid) that are all zero as holes:
-// the materialised file is as sparse as the one captured.
+// Writes data at offset, leaving every all-zero 4 KiB page (of the file's grid) as a hole and
+// coalescing the others into as few writes as possible: the materialised file is as sparse as
+// the one captured, page for page.
 void write_sparse(int fd, const char* data, uint64_t length, uint64_t offset,
                   const std::string& path) {
+  auto page_end = [&](uint64_t pos) {
+    return std::min(length, ((offset + pos) / kPage + 1) * kPage - offset);
+  };
   uint64_t pos = 0;
   while (pos < length) {
-    const uint64_t block_end =
-        std::min(length, ((offset + pos) / kZeroBlock + 1) * kZeroBlock - offset);
-    const uint64_t n = block_end - pos;
-    if (!is_zero(data + pos, n)) {
-      for (uint64_t done = 0; done < n;) {
-        ssize_t w =
-            ::pwrite(fd, data + pos + done, n - done, static_cast<off_t>(offset + pos + done));
-        if (w < 0 && errno == EINTR) continue;
-        if (w < 0) throw sys_error("write " + path, errno);
-        done += static_cast<uint64_t>(w);
-      }
+    while (pos < length && is_zero(data + pos, page_end(pos) - pos)) pos = page_end(pos);
+    uint64_t run_end = pos;
+    while (run_end < length && !is_zero(data + run_end, page_end(run_end) - run_end)) {
+      run_end = page_end(run_end);
     }
-    pos = block_end;
+    for (uint64_t done = pos; done < run_end;) {
+      ssize_t w = ::pwrite(fd, data + done, run_end - done, static_cast<off_t>(offset + done));
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0) throw sys_error("write " + path, errno);
+      done += static_cast<uint64_t>(w);
+    }
+    pos = run_end;
   }
 }
 
