@@ -3,6 +3,9 @@
 // chunk would cost more than the chunk.
 #include "store/registry.h"
 
+// httplib reads a response 4 KiB at a time by default: a read() and an append per 4 KiB of an
+// 8 MiB chunk. This is the only file of gpusnap that includes it.
+#define CPPHTTPLIB_RECV_BUFSIZ size_t(256u << 10)
 #include <httplib.h>
 #include <openssl/evp.h>
 
@@ -232,6 +235,9 @@ std::unique_ptr<httplib::Client> Registry::make_client() const {
   c->set_read_timeout(120);
   c->set_write_timeout(120);
   c->set_keep_alive(true);
+  // Headers and body go out in separate writes: with Nagle's algorithm the body's last
+  // segment would wait for the ACK of the headers (40 ms of delayed ACK per request).
+  c->set_tcp_nodelay(true);
   c->set_follow_location(true);  // a registry may send blobs from elsewhere (object storage)
   if (!options_.plain_http) {
     c->enable_server_certificate_verification(true);
