@@ -91,6 +91,13 @@ class TransferReporter final : public Reporter {
   std::map<std::string, PhaseState> phases_;
 };
 
+json sizes_json(const store::SnapshotSizes& s) {
+  return {{"bytes", s.apparent_bytes},
+          {"data_bytes", s.data_bytes},
+          {"stored_bytes", s.stored_bytes},
+          {"chunks", s.chunks}};
+}
+
 json phases_json(const std::vector<PhaseTiming>& phases) {
   json out = json::array();
   for (const auto& p : phases) out.push_back({{"name", p.name}, {"seconds", p.seconds}});
@@ -141,20 +148,19 @@ store::PullOptions pull_options(const Args& args) {
 }
 
 json pull_document(const store::PullResult& r, const std::vector<std::string>& notes) {
-  return {{"reference", r.reference},
-          {"digest", r.digest},
-          {"artifact", r.output.string()},
-          {"bytes", r.apparent_bytes},
-          {"data_bytes", r.data_bytes},
-          {"chunks", r.chunks},
-          {"chunks_fetched", r.chunks_fetched},
-          {"bytes_fetched", r.bytes_fetched},
-          {"chunks_from_cache", r.chunks_from_cache},
-          {"bytes_from_cache", r.bytes_from_cache},
-          {"evicted", r.evicted},
-          {"phases", phases_json(r.phases)},
-          {"seconds", total_seconds(r.phases)},
-          {"notes", notes}};
+  json doc = sizes_json(r.sizes);
+  doc.update(json{{"reference", r.reference},
+                  {"digest", r.digest},
+                  {"artifact", r.output.string()},
+                  {"chunks_fetched", r.chunks_fetched},
+                  {"bytes_fetched", r.bytes_fetched},
+                  {"chunks_from_cache", r.chunks_from_cache},
+                  {"bytes_from_cache", r.bytes_from_cache},
+                  {"evicted", r.evicted},
+                  {"phases", phases_json(r.phases)},
+                  {"seconds", total_seconds(r.phases)},
+                  {"notes", notes}});
+  return doc;
 }
 
 }  // namespace
@@ -267,27 +273,25 @@ int cmd_push(const Args& args) {
     }
     return 0.0;
   }();
-  json doc{{"reference", r.reference},
-           {"digest", r.digest},
-           {"bytes", r.apparent_bytes},
-           {"data_bytes", r.data_bytes},
-           {"stored_bytes", r.stored_bytes},
-           {"chunks", r.chunks},
-           {"chunks_uploaded", r.chunks_uploaded},
-           {"bytes_uploaded", r.bytes_uploaded},
-           {"phases", phases_json(r.phases)},
-           {"seconds", total_seconds(r.phases)},
-           {"notes", reporter.notes}};
+  json doc = sizes_json(r.sizes);
+  doc.update(json{{"reference", r.reference},
+                  {"digest", r.digest},
+                  {"chunks_uploaded", r.chunks_uploaded},
+                  {"bytes_uploaded", r.bytes_uploaded},
+                  {"phases", phases_json(r.phases)},
+                  {"seconds", total_seconds(r.phases)},
+                  {"notes", reporter.notes}});
   if (as_json) {
     std::cout << doc.dump(2) << "\n";
   } else if (!args.has("--quiet")) {
     std::printf("%s\n  %s in %llu chunks (%s stored), %llu chunks (%s) uploaded, the rest already "
                 "there; %.2f s (%s read)\n",
-                r.reference.c_str(), fs::human_bytes(r.apparent_bytes).c_str(),
-                static_cast<unsigned long long>(r.chunks), fs::human_bytes(r.stored_bytes).c_str(),
+                r.reference.c_str(), fs::human_bytes(r.sizes.apparent_bytes).c_str(),
+                static_cast<unsigned long long>(r.sizes.chunks),
+                fs::human_bytes(r.sizes.stored_bytes).c_str(),
                 static_cast<unsigned long long>(r.chunks_uploaded),
                 fs::human_bytes(r.bytes_uploaded).c_str(), total_seconds(r.phases),
-                rate(r.data_bytes, upload).c_str());
+                rate(r.sizes.data_bytes, upload).c_str());
   }
   return 0;
 }
@@ -305,11 +309,11 @@ int cmd_pull(const Args& args) {
   if (as_json) {
     std::cout << doc.dump(2) << "\n";
   } else if (!args.has("--quiet")) {
-    std::printf("%s -> %s\n  %s: %llu chunks fetched (%s), %llu from the node cache; %.2f s\n",
-                r.reference.c_str(), r.output.c_str(), fs::human_bytes(r.apparent_bytes).c_str(),
-                static_cast<unsigned long long>(r.chunks_fetched),
-                fs::human_bytes(r.bytes_fetched).c_str(),
-                static_cast<unsigned long long>(r.chunks_from_cache), total_seconds(r.phases));
+    std::printf(
+        "%s -> %s\n  %s: %llu chunks fetched (%s), %llu from the node cache; %.2f s\n",
+        r.reference.c_str(), r.output.c_str(), fs::human_bytes(r.sizes.apparent_bytes).c_str(),
+        static_cast<unsigned long long>(r.chunks_fetched), fs::human_bytes(r.bytes_fetched).c_str(),
+        static_cast<unsigned long long>(r.chunks_from_cache), total_seconds(r.phases));
   }
   return 0;
 }
@@ -319,22 +323,21 @@ int cmd_import(const Args& args) {
   TransferReporter reporter(as_json, args.has("--quiet"));
   auto r = store::import_artifact(args.only_artifact(), args.get("--cache", store::kDefaultCache),
                                   store::ChunkingOptions{}, reporter);
-  json doc{{"key", r.key},
-           {"bytes", r.apparent_bytes},
-           {"data_bytes", r.data_bytes},
-           {"stored_bytes", r.stored_bytes},
-           {"new_bytes", r.new_bytes},
-           {"chunks", r.chunks},
-           {"new_chunks", r.new_chunks},
-           {"phases", phases_json(r.phases)},
-           {"seconds", total_seconds(r.phases)}};
+  json doc = sizes_json(r.sizes);
+  doc.update(json{{"key", r.key},
+                  {"new_bytes", r.new_bytes},
+                  {"new_chunks", r.new_chunks},
+                  {"phases", phases_json(r.phases)},
+                  {"seconds", total_seconds(r.phases)}});
   if (as_json) {
     std::cout << doc.dump(2) << "\n";
   } else if (!args.has("--quiet")) {
     std::printf("%s: %s (%s not zeros) in %llu chunks, %s stored; %s of it new to the store\n",
-                args.only_artifact().c_str(), fs::human_bytes(r.apparent_bytes).c_str(),
-                fs::human_bytes(r.data_bytes).c_str(), static_cast<unsigned long long>(r.chunks),
-                fs::human_bytes(r.stored_bytes).c_str(), fs::human_bytes(r.new_bytes).c_str());
+                args.only_artifact().c_str(), fs::human_bytes(r.sizes.apparent_bytes).c_str(),
+                fs::human_bytes(r.sizes.data_bytes).c_str(),
+                static_cast<unsigned long long>(r.sizes.chunks),
+                fs::human_bytes(r.sizes.stored_bytes).c_str(),
+                fs::human_bytes(r.new_bytes).c_str());
   }
   return 0;
 }
@@ -409,17 +412,20 @@ int verify_remote(const Args& args, const std::string& reference) {
   if (as_json) {
     json list = json::array();
     for (const auto& p : problems) list.push_back({{"path", p.path}, {"problem", p.problem}});
-    std::cout << json{{"artifact", r.reference},   {"ok", problems.empty()},
-                      {"bytes", r.apparent_bytes}, {"chunks", r.chunks},
-                      {"problems", list},          {"seconds", total_seconds(r.phases)}}
+    std::cout << json{{"artifact", r.reference},
+                      {"ok", problems.empty()},
+                      {"bytes", r.sizes.apparent_bytes},
+                      {"chunks", r.sizes.chunks},
+                      {"problems", list},
+                      {"seconds", total_seconds(r.phases)}}
                      .dump(2)
               << "\n";
   } else {
     for (const auto& p : problems) std::printf("%s: %s\n", p.path.c_str(), p.problem.c_str());
     if (problems.empty()) {
       std::printf("%s: ok, %s in %llu chunks verified\n", r.reference.c_str(),
-                  fs::human_bytes(r.apparent_bytes).c_str(),
-                  static_cast<unsigned long long>(r.chunks));
+                  fs::human_bytes(r.sizes.apparent_bytes).c_str(),
+                  static_cast<unsigned long long>(r.sizes.chunks));
     }
   }
   return problems.empty() ? 0 : static_cast<int>(ErrorKind::kBadArtifact);

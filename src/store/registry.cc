@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/fs.h"
+#include "common/url.h"
 #include "gpusnap/error.h"
 #include "store/digest.h"
 
@@ -32,21 +33,6 @@ constexpr uint64_t kMaxAuthFileBytes = 1ull << 20;
 struct Transient {
   std::string what;
 };
-
-std::string url_encode(std::string_view s) {
-  static constexpr char kHex[] = "0123456789ABCDEF";
-  std::string out;
-  for (unsigned char c : s) {
-    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~') {
-      out += static_cast<char>(c);
-    } else {
-      out += '%';
-      out += kHex[c >> 4];
-      out += kHex[c & 15];
-    }
-  }
-  return out;
-}
 
 std::string base64_decode(const std::string& in) {
   if (in.empty() || in.size() % 4 != 0) return {};

@@ -93,6 +93,11 @@ RemoteSnapshot read_remote_with(Registry& registry) {
 
 }  // namespace
 
+SnapshotSizes SnapshotSizes::of(const Layout& layout) {
+  return {layout.apparent_bytes(), layout.data_bytes(), layout.stored_bytes(),
+          layout.blobs().size()};
+}
+
 PushResult push(const std::filesystem::path& path, const OciRef& ref, const TransferOptions& o,
                 Reporter& reporter) {
   if (!ref.digest.empty()) {
@@ -145,10 +150,7 @@ PushResult push(const std::filesystem::path& path, const OciRef& ref, const Tran
     r.digest = registry.put_manifest(manifest.dump(), kOciManifestMediaType);
   });
   r.reference = ref.by_digest(r.digest);
-  r.apparent_bytes = layout.apparent_bytes();
-  r.data_bytes = layout.data_bytes();
-  r.stored_bytes = layout.stored_bytes();
-  r.chunks = layout.blobs().size();
+  r.sizes = SnapshotSizes::of(layout);
   r.chunks_uploaded = uploaded;
   r.bytes_uploaded = bytes_uploaded;
   r.phases = phases.timings();
@@ -204,9 +206,7 @@ PullResult pull(const OciRef& ref, const PullOptions& o, Reporter& reporter) {
   r.reference = ref.by_digest(snap.digest);
   r.digest = snap.digest;
   r.output = o.output;
-  r.apparent_bytes = snap.layout.apparent_bytes();
-  r.data_bytes = snap.layout.data_bytes();
-  r.chunks = snap.layout.blobs().size();
+  r.sizes = SnapshotSizes::of(snap.layout);
   r.chunks_fetched = fetched;
   r.bytes_fetched = bytes_fetched;
   r.chunks_from_cache = cached;
@@ -243,10 +243,7 @@ ImportResult import_artifact(const std::filesystem::path& path, const std::files
   phases.run("record", [&] {
     store.record_snapshot(r.key, std::filesystem::absolute(path).string(), layout);
   });
-  r.apparent_bytes = layout.apparent_bytes();
-  r.data_bytes = layout.data_bytes();
-  r.stored_bytes = layout.stored_bytes();
-  r.chunks = layout.blobs().size();
+  r.sizes = SnapshotSizes::of(layout);
   r.new_bytes = new_bytes;
   r.new_chunks = new_chunks;
   r.phases = phases.timings();

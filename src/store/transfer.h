@@ -36,6 +36,15 @@ inline constexpr const char* kChunkZstdMediaType = "application/vnd.gpusnap.chun
 inline constexpr const char* kArtifactType = "application/vnd.gpusnap.snapshot.v1";
 inline constexpr const char* kOciManifestMediaType = "application/vnd.oci.image.manifest.v1+json";
 
+// What a snapshot holds, in bytes and chunks (from its layout).
+struct SnapshotSizes {
+  uint64_t apparent_bytes = 0;
+  uint64_t data_bytes = 0;    // not zeros
+  uint64_t stored_bytes = 0;  // distinct chunks, as stored (compressed)
+  uint64_t chunks = 0;        // distinct chunks
+  static SnapshotSizes of(const Layout& layout);
+};
+
 struct TransferOptions {
   RegistryOptions registry;
   int jobs = 8;  // chunks in flight
@@ -45,10 +54,7 @@ struct TransferOptions {
 struct PushResult {
   std::string reference;  // oci://HOST/REPO@sha256:...
   std::string digest;     // of the OCI manifest
-  uint64_t apparent_bytes = 0;
-  uint64_t data_bytes = 0;    // not zeros
-  uint64_t stored_bytes = 0;  // distinct chunks, as stored (compressed)
-  uint64_t chunks = 0;
+  SnapshotSizes sizes;
   uint64_t chunks_uploaded = 0;
   uint64_t bytes_uploaded = 0;
   std::vector<PhaseTiming> phases;
@@ -83,9 +89,7 @@ struct PullResult {
   std::string reference;  // by digest
   std::string digest;
   std::filesystem::path output;
-  uint64_t apparent_bytes = 0;
-  uint64_t data_bytes = 0;
-  uint64_t chunks = 0;
+  SnapshotSizes sizes;
   uint64_t chunks_fetched = 0;
   uint64_t bytes_fetched = 0;
   uint64_t chunks_from_cache = 0;
@@ -100,11 +104,8 @@ PullResult pull(const OciRef& ref, const PullOptions& options, Reporter& reporte
 // added: what a second capture of the same workload costs the store.
 struct ImportResult {
   std::string key;
-  uint64_t apparent_bytes = 0;
-  uint64_t data_bytes = 0;
-  uint64_t stored_bytes = 0;  // its distinct chunks
-  uint64_t new_bytes = 0;     // of those, the ones the store did not hold
-  uint64_t chunks = 0;
+  SnapshotSizes sizes;
+  uint64_t new_bytes = 0;  // of its stored bytes, those the store did not hold
   uint64_t new_chunks = 0;
   std::vector<PhaseTiming> phases;
 };

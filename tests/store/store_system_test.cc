@@ -49,6 +49,14 @@ Capture capture(const TempDir& dir, const std::string& name, const std::string& 
   return c;
 }
 
+// gpusnap push --json of a capture to REPO:TAG of the registry (plain HTTP), its document.
+json push(const LocalRegistry& registry, const Capture& c, const std::string& repo_and_tag) {
+  auto r = gpusnap(
+      {"push", c.path.string(), registry.ref(repo_and_tag), "--plain-http", "--json", "-q"});
+  if (r.exit_code != 0) throw std::runtime_error("push failed: " + r.err);
+  return json::parse(r.out);
+}
+
 // Every file of an artifact (manifest included) with its bytes.
 std::map<std::string, std::string> contents(const sfs::path& root) {
   std::map<std::string, std::string> out;
@@ -203,10 +211,7 @@ TEST(StoreRegistry, CorruptBlobInTheRegistryIsRefusedAndNothingRestored) {
   SKIP_WITHOUT_REGISTRY();
   TempDir dir;
   LocalRegistry registry(dir, {});
-  auto snap = capture(dir, "snap", "32");
-  auto push =
-      gpusnap({"push", snap.path.string(), registry.ref("r/s:v1"), "--plain-http", "--json"});
-  ASSERT_EQ(push.exit_code, 0) << push.err;
+  push(registry, capture(dir, "snap", "32"), "r/s:v1");
 
   // Flip one byte of the largest chunk in the registry's own storage.
   auto raw = run_capture({"skopeo", "inspect", "--tls-verify=false", "--raw",
@@ -259,10 +264,7 @@ TEST(StoreRegistry, KilledPullResumesWithoutFetchingCompleteChunksAgain) {
   TempDir dir;
   LocalRegistry registry(dir, {});
   auto snap = capture(dir, "snap", "48");
-  auto push =
-      gpusnap({"push", snap.path.string(), registry.ref("r/s:v1"), "--plain-http", "--json"});
-  ASSERT_EQ(push.exit_code, 0) << push.err;
-  const int chunks = json::parse(push.out).at("chunks");
+  const int chunks = push(registry, snap, "r/s:v1").at("chunks");
 
   const auto cache = dir / "cache";
   const auto out = dir / "pulled";
@@ -318,14 +320,10 @@ TEST(StoreRegistry, SecondCaptureOfTheSameWorkloadAddsLittle) {
                                                       .c_str());
 
   // The registry too: the second push uploads only what the first lacked.
-  auto p1 = gpusnap({"push", first.path.string(), registry.ref("r/s:a"), "--plain-http", "--json"});
-  ASSERT_EQ(p1.exit_code, 0) << p1.err;
-  auto p2 =
-      gpusnap({"push", second.path.string(), registry.ref("r/s:b"), "--plain-http", "--json"});
-  ASSERT_EQ(p2.exit_code, 0) << p2.err;
-  auto d2 = json::parse(p2.out);
+  push(registry, first, "r/s:a");
+  auto d2 = push(registry, second, "r/s:b");
   EXPECT_LE(d2.at("bytes_uploaded").get<double>() / d2.at("stored_bytes").get<double>(), 0.10)
-      << p2.out;
+      << d2.dump();
 }
 
 TEST(StoreRegistry, NodeCacheKeepsItsBudgetLeastRecentlyUsedFirst) {
@@ -336,11 +334,9 @@ TEST(StoreRegistry, NodeCacheKeepsItsBudgetLeastRecentlyUsedFirst) {
   uint64_t largest = 0;
   for (const char* seed : {"11", "22", "33"}) {
     auto c = capture(dir, std::string("s") + seed, "24", seed);
-    auto p = gpusnap({"push", c.path.string(), registry.ref(std::string("r/s:") + seed),
-                      "--plain-http", "--json"});
-    ASSERT_EQ(p.exit_code, 0) << p.err;
-    refs.push_back(json::parse(p.out).at("reference"));
-    largest = std::max(largest, json::parse(p.out).at("stored_bytes").get<uint64_t>());
+    auto p = push(registry, c, std::string("r/s:") + seed);
+    refs.push_back(p.at("reference"));
+    largest = std::max(largest, p.at("stored_bytes").get<uint64_t>());
   }
   // Room for two of them, not three (their chunks differ: other seeds).
   const std::string budget = std::to_string((largest * 5 / 2) >> 20);
