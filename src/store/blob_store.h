@@ -50,6 +50,7 @@ class BlobStore {
   explicit BlobStore(std::filesystem::path root);
   BlobStore(const BlobStore&) = delete;
   BlobStore& operator=(const BlobStore&) = delete;
+  ~BlobStore() = default;  // closing the lock file releases the flock
 
   const std::filesystem::path& root() const { return root_; }
   bool has(std::string_view digest) const;

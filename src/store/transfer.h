@@ -60,7 +60,7 @@ struct PushResult {
   std::vector<PhaseTiming> phases;
 };
 
-PushResult push(const std::filesystem::path& artifact, const OciRef& ref,
+PushResult push(const std::filesystem::path& path, const OciRef& ref,
                 const TransferOptions& options, Reporter& reporter);
 
 // A snapshot as its registry describes it, before any chunk is fetched.
@@ -109,8 +109,7 @@ struct ImportResult {
   uint64_t new_chunks = 0;
   std::vector<PhaseTiming> phases;
 };
-ImportResult import_artifact(const std::filesystem::path& artifact,
-                             const std::filesystem::path& cache, const ChunkingOptions& options,
-                             Reporter& reporter);
+ImportResult import_artifact(const std::filesystem::path& path, const std::filesystem::path& cache,
+                             const ChunkingOptions& options, Reporter& reporter);
 
 }  // namespace gpusnap::store
