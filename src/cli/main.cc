@@ -12,6 +12,7 @@
 #include "cli/agent_client.h"
 #include "cli/args.h"
 #include "cli/documents.h"
+#include "cli/store_cli.h"
 #include "common/fs.h"
 #include "common/proc.h"
 #include "container/enter.h"
@@ -149,6 +150,7 @@ int cmd_restore(const Args& args) {
   Output out(args);
   RestoreOptions o;
   o.artifact = args.only_artifact();
+  if (is_remote(o.artifact)) o.artifact = pull_for_restore(args, o.artifact, *out.reporter);
   o.replicas = static_cast<int>(args.get_int("--replicas", 1, 1, 1024));
   o.verify = !args.has("--no-verify");
   o.criu_path = args.get("--criu");
@@ -183,6 +185,7 @@ int cmd_restore(const Args& args) {
 }
 
 int cmd_inspect(const Args& args) {
+  if (is_remote(args.only_artifact())) return inspect_remote(args, args.only_artifact());
   Output out(args);
   json doc = inspect_document(Artifact::open(args.only_artifact()));
   if (out.json) {
@@ -194,6 +197,7 @@ int cmd_inspect(const Args& args) {
 }
 
 int cmd_list(const Args& args) {
+  if (args.has("--cache")) return list_cache(args);
   Output out(args);
   if (args.positional().size() > 1) throw args.usage_error("list takes at most one DIR");
   json doc = list_document(args.positional().empty() ? kDefaultStorage : args.positional()[0]);
@@ -206,6 +210,7 @@ int cmd_list(const Args& args) {
 }
 
 int cmd_verify(const Args& args) {
+  if (is_remote(args.only_artifact())) return verify_remote(args, args.only_artifact());
   Output out(args);
   auto a = Artifact::open(args.only_artifact());
   Phases phases(*out.reporter);
@@ -308,8 +313,17 @@ int cmd_recover(const Args& args) {
   return 0;
 }
 
+// push, pull and import, and the oci:// flags of restore, inspect, verify and list
+// (cli/store_cli.h).
+void add_store_commands(std::vector<Command>& cmds) {
+  for (auto& c : cmds) extend_for_store(c.name, c.usage, c.summary, c.flags);
+  for (auto& c : store_commands()) {
+    cmds.push_back({c.name, c.usage, c.summary, c.flags, c.run});
+  }
+}
+
 std::vector<Command> commands() {
-  return {
+  std::vector<Command> cmds{
       {"checkpoint",
        "gpusnap checkpoint (--pid PID | --container ID) -o ARTIFACT [options]",
        "Capture the process tree rooted at PID into a new artifact directory. The source is\n"
@@ -422,6 +436,8 @@ std::vector<Command> commands() {
        {kJson, kHelp},
        cmd_list},
   };
+  add_store_commands(cmds);
+  return cmds;
 }
 
 void print_main_help(const std::vector<Command>& cmds) {

@@ -16,6 +16,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/url.h"
+
 namespace httplib {
 class Client;
 enum class Error;
@@ -98,6 +100,6 @@ class ApiClient {
 std::string transport_error_text(httplib::Error error);
 
 // Percent-encodes a query value ("spec.nodeName=node-1" → "spec.nodeName%3Dnode-1").
-std::string url_encode(const std::string& value);
+using gpusnap::url_encode;
 
 }  // namespace gpusnap::kube

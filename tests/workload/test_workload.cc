@@ -368,12 +368,15 @@ struct Options {
   std::string unlinked_dir;
   bool io_uring = false;
   std::string ready_file;
+  // Fixed memory pattern (the store's dedup tests capture two identical workloads); 0: random.
+  std::uint64_t seed = 0;
 };
 
 void print_usage(std::FILE* out) {
   std::fprintf(out,
                "usage: %s [--port N] [--mib N] [--threads N] [--children N] [--file PATH]\n"
                "       [--lock-file PATH] [--unlinked DIR] [--io-uring] [--ready-file PATH]\n"
+               "       [--seed N]\n"
                "Test workload for gpusnap; see tests/workload/README.md.\n",
                kProgram.data());
 }
@@ -430,6 +433,8 @@ Options parse_options(int argc, char** argv) {
       o.unlinked_dir = take_path();
     } else if (arg == "--ready-file") {
       o.ready_file = take_path();
+    } else if (arg == "--seed") {
+      o.seed = take_uint(UINT64_MAX);
     } else if (arg == "--io-uring" && !has_inline_value) {
       o.io_uring = true;
     } else {
@@ -457,7 +462,7 @@ class Workload {
   // but its own socket (no shared flock, no copy-on-write share of the big mapping).
   void setup() {
     close_inherited_fds();
-    seed_ = read_seed();
+    seed_ = opts_.seed != 0 ? opts_.seed : read_seed();
     fork_children();
     block_termination_signals();
     memory_ = Mapping(opts_.mib << 20);

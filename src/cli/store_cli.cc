@@ -1,0 +1,464 @@
+#include "cli/store_cli.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/documents.h"
+#include "common/fs.h"
+#include "criu/criu.h"
+#include "engine/gpu_state.h"
+#include "gpu/driver.h"
+#include "gpusnap/artifact.h"
+#include "gpusnap/error.h"
+#include "gpusnap/restore.h"
+#include "store/blob_store.h"
+#include "store/digest.h"
+#include "store/transfer.h"
+
+namespace gpusnap::cli {
+
+namespace {
+
+using nlohmann::json;
+namespace sfs = std::filesystem;
+
+// Progress of a transfer: bytes, rate and time left. On a terminal a redrawn line; with --json
+// one JSON line on stderr about every half second (stdout keeps the single result document).
+class TransferReporter final : public Reporter {
+ public:
+  TransferReporter(bool json, bool quiet)
+      : json_(json), quiet_(quiet), terminal_(::isatty(STDERR_FILENO) == 1) {}
+
+  void phase_started(std::string_view name) override {
+    if (!json_ && !quiet_) terminal_.phase_started(name);
+  }
+  void phase_finished(std::string_view name, double seconds) override {
+    if (!json_ && !quiet_) terminal_.phase_finished(name, seconds);
+  }
+  void progress(std::string_view name, uint64_t done, uint64_t total) override {
+    if (quiet_ || total == 0) return;
+    const auto now = std::chrono::steady_clock::now();
+    auto& state = phases_[std::string(name)];
+    if (state.start == std::chrono::steady_clock::time_point{}) state.start = now;
+    const auto every = json_ ? std::chrono::milliseconds(500) : std::chrono::milliseconds(200);
+    if (done < total && now - state.last < every) return;
+    state.last = now;
+    const double seconds = std::chrono::duration<double>(now - state.start).count();
+    const double rate = seconds > 0 ? static_cast<double>(done) / seconds : 0;
+    const double left = rate > 0 ? static_cast<double>(total - done) / rate : -1;
+    if (json_) {
+      std::fprintf(stderr, "%s\n",
+                   json{{"progress",
+                         {{"phase", name},
+                          {"bytes_done", done},
+                          {"bytes_total", total},
+                          {"bytes_per_second", static_cast<uint64_t>(rate)},
+                          {"seconds_left", left < 0 ? json() : json(left)}}}}
+                       .dump()
+                       .c_str());
+    } else if (::isatty(STDERR_FILENO) == 1) {
+      std::fprintf(stderr, "  %-22.*s %s of %s, %s/s, %s left    \r", static_cast<int>(name.size()),
+                   name.data(), fs::human_bytes(done).c_str(), fs::human_bytes(total).c_str(),
+                   fs::human_bytes(static_cast<uint64_t>(rate)).c_str(),
+                   left < 0 ? "?" : (std::to_string(static_cast<int>(left + 0.5)) + " s").c_str());
+    }
+  }
+  void note(std::string_view text) override {
+    if (json_) {
+      notes.emplace_back(text);
+    } else {
+      terminal_.note(text);
+    }
+  }
+
+  std::vector<std::string> notes;
+
+ private:
+  struct PhaseState {
+    std::chrono::steady_clock::time_point start{};
+    std::chrono::steady_clock::time_point last{};
+  };
+  bool json_;
+  bool quiet_;
+  TerminalReporter terminal_;
+  std::map<std::string, PhaseState> phases_;
+};
+
+json sizes_json(const store::SnapshotSizes& s) {
+  return {{"bytes", s.apparent_bytes},
+          {"data_bytes", s.data_bytes},
+          {"stored_bytes", s.stored_bytes},
+          {"chunks", s.chunks}};
+}
+
+json phases_json(const std::vector<PhaseTiming>& phases) {
+  json out = json::array();
+  for (const auto& p : phases) out.push_back({{"name", p.name}, {"seconds", p.seconds}});
+  return out;
+}
+
+double total_seconds(const std::vector<PhaseTiming>& phases) {
+  double s = 0;
+  for (const auto& p : phases) s += p.seconds;
+  return s;
+}
+
+std::string rate(uint64_t bytes, double seconds) {
+  return seconds > 0
+             ? fs::human_bytes(static_cast<uint64_t>(static_cast<double>(bytes) / seconds)) + "/s"
+             : "-";
+}
+
+store::TransferOptions transfer_options(const Args& args) {
+  store::TransferOptions o;
+  o.registry.plain_http = args.has("--plain-http");
+  o.registry.ca_file = args.get("--ca-file");
+  o.registry.auth_file = args.get("--auth-file");
+  o.registry.retries = static_cast<int>(args.get_int("--retries", 5, 0, 100));
+  o.registry.max_rate = static_cast<uint64_t>(args.get_int("--max-rate-mib", 0, 0, 1 << 20)) << 20;
+  o.jobs = static_cast<int>(args.get_int("--jobs", 8, 1, 256));
+  return o;
+}
+
+store::OciRef remote_ref(const std::string& text) { return store::OciRef::parse(text); }
+
+// What a restore here would refuse, checked from the snapshot's manifest alone: another CPU
+// architecture or CRIU, another GPU model or driver, no GPU at all.
+void check_restorable_here(const Args& args, const Manifest& m) {
+  auto criu = criu::locate(args.get("--criu"));
+  check_host_compatible(m, HostFacts::probe(criu.version));
+  auto driver = gpu::open_nvidia_driver();
+  engine::plan_gpu_restore(m.gpu, *driver, {}, 1);
+}
+
+store::PullOptions pull_options(const Args& args) {
+  store::PullOptions o;
+  o.transfer = transfer_options(args);
+  o.cache = args.get("--cache", store::kDefaultCache);
+  o.cache_budget = static_cast<uint64_t>(args.get_int("--cache-budget-mib", 64 << 10, 0, 1L << 30))
+                   << 20;
+  return o;
+}
+
+json pull_document(const store::PullResult& r, const std::vector<std::string>& notes) {
+  json doc = sizes_json(r.sizes);
+  doc.update(json{{"reference", r.reference},
+                  {"digest", r.digest},
+                  {"artifact", r.output.string()},
+                  {"chunks_fetched", r.chunks_fetched},
+                  {"bytes_fetched", r.bytes_fetched},
+                  {"chunks_from_cache", r.chunks_from_cache},
+                  {"bytes_from_cache", r.bytes_from_cache},
+                  {"evicted", r.evicted},
+                  {"phases", phases_json(r.phases)},
+                  {"seconds", total_seconds(r.phases)},
+                  {"notes", notes}});
+  return doc;
+}
+
+}  // namespace
+
+namespace {
+
+std::vector<FlagSpec> remote_flags() {
+  return {{"--plain-http", "", "", "reach the registry over plain HTTP (no TLS)"},
+          {"--ca-file", "", "PEM", "CA certificates the registry's certificate must chain to"},
+          {"--auth-file", "", "PATH",
+           "credentials (auth.json / docker config.json; default: $REGISTRY_AUTH_FILE, "
+           "$XDG_RUNTIME_DIR/containers/auth.json, ~/.docker/config.json)"},
+          {"--jobs", "-j", "N", "chunks in flight (default 8)"},
+          {"--retries", "", "N", "attempts after a failed request, with backoff (default 5)"},
+          {"--max-rate-mib", "", "MIB", "limit the transfer to MIB per second (default: none)"}};
+}
+
+std::vector<FlagSpec> cache_flags() {
+  return {
+      {"--cache", "", "DIR",
+       "the node cache of pulled snapshots (default " + std::string(store::kDefaultCache) + ")"},
+      {"--cache-budget-mib", "", "MIB",
+       "keep the cache within MIB, least recently used snapshots leaving first (default 65536)"}};
+}
+
+const FlagSpec kJsonFlag{"--json", "", "", "print the result as one JSON document on stdout"};
+const FlagSpec kQuietFlag{"--quiet", "-q", "", "print no progress"};
+const FlagSpec kHelpFlag{"--help", "-h", "", "show this help"};
+const FlagSpec kCriuFlag{"--criu", "", "PATH", "the criu binary (for the host check)"};
+
+std::vector<FlagSpec> concat(std::vector<FlagSpec> a, const std::vector<FlagSpec>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+int cmd_push(const Args& args);
+int cmd_pull(const Args& args);
+int cmd_import(const Args& args);
+
+}  // namespace
+
+std::vector<StoreCommand> store_commands() {
+  return {
+      {"push", "gpusnap push ARTIFACT oci://HOST[:PORT]/REPO[:TAG] [--plain-http] [--ca-file PEM]",
+       "Upload an artifact to an OCI registry as content-addressed chunks. Only the chunks the\n"
+       "registry lacks are sent (each is asked for first); zeros are not stored.",
+       concat(remote_flags(), {kJsonFlag, kQuietFlag, kHelpFlag}), cmd_push},
+      {"pull", "gpusnap pull oci://HOST[:PORT]/REPO[:TAG|@sha256:HEX] -o DIR",
+       "Fetch a snapshot from an OCI registry into a new artifact directory, through the node\n"
+       "cache: chunks it holds are not fetched again (a pull that was killed resumes), each\n"
+       "fetched chunk is checked against its digest as it arrives. A host that could not\n"
+       "restore the snapshot (GPU model, driver, CPU) refuses before fetching any chunk.",
+       concat(concat({{"--output", "-o", "DIR", "artifact directory to create (must not exist)"},
+                      {"--any-host", "", "", "pull even where the snapshot could not be restored"}},
+                     concat(remote_flags(), cache_flags())),
+              {kCriuFlag, kJsonFlag, kQuietFlag, kHelpFlag}),
+       cmd_pull},
+      {"import",
+       "gpusnap import ARTIFACT [--cache DIR] [--json]",
+       "Add a local artifact to the node's store: its chunks, each held once, and say how many\n"
+       "bytes it added.",
+       {{"--cache", "", "DIR", "the store (default " + std::string(store::kDefaultCache) + ")"},
+        kJsonFlag,
+        kQuietFlag,
+        kHelpFlag},
+       cmd_import},
+  };
+}
+
+void extend_for_store(const std::string& name, std::string& usage, std::string& summary,
+                      std::vector<FlagSpec>& flags) {
+  std::vector<FlagSpec> more;
+  if (name == "restore") {
+    more = concat(remote_flags(), cache_flags());
+    summary +=
+        "\nARTIFACT may be oci://HOST/REPO[:TAG|@DIGEST]: pulled first (see `gpusnap pull`).";
+  } else if (name == "inspect") {
+    more = remote_flags();
+    summary += "\nOf an oci:// reference only its manifest and layout are read.";
+  } else if (name == "verify") {
+    more = concat(remote_flags(), cache_flags());
+    more.push_back(
+        {"--run-dir", "", "DIR", "where an oci:// snapshot is checked (default /run/gpusnap)"});
+    summary += "\nAn oci:// reference is fetched (each chunk checked against its digest), written\n"
+               "to a temporary directory and checked there.";
+  } else if (name == "list") {
+    more = {{"--cache", "", "DIR", "list the snapshots the node cache at DIR holds"}};
+    usage += " | gpusnap list --cache DIR";
+  } else {
+    return;
+  }
+  auto help = std::find_if(flags.begin(), flags.end(),
+                           [](const FlagSpec& f) { return f.name == "--help"; });
+  flags.insert(help, more.begin(), more.end());
+}
+
+bool is_remote(const std::string& artifact) { return store::OciRef::is_oci(artifact); }
+
+namespace {
+
+int cmd_push(const Args& args) {
+  if (args.positional().size() != 2) throw args.usage_error("push needs ARTIFACT and oci://...");
+  const bool as_json = args.has("--json");
+  TransferReporter reporter(as_json, args.has("--quiet"));
+  auto r = store::push(args.positional()[0], remote_ref(args.positional()[1]),
+                       transfer_options(args), reporter);
+  const double upload = [&] {
+    for (const auto& p : r.phases) {
+      if (p.name == "upload") return p.seconds;
+    }
+    return 0.0;
+  }();
+  json doc = sizes_json(r.sizes);
+  doc.update(json{{"reference", r.reference},
+                  {"digest", r.digest},
+                  {"chunks_uploaded", r.chunks_uploaded},
+                  {"bytes_uploaded", r.bytes_uploaded},
+                  {"phases", phases_json(r.phases)},
+                  {"seconds", total_seconds(r.phases)},
+                  {"notes", reporter.notes}});
+  if (as_json) {
+    std::cout << doc.dump(2) << "\n";
+  } else if (!args.has("--quiet")) {
+    std::printf("%s\n  %s in %llu chunks (%s stored), %llu chunks (%s) uploaded, the rest already "
+                "there; %.2f s (%s read)\n",
+                r.reference.c_str(), fs::human_bytes(r.sizes.apparent_bytes).c_str(),
+                static_cast<unsigned long long>(r.sizes.chunks),
+                fs::human_bytes(r.sizes.stored_bytes).c_str(),
+                static_cast<unsigned long long>(r.chunks_uploaded),
+                fs::human_bytes(r.bytes_uploaded).c_str(), total_seconds(r.phases),
+                rate(r.sizes.data_bytes, upload).c_str());
+  }
+  return 0;
+}
+
+int cmd_pull(const Args& args) {
+  if (args.positional().size() != 1) throw args.usage_error("pull needs one oci:// reference");
+  if (!args.has("--output")) throw args.usage_error("pull needs -o DIR");
+  const bool as_json = args.has("--json");
+  TransferReporter reporter(as_json, args.has("--quiet"));
+  auto o = pull_options(args);
+  o.output = sfs::absolute(args.get("--output"));
+  if (!args.has("--any-host")) o.check = [&](const Manifest& m) { check_restorable_here(args, m); };
+  auto r = store::pull(remote_ref(args.positional()[0]), o, reporter);
+  json doc = pull_document(r, reporter.notes);
+  if (as_json) {
+    std::cout << doc.dump(2) << "\n";
+  } else if (!args.has("--quiet")) {
+    std::printf(
+        "%s -> %s\n  %s: %llu chunks fetched (%s), %llu from the node cache; %.2f s\n",
+        r.reference.c_str(), r.output.c_str(), fs::human_bytes(r.sizes.apparent_bytes).c_str(),
+        static_cast<unsigned long long>(r.chunks_fetched), fs::human_bytes(r.bytes_fetched).c_str(),
+        static_cast<unsigned long long>(r.chunks_from_cache), total_seconds(r.phases));
+  }
+  return 0;
+}
+
+int cmd_import(const Args& args) {
+  const bool as_json = args.has("--json");
+  TransferReporter reporter(as_json, args.has("--quiet"));
+  auto r = store::import_artifact(args.only_artifact(), args.get("--cache", store::kDefaultCache),
+                                  store::ChunkingOptions{}, reporter);
+  json doc = sizes_json(r.sizes);
+  doc.update(json{{"key", r.key},
+                  {"new_bytes", r.new_bytes},
+                  {"new_chunks", r.new_chunks},
+                  {"phases", phases_json(r.phases)},
+                  {"seconds", total_seconds(r.phases)}});
+  if (as_json) {
+    std::cout << doc.dump(2) << "\n";
+  } else if (!args.has("--quiet")) {
+    std::printf("%s: %s (%s not zeros) in %llu chunks, %s stored; %s of it new to the store\n",
+                args.only_artifact().c_str(), fs::human_bytes(r.sizes.apparent_bytes).c_str(),
+                fs::human_bytes(r.sizes.data_bytes).c_str(),
+                static_cast<unsigned long long>(r.sizes.chunks),
+                fs::human_bytes(r.sizes.stored_bytes).c_str(),
+                fs::human_bytes(r.new_bytes).c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+sfs::path pull_for_restore(const Args& args, const std::string& reference, Reporter& reporter) {
+  auto o = pull_options(args);
+  auto ref = remote_ref(reference);
+  const sfs::path pulled = sfs::absolute(args.get("--run-dir", "/run/gpusnap")) / "pulled";
+  sfs::create_directories(pulled);
+  sfs::permissions(pulled, sfs::perms::owner_all, sfs::perm_options::replace);
+  if (!ref.digest.empty()) {
+    // Already materialised here (complete: it appears only by rename).
+    const auto dir = pulled / store::digest_hex(ref.digest);
+    if (sfs::exists(dir / kManifestName)) {
+      store::BlobStore(o.cache).touch(store::digest_hex(ref.digest));
+      reporter.note("using " + dir.string() + ", pulled before");
+      return dir;
+    }
+  }
+  // The digest is known only after the manifest is read: pull into a name of our own, then
+  // give it the digest's name.
+  o.output = pulled / ("pull-" + fs::random_id());
+  o.check = [&](const Manifest& m) { check_restorable_here(args, m); };
+  auto r = store::pull(ref, o, reporter);
+  const auto dir = pulled / store::digest_hex(r.digest);
+  std::error_code ec;
+  sfs::rename(o.output, dir, ec);
+  if (ec) {  // another restore materialised it meanwhile
+    fs::remove_tree_noexcept(o.output);
+  }
+  reporter.note("pulled " + r.reference + ": " + std::to_string(r.chunks_fetched) +
+                " chunks fetched, " + std::to_string(r.chunks_from_cache) + " from the node cache");
+  return dir;
+}
+
+int inspect_remote(const Args& args, const std::string& reference) {
+  auto snap = store::read_remote(remote_ref(reference), transfer_options(args));
+  json doc = snap.layout.manifest;
+  doc["artifact"] = snap.ref.by_digest(snap.digest);
+  doc["total_bytes"] = snap.layout.apparent_bytes();
+  doc["oci"] = {{"digest", snap.digest},
+                {"annotations", snap.oci_manifest.value("annotations", json::object())},
+                {"chunks", snap.layout.blobs().size()},
+                {"stored_bytes", snap.layout.stored_bytes()}};
+  if (args.has("--json")) {
+    std::cout << doc.dump(2) << "\n";
+  } else {
+    print_inspect_human(doc);
+    std::printf("registry   %s: %zu chunks, %s stored\n", snap.digest.c_str(),
+                snap.layout.blobs().size(), fs::human_bytes(snap.layout.stored_bytes()).c_str());
+  }
+  return 0;
+}
+
+int verify_remote(const Args& args, const std::string& reference) {
+  const bool as_json = args.has("--json");
+  TransferReporter reporter(as_json, args.has("--quiet"));
+  auto o = pull_options(args);
+  const sfs::path tmp = sfs::absolute(args.get("--run-dir", "/run/gpusnap")) / "verify";
+  sfs::create_directories(tmp);
+  sfs::permissions(tmp, sfs::perms::owner_all, sfs::perm_options::replace);
+  o.output = tmp / ("verify-" + fs::random_id());
+  struct Remove {
+    sfs::path p;
+    ~Remove() { fs::remove_tree_noexcept(p); }
+  } remove{o.output};
+  // Every chunk is checked against its digest on the way in (exit 4 on the first that is not).
+  auto r = store::pull(remote_ref(reference), o, reporter);
+  auto problems = Artifact::open(o.output).verify({0, &reporter});
+  if (as_json) {
+    json list = json::array();
+    for (const auto& p : problems) list.push_back({{"path", p.path}, {"problem", p.problem}});
+    std::cout << json{{"artifact", r.reference},
+                      {"ok", problems.empty()},
+                      {"bytes", r.sizes.apparent_bytes},
+                      {"chunks", r.sizes.chunks},
+                      {"problems", list},
+                      {"seconds", total_seconds(r.phases)}}
+                     .dump(2)
+              << "\n";
+  } else {
+    for (const auto& p : problems) std::printf("%s: %s\n", p.path.c_str(), p.problem.c_str());
+    if (problems.empty()) {
+      std::printf("%s: ok, %s in %llu chunks verified\n", r.reference.c_str(),
+                  fs::human_bytes(r.sizes.apparent_bytes).c_str(),
+                  static_cast<unsigned long long>(r.sizes.chunks));
+    }
+  }
+  return problems.empty() ? 0 : static_cast<int>(ErrorKind::kBadArtifact);
+}
+
+int list_cache(const Args& args) {
+  if (!sfs::is_directory(args.get("--cache"))) {
+    throw Error(ErrorKind::kNotFound, "node cache " + args.get("--cache") + " does not exist",
+                "name the directory given to pull --cache");
+  }
+  store::BlobStore cache(args.get("--cache"));
+  json list = json::array();
+  for (const auto& s : cache.list()) {
+    list.push_back({{"key", s.key},
+                    {"reference", s.reference},
+                    {"bytes", s.apparent_bytes},
+                    {"stored_bytes", s.stored_bytes},
+                    {"last_used", s.last_used}});
+  }
+  const uint64_t held = cache.blob_bytes();
+  if (args.has("--json")) {
+    std::cout << json{{"cache", cache.root().string()}, {"bytes", held}, {"snapshots", list}}.dump(
+                     2)
+              << "\n";
+    return 0;
+  }
+  std::printf("node cache %s: %s of chunks\n", cache.root().c_str(), fs::human_bytes(held).c_str());
+  for (const auto& s : list) {
+    std::printf("  %s  %10s  %s\n", s["key"].get<std::string>().substr(0, 12).c_str(),
+                fs::human_bytes(s["bytes"].get<uint64_t>()).c_str(),
+                s["reference"].get<std::string>().c_str());
+  }
+  return 0;
+}
+
+}  // namespace gpusnap::cli

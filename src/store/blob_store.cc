@@ -1,0 +1,239 @@
+#include "store/blob_store.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <map>
+#include <set>
+
+#include "common/fs.h"
+#include "gpusnap/error.h"
+#include "store/digest.h"
+
+namespace gpusnap::store {
+
+namespace {
+
+namespace sfs = std::filesystem;
+using nlohmann::json;
+
+// A snapshot record is a layout: bounded like one read from a registry.
+constexpr uint64_t kMaxRecordBytes = 256ull << 20;
+
+void make_private_dir(const sfs::path& dir) {
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    throw Error(ErrorKind::kEnvironment, "cannot create " + dir.string() + ": " + errno_text(errno),
+                "give --cache a directory root can write");
+  }
+  // An existing directory (another umask, an older version) is made root-only too.
+  if (::chmod(dir.c_str(), 0700) != 0) throw sys_error("chmod " + dir.string(), errno);
+}
+
+void write_all(int fd, std::string_view data, const std::string& what) {
+  while (!data.empty()) {
+    ssize_t n = ::write(fd, data.data(), data.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw sys_error("write " + what, errno);
+    data.remove_prefix(static_cast<size_t>(n));
+  }
+}
+
+int64_t mtime_ns(const sfs::path& p) {
+  struct stat st {};
+  if (::stat(p.c_str(), &st) != 0) return 0;
+  return st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
+}
+
+}  // namespace
+
+BlobStore::BlobStore(sfs::path root) : root_(std::move(root)) {
+  if (root_.has_parent_path() && !sfs::is_directory(root_.parent_path())) {
+    sfs::create_directories(root_.parent_path());
+  }
+  make_private_dir(root_);
+  make_private_dir(root_ / "blobs");
+  make_private_dir(root_ / "blobs" / "sha256");
+  make_private_dir(root_ / "snapshots");
+  make_private_dir(root_ / "tmp");
+  lock_.reset(::open((root_ / "lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+  if (!lock_) throw sys_error("open " + (root_ / "lock").string(), errno);
+  while (::flock(lock_.get(), LOCK_SH) != 0) {
+    if (errno != EINTR) throw sys_error("flock " + (root_ / "lock").string(), errno);
+  }
+}
+
+sfs::path BlobStore::blob_path(std::string_view digest) const {
+  return root_ / "blobs" / "sha256" / digest_hex(digest);
+}
+
+bool BlobStore::has(std::string_view digest) const {
+  return ::access(blob_path(digest).c_str(), F_OK) == 0;
+}
+
+void BlobStore::put(std::string_view digest, std::string_view data) const {
+  const auto final_path = blob_path(digest);
+  if (::access(final_path.c_str(), F_OK) == 0) return;
+  const auto tmp = root_ / "tmp" / (digest_hex(digest) + "." + fs::random_id());
+  UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  if (!fd) throw sys_error("create " + tmp.string(), errno);
+  try {
+    write_all(fd.get(), data, tmp.string());
+    // No fsync per chunk: get() checks every chunk against its digest, so a chunk torn by a
+    // power loss is found, removed and fetched again; a sync per 8 MiB would halve a pull.
+    fd.reset();
+    if (::rename(tmp.c_str(), final_path.c_str()) != 0)
+      throw sys_error("rename " + tmp.string(), errno);
+  } catch (...) {
+    ::unlink(tmp.c_str());
+    throw;
+  }
+}
+
+std::string BlobStore::get(std::string_view digest, uint64_t max) const {
+  const auto path = blob_path(digest);
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd) throw sys_error("open " + path.string(), errno);
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) throw sys_error("stat " + path.string(), errno);
+  if (static_cast<uint64_t>(st.st_size) > max) {
+    ::unlink(path.c_str());
+    throw Error(
+        ErrorKind::kBadArtifact,
+        "chunk " + std::string(digest) + " in the node cache is larger than its layout says",
+        "pull again: the damaged chunk was removed");
+  }
+  std::string data(static_cast<size_t>(st.st_size), '\0');
+  for (size_t done = 0; done < data.size();) {
+    ssize_t n = ::read(fd.get(), data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) throw sys_error("read " + path.string(), n < 0 ? errno : EIO);
+    done += static_cast<size_t>(n);
+  }
+  if (sha256_digest(data) != digest) {
+    ::unlink(path.c_str());
+    throw Error(ErrorKind::kBadArtifact,
+                "chunk " + std::string(digest) + " in the node cache does not match its digest",
+                "pull again: the damaged chunk was removed");
+  }
+  return data;
+}
+
+uint64_t BlobStore::blob_bytes() const {
+  uint64_t n = 0;
+  for (const auto& e : sfs::directory_iterator(root_ / "blobs" / "sha256")) {
+    std::error_code ec;
+    auto size = e.file_size(ec);
+    if (!ec) n += size;
+  }
+  return n;
+}
+
+void BlobStore::record_snapshot(const std::string& key, const std::string& reference,
+                                const Layout& layout) {
+  digest_hex(std::string(kSha256Prefix) + key);  // the key names a file: 64 hex digits only
+  const auto path = root_ / "snapshots" / (key + ".json");
+  fs::write_file_durable(path, json{{"reference", reference}, {"layout", layout.to_json()}}.dump());
+  ::chmod(path.c_str(), 0600);
+}
+
+std::optional<Layout> BlobStore::snapshot(const std::string& key) const {
+  digest_hex(std::string(kSha256Prefix) + key);
+  std::string text;
+  const auto path = root_ / "snapshots" / (key + ".json");
+  if (!fs::try_read_file(path, &text)) return std::nullopt;
+  if (text.size() > kMaxRecordBytes) return std::nullopt;
+  try {
+    return Layout::from_json(json::parse(text).at("layout"));
+  } catch (const json::exception&) {
+    return std::nullopt;  // a damaged record: as if not cached
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+}
+
+void BlobStore::touch(const std::string& key) const {
+  const auto path = root_ / "snapshots" / (key + ".json");
+  ::utimensat(AT_FDCWD, path.c_str(), nullptr, 0);
+}
+
+std::vector<CachedSnapshot> BlobStore::list() const {
+  std::vector<CachedSnapshot> out;
+  for (const auto& e : sfs::directory_iterator(root_ / "snapshots")) {
+    const auto name = e.path().filename().string();
+    if (e.path().extension() != ".json" || name.size() != 64 + 5) continue;
+    std::string text;
+    if (!fs::try_read_file(e.path(), &text) || text.size() > kMaxRecordBytes) continue;
+    try {
+      auto doc = json::parse(text);
+      auto layout = Layout::from_json(doc.at("layout"));
+      const int64_t used = mtime_ns(e.path());
+      out.push_back({name.substr(0, 64), doc.at("reference").get<std::string>(),
+                     layout.apparent_bytes(), layout.stored_bytes(), used / 1000000000LL, used});
+    } catch (const std::exception&) {
+      continue;  // a damaged record is not listed; evict() removes its blobs
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+    return a.last_used_ns != b.last_used_ns ? a.last_used_ns > b.last_used_ns : a.key < b.key;
+  });
+  return out;
+}
+
+EvictResult BlobStore::evict(uint64_t budget, const std::string& keep) {
+  while (::flock(lock_.get(), LOCK_EX) != 0) {
+    if (errno != EINTR) throw sys_error("flock " + (root_ / "lock").string(), errno);
+  }
+  EvictResult r;
+  try {
+    auto snaps = list();  // most recent first
+    std::map<std::string, uint64_t> blob_sizes;
+    std::vector<std::vector<BlobInfo>> blobs_of(snaps.size());
+    for (size_t i = 0; i < snaps.size(); ++i) {
+      if (auto l = snapshot(snaps[i].key)) blobs_of[i] = l->blobs();
+    }
+    // Keep snapshots most recent first while their blobs (each counted once) fit.
+    std::set<std::string> kept_blobs;
+    uint64_t kept = 0;
+    for (size_t i = 0; i < snaps.size(); ++i) {
+      uint64_t extra = 0;
+      for (const auto& b : blobs_of[i]) {
+        if (!kept_blobs.count(b.digest)) extra += b.size;
+      }
+      if (snaps[i].key == keep || kept + extra <= budget) {
+        kept += extra;
+        for (const auto& b : blobs_of[i]) kept_blobs.insert(b.digest);
+      } else {
+        sfs::remove(root_ / "snapshots" / (snaps[i].key + ".json"));
+        r.evicted.push_back(snaps[i].key);
+      }
+    }
+    for (const auto& e : sfs::directory_iterator(root_ / "blobs" / "sha256")) {
+      const std::string digest = std::string(kSha256Prefix) + e.path().filename().string();
+      if (kept_blobs.count(digest)) continue;
+      std::error_code ec;
+      const auto size = e.file_size(ec);
+      if (sfs::remove(e.path(), ec)) {
+        ++r.blobs_removed;
+        r.bytes_removed += ec ? 0 : size;
+      }
+    }
+    // Chunks of writers that died (no pull runs now: the lock is exclusive).
+    for (const auto& e : sfs::directory_iterator(root_ / "tmp")) {
+      std::error_code ec;
+      sfs::remove(e.path(), ec);
+    }
+    r.bytes_kept = kept;
+  } catch (...) {
+    ::flock(lock_.get(), LOCK_SH);
+    throw;
+  }
+  ::flock(lock_.get(), LOCK_SH);
+  return r;
+}
+
+}  // namespace gpusnap::store

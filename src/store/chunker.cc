@@ -1,0 +1,236 @@
+#include "store/chunker.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <xxhash.h>
+#include <zstd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "common/fd.h"
+#include "common/fs.h"
+#include "gpusnap/error.h"
+#include "store/digest.h"
+#include "store/parallel.h"
+
+namespace gpusnap::store {
+
+namespace {
+
+constexpr uint64_t kPage = 4096;
+constexpr uint64_t kZeroBlock = 64 << 10;
+
+struct Task {
+  size_t file = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  bool compress = false;
+};
+
+UniqueFd open_read(const std::filesystem::path& path) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd) throw sys_error("open " + path.string(), errno);
+  return fd;
+}
+
+void pread_full(int fd, char* buf, uint64_t length, uint64_t offset, const std::string& path) {
+  for (uint64_t done = 0; done < length;) {
+    ssize_t n = ::pread(fd, buf + done, length - done, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw sys_error("read " + path, errno);
+    if (n == 0) {
+      throw Error(ErrorKind::kBadArtifact, path + " is shorter than its manifest says",
+                  "verify the artifact (`gpusnap verify`)");
+    }
+    done += static_cast<uint64_t>(n);
+  }
+}
+
+bool all_zero(const char* p, uint64_t n) {
+  // Word at a time: the buffers are 4 KiB-aligned allocations, sizes multiples of 8 but for
+  // the tail.
+  uint64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, p + i, 8);
+    if (w != 0) return false;
+  }
+  for (; i < n; ++i) {
+    if (p[i] != 0) return false;
+  }
+  return true;
+}
+
+// Data ranges of a (sparse) file, from SEEK_DATA/SEEK_HOLE.
+std::vector<std::pair<uint64_t, uint64_t>> data_ranges(int fd, uint64_t size) {
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  for (off_t pos = 0; static_cast<uint64_t>(pos) < size;) {
+    off_t data = ::lseek(fd, pos, SEEK_DATA);
+    if (data < 0) break;  // ENXIO: no data past pos
+    off_t hole = ::lseek(fd, data, SEEK_HOLE);
+    if (hole < 0) hole = static_cast<off_t>(size);
+    out.emplace_back(data, std::min<uint64_t>(hole, size));
+    pos = hole;
+  }
+  return out;
+}
+
+// Fixed chunks from `first` on; chunks that lie wholly in holes are left out.
+void plan_fixed(size_t file, int fd, uint64_t size, uint64_t first, uint64_t chunk,
+                std::vector<Task>& tasks) {
+  auto ranges = data_ranges(fd, size);
+  size_t r = 0;
+  auto add = [&](uint64_t off, uint64_t len) {
+    while (r < ranges.size() && ranges[r].second <= off) ++r;
+    if (r < ranges.size() && ranges[r].first < off + len) tasks.push_back({file, off, len, false});
+  };
+  if (first > 0) add(0, std::min(first, size));
+  for (uint64_t off = first; off < size; off += chunk) add(off, std::min(chunk, size - off));
+}
+
+// Content-defined cuts on page boundaries (see the header).
+void plan_cdc(size_t file, int fd, uint64_t size, const ChunkingOptions& o, const std::string& path,
+              std::vector<Task>& tasks) {
+  const uint64_t mask = (o.cdc_average / kPage) - 1;
+  std::vector<char> buf(8 << 20);
+  uint64_t start = 0;
+  for (uint64_t base = 0; base < size;) {
+    const uint64_t n = std::min<uint64_t>(buf.size(), size - base);
+    pread_full(fd, buf.data(), n, base, path);
+    for (uint64_t p = 0; p < n; p += kPage) {
+      const uint64_t page_end = std::min(base + p + kPage, size);
+      const uint64_t len = page_end - start;
+      // The hash of the page's first 64 bytes: enough to place cuts by content, and cheap.
+      const uint64_t h = XXH3_64bits(buf.data() + p, std::min<uint64_t>(64, n - p));
+      if (len >= o.cdc_max || (len >= o.cdc_min && (h & mask) == 0)) {
+        tasks.push_back({file, start, len, o.compress});
+        start = page_end;
+      }
+    }
+    base += n;
+  }
+  if (start < size) tasks.push_back({file, start, size - start, o.compress});
+}
+
+// Per-thread scratch: the read buffer, the compression buffer and context.
+struct Scratch {
+  std::unique_ptr<char[]> in;
+  std::unique_ptr<char[]> out;
+  size_t out_size = 0;
+  std::unique_ptr<ZSTD_CCtx, decltype(&ZSTD_freeCCtx)> cctx{nullptr, ZSTD_freeCCtx};
+};
+
+}  // namespace
+
+Layout chunk_artifact(const Artifact& artifact, const ChunkingOptions& o, const ChunkSink& sink,
+                      Reporter& reporter, std::string_view progress_name) {
+  if (o.cdc_average < kPage || (o.cdc_average & (o.cdc_average - 1)) != 0 ||
+      o.cdc_max > kMaxChunkBytes || o.host_image_chunk > kMaxChunkBytes ||
+      o.host_image_chunk == 0 || o.cdc_min > o.cdc_max) {
+    throw Error(ErrorKind::kUsage, "bad chunk sizes");
+  }
+  const Manifest& m = artifact.manifest();
+  std::map<std::string, uint64_t> host_image_offset;
+  for (const auto& h : m.host_images) host_image_offset[h.file] = h.file_offset;
+
+  Layout layout;
+  // The manifest as written, fields this version does not know included.
+  try {
+    layout.manifest = nlohmann::json::parse(fs::read_file(artifact.root() / kManifestName));
+  } catch (const nlohmann::json::exception&) {
+    throw Error(ErrorKind::kBadArtifact,
+                (artifact.root() / kManifestName).string() + " is not JSON");
+  }
+  std::vector<UniqueFd> fds;
+  std::vector<Task> tasks;
+  for (size_t i = 0; i < m.files.size(); ++i) {
+    const auto& f = m.files[i];
+    layout.files.push_back({f.path, f.size, {}});
+    const auto path = artifact.root() / f.path;
+    fds.push_back(open_read(path));
+    if (auto it = host_image_offset.find(f.path); it != host_image_offset.end()) {
+      plan_fixed(i, fds.back().get(), f.size, it->second, o.host_image_chunk, tasks);
+    } else {
+      plan_cdc(i, fds.back().get(), f.size, o, path.string(), tasks);
+    }
+  }
+
+  uint64_t total = 0;
+  for (const auto& t : tasks) total += t.length;
+  std::vector<std::optional<Extent>> extents(tasks.size());
+  std::atomic<uint64_t> done{0};
+  std::mutex scratch_mu;
+  std::vector<std::unique_ptr<Scratch>> free_scratch;
+  const uint64_t max_len = std::max(o.cdc_max, o.host_image_chunk);
+
+  run_parallel(
+      tasks.size(), o.threads,
+      [&](size_t i) {
+        std::unique_ptr<Scratch> s;
+        {
+          std::lock_guard lock(scratch_mu);
+          if (!free_scratch.empty()) {
+            s = std::move(free_scratch.back());
+            free_scratch.pop_back();
+          }
+        }
+        if (!s) {
+          s = std::make_unique<Scratch>();
+          s->in.reset(new char[max_len]);
+          s->out_size = ZSTD_compressBound(max_len);
+          s->out.reset(new char[s->out_size]);
+          s->cctx.reset(ZSTD_createCCtx());
+        }
+        const Task& t = tasks[i];
+        const auto& f = m.files[t.file];
+        pread_full(fds[t.file].get(), s->in.get(), t.length, t.offset, f.path);
+        // Trim all-zero 64 KiB blocks at both ends (the grid starts at the chunk's start).
+        uint64_t lo = 0;
+        uint64_t hi = t.length;
+        while (lo < hi && all_zero(s->in.get() + lo, std::min(kZeroBlock, hi - lo))) {
+          lo += std::min(kZeroBlock, hi - lo);
+        }
+        while (hi > lo) {
+          uint64_t block_start = lo + ((hi - lo - 1) / kZeroBlock) * kZeroBlock;
+          if (!all_zero(s->in.get() + block_start, hi - block_start)) break;
+          hi = block_start;
+        }
+        if (lo < hi) {
+          Extent e{t.offset + lo, hi - lo, {}, Encoding::kRaw, hi - lo};
+          std::string_view blob(s->in.get() + lo, hi - lo);
+          if (t.compress) {
+            size_t z = ZSTD_compressCCtx(s->cctx.get(), s->out.get(), s->out_size, blob.data(),
+                                         blob.size(), o.zstd_level);
+            // Kept only when it saves a tenth: below that the reader's decompression costs
+            // more than the bytes save.
+            if (!ZSTD_isError(z) && z <= blob.size() - blob.size() / 10) {
+              blob = std::string_view(s->out.get(), z);
+              e.encoding = Encoding::kZstd;
+              e.stored = z;
+            }
+          }
+          Sha256 h;
+          h.update(blob.data(), blob.size());
+          e.digest = h.finish();
+          sink(Chunk{t.file, e, blob});
+          extents[i] = std::move(e);
+        }
+        done += t.length;
+        std::lock_guard lock(scratch_mu);
+        free_scratch.push_back(std::move(s));
+      },
+      [&] { reporter.progress(progress_name, done.load(), total); });
+
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    if (extents[i]) layout.files[tasks[i].file].extents.push_back(std::move(*extents[i]));
+  }
+  return layout;
+}
+
+}  // namespace gpusnap::store

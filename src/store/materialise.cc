@@ -1,0 +1,127 @@
+#include "store/materialise.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zstd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+
+#include "artifact/writer.h"
+#include "common/fd.h"
+#include "gpusnap/error.h"
+#include "store/parallel.h"
+
+namespace gpusnap::store {
+
+namespace {
+
+namespace sfs = std::filesystem;
+constexpr uint64_t kPage = 4096;
+
+bool is_zero(const char* p, size_t n) {
+  return n == 0 || (p[0] == 0 && std::memcmp(p, p + 1, n - 1) == 0);
+}
+
+// Writes data at offset, leaving every all-zero 4 KiB page (of the file's grid) as a hole and
+// coalescing the others into as few writes as possible: the materialised file is as sparse as
+// the one captured, page for page.
+void write_sparse(int fd, const char* data, uint64_t length, uint64_t offset,
+                  const std::string& path) {
+  auto page_end = [&](uint64_t pos) {
+    return std::min(length, ((offset + pos) / kPage + 1) * kPage - offset);
+  };
+  uint64_t pos = 0;
+  while (pos < length) {
+    while (pos < length && is_zero(data + pos, page_end(pos) - pos)) pos = page_end(pos);
+    uint64_t run_end = pos;
+    while (run_end < length && !is_zero(data + run_end, page_end(run_end) - run_end)) {
+      run_end = page_end(run_end);
+    }
+    for (uint64_t done = pos; done < run_end;) {
+      ssize_t w = ::pwrite(fd, data + done, run_end - done, static_cast<off_t>(offset + done));
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0) throw sys_error("write " + path, errno);
+      done += static_cast<uint64_t>(w);
+    }
+    pos = run_end;
+  }
+}
+
+}  // namespace
+
+void materialise(const Layout& layout, const sfs::path& dest, const BlobSource& source,
+                 const MaterialiseOptions& options, Reporter& reporter) {
+  const Manifest manifest = Manifest::from_json(layout.manifest);
+  ArtifactWriter writer(dest);
+  // Root-only: the artifact holds a process's memory.
+  sfs::permissions(writer.staging(), sfs::perms::owner_all, sfs::perm_options::replace);
+  Phases phases(reporter);
+  struct Job {
+    size_t file;
+    size_t extent;
+  };
+  std::vector<UniqueFd> fds;
+  std::vector<Job> jobs;
+  std::vector<Job> later;  // host images: after CRIU's images
+  uint64_t total = 0;
+  for (size_t i = 0; i < layout.files.size(); ++i) {
+    const auto& f = layout.files[i];
+    const auto path = writer.staging() / f.path;
+    sfs::create_directories(path.parent_path());
+    for (auto dir = path.parent_path(); dir != writer.staging(); dir = dir.parent_path()) {
+      sfs::permissions(dir, sfs::perms::owner_all, sfs::perm_options::replace);
+    }
+    UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+    if (!fd) throw sys_error("create " + path.string(), errno);
+    if (::ftruncate(fd.get(), static_cast<off_t>(f.size)) != 0) {
+      throw sys_error("truncate " + path.string(), errno);
+    }
+    fds.push_back(std::move(fd));
+    const bool host_image = f.path.starts_with("host-images/");
+    for (size_t e = 0; e < f.extents.size(); ++e) {
+      (host_image ? later : jobs).push_back({i, e});
+      total += f.extents[e].length;
+    }
+  }
+  jobs.insert(jobs.end(), later.begin(), later.end());
+
+  std::atomic<uint64_t> done{0};
+  phases.run("write", [&] {
+    run_parallel(
+        jobs.size(), options.threads,
+        [&](size_t j) {
+          const auto& f = layout.files[jobs[j].file];
+          const Extent& e = f.extents[jobs[j].extent];
+          std::string blob = source({e.digest, e.stored, e.encoding});
+          if (blob.size() != e.stored) {
+            throw Error(ErrorKind::kBadArtifact,
+                        "chunk " + e.digest + " of " + f.path + " has " +
+                            std::to_string(blob.size()) + " bytes, its layout says " +
+                            std::to_string(e.stored),
+                        "push the artifact again");
+          }
+          if (e.encoding == Encoding::kZstd) {
+            std::string raw(e.length, '\0');
+            const size_t n = ZSTD_decompress(raw.data(), raw.size(), blob.data(), blob.size());
+            if (ZSTD_isError(n) || n != e.length) {
+              throw Error(ErrorKind::kBadArtifact,
+                          "chunk " + e.digest + " of " + f.path + " does not decompress to its " +
+                              std::to_string(e.length) + " bytes",
+                          "push the artifact again");
+            }
+            blob = std::move(raw);
+          }
+          write_sparse(fds[jobs[j].file].get(), blob.data(), e.length, e.offset, f.path);
+          done += e.length;
+        },
+        [&] { reporter.progress(options.progress_name, done.load(), total); });
+  });
+  for (auto& fd : fds) fd.reset();
+  // The staging tree's directories are the writer's; the files are root-only as written.
+  writer.commit(manifest, phases);
+}
+
+}  // namespace gpusnap::store

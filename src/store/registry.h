@@ -1,0 +1,106 @@
+// An OCI distribution registry (docker-registry, the CNCF distribution, Harbor, ...) reached
+// over HTTP/1.1: references, credentials, and the blob and manifest calls gpusnap needs.
+// Retries with backoff on connection failures, 5xx and 429; never on a blob that arrives and
+// does not match its digest.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace httplib {
+class Client;
+}
+
+namespace gpusnap::store {
+
+inline constexpr const char* kOciScheme = "oci://";
+
+// oci://HOST[:PORT]/REPO[:TAG][@sha256:HEX]
+struct OciRef {
+  std::string host;  // with ":PORT" when given
+  std::string repository;
+  std::string tag;     // empty when only a digest is given
+  std::string digest;  // empty when only a tag is given
+
+  static bool is_oci(std::string_view text) { return text.starts_with(kOciScheme); }
+  // Throws Error(kUsage) naming what is wrong.
+  static OciRef parse(std::string_view text);
+  // The manifest's name on the registry: the digest when known, else the tag.
+  std::string reference() const { return digest.empty() ? tag : digest; }
+  std::string str() const;  // as parsed (tag and digest when both are known)
+  std::string by_digest(const std::string& d) const;
+};
+
+struct RegistryOptions {
+  bool plain_http = false;  // http:// (for a registry on loopback or a trusted network)
+  std::string ca_file;      // PEM bundle the registry's certificate must chain to
+  std::string auth_file;    // auth.json / config.json; empty: the usual places
+  int retries = 5;          // attempts after the first
+  std::chrono::milliseconds backoff{200};
+  uint64_t max_rate = 0;  // bytes per second across all transfers; 0: no limit
+};
+
+struct Credentials {
+  std::string username;
+  std::string password;
+  std::string source;  // the file they came from
+};
+
+// Looks up credentials for `host` in `explicit_file`, else $REGISTRY_AUTH_FILE,
+// $XDG_RUNTIME_DIR/containers/auth.json, /run/containers/0/auth.json,
+// $DOCKER_CONFIG/config.json, $HOME/.docker/config.json ("auths" -> host -> "auth": base64 of
+// user:password). Empty username: none found. Throws kUsage for a damaged file.
+Credentials find_credentials(const std::string& host, const std::string& explicit_file);
+
+// Shares a byte rate between threads (--max-rate).
+class RateLimiter {
+ public:
+  explicit RateLimiter(uint64_t bytes_per_second) : rate_(bytes_per_second) {}
+  void consume(uint64_t bytes);
+
+ private:
+  uint64_t rate_;
+  std::mutex mu_;
+  std::chrono::steady_clock::time_point next_{};
+};
+
+class Registry {
+ public:
+  Registry(OciRef ref, RegistryOptions options);
+  ~Registry();
+  Registry(const Registry&) = delete;
+  Registry& operator=(const Registry&) = delete;
+
+  const OciRef& ref() const { return ref_; }
+  // The calls below are thread-safe: each takes a connection of its own from a pool.
+  bool blob_exists(const std::string& digest);
+  void upload_blob(const std::string& digest, std::string_view data);
+  // Fetches a blob of exactly `size` bytes, hashing it as it arrives. Throws
+  // Error(kBadArtifact) when it does not match `digest` or has another size.
+  std::string fetch_blob(const std::string& digest, uint64_t size);
+  // Stores an OCI image manifest under ref().tag; returns its digest.
+  std::string put_manifest(const std::string& body, const std::string& media_type);
+  // The manifest ref() names (at most 4 MiB) and its digest (checked against ref().digest when
+  // one was given).
+  std::pair<std::string, std::string> fetch_manifest();
+
+ private:
+  class Lease;
+  std::unique_ptr<httplib::Client> make_client() const;
+  std::string where() const;  // "registry HOST" for messages
+
+  OciRef ref_;
+  RegistryOptions options_;
+  Credentials credentials_;
+  std::string base_;  // scheme://host
+  RateLimiter limiter_;
+  std::mutex pool_mu_;
+  std::vector<std::unique_ptr<httplib::Client>> pool_;
+};
+
+}  // namespace gpusnap::store

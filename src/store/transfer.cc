@@ -1,0 +1,253 @@
+#include "store/transfer.h"
+
+#include <atomic>
+#include <mutex>
+#include <set>
+
+#include "common/fs.h"
+#include "gpusnap/error.h"
+#include "store/blob_store.h"
+#include "store/digest.h"
+#include "store/materialise.h"
+
+namespace gpusnap::store {
+
+namespace {
+
+using nlohmann::json;
+
+constexpr uint64_t kMaxConfigBytes = 256ull << 20;
+
+std::string text_of(const json& doc, const char* key) {
+  return doc.is_object() && doc.contains(key) && doc[key].is_string() ? doc[key].get<std::string>()
+                                                                      : std::string();
+}
+
+// What `skopeo inspect --raw` shows and what a node checks first.
+json annotations(const Layout& layout) {
+  const json& m = layout.manifest;
+  std::string models;
+  std::string driver = "none";
+  uint64_t gpu_bytes = 0;
+  if (m.contains("gpu") && m["gpu"].is_object()) {
+    driver = text_of(m["gpu"], "driver_version");
+    std::set<std::string> names;
+    if (m["gpu"].contains("gpus") && m["gpu"]["gpus"].is_array()) {
+      for (const auto& g : m["gpu"]["gpus"]) names.insert(text_of(g, "name"));
+    }
+    for (const auto& n : names) models += (models.empty() ? "" : ",") + n;
+  }
+  if (m.contains("processes") && m["processes"].is_array()) {
+    for (const auto& p : m["processes"]) {
+      if (p.contains("gpu_bytes") && p["gpu_bytes"].is_number_unsigned()) {
+        gpu_bytes += p["gpu_bytes"].get<uint64_t>();
+      }
+    }
+  }
+  return {{"org.opencontainers.image.created", text_of(m, "created")},
+          {"org.gpusnap.artifact.id", text_of(m, "id")},
+          {"org.gpusnap.version", text_of(m, "gpusnap_version")},
+          {"org.gpusnap.gpu.model", models.empty() ? "none" : models},
+          {"org.gpusnap.gpu.driver", driver},
+          {"org.gpusnap.gpu.bytes", std::to_string(gpu_bytes)},
+          {"org.gpusnap.host.arch", m.contains("host") ? text_of(m["host"], "arch") : ""},
+          {"org.gpusnap.bytes.apparent", std::to_string(layout.apparent_bytes())},
+          {"org.gpusnap.bytes.data", std::to_string(layout.data_bytes())},
+          {"org.gpusnap.bytes.stored", std::to_string(layout.stored_bytes())}};
+}
+
+RemoteSnapshot read_remote_with(Registry& registry) {
+  auto [body, digest] = registry.fetch_manifest();
+  const std::string name = registry.ref().str();
+  auto not_ours = [&](const std::string& why) {
+    return Error(ErrorKind::kBadArtifact, name + " is not a gpusnap snapshot: " + why,
+                 "give a reference that `gpusnap push` wrote");
+  };
+  json m;
+  try {
+    m = json::parse(body);
+  } catch (const json::exception&) {
+    throw not_ours("its manifest is not JSON");
+  }
+  if (!m.is_object() || !m.contains("config") || !m["config"].is_object()) {
+    throw not_ours("its manifest has no config");
+  }
+  const json& config = m["config"];
+  if (text_of(config, "mediaType") != kConfigMediaType) {
+    throw not_ours("its config is '" + text_of(config, "mediaType").substr(0, 100) + "'");
+  }
+  const std::string cdigest = text_of(config, "digest");
+  if (!valid_digest(cdigest) || !config.contains("size") || !config["size"].is_number_unsigned() ||
+      config["size"].get<uint64_t>() > kMaxConfigBytes) {
+    throw not_ours("its config descriptor is malformed");
+  }
+  const std::string cbody = registry.fetch_blob(cdigest, config["size"].get<uint64_t>());
+  Layout layout;
+  try {
+    layout = Layout::from_json(json::parse(cbody));
+  } catch (const json::exception&) {
+    throw not_ours("its config is not JSON");
+  }
+  return {registry.ref(), digest, std::move(m), std::move(layout)};
+}
+
+}  // namespace
+
+SnapshotSizes SnapshotSizes::of(const Layout& layout) {
+  return {layout.apparent_bytes(), layout.data_bytes(), layout.stored_bytes(),
+          layout.blobs().size()};
+}
+
+PushResult push(const std::filesystem::path& path, const OciRef& ref, const TransferOptions& o,
+                Reporter& reporter) {
+  if (!ref.digest.empty()) {
+    throw Error(ErrorKind::kUsage, "push names its target by a tag, not a digest: " + ref.str(),
+                "write oci://HOST/REPOSITORY:TAG");
+  }
+  Phases phases(reporter);
+  PushResult r;
+  auto artifact = phases.run("open", [&] { return Artifact::open(path); });
+  Registry registry(ref, o.registry);
+  std::mutex mu;
+  std::set<std::string> seen;
+  std::atomic<uint64_t> uploaded{0};
+  std::atomic<uint64_t> bytes_uploaded{0};
+  Layout layout = phases.run("upload", [&] {
+    ChunkingOptions co = o.chunking;
+    co.threads = o.jobs;
+    return chunk_artifact(
+        artifact, co,
+        [&](const Chunk& c) {
+          {
+            std::lock_guard lock(mu);
+            if (!seen.insert(c.extent.digest).second) return;  // the same chunk, once
+          }
+          if (registry.blob_exists(c.extent.digest)) return;
+          registry.upload_blob(c.extent.digest, c.blob);
+          ++uploaded;
+          bytes_uploaded += c.blob.size();
+        },
+        reporter, "upload");
+  });
+  phases.run("manifest", [&] {
+    const std::string config = layout.to_json().dump();
+    const std::string cdigest = sha256_digest(config);
+    if (!registry.blob_exists(cdigest)) registry.upload_blob(cdigest, config);
+    json layers = json::array();
+    for (const auto& b : layout.blobs()) {
+      layers.push_back(
+          {{"mediaType", b.encoding == Encoding::kZstd ? kChunkZstdMediaType : kChunkMediaType},
+           {"digest", b.digest},
+           {"size", b.size}});
+    }
+    const json manifest = {
+        {"schemaVersion", 2},
+        {"mediaType", kOciManifestMediaType},
+        {"artifactType", kArtifactType},
+        {"config", {{"mediaType", kConfigMediaType}, {"digest", cdigest}, {"size", config.size()}}},
+        {"layers", layers},
+        {"annotations", annotations(layout)}};
+    r.digest = registry.put_manifest(manifest.dump(), kOciManifestMediaType);
+  });
+  r.reference = ref.by_digest(r.digest);
+  r.sizes = SnapshotSizes::of(layout);
+  r.chunks_uploaded = uploaded;
+  r.bytes_uploaded = bytes_uploaded;
+  r.phases = phases.timings();
+  return r;
+}
+
+RemoteSnapshot read_remote(const OciRef& ref, const TransferOptions& options) {
+  Registry registry(ref, options.registry);
+  return read_remote_with(registry);
+}
+
+PullResult pull(const OciRef& ref, const PullOptions& o, Reporter& reporter) {
+  Phases phases(reporter);
+  Registry registry(ref, o.transfer.registry);
+  RemoteSnapshot snap = phases.run("manifest", [&] {
+    auto s = read_remote_with(registry);
+    if (o.check) o.check(Manifest::from_json(s.layout.manifest));
+    return s;
+  });
+  BlobStore cache(o.cache);
+  PullResult r;
+  std::atomic<uint64_t> fetched{0}, bytes_fetched{0}, cached{0}, bytes_cached{0};
+  phases.run("fetch", [&] {
+    MaterialiseOptions mo;
+    mo.threads = o.transfer.jobs;
+    mo.progress_name = "fetch";
+    materialise(
+        snap.layout, o.output,
+        [&](const BlobInfo& b) {
+          if (cache.has(b.digest)) {
+            try {
+              std::string data = cache.get(b.digest, b.size);
+              ++cached;
+              bytes_cached += data.size();
+              return data;
+            } catch (const Error&) {
+              // Damaged in the cache (and removed there): fetched again below.
+            }
+          }
+          std::string data = registry.fetch_blob(b.digest, b.size);
+          cache.put(b.digest, data);
+          ++fetched;
+          bytes_fetched += data.size();
+          return data;
+        },
+        mo, reporter);
+  });
+  const std::string key = digest_hex(snap.digest);
+  phases.run("cache", [&] {
+    cache.record_snapshot(key, ref.by_digest(snap.digest), snap.layout);
+    r.evicted = cache.evict(o.cache_budget, key).evicted;
+  });
+  r.reference = ref.by_digest(snap.digest);
+  r.digest = snap.digest;
+  r.output = o.output;
+  r.sizes = SnapshotSizes::of(snap.layout);
+  r.chunks_fetched = fetched;
+  r.bytes_fetched = bytes_fetched;
+  r.chunks_from_cache = cached;
+  r.bytes_from_cache = bytes_cached;
+  r.phases = phases.timings();
+  return r;
+}
+
+ImportResult import_artifact(const std::filesystem::path& path, const std::filesystem::path& cache,
+                             const ChunkingOptions& options, Reporter& reporter) {
+  Phases phases(reporter);
+  ImportResult r;
+  auto artifact = phases.run("open", [&] { return Artifact::open(path); });
+  BlobStore store(cache);
+  std::mutex mu;
+  std::set<std::string> seen;
+  std::atomic<uint64_t> new_bytes{0}, new_chunks{0};
+  Layout layout = phases.run("import", [&] {
+    return chunk_artifact(
+        artifact, options,
+        [&](const Chunk& c) {
+          {
+            std::lock_guard lock(mu);
+            if (!seen.insert(c.extent.digest).second) return;
+          }
+          if (store.has(c.extent.digest)) return;
+          store.put(c.extent.digest, c.blob);
+          ++new_chunks;
+          new_bytes += c.blob.size();
+        },
+        reporter, "import");
+  });
+  r.key = digest_hex(sha256_digest(layout.to_json().dump()));
+  phases.run("record", [&] {
+    store.record_snapshot(r.key, std::filesystem::absolute(path).string(), layout);
+  });
+  r.sizes = SnapshotSizes::of(layout);
+  r.new_bytes = new_bytes;
+  r.new_chunks = new_chunks;
+  r.phases = phases.timings();
+  return r;
+}
+
+}  // namespace gpusnap::store

@@ -1,0 +1,115 @@
+// Moving snapshots between a node and an OCI registry.
+//
+// A snapshot on a registry is an OCI image manifest:
+//   config  application/vnd.gpusnap.snapshot.config.v1+json   the layout (store/layout.h), which
+//           holds the artifact's manifest.json
+//   layers  application/vnd.gpusnap.chunk.v1[+zstd]            every distinct chunk, once
+//   annotations                                                 GPU model, driver, sizes, id
+// so `skopeo inspect --raw` (or any registry UI) shows what it is, and a registry's garbage
+// collection keeps every chunk a snapshot uses.
+//
+// push: open -> upload (chunk, HEAD each chunk, upload those missing) -> manifest
+// pull: manifest (OCI manifest and config; the caller's host check, before any chunk) ->
+//       fetch (chunks from the node cache, or from the registry checked against their digest
+//       as they arrive and kept in the cache; files written as chunks come) -> cache (record the
+//       snapshot, evict to the budget)
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "gpusnap/artifact.h"
+#include "gpusnap/phases.h"
+#include "store/chunker.h"
+#include "store/layout.h"
+#include "store/registry.h"
+
+namespace gpusnap::store {
+
+inline constexpr const char* kConfigMediaType = "application/vnd.gpusnap.snapshot.config.v1+json";
+inline constexpr const char* kChunkMediaType = "application/vnd.gpusnap.chunk.v1";
+inline constexpr const char* kChunkZstdMediaType = "application/vnd.gpusnap.chunk.v1+zstd";
+inline constexpr const char* kArtifactType = "application/vnd.gpusnap.snapshot.v1";
+inline constexpr const char* kOciManifestMediaType = "application/vnd.oci.image.manifest.v1+json";
+
+// What a snapshot holds, in bytes and chunks (from its layout).
+struct SnapshotSizes {
+  uint64_t apparent_bytes = 0;
+  uint64_t data_bytes = 0;    // not zeros
+  uint64_t stored_bytes = 0;  // distinct chunks, as stored (compressed)
+  uint64_t chunks = 0;        // distinct chunks
+  static SnapshotSizes of(const Layout& layout);
+};
+
+struct TransferOptions {
+  RegistryOptions registry;
+  int jobs = 8;  // chunks in flight
+  ChunkingOptions chunking;
+};
+
+struct PushResult {
+  std::string reference;  // oci://HOST/REPO@sha256:...
+  std::string digest;     // of the OCI manifest
+  SnapshotSizes sizes;
+  uint64_t chunks_uploaded = 0;
+  uint64_t bytes_uploaded = 0;
+  std::vector<PhaseTiming> phases;
+};
+
+PushResult push(const std::filesystem::path& path, const OciRef& ref,
+                const TransferOptions& options, Reporter& reporter);
+
+// A snapshot as its registry describes it, before any chunk is fetched.
+struct RemoteSnapshot {
+  OciRef ref;
+  std::string digest;           // of the OCI manifest
+  nlohmann::json oci_manifest;  // annotations included
+  Layout layout;
+};
+
+// Reads and checks the OCI manifest and the config (Error kBadArtifact when it is not a gpusnap
+// snapshot or does not match its digests).
+RemoteSnapshot read_remote(const OciRef& ref, const TransferOptions& options);
+
+struct PullOptions {
+  TransferOptions transfer;
+  std::filesystem::path output;  // must not exist
+  std::filesystem::path cache = "/var/lib/gpusnap/cache";
+  uint64_t cache_budget = 64ull << 30;
+  // Called with the snapshot's manifest before any chunk is fetched; throws to refuse (a host
+  // with another GPU model or driver).
+  std::function<void(const Manifest&)> check;
+};
+
+struct PullResult {
+  std::string reference;  // by digest
+  std::string digest;
+  std::filesystem::path output;
+  SnapshotSizes sizes;
+  uint64_t chunks_fetched = 0;
+  uint64_t bytes_fetched = 0;
+  uint64_t chunks_from_cache = 0;
+  uint64_t bytes_from_cache = 0;
+  std::vector<std::string> evicted;
+  std::vector<PhaseTiming> phases;
+};
+
+PullResult pull(const OciRef& ref, const PullOptions& options, Reporter& reporter);
+
+// Adds a local artifact to the node's store (its chunks, each once). Returns the bytes it
+// added: what a second capture of the same workload costs the store.
+struct ImportResult {
+  std::string key;
+  SnapshotSizes sizes;
+  uint64_t new_bytes = 0;  // of its stored bytes, those the store did not hold
+  uint64_t new_chunks = 0;
+  std::vector<PhaseTiming> phases;
+};
+ImportResult import_artifact(const std::filesystem::path& path, const std::filesystem::path& cache,
+                             const ChunkingOptions& options, Reporter& reporter);
+
+}  // namespace gpusnap::store

@@ -1,0 +1,53 @@
+// A real OCI registry for the tests: Debian's docker-registry (the CNCF distribution), started
+// on loopback with its own configuration and storage in a temporary directory. Plain HTTP, or
+// TLS with a CA made by openssl and htpasswd (bcrypt) basic authentication.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+
+#include "common/subprocess.h"
+#include "testing/unit.h"
+
+namespace gpusnap::testing {
+
+class LocalRegistry {
+ public:
+  struct Options {
+    bool tls = false;
+    std::string username;  // non-empty: basic authentication (with tls)
+    std::string password;
+  };
+
+  // Why the registry cannot run here (docker-registry, openssl or htpasswd missing).
+  static std::optional<std::string> blocker();
+
+  // Starts it and waits until it answers; throws std::runtime_error when it does not.
+  LocalRegistry(const TempDir& dir, Options options);
+  LocalRegistry(const LocalRegistry&) = delete;
+  LocalRegistry& operator=(const LocalRegistry&) = delete;
+  ~LocalRegistry();  // stops it (SIGKILL through Subprocess)
+
+  std::string host() const { return "127.0.0.1:" + std::to_string(port_); }
+  // oci://127.0.0.1:PORT/REPO
+  std::string ref(const std::string& repo_and_tag) const {
+    return "oci://" + host() + "/" + repo_and_tag;
+  }
+  const std::filesystem::path& storage() const { return storage_; }
+  const std::filesystem::path& ca_file() const { return ca_; }
+  // Where the registry's blob with this digest ("sha256:HEX") keeps its bytes.
+  std::filesystem::path blob_data(const std::string& digest) const;
+  // The registry's own log (one line per request).
+  std::string log() const;
+
+ private:
+  uint16_t port_ = 0;
+  std::filesystem::path storage_;
+  std::filesystem::path ca_;
+  std::filesystem::path log_;
+  std::optional<Subprocess> process_;
+};
+
+}  // namespace gpusnap::testing

@@ -1,0 +1,411 @@
+// The store and the OCI registry remote end to end: the built gpusnap against a real
+// docker-registry on loopback, captures of the real test workload with real CRIU, restores
+// from oci:// references on a node cache that never held them.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "common/fs.h"
+#include "gpu/driver.h"
+#include "gpusnap/artifact.h"
+#include "store/registry_fixture.h"
+#include "testing/harness.h"
+
+namespace gpusnap::testing {
+namespace {
+
+using nlohmann::json;
+namespace sfs = std::filesystem;
+
+#define SKIP_WITHOUT_REGISTRY()                                            \
+  do {                                                                     \
+    SKIP_WITHOUT_CRIU();                                                   \
+    GPUSNAP_SKIP_IF_BLOCKED(::gpusnap::testing::LocalRegistry::blocker()); \
+  } while (0)
+
+// A capture of the test workload (stopped by the capture) and the seed its memory holds.
+struct Capture {
+  sfs::path path;
+  std::string seed;
+  uint16_t port = 0;
+};
+
+Capture capture(const TempDir& dir, const std::string& name, const std::string& mib,
+                const std::string& seed = "") {
+  std::vector<std::string> args{"--mib", mib, "--children", "1"};
+  if (!seed.empty()) args.insert(args.end(), {"--seed", seed});
+  Workload w(dir, args);
+  Capture c{dir / name, field(ask(w.port(), "INFO"), "seed"), w.port()};
+  auto r = gpusnap({"checkpoint", "--pid", std::to_string(w.pid()), "-o", c.path.string(), "-q"});
+  if (r.exit_code != 0) throw std::runtime_error("checkpoint failed: " + r.err);
+  return c;
+}
+
+// gpusnap push --json of a capture to REPO:TAG of the registry (plain HTTP), its document.
+json push(const LocalRegistry& registry, const Capture& c, const std::string& repo_and_tag) {
+  auto r = gpusnap(
+      {"push", c.path.string(), registry.ref(repo_and_tag), "--plain-http", "--json", "-q"});
+  if (r.exit_code != 0) throw std::runtime_error("push failed: " + r.err);
+  return json::parse(r.out);
+}
+
+// Every file of an artifact (manifest included) with its bytes.
+std::map<std::string, std::string> contents(const sfs::path& root) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : sfs::recursive_directory_iterator(root)) {
+    if (e.is_regular_file()) out[sfs::relative(e.path(), root).string()] = fs::read_file(e.path());
+  }
+  return out;
+}
+
+size_t files_in(const sfs::path& dir) {
+  if (!sfs::exists(dir)) return 0;
+  return static_cast<size_t>(
+      std::distance(sfs::directory_iterator(dir), sfs::directory_iterator()));
+}
+
+mode_t mode_of(const sfs::path& p) {
+  struct stat st {};
+  ::stat(p.c_str(), &st);
+  return st.st_mode & 07777;
+}
+
+TEST(StoreRegistry, PushPullRestoreOverPlainHttp) {
+  SKIP_WITHOUT_REGISTRY();
+  TempDir dir;
+  LocalRegistry registry(dir, {});
+  auto snap = capture(dir, "snap", "64");
+
+  auto push = gpusnap(
+      {"push", snap.path.string(), registry.ref("team/worker:v1"), "--plain-http", "--json"});
+  ASSERT_EQ(push.exit_code, 0) << push.err;
+  auto pushed = json::parse(push.out);
+  const std::string digest = pushed.at("digest");
+  EXPECT_EQ(pushed.at("reference"), registry.ref("team/worker@" + digest));
+  EXPECT_GT(pushed.at("chunks").get<int>(), 1);
+  EXPECT_EQ(pushed.at("chunks_uploaded"), pushed.at("chunks"));
+  // Progress came as JSON lines on stderr.
+  EXPECT_NE(push.err.find("{\"progress\":{\"bytes_done\":"), std::string::npos) << push.err;
+
+  // Again: the registry has every chunk; only HEADs, nothing uploaded.
+  auto again = gpusnap(
+      {"push", snap.path.string(), registry.ref("team/worker:v1"), "--plain-http", "--json"});
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_EQ(json::parse(again.out).at("chunks_uploaded"), 0);
+  EXPECT_EQ(json::parse(again.out).at("digest"), digest);
+
+  // What skopeo, another OCI client, sees.
+  auto raw = run_capture({"skopeo", "inspect", "--tls-verify=false", "--raw",
+                          "docker://" + registry.host() + "/team/worker:v1"});
+  ASSERT_TRUE(raw.status.ok()) << raw.output;
+  auto manifest = json::parse(raw.output);
+  EXPECT_EQ(manifest.at("config").at("mediaType"),
+            "application/vnd.gpusnap.snapshot.config.v1+json");
+  EXPECT_EQ(manifest.at("annotations").at("org.gpusnap.gpu.model"), "none");
+  EXPECT_EQ(manifest.at("annotations").at("org.gpusnap.gpu.driver"), "none");
+  EXPECT_EQ(manifest.at("annotations").at("org.gpusnap.bytes.apparent"),
+            std::to_string(pushed.at("bytes").get<uint64_t>()));
+
+  // inspect reads the manifest and the layout only.
+  auto inspect =
+      gpusnap({"inspect", registry.ref("team/worker@" + digest), "--plain-http", "--json"});
+  ASSERT_EQ(inspect.exit_code, 0) << inspect.err;
+  EXPECT_EQ(json::parse(inspect.out).at("id"), Artifact::open(snap.path).manifest().id);
+
+  // pull: the same bytes, root-only.
+  const auto cache = dir / "cache";
+  const auto out = dir / "pulled";
+  auto pull = gpusnap({"pull", registry.ref("team/worker:v1"), "-o", out.string(), "--plain-http",
+                       "--cache", cache.string(), "--json"});
+  ASSERT_EQ(pull.exit_code, 0) << pull.err;
+  auto pulled = json::parse(pull.out);
+  EXPECT_EQ(pulled.at("chunks_fetched"), pushed.at("chunks"));
+  EXPECT_EQ(pulled.at("chunks_from_cache"), 0);
+  EXPECT_EQ(contents(out), contents(snap.path));
+  EXPECT_TRUE(Artifact::open(out).verify().empty());
+  EXPECT_EQ(mode_of(out), 0700u);
+  EXPECT_EQ(mode_of(cache), 0700u);
+  EXPECT_EQ(mode_of(cache / "blobs" / "sha256"), 0700u);
+  for (const auto& e : sfs::directory_iterator(cache / "blobs" / "sha256")) {
+    EXPECT_EQ(mode_of(e.path()), 0600u) << e.path();
+  }
+
+  auto verify = gpusnap({"verify", registry.ref("team/worker@" + digest), "--plain-http", "--cache",
+                         (dir / "cache2").string(), "--run-dir", (dir / "run").string()});
+  EXPECT_EQ(verify.exit_code, 0) << verify.err;
+
+  // restore straight from the registry, by digest, on an empty node cache.
+  auto rs = gpusnap({"restore", registry.ref("team/worker@" + digest), "--plain-http", "--cache",
+                     (dir / "cache3").string(), "--run-dir", (dir / "run").string(), "--publish",
+                     std::to_string(snap.port), "--json"});
+  ASSERT_EQ(rs.exit_code, 0) << rs.err;
+  Copies copies{json::parse(rs.out)};
+  ASSERT_EQ(copies.copies.size(), 1u);
+  EXPECT_EQ(field(ask(copies.port(0), "INFO"), "seed"), snap.seed);
+  EXPECT_EQ(ask(copies.port(0), "CHECK").substr(0, 2), "OK");
+
+  auto list = gpusnap({"list", "--cache", (dir / "cache3").string(), "--json"});
+  ASSERT_EQ(list.exit_code, 0) << list.err;
+  auto listed = json::parse(list.out).at("snapshots");
+  ASSERT_EQ(listed.size(), 1u);
+  EXPECT_EQ(listed[0].at("reference"), registry.ref("team/worker@" + digest));
+}
+
+TEST(StoreRegistry, TlsWithBasicAuth) {
+  SKIP_WITHOUT_REGISTRY();
+  TempDir dir;
+  LocalRegistry registry(dir, {true, "gpusnap", "s3cret-pass"});
+  auto snap = capture(dir, "snap", "16");
+  const std::string ref = registry.ref("secure/snap:v1");
+
+  auto untrusted = gpusnap({"push", snap.path.string(), ref, "--auth-file", "/dev/null/none"});
+  EXPECT_EQ(untrusted.exit_code, 2) << untrusted.err;
+
+  // No CA: the self-signed chain is refused.
+  auto no_ca = gpusnap({"push", snap.path.string(), ref, "--retries", "0"});
+  EXPECT_EQ(no_ca.exit_code, 10) << no_ca.err;
+  EXPECT_NE(no_ca.err.find("(fix: give the registry's CA with --ca-file, or --plain-http for a "
+                           "registry without TLS)"),
+            std::string::npos)
+      << no_ca.err;
+
+  // The CA, but no credentials.
+  auto empty_home = dir / "home";
+  sfs::create_directories(empty_home);
+  auto no_auth = gpusnap({"push", snap.path.string(), ref, "--ca-file", registry.ca_file().string(),
+                          "--auth-file", (dir / "none.json").string()});
+  EXPECT_EQ(no_auth.exit_code, 2) << no_auth.err;
+  fs::write_file(dir / "empty.json", "{\"auths\":{}}");
+  auto anonymous =
+      gpusnap({"push", snap.path.string(), ref, "--ca-file", registry.ca_file().string(),
+               "--auth-file", (dir / "empty.json").string()});
+  EXPECT_EQ(anonymous.exit_code, 10) << anonymous.err;
+  EXPECT_EQ(anonymous.err,
+            "gpusnap: error: registry " + registry.host() + " refused to look up blob " +
+                anonymous.err.substr(anonymous.err.find("sha256:"), 71) +
+                " (HTTP 401) (fix: log in (`skopeo login HOST`) or give --auth-file)\n");
+
+  // auth.json as skopeo/podman write it: base64 of user:password.
+  fs::write_file(dir / "auth.json", "{\"auths\":{\"" + registry.host() +
+                                        "\":{\"auth\":\"Z3B1c25hcDpzM2NyZXQtcGFzcw==\"}}}");
+  auto push = gpusnap({"push", snap.path.string(), ref, "--ca-file", registry.ca_file().string(),
+                       "--auth-file", (dir / "auth.json").string(), "--json"});
+  ASSERT_EQ(push.exit_code, 0) << push.err;
+  const auto out = dir / "pulled";
+  auto pull =
+      gpusnap({"pull", ref, "-o", out.string(), "--ca-file", registry.ca_file().string(),
+               "--auth-file", (dir / "auth.json").string(), "--cache", (dir / "cache").string()});
+  ASSERT_EQ(pull.exit_code, 0) << pull.err;
+  EXPECT_EQ(contents(out), contents(snap.path));
+}
+
+TEST(StoreRegistry, CorruptBlobInTheRegistryIsRefusedAndNothingRestored) {
+  SKIP_WITHOUT_REGISTRY();
+  TempDir dir;
+  LocalRegistry registry(dir, {});
+  push(registry, capture(dir, "snap", "32"), "r/s:v1");
+
+  // Flip one byte of the largest chunk in the registry's own storage.
+  auto raw = run_capture({"skopeo", "inspect", "--tls-verify=false", "--raw",
+                          "docker://" + registry.host() + "/r/s:v1"});
+  ASSERT_TRUE(raw.status.ok()) << raw.output;
+  std::string victim;
+  uint64_t largest = 0;
+  const json manifest = json::parse(raw.output);
+  for (const auto& l : manifest.at("layers")) {
+    if (l.at("size").get<uint64_t>() > largest) {
+      largest = l.at("size").get<uint64_t>();
+      victim = l.at("digest").get<std::string>();
+    }
+  }
+  {
+    std::fstream f(registry.blob_data(victim), std::ios::in | std::ios::out | std::ios::binary);
+    ASSERT_TRUE(f.good());
+    f.seekg(static_cast<std::streamoff>(largest / 2));
+    char c = 0;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x5a);
+    f.seekp(static_cast<std::streamoff>(largest / 2));
+    f.write(&c, 1);
+  }
+
+  const auto cache = dir / "cache";
+  auto pull = gpusnap({"pull", registry.ref("r/s:v1"), "-o", (dir / "pulled").string(),
+                       "--plain-http", "--cache", cache.string()});
+  EXPECT_EQ(pull.exit_code, 4) << pull.err;
+  EXPECT_NE(pull.err.find("gpusnap: error: blob " + victim + " from registry " + registry.host() +
+                          " does not match its digest"),
+            std::string::npos)
+      << pull.err;
+  EXPECT_NE(pull.err.find("(fix: the registry's copy is damaged: push the artifact again)"),
+            std::string::npos);
+  EXPECT_FALSE(sfs::exists(dir / "pulled"));
+  EXPECT_FALSE(sfs::exists(cache / "blobs" / "sha256" / victim.substr(7)));
+  for (const auto& e : sfs::directory_iterator(dir.path())) {
+    EXPECT_EQ(e.path().filename().string().find(".pulled"), std::string::npos) << e.path();
+  }
+
+  auto rs = gpusnap({"restore", registry.ref("r/s:v1"), "--plain-http", "--cache", cache.string(),
+                     "--run-dir", (dir / "run").string(), "--json"});
+  EXPECT_EQ(rs.exit_code, 4) << rs.err;
+  EXPECT_FALSE(sfs::exists(dir / "run" / "copies")) << "a copy was started";
+}
+
+TEST(StoreRegistry, KilledPullResumesWithoutFetchingCompleteChunksAgain) {
+  SKIP_WITHOUT_REGISTRY();
+  TempDir dir;
+  LocalRegistry registry(dir, {});
+  auto snap = capture(dir, "snap", "48");
+  const int chunks = push(registry, snap, "r/s:v1").at("chunks");
+
+  const auto cache = dir / "cache";
+  const auto out = dir / "pulled";
+  const auto blobs = cache / "blobs" / "sha256";
+  {
+    // One chunk at a time at 16 MiB/s: killed once a few chunks are complete.
+    SpawnOptions o;
+    o.argv = {gpusnap_bin(), "pull",           registry.ref("r/s:v1"),
+              "-o",          out.string(),     "--plain-http",
+              "--cache",     cache.string(),   "--jobs",
+              "1",           "--max-rate-mib", "16",
+              "-q"};
+    Subprocess slow(o);
+    ASSERT_TRUE(eventually([&] { return files_in(blobs) >= 3; }, std::chrono::seconds(30)));
+    slow.kill(SIGKILL);
+    slow.wait();
+  }
+  const size_t kept = files_in(blobs);
+  ASSERT_LT(kept, static_cast<size_t>(chunks));
+  EXPECT_FALSE(sfs::exists(out));
+
+  auto pull = gpusnap({"pull", registry.ref("r/s:v1"), "-o", out.string(), "--plain-http",
+                       "--cache", cache.string(), "--json"});
+  ASSERT_EQ(pull.exit_code, 0) << pull.err;
+  auto doc = json::parse(pull.out);
+  EXPECT_EQ(doc.at("chunks_from_cache").get<size_t>(), kept);
+  EXPECT_EQ(doc.at("chunks_fetched").get<size_t>() + kept, static_cast<size_t>(chunks));
+  EXPECT_EQ(contents(out), contents(snap.path));
+}
+
+TEST(StoreRegistry, SecondCaptureOfTheSameWorkloadAddsLittle) {
+  SKIP_WITHOUT_REGISTRY();
+  TempDir dir;
+  LocalRegistry registry(dir, {});
+  // Two processes holding the same 128 MiB (same seed), captured one after the other.
+  auto first = capture(dir, "first", "128", "77");
+  auto second = capture(dir, "second", "128", "77");
+
+  const auto store = dir / "store";
+  auto a = gpusnap({"import", first.path.string(), "--cache", store.string(), "--json"});
+  ASSERT_EQ(a.exit_code, 0) << a.err;
+  auto b = gpusnap({"import", second.path.string(), "--cache", store.string(), "--json"});
+  ASSERT_EQ(b.exit_code, 0) << b.err;
+  auto da = json::parse(a.out);
+  auto db = json::parse(b.out);
+  EXPECT_EQ(da.at("new_bytes"), da.at("stored_bytes"));
+  const double added = db.at("new_bytes").get<double>() / db.at("stored_bytes").get<double>();
+  EXPECT_LE(added, 0.10) << b.out;
+  std::printf("RESULT dedup_second_capture %s\n", json{{"stored_bytes", db.at("stored_bytes")},
+                                                       {"new_bytes", db.at("new_bytes")},
+                                                       {"fraction_new", added}}
+                                                      .dump()
+                                                      .c_str());
+
+  // The registry too: the second push uploads only what the first lacked.
+  push(registry, first, "r/s:a");
+  auto d2 = push(registry, second, "r/s:b");
+  EXPECT_LE(d2.at("bytes_uploaded").get<double>() / d2.at("stored_bytes").get<double>(), 0.10)
+      << d2.dump();
+}
+
+TEST(StoreRegistry, NodeCacheKeepsItsBudgetLeastRecentlyUsedFirst) {
+  SKIP_WITHOUT_REGISTRY();
+  TempDir dir;
+  LocalRegistry registry(dir, {});
+  std::vector<std::string> refs;
+  uint64_t largest = 0;
+  for (const char* seed : {"11", "22", "33"}) {
+    auto c = capture(dir, std::string("s") + seed, "24", seed);
+    auto p = push(registry, c, std::string("r/s:") + seed);
+    refs.push_back(p.at("reference"));
+    largest = std::max(largest, p.at("stored_bytes").get<uint64_t>());
+  }
+  // Room for two of them, not three (their chunks differ: other seeds).
+  const std::string budget = std::to_string((largest * 5 / 2) >> 20);
+  const auto cache = dir / "cache";
+  auto pull = [&](size_t i, const std::string& budget_mib) {
+    auto r = gpusnap({"pull", refs[i], "-o",
+                      (dir / ("out" + std::to_string(i) + budget_mib)).string(), "--plain-http",
+                      "--cache", cache.string(), "--cache-budget-mib", budget_mib, "--json"});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return json::parse(r.out);
+  };
+  EXPECT_EQ(pull(0, budget).at("evicted"), json::array());
+  EXPECT_EQ(pull(1, budget).at("evicted"), json::array());
+  auto third = pull(2, budget);
+  EXPECT_EQ(third.at("evicted"), json::array({refs[0].substr(refs[0].find("sha256:") + 7)}));
+  auto list = gpusnap({"list", "--cache", cache.string(), "--json"});
+  ASSERT_EQ(list.exit_code, 0) << list.err;
+  auto doc = json::parse(list.out);
+  ASSERT_EQ(doc.at("snapshots").size(), 2u);
+  EXPECT_EQ(doc.at("snapshots")[0].at("reference"), refs[2]);
+  EXPECT_EQ(doc.at("snapshots")[1].at("reference"), refs[1]);
+  EXPECT_LE(doc.at("bytes").get<uint64_t>(), std::stoull(budget) << 20);
+  // Pulled again, the evicted one is fetched again; the others were not touched.
+  auto again = pull(0, "1000");
+  EXPECT_GT(again.at("chunks_fetched").get<int>(), 0);
+}
+
+TEST(StoreRegistry, AnotherGpuRefusesAfterTheManifestAlone) {
+  SKIP_WITHOUT_REGISTRY();
+  TempDir dir;
+  LocalRegistry registry(dir, {});
+  auto snap = capture(dir, "snap", "16");
+  // The same capture as if taken on an H200 with driver 580 (this host has no NVIDIA driver).
+  auto doc = json::parse(fs::read_file(snap.path / "manifest.json"));
+  doc["gpu"] = {{"driver_version", "580.95.05"},
+                {"cuda_driver_version", 13000},
+                {"gpus",
+                 {{{"index", 0},
+                   {"uuid", "GPU-00000000-1111-2222-3333-444444444444"},
+                   {"name", "NVIDIA H200"},
+                   {"bus_id", "00000000:19:00.0"},
+                   {"compute_capability", "9.0"},
+                   {"memory_total", 150754820096},
+                   {"used", true}}}},
+                {"processes", json::array()}};
+  fs::write_file(snap.path / "manifest.json", doc.dump(2));
+  auto push = gpusnap({"push", snap.path.string(), registry.ref("r/gpu:v1"), "--plain-http"});
+  ASSERT_EQ(push.exit_code, 0) << push.err;
+  auto raw = run_capture({"skopeo", "inspect", "--tls-verify=false", "--raw",
+                          "docker://" + registry.host() + "/r/gpu:v1"});
+  EXPECT_EQ(json::parse(raw.output).at("annotations").at("org.gpusnap.gpu.model"), "NVIDIA H200");
+  EXPECT_EQ(json::parse(raw.output).at("annotations").at("org.gpusnap.gpu.driver"), "580.95.05");
+
+  const auto cache = dir / "cache";
+  auto pull = gpusnap({"pull", registry.ref("r/gpu:v1"), "-o", (dir / "pulled").string(),
+                       "--plain-http", "--cache", cache.string()});
+  if (gpu::open_nvidia_driver()->available()) {
+    EXPECT_EQ(pull.exit_code, 5) << pull.err;  // another driver version than 580.95.05
+  } else {
+    EXPECT_EQ(pull.exit_code, 10) << pull.err;
+    EXPECT_EQ(pull.err.substr(0, pull.err.find(": libcuda.so.1")),
+              "gpusnap: error: the artifact holds GPU state but this host has no usable NVIDIA "
+              "driver");
+    EXPECT_NE(pull.err.find("(fix: restore it on a host with the NVIDIA driver 580.95.05)\n"),
+              std::string::npos);
+  }
+  EXPECT_FALSE(sfs::exists(dir / "pulled"));
+  EXPECT_EQ(files_in(cache / "blobs" / "sha256"), 0u) << "a chunk was fetched";
+}
+
+}  // namespace
+}  // namespace gpusnap::testing

@@ -1,0 +1,260 @@
+// The store's parts on their own: references, the layout's checks, and an artifact with a
+// sparse host image cut into chunks and written back exactly (same bytes, same holes).
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <random>
+#include <set>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "common/fd.h"
+#include "common/fs.h"
+#include "gpusnap/artifact.h"
+#include "gpusnap/error.h"
+#include "store/blob_store.h"
+#include "store/chunker.h"
+#include "store/digest.h"
+#include "store/layout.h"
+#include "store/materialise.h"
+#include "store/registry.h"
+#include "testing/unit.h"
+
+namespace gpusnap::testing {
+namespace {
+
+using nlohmann::json;
+using store::OciRef;
+namespace sfs = std::filesystem;
+
+std::string usage_message(const std::string& text) {
+  try {
+    OciRef::parse(text);
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kUsage);
+    return e.what();
+  }
+  return "accepted";
+}
+
+TEST(OciRef, ParsesHostPortRepositoryTagAndDigest) {
+  auto r = OciRef::parse("oci://127.0.0.1:5000/team/llama-8b:v1");
+  EXPECT_EQ(r.host, "127.0.0.1:5000");
+  EXPECT_EQ(r.repository, "team/llama-8b");
+  EXPECT_EQ(r.tag, "v1");
+  EXPECT_EQ(r.reference(), "v1");
+  const std::string d = "sha256:" + std::string(64, 'a');
+  auto by_digest = OciRef::parse("oci://registry.local/snap@" + d);
+  EXPECT_EQ(by_digest.tag, "");
+  EXPECT_EQ(by_digest.reference(), d);
+  EXPECT_EQ(OciRef::parse("oci://h/r").tag, "latest");
+  EXPECT_EQ(by_digest.str(), "oci://registry.local/snap@" + d);
+}
+
+TEST(OciRef, RefusesWhatIsNotAReference) {
+  EXPECT_EQ(usage_message("docker://h/r"),
+            "bad reference 'docker://h/r': it does not start with oci://");
+  EXPECT_EQ(usage_message("oci://host"),
+            "bad reference 'oci://host': no repository after the host");
+  EXPECT_EQ(usage_message("oci://h/Upper"),
+            "bad reference 'oci://h/Upper': the repository is not lower-case letters, digits and "
+            ". _ - / as OCI allows");
+  EXPECT_EQ(usage_message("oci://h/r@sha256:abc"),
+            "bad reference 'oci://h/r@sha256:abc': the digest is not sha256: and 64 lower-case "
+            "hex digits");
+  EXPECT_EQ(usage_message("oci://h/../r"),
+            "bad reference 'oci://h/../r': the repository is not lower-case letters, digits and "
+            ". _ - / as OCI allows");
+}
+
+TEST(Credentials, ReadsAuthJsonAsSkopeoWritesIt) {
+  TempDir dir;
+  fs::write_file(dir / "auth.json",
+                 R"({"auths":{"reg:5000":{"auth":"dXNlcjpwYXNzOndpdGg6Y29sb25z"}}})");
+  auto c = store::find_credentials("reg:5000", (dir / "auth.json").string());
+  EXPECT_EQ(c.username, "user");
+  EXPECT_EQ(c.password, "pass:with:colons");
+  EXPECT_EQ(store::find_credentials("other:5000", (dir / "auth.json").string()).username, "");
+  fs::write_file(dir / "bad.json", "{not json");
+  EXPECT_THROW(store::find_credentials("reg:5000", (dir / "bad.json").string()), Error);
+}
+
+// A small artifact: a CRIU-like pages file and a sparse host image whose data starts at
+// `file_offset` (as a region that did not start on a 2 MiB boundary).
+sfs::path make_artifact(const sfs::path& root, uint64_t file_offset, uint32_t seed) {
+  sfs::create_directories(root / "criu");
+  sfs::create_directories(root / "host-images");
+  std::mt19937_64 rng(seed);
+  std::string pages(3 << 20, '\0');
+  for (size_t i = 0; i < pages.size() / 2; i += 8) {  // the second half stays zeros
+    uint64_t v = rng();
+    std::memcpy(pages.data() + i, &v, 8);
+  }
+  fs::write_file(root / "criu" / "pages-1.img", pages);
+  // The region: 4 MiB of data, 8 MiB of zeros (a hole), 100 KiB of data, 7.9 MiB of zeros.
+  const uint64_t region = 20ull << 20;
+  std::mt19937_64 gpu(1234);  // the same GPU contents whatever the seed
+  std::string a(4 << 20, '\0');
+  for (size_t i = 0; i < a.size(); i += 8) {
+    uint64_t v = gpu();
+    std::memcpy(a.data() + i, &v, 8);
+  }
+  std::string b(100 << 10, 'x');
+  const auto image = root / "host-images" / "1-7f0000000000.img";
+  UniqueFd fd(::open(image.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  EXPECT_EQ(::pwrite(fd.get(), a.data(), a.size(), static_cast<off_t>(file_offset)),
+            static_cast<ssize_t>(a.size()));
+  EXPECT_EQ(::pwrite(fd.get(), b.data(), b.size(), static_cast<off_t>(file_offset + (12 << 20))),
+            static_cast<ssize_t>(b.size()));
+  EXPECT_EQ(::ftruncate(fd.get(), static_cast<off_t>(file_offset + region)), 0);
+  fd.reset();
+
+  Manifest m;
+  m.id = fs::random_id();
+  m.created = "2026-12-01T00:00:00Z";
+  m.gpusnap_version = "test";
+  m.host.page_size = 4096;
+  HostImageRecord h;
+  h.pid = 1;
+  h.start = 0x7f0000000000ull + file_offset;
+  h.end = h.start + region;
+  h.file = "host-images/1-7f0000000000.img";
+  h.file_offset = file_offset;
+  h.criu_key = "file[1:2]";
+  h.stored_bytes = a.size() + b.size();
+  m.host_images.push_back(h);
+  m.files = checksum_tree(root, m.chunk_bytes);
+  fs::write_file(root / kManifestName, m.to_json().dump(2));
+  return root;
+}
+
+// [data start, data end) ranges of a file, from SEEK_DATA/SEEK_HOLE.
+std::vector<std::pair<off_t, off_t>> data_map(const sfs::path& p) {
+  UniqueFd fd(::open(p.c_str(), O_RDONLY | O_CLOEXEC));
+  std::vector<std::pair<off_t, off_t>> out;
+  const off_t size = ::lseek(fd.get(), 0, SEEK_END);
+  for (off_t pos = 0; pos < size;) {
+    off_t d = ::lseek(fd.get(), pos, SEEK_DATA);
+    if (d < 0) break;
+    off_t h = ::lseek(fd.get(), d, SEEK_HOLE);
+    out.emplace_back(d, h);
+    pos = h;
+  }
+  return out;
+}
+
+struct Stored {
+  store::Layout layout;
+  std::set<std::string> host_image_digests;
+};
+
+Stored chunk_into(const sfs::path& artifact, store::BlobStore& blobs) {
+  Reporter quiet;
+  Stored s;
+  s.layout = store::chunk_artifact(
+      Artifact::open(artifact), {},
+      [&](const store::Chunk& c) { blobs.put(c.extent.digest, c.blob); }, quiet);
+  for (const auto& f : s.layout.files) {
+    if (f.path.starts_with("host-images/")) {
+      for (const auto& e : f.extents) s.host_image_digests.insert(e.digest);
+    }
+  }
+  return s;
+}
+
+TEST(Store, MaterialisesAnArtifactExactlyWithItsHoles) {
+  TempDir dir;
+  const uint64_t offset = 1 << 20;  // a region 1 MiB into its 2 MiB page
+  auto src = make_artifact(dir / "src", offset, 1);
+  store::BlobStore blobs(dir / "store");
+  auto stored = chunk_into(src, blobs);
+  // Zeros are not stored: the pages file's zero half, the image's holes and zero tails.
+  // (Trimmed to 64 KiB blocks: at most one partial block more per extent.)
+  const uint64_t nonzero = (3ull << 19) + (4ull << 20) + (100ull << 10);
+  EXPECT_GE(stored.layout.data_bytes(), nonzero);
+  EXPECT_LE(stored.layout.data_bytes(), nonzero + 64 * 1024 * 4);
+
+  // Through JSON, as a registry would carry it.
+  auto layout = store::Layout::from_json(json::parse(stored.layout.to_json().dump()));
+  Reporter quiet;
+  store::materialise(
+      layout, dir / "out", [&](const store::BlobInfo& b) { return blobs.get(b.digest, b.size); },
+      {}, quiet);
+  auto out = Artifact::open(dir / "out");
+  EXPECT_TRUE(out.verify().empty());
+  for (const char* f : {"criu/pages-1.img", "host-images/1-7f0000000000.img"}) {
+    EXPECT_EQ(fs::read_file(dir / "out" / f), fs::read_file(src / f)) << f;
+  }
+  // The image's holes are where the capture left them: the first MiB (file_offset) too.
+  const auto image = "host-images/1-7f0000000000.img";
+  EXPECT_EQ(data_map(dir / "out" / image), data_map(src / image));
+  EXPECT_EQ(data_map(dir / "out" / image).at(0).first, static_cast<off_t>(offset));
+}
+
+TEST(Store, TheSameGpuMemoryAtAnotherAddressGivesTheSameChunks) {
+  TempDir dir;
+  store::BlobStore blobs(dir / "store");
+  auto a = chunk_into(make_artifact(dir / "a", 1 << 20, 1), blobs);
+  auto b = chunk_into(make_artifact(dir / "b", 384 << 10, 2), blobs);
+  EXPECT_FALSE(a.host_image_digests.empty());
+  EXPECT_EQ(a.host_image_digests, b.host_image_digests);
+}
+
+TEST(Store, LayoutRefusesPathsOutsideTheArtifactAndOverlaps) {
+  TempDir dir;
+  auto src = make_artifact(dir / "src", 0, 1);
+  store::BlobStore blobs(dir / "store");
+  auto doc = chunk_into(src, blobs).layout.to_json();
+  auto message = [](const json& d) -> std::string {
+    try {
+      store::Layout::from_json(d);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+      return e.what();
+    }
+    return "accepted";
+  };
+  EXPECT_EQ(message(doc), "accepted");
+  auto escape = doc;
+  escape["files"][0]["path"] = "../../etc/cron.d/x";
+  EXPECT_EQ(message(escape),
+            "bad snapshot layout: file '../../etc/cron.d/x': not a plain relative path inside the "
+            "artifact");
+  auto overlap = doc;
+  auto& ex = overlap["files"][0]["extents"];
+  ASSERT_GE(ex.size(), 2u);
+  ex[1][0] = ex[0][0].get<uint64_t>() + 1;
+  EXPECT_NE(message(overlap).find("bad snapshot layout: file '" +
+                                  overlap["files"][0]["path"].get<std::string>() + "' at offset"),
+            std::string::npos)
+      << message(overlap);
+  EXPECT_NE(message(overlap).find("extent overlaps another or ends past the file"),
+            std::string::npos);
+  auto bad_digest = doc;
+  bad_digest["files"][0]["extents"][0][2] = "sha256:xyz";
+  EXPECT_NE(message(bad_digest).find("not a sha256 digest"), std::string::npos);
+}
+
+TEST(Store, ADamagedChunkInTheCacheIsRemovedAndReported) {
+  TempDir dir;
+  store::BlobStore blobs(dir / "store");
+  const std::string data = "chunk bytes";
+  const auto digest = store::sha256_digest(data);
+  blobs.put(digest, data);
+  EXPECT_EQ(blobs.get(digest, 100), data);
+  fs::write_file(dir / "store" / "blobs" / "sha256" / store::digest_hex(digest), "chunk bytez");
+  try {
+    blobs.get(digest, 100);
+    FAIL() << "a damaged chunk was returned";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+    EXPECT_EQ(std::string(e.what()),
+              "chunk " + digest + " in the node cache does not match its digest");
+  }
+  EXPECT_FALSE(blobs.has(digest));
+}
+
+}  // namespace
+}  // namespace gpusnap::testing
