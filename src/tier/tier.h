@@ -1,0 +1,161 @@
+// The memory tier (docs/design.md, "The memory tier"): a caching allocator on the driver's
+// virtual memory management that can move every live byte it handed out into files (drain) and
+// back to the same addresses (fill), at the speed of pinned copies on several streams.
+//
+// One Tier owns, for its whole life, the address reservations and physical memory of its
+// segments; the workload owns the blocks it was given until it frees them. A drain writes the
+// live blocks into files and only then releases the physical memory, keeping every reservation;
+// a fill creates and maps physical memory at the same addresses again and reads the files back.
+//
+// Thread-safety: every public method takes one internal mutex; allocate() and free() may be
+// called from any thread (PyTorch calls them from the threads that create and drop tensors).
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "tier/tier_driver.h"
+
+namespace gpusnap::tier {
+
+struct TierSettings {
+  int streams = 8;                                   // drain and fill workers, one stream each
+  std::size_t buffer_bytes = std::size_t{32} << 20;  // each of a worker's two pinned buffers
+  bool log = false;                                  // one line per drain and fill on stderr
+
+  // GPUSNAP_TIER_STREAMS, GPUSNAP_TIER_BUFFER_MIB, GPUSNAP_TIER_LOG; out-of-range values keep
+  // the default.
+  static TierSettings from_environment();
+};
+
+enum class TierState {
+  kServing,   // physical memory mapped; allocate() works
+  kReleased,  // drained: contents in files, physical memory released, reservations kept
+};
+
+struct TierStats {
+  std::size_t segments = 0;
+  std::size_t reserved_bytes = 0;  // address space of all segments
+  std::size_t live_bytes = 0;      // blocks handed out and not freed (graph blocks included)
+  std::size_t cached_bytes = 0;    // free blocks kept for reuse
+  std::size_t graph_bytes = 0;     // blocks allocated during a graph capture (never reused)
+};
+
+struct TransferReport {
+  std::size_t bytes = 0;
+  std::size_t pieces = 0;
+  std::size_t files = 0;
+  double seconds = 0;
+};
+
+class Tier {
+ public:
+  // `pid` names the files (PID-wK.img, PID.json): several processes may drain into one folder.
+  Tier(TierDriver& driver, TierSettings settings, pid_t pid);
+  // Returns every segment to the driver (unmaps, releases, frees the reservations). The library's
+  // own instance is never destroyed: at process exit the driver may already be torn down.
+  ~Tier();
+  Tier(const Tier&) = delete;
+  Tier& operator=(const Tier&) = delete;
+
+  // A block of at least `size` bytes on `device`, for use on `stream`; nullptr for size 0.
+  // Throws Error(kGpu) when the device is out of memory after the cache was trimmed, and
+  // Error(kInternal) while drained (a paused workload must not allocate).
+  void* allocate(std::size_t size, int device, Stream stream);
+  // Returns a block. A block allocated during a graph capture stays live: the graph replays
+  // into it. Throws Error(kInternal) for a pointer the tier did not hand out.
+  void free(void* ptr);
+
+  // Writes every live block into `dir` (which must exist), then releases the physical memory.
+  // On failure the files it made are removed, nothing is released, the tier keeps serving and
+  // the Error says why. Throws Error(kInternal) unless serving.
+  TransferReport drain(const std::filesystem::path& dir);
+  // Maps physical memory at every segment's address again and fills it from `dir` (empty: the
+  // folder of the last drain). `gpu_map` maps the GPU UUIDs recorded at allocation to those the
+  // same device ordinals must have now (absent: unchanged). On failure what it mapped is
+  // released again and the tier stays drained, so that a later fill may retry. Nothing to do
+  // (returns an empty report) while serving.
+  TransferReport fill(const std::filesystem::path& dir,
+                      const std::map<std::string, std::string>& gpu_map);
+
+  TierState state() const;
+  TierStats stats() const;
+  // The folder of the last drain.
+  std::filesystem::path drained_to() const;
+
+ private:
+  struct Segment {
+    DevicePtr va = 0;
+    std::size_t size = 0;
+    int device = 0;
+    Stream stream = nullptr;  // every block of a segment is used on this stream
+    bool small = false;       // the pool of requests up to kSmallRequest
+    Handle handle = 0;
+    bool mapped = false;
+  };
+  struct Block {
+    DevicePtr segment = 0;  // key of its Segment
+    std::size_t size = 0;
+    bool allocated = false;
+    bool graph = false;  // allocated while its stream captured a graph
+  };
+  // Free blocks, best fit first: (pool small?, device, stream, size, address).
+  using FreeKey = std::tuple<bool, int, Stream, std::size_t, DevicePtr>;
+  // A piece of live memory and where the drain put it.
+  struct Piece {
+    DevicePtr va = 0;
+    std::size_t size = 0;
+    int device = 0;
+    std::size_t file = 0;  // index into files_
+    std::uint64_t offset = 0;
+  };
+
+  DevicePtr allocate_locked(std::size_t size, int device, Stream stream);
+  Segment& new_segment(std::size_t size, int device, Stream stream, bool small);
+  // Unmaps, releases and frees every segment with no block in use; false if none. Needs no
+  // stream work pending on them: the caller synchronises first.
+  bool trim_locked();
+  void destroy_segment(DevicePtr key) noexcept;
+  void map_segment(Segment& s);
+  void unmap_segment(Segment& s);
+  void insert_free(DevicePtr addr, const Block& b);
+  void erase_free(DevicePtr addr, const Block& b);
+  void synchronize_devices();
+  std::vector<Piece> live_pieces() const;
+  // The workers of a drain (to_files) or fill; the first error is rethrown after all finished.
+  void run_drain_workers(std::vector<Piece>& pieces, const std::filesystem::path& dir,
+                         std::vector<std::string>& files);
+  void run_fill_workers(const std::vector<Piece>& pieces, const std::filesystem::path& dir);
+  void write_index(const std::filesystem::path& dir, const std::vector<std::string>& files,
+                   const std::vector<Piece>& pieces, std::size_t bytes) const;
+  void check_gpu_map(const std::map<std::string, std::string>& gpu_map);
+  // Maps the listed segments and fills the pieces that fall in them; on failure unmaps what it
+  // mapped and rethrows.
+  void refill(const std::vector<DevicePtr>& segments, const std::filesystem::path& dir);
+
+  TierDriver& driver_;
+  const TierSettings settings_;
+  const pid_t pid_;
+  mutable std::mutex mu_;
+  TierState state_ = TierState::kServing;
+  std::map<DevicePtr, Segment> segments_;
+  std::map<DevicePtr, Block> blocks_;  // every block of every segment, by address
+  std::set<FreeKey> free_;
+  std::map<int, std::string> device_uuids_;  // recorded at the device's first segment
+  std::map<int, std::size_t> granularity_;
+  // What the last drain wrote.
+  std::filesystem::path drained_dir_;
+  std::vector<std::string> files_;
+  std::vector<Piece> pieces_;
+};
+
+}  // namespace gpusnap::tier

@@ -1,0 +1,69 @@
+// The memory tier's driver seam: every CUDA driver call the tier makes (src/tier/tier.h). The
+// real implementation (cuda_tier_driver.cc) reaches libcuda.so.1 with dlopen inside the workload;
+// the fake (fake_tier_driver.h) backs device memory with host memory so that the tier's
+// bookkeeping, its drain and fill order and every failure path run on a machine without a GPU.
+//
+// Every call that can fail throws gpusnap::Error (kind kGpu) naming the call and the driver's
+// error, except create(), whose out-of-memory answer is an expected outcome the allocator acts on.
+// Calls that free something are noexcept: they run on rollback paths.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace gpusnap::tier {
+
+using DevicePtr = std::uint64_t;  // CUdeviceptr
+using Handle = std::uint64_t;     // CUmemGenericAllocationHandle
+using Stream = void*;             // CUstream, which is also what cudaStream_t points at
+
+class TierDriver {
+ public:
+  virtual ~TierDriver() = default;
+
+  // The size physical memory and address reservations are rounded to on `device` (2 MiB on
+  // the H200).
+  virtual std::size_t granularity(int device) = 0;
+  // Address space only (cuMemAddressReserve); nothing is backed.
+  virtual DevicePtr reserve(std::size_t size, std::size_t alignment) = 0;
+  virtual void address_free(DevicePtr va, std::size_t size) noexcept = 0;
+  // Physical memory on `device` (cuMemCreate). False when the device is out of memory.
+  virtual bool create(int device, std::size_t size, Handle* handle) = 0;
+  virtual void release(Handle handle) = 0;
+  // Maps `handle` whole at `va` (cuMemMap), then makes it readable and writable from `device`
+  // (cuMemSetAccess): both are needed before any access.
+  virtual void map(DevicePtr va, std::size_t size, Handle handle) = 0;
+  virtual void set_access(DevicePtr va, std::size_t size, int device) = 0;
+  virtual void unmap(DevicePtr va, std::size_t size) = 0;
+
+  // Makes `device`'s primary context (the one PyTorch and the CUDA runtime use) current in the
+  // calling thread. Only for the tier's own threads, which start without one: changing the
+  // current context of a workload's thread would change what its CUDA runtime calls use.
+  virtual void use_device(int device) = 0;
+  // Waits for all work on `device` (its primary context: cuCtxSynchronize), from any thread,
+  // leaving the calling thread's current context as it was.
+  virtual void synchronize(int device) = 0;
+
+  // Page-locked host memory usable from every context (cuMemHostAlloc, PORTABLE).
+  virtual void* host_alloc(std::size_t size) = 0;
+  virtual void host_free(void* p) noexcept = 0;
+  virtual Stream stream_create() = 0;
+  virtual void stream_destroy(Stream stream) noexcept = 0;
+  virtual void copy_to_host(void* dst, DevicePtr src, std::size_t size, Stream stream) = 0;
+  virtual void copy_to_device(DevicePtr dst, const void* src, std::size_t size, Stream stream) = 0;
+  virtual void stream_synchronize(Stream stream) = 0;
+  // Whether `stream` is capturing a CUDA graph (cuStreamIsCapturing).
+  virtual bool capturing(Stream stream) = 0;
+
+  // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" of `device`, as NVML and the handshake's gpu_map
+  // write it.
+  virtual std::string device_uuid(int device) = 0;
+};
+
+// The real driver, by dlopen of libcuda.so.1. Throws Error(kEnvironment) when the library or
+// one of its symbols is missing.
+std::unique_ptr<TierDriver> open_cuda_tier_driver();
+
+}  // namespace gpusnap::tier

@@ -1,0 +1,471 @@
+// The tier's drain and fill: every live block to files and back, through pinned buffers on
+// several streams.
+//
+// The order is the guarantee (docs/design.md, "The memory tier"):
+//   drain: synchronise -> trim the cache -> copy every live byte into files -> close them and
+//          write the index -> only then release the physical memory (the reservations stay)
+//   fill:  check the GPU map -> create and map every segment at its address -> copy the files
+//          back -> synchronise
+// A failed drain releases nothing; a failed fill releases what it mapped. The files are the only
+// copy of the contents between a drain's release and the next fill, so nothing here removes a
+// file that a release has made the only copy.
+//
+// Each worker owns one stream per device, two pinned buffers and, in a drain, one file: writes to
+// one file serialise on its inode lock, so sharing a file would make the workers take turns. A
+// worker overlaps its two halves: while the copy engine moves one buffer, the CPU writes (drain)
+// or reads (fill) the other.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "gpusnap/error.h"
+#include "tier/tier.h"
+
+namespace gpusnap::tier {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Error file_error(const std::string& what, const std::filesystem::path& path, int err) {
+  return Error(ErrorKind::kInternal,
+               "memory tier: " + what + " " + path.string() + ": " + errno_text(err));
+}
+
+// A descriptor, closed on destruction. close_checked() reports a failed close, which on some
+// file systems is where a failed write shows.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Fd& operator=(Fd&&) = delete;
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int get() const { return fd_; }
+  int close_checked() {
+    const int r = ::close(std::exchange(fd_, -1));
+    return r == 0 ? 0 : errno;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+// What one worker holds: pinned buffers and a stream per device, all given back by its
+// destructor (they must not outlive the drain or fill: pinned memory would enter the snapshot).
+class WorkerResources {
+ public:
+  WorkerResources(TierDriver& driver, std::size_t buffer_bytes)
+      : driver_(driver), bytes_(buffer_bytes) {}
+  WorkerResources(const WorkerResources&) = delete;
+  WorkerResources& operator=(const WorkerResources&) = delete;
+  ~WorkerResources() {
+    for (auto& [device, stream] : streams_) {
+      try {
+        driver_.use_device(device);
+      } catch (...) {  // NOLINT(bugprone-empty-catch): the stream goes with its context anyway
+      }
+      driver_.stream_destroy(stream);
+    }
+    for (void* b : buffers_) driver_.host_free(b);
+  }
+
+  // Makes `device` current and returns this worker's stream on it.
+  Stream on(int device) {
+    driver_.use_device(device);
+    auto it = streams_.find(device);
+    if (it == streams_.end()) it = streams_.emplace(device, driver_.stream_create()).first;
+    return it->second;
+  }
+  // Pinned buffer 0 or 1 (allocated at first use, with a context current).
+  void* buffer(int i) {
+    while (buffers_.size() <= static_cast<std::size_t>(i)) {
+      buffers_.push_back(driver_.host_alloc(bytes_));
+    }
+    return buffers_[static_cast<std::size_t>(i)];
+  }
+
+ private:
+  TierDriver& driver_;
+  std::size_t bytes_;
+  std::map<int, Stream> streams_;
+  std::vector<void*> buffers_;
+};
+
+// Runs `work(k)` on n threads and rethrows the first error once all have finished. `stop` is set
+// on the first error, so that the others take no more pieces.
+template <typename Work>
+void run_workers(std::size_t n, std::atomic<bool>& stop, Work work) {
+  std::mutex mu;
+  std::exception_ptr first;
+  {
+    std::vector<std::jthread> threads;
+    threads.reserve(n);
+    for (std::size_t k = 0; k < n; ++k) {
+      threads.emplace_back([&, k] {
+        try {
+          work(k);
+        } catch (...) {
+          stop = true;
+          std::lock_guard lock(mu);
+          if (!first) first = std::current_exception();
+        }
+      });
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+void write_all(int fd, const std::filesystem::path& path, const void* data, std::size_t size,
+               std::uint64_t offset) {
+  const char* p = static_cast<const char*>(data);
+  while (size > 0) {
+    const ssize_t n = ::pwrite(fd, p, size, static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw file_error("cannot write", path, errno);
+    if (n == 0) throw file_error("cannot write", path, ENOSPC);
+    p += n;
+    size -= static_cast<std::size_t>(n);
+    offset += static_cast<std::uint64_t>(n);
+  }
+}
+
+void read_all(int fd, const std::filesystem::path& path, void* data, std::size_t size,
+              std::uint64_t offset) {
+  char* p = static_cast<char*>(data);
+  while (size > 0) {
+    const ssize_t n = ::pread(fd, p, size, static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw file_error("cannot read", path, errno);
+    if (n == 0) {
+      throw Error(ErrorKind::kBadArtifact,
+                  "memory tier: " + path.string() + " ends at byte " + std::to_string(offset) +
+                      ", before the contents the drain wrote there",
+                  "the artifact is damaged: run `gpusnap verify` on it, or capture it again");
+    }
+    p += n;
+    size -= static_cast<std::size_t>(n);
+    offset += static_cast<std::uint64_t>(n);
+  }
+}
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+void log_line(const char* what, const TransferReport& r) {
+  std::fprintf(stderr, "gpusnap-tier: %s %zu bytes, %zu pieces, %zu files in %.3f s (%.1f GB/s)\n",
+               what, r.bytes, r.pieces, r.files, r.seconds,
+               r.seconds > 0 ? static_cast<double>(r.bytes) / r.seconds / 1e9 : 0.0);
+}
+
+}  // namespace
+
+std::vector<Tier::Piece> Tier::live_pieces() const {
+  // Runs of adjacent live blocks in one segment, cut at the buffer size, in address order.
+  std::vector<Piece> pieces;
+  const std::size_t max = settings_.buffer_bytes;
+  auto emit = [&](DevicePtr start, std::size_t size, int device) {
+    for (std::size_t done = 0; done < size; done += max) {
+      pieces.push_back({start + done, std::min(max, size - done), device, 0, 0});
+    }
+  };
+  DevicePtr run_start = 0;
+  std::size_t run_size = 0;
+  DevicePtr run_segment = 0;
+  int run_device = 0;
+  for (const auto& [addr, b] : blocks_) {
+    if (b.allocated && run_size > 0 && b.segment == run_segment && addr == run_start + run_size) {
+      run_size += b.size;
+      continue;
+    }
+    if (run_size > 0) emit(run_start, run_size, run_device);
+    run_size = 0;
+    if (b.allocated) {
+      run_start = addr;
+      run_size = b.size;
+      run_segment = b.segment;
+      run_device = segments_.at(b.segment).device;
+    }
+  }
+  if (run_size > 0) emit(run_start, run_size, run_device);
+  return pieces;
+}
+
+TransferReport Tier::drain(const std::filesystem::path& dir) {
+  std::lock_guard lock(mu_);
+  if (state_ != TierState::kServing) {
+    throw Error(ErrorKind::kInternal,
+                "the memory tier is already drained into " + drained_dir_.string(),
+                "resume the workload before the next capture");
+  }
+  const auto t0 = Clock::now();
+  // Nothing queued may still write a block while it is copied; then the cached free segments go
+  // back to the driver: nobody holds an address in them, and they need not be saved.
+  synchronize_devices();
+  trim_locked();
+  std::vector<Piece> pieces = live_pieces();
+  std::vector<std::string> files;
+  TransferReport report;
+  try {
+    run_drain_workers(pieces, dir, files);
+    for (const Piece& p : pieces) report.bytes += p.size;
+    write_index(dir, files, pieces, report.bytes);
+  } catch (...) {
+    std::error_code ec;
+    for (const auto& f : files) std::filesystem::remove(dir / f, ec);
+    std::filesystem::remove(dir / (std::to_string(pid_) + ".json"), ec);
+    throw;
+  }
+  files_ = files;
+  pieces_ = pieces;
+  drained_dir_ = dir;
+
+  // Only now, with every byte in a closed file, is the physical memory released.
+  std::vector<DevicePtr> released;
+  try {
+    for (auto& [va, s] : segments_) {
+      unmap_segment(s);
+      released.push_back(va);
+    }
+  } catch (const Error& e) {
+    // Put back what was released, from the files just written, and keep serving.
+    try {
+      refill(released, dir);
+    } catch (const Error& again) {
+      // Some memory is only in the files now: stay drained, so that a fill can retry.
+      state_ = TierState::kReleased;
+      throw Error(ErrorKind::kGpu,
+                  std::string("memory tier: releasing GPU memory failed (") + e.what() +
+                      "), and mapping back what was released failed too (" + again.what() + ")",
+                  "the contents are in " + dir.string() + ": resume the workload to fill them");
+    }
+    std::error_code ec;
+    for (const auto& f : files) std::filesystem::remove(dir / f, ec);
+    std::filesystem::remove(dir / (std::to_string(pid_) + ".json"), ec);
+    throw Error(e.kind(), std::string("memory tier: releasing GPU memory failed: ") + e.what(),
+                "the workload keeps its memory and serves; see the driver's error");
+  }
+  state_ = TierState::kReleased;
+  report.pieces = pieces.size();
+  report.files = files.size();
+  report.seconds = seconds_since(t0);
+  if (settings_.log) log_line("drained", report);
+  return report;
+}
+
+void Tier::run_drain_workers(std::vector<Piece>& pieces, const std::filesystem::path& dir,
+                             std::vector<std::string>& files) {
+  const std::size_t n =
+      std::min(pieces.size(), static_cast<std::size_t>(std::max(1, settings_.streams)));
+  // The files are created here, one by one, so that the caller knows every name to remove on
+  // failure. O_EXCL: a file already there is somebody else's.
+  std::vector<Fd> fds;
+  for (std::size_t k = 0; k < n; ++k) {
+    std::string name = std::to_string(pid_) + "-w" + std::to_string(k) + ".img";
+    const auto path = dir / name;
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0) throw file_error("cannot create", path, errno);
+    files.push_back(std::move(name));
+    fds.emplace_back(fd);
+  }
+  std::atomic<std::size_t> next{0};
+  std::atomic<bool> stop{false};
+  run_workers(n, stop, [&](std::size_t k) {
+    WorkerResources r(driver_, settings_.buffer_bytes);
+    const auto path = dir / files[k];
+    std::uint64_t offset = 0;
+    Piece* prev = nullptr;
+    int b = 0;
+    for (;;) {
+      const std::size_t i = stop ? pieces.size() : next.fetch_add(1);
+      Piece* p = i < pieces.size() ? &pieces[i] : nullptr;
+      Stream stream = nullptr;
+      if (p != nullptr) {
+        stream = r.on(p->device);
+        driver_.copy_to_host(r.buffer(b), p->va, p->size, stream);
+      }
+      // While the copy engine fills one buffer, the other goes to the file.
+      if (prev != nullptr) {
+        write_all(fds[k].get(), path, r.buffer(1 - b), prev->size, offset);
+        prev->file = k;
+        prev->offset = offset;
+        offset += prev->size;
+      }
+      if (p == nullptr) break;
+      driver_.stream_synchronize(stream);
+      prev = p;
+      b = 1 - b;
+    }
+  });
+  for (std::size_t k = 0; k < n; ++k) {
+    if (const int err = fds[k].close_checked(); err != 0) {
+      throw file_error("cannot write", dir / files[k], err);
+    }
+  }
+}
+
+void Tier::write_index(const std::filesystem::path& dir, const std::vector<std::string>& files,
+                       const std::vector<Piece>& pieces, std::size_t bytes) const {
+  // For gpusnap (src/engine/tier.h): what is in the folder and how much GPU memory it stands for
+  // on each GPU, so that a restore can check free memory before it starts a copy.
+  std::map<std::string, std::size_t> per_gpu;
+  for (const Piece& p : pieces) {
+    per_gpu[device_uuids_.at(p.device)] += p.size;
+  }
+  std::map<std::string, std::uintmax_t> sizes;
+  for (const auto& f : files) sizes[f] = std::filesystem::file_size(dir / f);
+  std::string json = "{\"format\":\"gpusnap-tier\",\"version\":1,\"pid\":" + std::to_string(pid_) +
+                     ",\"bytes\":" + std::to_string(bytes) + ",\"files\":[";
+  bool first = true;
+  for (const auto& [name, size] : sizes) {
+    json += std::string(first ? "" : ",") + "{\"path\":\"" + name +
+            "\",\"size\":" + std::to_string(size) + "}";
+    first = false;
+  }
+  json += "],\"gpus\":[";
+  first = true;
+  for (const auto& [uuid, n] : per_gpu) {
+    json += std::string(first ? "" : ",") + "{\"uuid\":\"" + uuid +
+            "\",\"bytes\":" + std::to_string(n) + "}";
+    first = false;
+  }
+  json += "]}\n";
+  const auto path = dir / (std::to_string(pid_) + ".json");
+  const auto tmp = dir / (std::to_string(pid_) + ".json.tmp");
+  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  if (fd.get() < 0) throw file_error("cannot create", tmp, errno);
+  try {
+    write_all(fd.get(), tmp, json.data(), json.size(), 0);
+    if (const int err = fd.close_checked(); err != 0) throw file_error("cannot write", tmp, err);
+    if (::rename(tmp.c_str(), path.c_str()) != 0) throw file_error("cannot rename", tmp, errno);
+  } catch (...) {
+    ::unlink(tmp.c_str());
+    throw;
+  }
+}
+
+TransferReport Tier::fill(const std::filesystem::path& dir,
+                          const std::map<std::string, std::string>& gpu_map) {
+  std::lock_guard lock(mu_);
+  if (state_ == TierState::kServing) return {};
+  const auto t0 = Clock::now();
+  const auto from = dir.empty() ? drained_dir_ : dir;
+  check_gpu_map(gpu_map);
+  std::vector<DevicePtr> todo;
+  for (const auto& [va, s] : segments_) {
+    if (!s.mapped) todo.push_back(va);
+  }
+  refill(todo, from);
+  // The next capture records the GPUs the memory is on now.
+  for (auto& [device, uuid] : device_uuids_) {
+    if (auto m = gpu_map.find(uuid); m != gpu_map.end()) uuid = m->second;
+  }
+  state_ = TierState::kServing;
+  TransferReport report;
+  for (const Piece& p : pieces_) report.bytes += p.size;
+  report.pieces = pieces_.size();
+  report.files = files_.size();
+  report.seconds = seconds_since(t0);
+  if (settings_.log) log_line("filled", report);
+  return report;
+}
+
+void Tier::check_gpu_map(const std::map<std::string, std::string>& gpu_map) {
+  for (const auto& [device, recorded] : device_uuids_) {
+    const auto m = gpu_map.find(recorded);
+    const std::string& expected = m != gpu_map.end() ? m->second : recorded;
+    const std::string now = driver_.device_uuid(device);
+    if (now != expected) {
+      throw Error(ErrorKind::kIncompatible,
+                  "memory tier: device " + std::to_string(device) + " is " + now +
+                      ", but its memory was captured on " + recorded +
+                      (m != gpu_map.end() ? " and mapped to " + expected : std::string()),
+                  "restore with a --gpu-map that sends " + recorded +
+                      " to the GPU the copy sees "
+                      "as device " +
+                      std::to_string(device));
+    }
+  }
+}
+
+void Tier::refill(const std::vector<DevicePtr>& todo, const std::filesystem::path& dir) {
+  std::vector<DevicePtr> mapped;
+  try {
+    for (DevicePtr va : todo) {
+      map_segment(segments_.at(va));
+      mapped.push_back(va);
+    }
+    const std::set<DevicePtr> wanted(todo.begin(), todo.end());
+    std::vector<Piece> pieces;
+    for (const Piece& p : pieces_) {
+      if (wanted.count(std::prev(segments_.upper_bound(p.va))->first) != 0) pieces.push_back(p);
+    }
+    run_fill_workers(pieces, dir);
+  } catch (...) {
+    // A copy must never serve with memory it did not fill: give back what this fill mapped.
+    for (DevicePtr va : mapped) {
+      try {
+        unmap_segment(segments_.at(va));
+      } catch (...) {  // NOLINT(bugprone-empty-catch): the fill's own failure is reported
+      }
+    }
+    throw;
+  }
+}
+
+void Tier::run_fill_workers(const std::vector<Piece>& pieces, const std::filesystem::path& dir) {
+  std::vector<Fd> fds;
+  for (const auto& name : files_) {
+    const auto path = dir / name;
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw file_error("cannot open", path, errno);
+    fds.emplace_back(fd);
+  }
+  const std::size_t n =
+      std::min(pieces.size(), static_cast<std::size_t>(std::max(1, settings_.streams)));
+  std::atomic<std::size_t> next{0};
+  std::atomic<bool> stop{false};
+  run_workers(n, stop, [&](std::size_t) {
+    WorkerResources r(driver_, settings_.buffer_bytes);
+    Stream in_flight = nullptr;  // the stream of the copy issued last, not yet waited for
+    int b = 0;
+    for (;;) {
+      const std::size_t i = stop ? pieces.size() : next.fetch_add(1);
+      const Piece* p = i < pieces.size() ? &pieces[i] : nullptr;
+      // While the copy engine moves the other buffer, this one is read from the file.
+      Stream stream = nullptr;
+      if (p != nullptr) {
+        stream = r.on(p->device);  // a context first: pinned memory is allocated in one
+        read_all(fds[p->file].get(), dir / files_[p->file], r.buffer(b), p->size, p->offset);
+      }
+      if (in_flight != nullptr) driver_.stream_synchronize(in_flight);
+      in_flight = nullptr;
+      if (p == nullptr) break;
+      driver_.copy_to_device(p->va, r.buffer(b), p->size, stream);
+      in_flight = stream;
+      b = 1 - b;
+    }
+  });
+  // Each worker waited for its own last copy; nothing of the fill is in flight.
+}
+
+}  // namespace gpusnap::tier
