@@ -14,6 +14,16 @@ on_pause() and on_resume(context) succeed unless they return False or raise (the
 text is the reason gpusnap reports). Without GPUSNAP_CONTROL_DIR the client is disabled
 (client.enabled is False) and every call is a no-op.
 
+The memory tier (docs/design.md, "The memory tier"): a PyTorch workload that calls
+
+    gpusnap_handshake.use_memory_tier()    # once, before its first CUDA allocation
+
+allocates its GPU memory through libgpusnap-tier.so, and the client then moves that memory
+itself: at a pause, after on_pause(), it drains every live allocation into the folder gpusnap
+names (the request's tier_dir) and releases the GPU memory, keeping every address; at a resume,
+before on_resume(), it maps the memory again at the same addresses and fills it. CUDA graphs and
+every tensor stay valid. Nothing else in the workload changes.
+
 Why it is built this way:
 - Every message is a file, written NAME.tmp then renamed to NAME, and read by path. Nothing is
   kept open in the control directory: what the workload holds open when it is checkpointed ends
@@ -27,6 +37,7 @@ Why it is built this way:
 - Nothing here touches CUDA: the thread runs while gpusnap holds the GPU state locked.
 """
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -50,6 +61,7 @@ class ResumeContext:
     artifact_id: str = ""
     gpu_map: dict = dataclasses.field(default_factory=dict)  # old GPU uuid -> new GPU uuid
     settings: dict = dataclasses.field(default_factory=dict)  # per-copy settings (str -> str)
+    tier_dir: str = ""  # where the memory tier's files are (a copy: in the artifact); "" if none
 
 
 @dataclasses.dataclass
@@ -58,6 +70,7 @@ class Request:
     id: str
     timeout_ms: int = 0  # pause: gpusnap's deadline for the answer; 0 when not given
     context: ResumeContext = None  # resume only
+    tier_dir: str = ""  # pause: the folder the memory tier drains into; "" if none
 
 
 class BadRequest(ValueError):
@@ -117,6 +130,13 @@ def _write_message(directory, name, obj):
         return False
 
 
+def _string(obj, key, where=""):
+    value = obj.get(key, "")
+    if not isinstance(value, str):
+        raise BadRequest(f"{where}{key} is not a string")
+    return value
+
+
 def _string_map(ctx, key):
     value = ctx.get(key)
     if value is None:
@@ -152,7 +172,7 @@ def _parse_request(kind, data):
             timeout_ms = _int(obj, "timeout_ms", 0)
             if timeout_ms < 0:
                 raise BadRequest("timeout_ms is negative")
-            return Request("pause", rid, timeout_ms=timeout_ms)
+            return Request("pause", rid, timeout_ms=timeout_ms, tier_dir=_string(obj, "tier_dir"))
         ctx = obj.get("context")
         if not isinstance(ctx, dict):
             raise BadRequest("no context object")
@@ -167,7 +187,8 @@ def _parse_request(kind, data):
                                 copies=_int(ctx, "copies", 1, "context."),
                                 artifact_id=artifact_id,
                                 gpu_map=_string_map(ctx, "gpu_map"),
-                                settings=_string_map(ctx, "settings"))
+                                settings=_string_map(ctx, "settings"),
+                                tier_dir=_string(ctx, "tier_dir", "context."))
         return Request("resume", rid, context=context)
     except BadRequest as e:
         e.id = rid
@@ -195,8 +216,11 @@ class Client:
     that coordinates the workload may speak.
     """
 
-    def __init__(self, control_dir):
-        """A client for an explicit directory; disabled when it is empty/None or relative."""
+    def __init__(self, control_dir, memory_tier=None):
+        """A client for an explicit directory; disabled when it is empty/None or relative.
+        memory_tier: the tier the client drains and fills (default: the one use_memory_tier()
+        installed, if any)."""
+        self._memory_tier = memory_tier
         control_dir = control_dir or ""
         if len(control_dir) > 1:
             control_dir = control_dir.rstrip("/") or "/"
@@ -213,9 +237,9 @@ class Client:
         self._stop = threading.Event()
 
     @classmethod
-    def from_environment(cls):
+    def from_environment(cls, memory_tier=None):
         """A client for $GPUSNAP_CONTROL_DIR; disabled when it is unset, empty or relative."""
-        return cls(os.environ.get(CONTROL_DIR_VARIABLE))
+        return cls(os.environ.get(CONTROL_DIR_VARIABLE), memory_tier)
 
     @property
     def enabled(self):
@@ -285,7 +309,17 @@ class Client:
             try:
                 if req.kind == "pause":
                     ok = on_pause() if on_pause else True
+                    if ok is not False:
+                        try:
+                            self.drain_memory_tier(req)
+                        except TierError:
+                            # A failed pause leaves the workload as it was: undo on_pause.
+                            if on_resume:
+                                on_resume(ResumeContext())
+                            raise
                 else:
+                    # The memory first: on_resume may use it, and allocates from the tier.
+                    self.fill_memory_tier(req)
                     ok = on_resume(req.context) if on_resume else True
                 reason = f"on_{req.kind} returned False"
             except Exception as e:  # noqa: BLE001 - any failure is reported to gpusnap
@@ -296,6 +330,30 @@ class Client:
                 self.answer_paused(req.id)
             else:
                 self.answer_resumed(req.id)
+
+    # ---- the memory tier ------------------------------------------------------------------
+
+    def _tier(self):
+        return self._memory_tier if self._memory_tier is not None else _installed_tier
+
+    def drain_memory_tier(self, request):
+        """At a pause, after the workload released what it does not want saved: writes every
+        live allocation of the memory tier into request.tier_dir, then releases the GPU memory
+        (the addresses stay). Raises TierError, having released nothing, when it cannot. Does
+        nothing without a tier or a tier_dir (the driver's checkpoint then carries the memory).
+        serve() calls it; the polling style calls it before answer_paused()."""
+        tier = self._tier()
+        if tier is not None and request.tier_dir:
+            tier.drain(request.tier_dir)
+
+    def fill_memory_tier(self, request):
+        """At a resume, before anything uses GPU memory: maps the memory tier's memory at the
+        same addresses again and fills it. Raises TierError, leaving nothing mapped, when it
+        cannot (the workload stays paused; a later resume retries). serve() calls it; the
+        polling style calls it first when it handles a resume."""
+        tier = self._tier()
+        if tier is not None and tier.drained:
+            tier.fill(request.context.tier_dir, request.context.gpu_map)
 
     # ---- the polling style ----------------------------------------------------------------
 
@@ -408,3 +466,95 @@ class Client:
             if req is not None:
                 self._outstanding = (req.kind, req.id)
             return req
+
+
+# ---- the memory tier ----------------------------------------------------------------------
+
+TIER_LIBRARY_NAME = "libgpusnap-tier.so"
+TIER_LIBRARY_VARIABLE = "GPUSNAP_TIER_LIBRARY"
+_ERROR_BYTES = 1024
+_installed_tier = None  # set once by use_memory_tier(): one allocator per process
+
+
+class TierError(RuntimeError):
+    """The memory tier could not drain or fill; the text says why."""
+
+
+def find_tier_library():
+    """The path of libgpusnap-tier.so: $GPUSNAP_TIER_LIBRARY, else beside the
+    libgpusnap-preload.so that gpusnap put in LD_PRELOAD, else /opt/gpusnap/bin (a node's)."""
+    named = os.environ.get(TIER_LIBRARY_VARIABLE)
+    if named:
+        return named
+    for entry in os.environ.get("LD_PRELOAD", "").replace(":", " ").split():
+        if os.path.basename(entry) == "libgpusnap-preload.so":
+            candidate = os.path.join(os.path.dirname(entry), TIER_LIBRARY_NAME)
+            if os.path.exists(candidate):
+                return candidate
+    candidate = os.path.join("/opt/gpusnap/bin", TIER_LIBRARY_NAME)
+    if os.path.exists(candidate):
+        return candidate
+    raise TierError(f"gpusnap memory tier: {TIER_LIBRARY_NAME} not found (set "
+                    f"{TIER_LIBRARY_VARIABLE} to its path; gpusnap installs it next to "
+                    "libgpusnap-preload.so)")
+
+
+class MemoryTier:
+    """libgpusnap-tier.so's drain and fill (include/gpusnap/tier.h), through ctypes."""
+
+    SERVING, DRAINED = 1, 2
+
+    def __init__(self, path):
+        self.path = path
+        # The same path PyTorch's pluggable allocator opens: dlopen returns the same library,
+        # so both reach the one tier of this process.
+        self._lib = ctypes.CDLL(path)
+        self._lib.gpusnap_tier_drain.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+        self._lib.gpusnap_tier_fill.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+                                                ctypes.c_size_t]
+        self._lib.gpusnap_tier_live_bytes.restype = ctypes.c_ulonglong
+
+    @property
+    def drained(self):
+        return self._lib.gpusnap_tier_state() == self.DRAINED
+
+    @property
+    def live_bytes(self):
+        return int(self._lib.gpusnap_tier_live_bytes())
+
+    def drain(self, directory):
+        error = ctypes.create_string_buffer(_ERROR_BYTES)
+        if self._lib.gpusnap_tier_drain(os.fsencode(directory), error, _ERROR_BYTES) != 0:
+            raise TierError(error.value.decode(errors="replace"))
+
+    def fill(self, directory, gpu_map):
+        error = ctypes.create_string_buffer(_ERROR_BYTES)
+        pairs = ";".join(f"{old}={new}" for old, new in (gpu_map or {}).items())
+        if self._lib.gpusnap_tier_fill(os.fsencode(directory or ""), pairs.encode(), error,
+                                       _ERROR_BYTES) != 0:
+            raise TierError(error.value.decode(errors="replace"))
+
+
+def use_memory_tier(library=None):
+    """Makes PyTorch allocate its GPU memory through gpusnap's memory tier. Call it once,
+    before the first CUDA allocation (PyTorch can change its allocator only before it has
+    allocated). Returns the MemoryTier; the handshake client drains and fills it by itself.
+    Raises TierError when the library is missing or PyTorch refuses the allocator."""
+    global _installed_tier
+    if _installed_tier is not None:
+        return _installed_tier
+    path = library or find_tier_library()
+    try:
+        import torch  # noqa: PLC0415 - only workloads that opt in need PyTorch
+    except ImportError as e:
+        raise TierError(f"gpusnap memory tier: PyTorch is not importable ({e}); a workload "
+                        "without PyTorch allocates with tier_malloc itself") from e
+    tier = MemoryTier(path)
+    try:
+        allocator = torch.cuda.memory.CUDAPluggableAllocator(path, "tier_malloc", "tier_free")
+        torch.cuda.memory.change_current_allocator(allocator)
+    except RuntimeError as e:
+        raise TierError(f"gpusnap memory tier: PyTorch refused the allocator ({e}); call "
+                        "use_memory_tier() before anything allocates GPU memory") from e
+    _installed_tier = tier
+    return tier

@@ -386,5 +386,117 @@ class ExampleWorkerTest(ControlDir):
         self.assertIsNone(self.get("ready"))
 
 
+class RecordingTier:
+    """Stands in for the GPU side of libgpusnap-tier.so (MemoryTier): records what the client
+    asks of it, in order with the workload's callbacks, and fails when told to."""
+
+    def __init__(self, log, drain_error=None, fill_error=None):
+        self.log, self.drain_error, self.fill_error = log, drain_error, fill_error
+        self.drained = False
+
+    def drain(self, directory):
+        self.log.append(("drain", directory))
+        if self.drain_error:
+            raise hs.TierError(self.drain_error)
+        self.drained = True
+
+    def fill(self, directory, gpu_map):
+        self.log.append(("fill", directory, dict(gpu_map)))
+        if self.fill_error:
+            raise hs.TierError(self.fill_error)
+        self.drained = False
+
+
+class MemoryTierClientTest(ControlDir):
+    def serve(self, tier, log):
+        c = hs.Client.from_environment(memory_tier=tier)
+        self.addCleanup(c.stop)
+        c.serve(lambda: log.append(("on_pause",)) or True,
+                lambda ctx: log.append(("on_resume", ctx.restored, ctx.tier_dir)) or True)
+        return c
+
+    def test_drain_after_on_pause_and_fill_before_on_resume(self):
+        log = []
+        self.serve(RecordingTier(log), log)
+        self.put("pause", {"id": "p1", "timeout_ms": 5000, "tier_dir": "/staging/tier"})
+        self.wait_answer("paused", "p1")
+        self.put("resume", {"id": "r1", "context": {
+            "restored": True, "gpu_map": {"GPU-a": "GPU-b"}, "tier_dir": "/artifact/tier"}})
+        self.wait_answer("resumed", "r1")
+        self.assertEqual(log, [("on_pause",), ("drain", "/staging/tier"),
+                               ("fill", "/artifact/tier", {"GPU-a": "GPU-b"}),
+                               ("on_resume", True, "/artifact/tier")])
+
+    def test_a_pause_without_tier_dir_drains_nothing(self):
+        log = []
+        self.serve(RecordingTier(log), log)
+        self.put("pause", {"id": "p1"})
+        self.wait_answer("paused", "p1")
+        self.put("resume", {"id": "r1", "context": {"restored": False}})
+        self.wait_answer("resumed", "r1")
+        self.assertEqual(log, [("on_pause",), ("on_resume", False, "")])
+
+    def test_a_failed_drain_undoes_on_pause_and_answers_failed(self):
+        log = []
+        self.serve(RecordingTier(log, drain_error="memory tier: cannot write /x: No space left"), log)
+        self.put("pause", {"id": "p1", "tier_dir": "/x"})
+        self.assertEqual(self.wait_answer("failed", "p1")["reason"],
+                         "memory tier: cannot write /x: No space left")
+        self.assertEqual(log, [("on_pause",), ("drain", "/x"), ("on_resume", False, "")])
+        self.assertIsNone(self.get("paused"))
+
+    def test_a_failed_fill_answers_failed_stays_paused_and_a_new_resume_retries(self):
+        log = []
+        tier = RecordingTier(log, fill_error="memory tier: out of GPU memory")
+        self.serve(tier, log)
+        self.put("pause", {"id": "p1", "tier_dir": "/t"})
+        self.wait_answer("paused", "p1")
+        self.put("resume", {"id": "r1", "context": {"restored": True, "tier_dir": "/a/tier"}})
+        self.assertEqual(self.wait_answer("failed", "r1")["reason"], "memory tier: out of GPU memory")
+        self.assertNotIn(("on_resume", True, "/a/tier"), log)  # never on memory not filled
+        tier.fill_error = None
+        self.put("resume", {"id": "r2", "context": {"restored": True, "tier_dir": "/a/tier"}})
+        self.wait_answer("resumed", "r2")
+        self.assertEqual(log[-2:], [("fill", "/a/tier", {}), ("on_resume", True, "/a/tier")])
+
+    def test_a_tier_dir_of_the_wrong_type_is_a_bad_request(self):
+        log = []
+        self.serve(RecordingTier(log), log)
+        self.put("pause", {"id": "p1", "tier_dir": 7})
+        self.assertEqual(self.wait_answer("failed", "p1")["reason"],
+                         "bad request: tier_dir is not a string")
+        self.assertEqual(log, [])
+
+
+class MemoryTierLibraryTest(unittest.TestCase):
+    def test_the_library_is_found_beside_the_preload_library(self):
+        root = tempfile.mkdtemp(prefix="gpusnap-tier-")
+        self.addCleanup(shutil.rmtree, root, True)
+        for name in ("libgpusnap-preload.so", "libgpusnap-tier.so"):
+            open(os.path.join(root, name), "w").close()
+        saved = {k: os.environ.get(k) for k in ("LD_PRELOAD", hs.TIER_LIBRARY_VARIABLE)}
+        self.addCleanup(lambda: [os.environ.pop(k, None) if v is None else
+                                 os.environ.__setitem__(k, v) for k, v in saved.items()])
+        os.environ.pop(hs.TIER_LIBRARY_VARIABLE, None)
+        os.environ["LD_PRELOAD"] = "/lib/other.so " + os.path.join(root, "libgpusnap-preload.so")
+        self.assertEqual(hs.find_tier_library(), os.path.join(root, "libgpusnap-tier.so"))
+        os.environ[hs.TIER_LIBRARY_VARIABLE] = "/elsewhere/libgpusnap-tier.so"
+        self.assertEqual(hs.find_tier_library(), "/elsewhere/libgpusnap-tier.so")
+
+    def test_the_built_library_reports_a_missing_driver_through_ctypes(self):
+        path = os.environ.get("GPUSNAP_TIER_BUILT")
+        if not path:
+            self.skipTest("skipped: GPUSNAP_TIER_BUILT names no built library")
+        if os.path.exists("/dev/nvidiactl"):
+            self.skipTest("skipped: this host has the NVIDIA driver")
+        tier = hs.MemoryTier(path)
+        self.assertFalse(tier.drained)
+        self.assertEqual(tier.live_bytes, 0)
+        tier.drain(tempfile.gettempdir())  # nothing allocated: nothing to drain
+        with self.assertRaises(hs.TierError) as e:
+            tier.fill("", {"GPU-a": ""})
+        self.assertEqual(str(e.exception), 'memory tier: bad GPU map entry "GPU-a="')
+
+
 if __name__ == "__main__":
     unittest.main()
