@@ -13,6 +13,13 @@
 // Without GPUSNAP_CONTROL_DIR the client is disabled (enabled() == false) and every call is a
 // no-op, so the same binary runs with and without gpusnap.
 //
+// The memory tier (docs/design.md, "The memory tier"): a workload that allocates its GPU memory
+// with tier_malloc from libgpusnap-tier.so (include/gpusnap/tier.h) calls
+// hs.use_memory_tier(gpusnap::handshake::MemoryTier::of_library()) once; the client then drains
+// that memory into the artifact after on_pause and fills it back at the same addresses before
+// on_resume. The library is reached with dlsym, so this header still links nothing of gpusnap
+// (glibc before 2.34 needs -ldl for it).
+//
 // Design constraints, and why:
 // - Every message is a file, written "NAME.tmp" then renamed to NAME, and read by path. The
 //   client never keeps a descriptor, a cwd or a mapping in the control directory: whatever the
@@ -28,6 +35,7 @@
 //   checkpointed, when any CUDA call would block.
 #pragma once
 
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -67,6 +75,7 @@ struct ResumeContext {
   std::string artifact_id;
   std::map<std::string, std::string> gpu_map;   // old GPU uuid -> new GPU uuid (may be empty)
   std::map<std::string, std::string> settings;  // per-copy settings given at restore
+  std::string tier_dir;  // where the memory tier's files are (a copy: in the artifact); may be ""
 };
 
 // A request the workload has to act on (see Client::poll).
@@ -76,6 +85,55 @@ struct Request {
   std::string id;
   long long timeout_ms = 0;  // pause: gpusnap's deadline for the answer; 0 when not given
   ResumeContext context;     // resume only
+  std::string tier_dir;      // pause: the folder the memory tier drains into; "" if none
+};
+
+// The memory tier's drain and fill, as the client calls them. MemoryTier::of_library() binds
+// them to libgpusnap-tier.so; a test may bind its own. Each returns false with `error` set when
+// it could not do its work (a drain then released nothing; a fill left nothing mapped).
+struct MemoryTier {
+  std::function<bool(const std::string& dir, std::string& error)> drain;
+  std::function<bool(const std::string& dir, const std::map<std::string, std::string>& gpu_map,
+                     std::string& error)>
+      fill;
+  std::function<bool()> drained;  // whether the last drain has not been filled yet
+
+  // The tier of libgpusnap-tier.so: the copy already in the process (linked, or loaded by
+  // someone else) when `path` is null, else the library at `path`, loaded now and never
+  // unloaded. nullopt when there is none.
+  static std::optional<MemoryTier> of_library(const char* path = nullptr) {
+    // RTLD_DEFAULT is a null pointer: only a dlopen that fails is.
+    void* lib = RTLD_DEFAULT;
+    if (path != nullptr) {
+      lib = ::dlopen(path, RTLD_NOW | RTLD_GLOBAL);
+      if (lib == nullptr) return std::nullopt;
+    }
+    using Drain = int (*)(const char*, char*, size_t);
+    using Fill = int (*)(const char*, const char*, char*, size_t);
+    using State = int (*)();
+    auto drain_fn = reinterpret_cast<Drain>(::dlsym(lib, "gpusnap_tier_drain"));
+    auto fill_fn = reinterpret_cast<Fill>(::dlsym(lib, "gpusnap_tier_fill"));
+    auto state_fn = reinterpret_cast<State>(::dlsym(lib, "gpusnap_tier_state"));
+    if (drain_fn == nullptr || fill_fn == nullptr || state_fn == nullptr) return std::nullopt;
+    MemoryTier tier;
+    tier.drain = [drain_fn](const std::string& dir, std::string& error) {
+      char text[1024] = {};
+      if (drain_fn(dir.c_str(), text, sizeof text) == 0) return true;
+      error = text;
+      return false;
+    };
+    tier.fill = [fill_fn](const std::string& dir, const std::map<std::string, std::string>& map,
+                          std::string& error) {
+      std::string pairs;
+      for (const auto& [from, to] : map) pairs += (pairs.empty() ? "" : ";") + from + "=" + to;
+      char text[1024] = {};
+      if (fill_fn(dir.c_str(), pairs.c_str(), text, sizeof text) == 0) return true;
+      error = text;
+      return false;
+    };
+    tier.drained = [state_fn] { return state_fn() == 2; };  // GPUSNAP_TIER_DRAINED
+    return tier;
+  }
 };
 
 namespace detail {
@@ -496,6 +554,19 @@ inline bool string_map(const Json* v, const char* what, std::map<std::string, st
   return true;
 }
 
+// An optional string member; absent keeps `out` as it is.
+inline bool string_field(const Json& obj, const char* name, const char* where, std::string& out,
+                         std::string& error) {
+  const Json* v = obj.find(name);
+  if (v == nullptr) return true;
+  if (v->type != Json::Type::kString) {
+    error = std::string(where) + name + " is not a string";
+    return false;
+  }
+  out = v->text;
+  return true;
+}
+
 inline bool int_field(const Json& obj, const char* name, long long lo, long long hi, long long& out,
                       std::string& error) {
   const Json* v = obj.find(name);
@@ -526,7 +597,7 @@ inline bool parse_request(Request::Kind kind, const std::string& text, Request& 
     long long t = 0;
     if (!int_field(*doc, "timeout_ms", 0, 1LL << 40, t, error)) return false;
     req.timeout_ms = t;
-    return true;
+    return string_field(*doc, "tier_dir", "", req.tier_dir, error);
   }
   const Json* ctx = doc->find("context");
   if (ctx == nullptr || ctx->type != Json::Type::kObject) {
@@ -558,7 +629,8 @@ inline bool parse_request(Request::Kind kind, const std::string& text, Request& 
     c.artifact_id = a->text;
   }
   return string_map(ctx->find("gpu_map"), "gpu_map", c.gpu_map, error) &&
-         string_map(ctx->find("settings"), "settings", c.settings, error);
+         string_map(ctx->find("settings"), "settings", c.settings, error) &&
+         string_field(*ctx, "tier_dir", "context.", c.tier_dir, error);
 }
 
 // The client's state. Shared (shared_ptr) between the Client and its serving thread, so that a
@@ -584,6 +656,7 @@ struct State {
   };
   std::optional<Unsent> unsent;
   std::atomic<bool> stop{false};
+  std::optional<MemoryTier> tier;  // set once by use_memory_tier(), before serving
 
   static constexpr size_t kMaxAnswered = 256;
 
@@ -766,6 +839,27 @@ class Client {
     state_->write_ready();
   }
 
+  // Makes the client drain `tier` after each pause and fill it before each resume (serve()
+  // does both; the polling style calls drain_memory_tier()/fill_memory_tier()). Call it before
+  // serve(). A nullopt (no library found) leaves the client as it was.
+  void use_memory_tier(std::optional<MemoryTier> tier) {
+    if (state_) state_->tier = std::move(tier);
+  }
+
+  // At a pause, after the workload released what it does not want saved: drains the tier into
+  // the request's tier_dir. True when done or nothing to do; false with `reason` set when the
+  // drain failed (nothing was released: undo the pause and answer failed).
+  bool drain_memory_tier(const Request& req, std::string& reason) {
+    if (!state_ || !state_->tier || req.tier_dir.empty()) return true;
+    return state_->tier->drain(req.tier_dir, reason);
+  }
+  // At a resume, before anything uses GPU memory: fills the tier again. False with `reason` set
+  // when the fill failed (nothing stays mapped: answer failed and stay paused).
+  bool fill_memory_tier(const Request& req, std::string& reason) {
+    if (!state_ || !state_->tier || !state_->tier->drained()) return true;
+    return state_->tier->fill(req.context.tier_dir, req.context.gpu_map, reason);
+  }
+
   // Starts the serving thread and returns at once. No-op when disabled.
   void serve(OnPause on_pause, OnResume on_resume) {
     if (!enabled()) return;
@@ -832,9 +926,20 @@ class Client {
       std::string reason;
       bool ok = false;
       try {
-        ok = req->kind == Request::Kind::kPause
-                 ? (on_pause ? on_pause(reason) : true)
-                 : (on_resume ? on_resume(req->context, reason) : true);
+        if (req->kind == Request::Kind::kPause) {
+          ok = on_pause ? on_pause(reason) : true;
+          if (ok && s.tier && !req->tier_dir.empty() && !s.tier->drain(req->tier_dir, reason)) {
+            // A failed pause leaves the workload as it was: undo on_pause.
+            std::string ignored;
+            if (on_resume) on_resume(ResumeContext{}, ignored);
+            ok = false;
+          }
+        } else {
+          // The memory first: on_resume may use it, and allocates from the tier.
+          ok = !s.tier || !s.tier->drained() ||
+               s.tier->fill(req->context.tier_dir, req->context.gpu_map, reason);
+          if (ok) ok = on_resume ? on_resume(req->context, reason) : true;
+        }
       } catch (const std::exception& e) {
         reason = e.what();
       } catch (...) {

@@ -10,11 +10,13 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace fs = std::filesystem;
 namespace hs = gpusnap::handshake;
@@ -428,6 +430,143 @@ TEST_F(HandshakeClient, StopFromInsideACallback) {
   std::this_thread::sleep_for(100ms);
   EXPECT_FALSE(get("resumed"));
   EXPECT_EQ(calls, 1);
+}
+
+// ---- The memory tier: the client drains after on_pause and fills before on_resume ----------
+
+// Stands in for the GPU side of libgpusnap-tier.so: records what the client asks, in order with
+// the workload's callbacks, and fails when told to.
+struct RecordingTier {
+  std::mutex mu;
+  std::vector<std::string> log;
+  std::string drain_error, fill_error;
+  bool drained = false;
+
+  void note(std::string line) {
+    std::lock_guard lock(mu);
+    log.push_back(std::move(line));
+  }
+  std::vector<std::string> lines() {
+    std::lock_guard lock(mu);
+    return log;
+  }
+  hs::MemoryTier bind() {
+    hs::MemoryTier t;
+    t.drain = [this](const std::string& dir, std::string& error) {
+      note("drain " + dir);
+      if (!drain_error.empty()) {
+        error = drain_error;
+        return false;
+      }
+      drained = true;
+      return true;
+    };
+    t.fill = [this](const std::string& dir, const std::map<std::string, std::string>& map,
+                    std::string& error) {
+      std::string pairs;
+      for (const auto& [a, b] : map) pairs += " " + a + "=" + b;
+      note("fill " + dir + pairs);
+      if (!fill_error.empty()) {
+        error = fill_error;
+        return false;
+      }
+      drained = false;
+      return true;
+    };
+    t.drained = [this] { return drained; };
+    return t;
+  }
+  void serve(hs::Client& c) {
+    c.use_memory_tier(bind());
+    c.serve(
+        [this](std::string&) {
+          note("on_pause");
+          return true;
+        },
+        [this](const hs::ResumeContext& ctx, std::string&) {
+          note("on_resume " + std::string(ctx.restored ? "restored " : "source ") + ctx.tier_dir);
+          return true;
+        });
+  }
+};
+
+TEST_F(HandshakeClient, TheTierDrainsAfterOnPauseAndFillsBeforeOnResume) {
+  auto c = hs::Client::from_environment();
+  RecordingTier tier;
+  tier.serve(c);
+  put("pause", R"({"id":"p1","timeout_ms":5000,"tier_dir":"/staging/tier"})");
+  ASSERT_TRUE(wait_answer("paused", "p1"));
+  put("resume",
+      R"({"id":"r1","context":{"restored":true,"gpu_map":{"GPU-a":"GPU-b"},"tier_dir":"/art/tier"}})");
+  ASSERT_TRUE(wait_answer("resumed", "r1"));
+  EXPECT_EQ(tier.lines(), (std::vector<std::string>{"on_pause", "drain /staging/tier",
+                                                    "fill /art/tier GPU-a=GPU-b",
+                                                    "on_resume restored /art/tier"}));
+}
+
+TEST_F(HandshakeClient, APauseWithoutTierDirDrainsNothing) {
+  auto c = hs::Client::from_environment();
+  RecordingTier tier;
+  tier.serve(c);
+  put("pause", R"({"id":"p1"})");
+  ASSERT_TRUE(wait_answer("paused", "p1"));
+  put("resume", R"({"id":"r1","context":{"restored":false}})");
+  ASSERT_TRUE(wait_answer("resumed", "r1"));
+  EXPECT_EQ(tier.lines(), (std::vector<std::string>{"on_pause", "on_resume source "}));
+}
+
+TEST_F(HandshakeClient, AFailedDrainUndoesOnPauseAndAnswersFailed) {
+  auto c = hs::Client::from_environment();
+  RecordingTier tier;
+  tier.drain_error = "memory tier: cannot write /x/1-w0.img: No space left on device";
+  tier.serve(c);
+  put("pause", R"({"id":"p1","tier_dir":"/x"})");
+  const auto failed = wait_answer("failed", "p1");
+  ASSERT_TRUE(failed);
+  EXPECT_EQ(failed->find("reason")->text, tier.drain_error);
+  EXPECT_EQ(tier.lines(), (std::vector<std::string>{"on_pause", "drain /x", "on_resume source "}));
+  EXPECT_FALSE(get("paused"));
+}
+
+TEST_F(HandshakeClient, AFailedFillStaysPausedAndANewResumeRetries) {
+  auto c = hs::Client::from_environment();
+  RecordingTier tier;
+  tier.fill_error = "memory tier: out of GPU memory";
+  tier.serve(c);
+  put("pause", R"({"id":"p1","tier_dir":"/t"})");
+  ASSERT_TRUE(wait_answer("paused", "p1"));
+  put("resume", R"({"id":"r1","context":{"restored":true,"tier_dir":"/a"}})");
+  const auto failed = wait_answer("failed", "r1");
+  ASSERT_TRUE(failed);
+  EXPECT_EQ(failed->find("reason")->text, "memory tier: out of GPU memory");
+  tier.fill_error.clear();
+  put("resume", R"({"id":"r2","context":{"restored":true,"tier_dir":"/a"}})");
+  ASSERT_TRUE(wait_answer("resumed", "r2"));
+  EXPECT_EQ(tier.lines(), (std::vector<std::string>{"on_pause", "drain /t", "fill /a", "fill /a",
+                                                    "on_resume restored /a"}));
+}
+
+TEST_F(HandshakeClient, ATierDirOfTheWrongTypeIsABadRequest) {
+  auto c = hs::Client::from_environment();
+  RecordingTier tier;
+  tier.serve(c);
+  put("pause", R"({"id":"p1","tier_dir":7})");
+  const auto failed = wait_answer("failed", "p1");
+  ASSERT_TRUE(failed);
+  EXPECT_EQ(failed->find("reason")->text, "bad request: tier_dir is not a string");
+  EXPECT_TRUE(tier.lines().empty());
+}
+
+TEST(HandshakeMemoryTier, OfLibraryBindsTheBuiltLibrary) {
+  EXPECT_FALSE(hs::MemoryTier::of_library("/nonexistent/libgpusnap-tier.so"));
+  auto tier = hs::MemoryTier::of_library(GPUSNAP_TIER_LIBRARY);
+  ASSERT_TRUE(tier);
+  EXPECT_FALSE(tier->drained());  // nothing allocated
+  std::string error;
+  EXPECT_FALSE(tier->drain("", error));
+  EXPECT_EQ(error, "memory tier: no folder to drain into");
+  // Now in the process, it is found without a path, as a linked library would be.
+  EXPECT_TRUE(hs::MemoryTier::of_library());
 }
 
 TEST(HandshakeJson, ParsesWhatGpusnapWrites) {
