@@ -41,6 +41,7 @@
 #include "engine/host_images.h"
 #include "engine/preflight.h"
 #include "engine/preload.h"
+#include "engine/tier.h"
 #include "gpu/driver.h"
 #include "gpusnap/checkpoint.h"
 #include "gpusnap/error.h"
@@ -116,6 +117,9 @@ class PausedWorkload {
   const std::filesystem::path& dir() const { return handshake_.dir(); }
   // The artifact the source was captured into, for its resume context (empty: none made).
   void set_artifact_id(std::string id) { artifact_id_ = std::move(id); }
+  // Where its memory tier drained to ("" if nowhere): the resume fills from there, so the
+  // staging directory must outlive this object (it does: the writer is declared first).
+  void set_tier_dir(nlohmann::json dir) { tier_dir_ = std::move(dir); }
   void resume() {
     done_ = true;
     handshake_.clear_exchange();
@@ -125,7 +129,8 @@ class PausedWorkload {
                        {"copies", 1},
                        {"artifact_id", artifact_id_},
                        {"gpu_map", nlohmann::json::object()},
-                       {"settings", nlohmann::json::object()}},
+                       {"settings", nlohmann::json::object()},
+                       {"tier_dir", tier_dir_}},
                       timeout_);
     handshake_.clear_exchange();
   }
@@ -140,6 +145,7 @@ class PausedWorkload {
   std::chrono::milliseconds timeout_;
   Reporter& reporter_;
   std::string artifact_id_;
+  nlohmann::json tier_dir_ = "";
   bool done_ = false;
 };
 
@@ -185,9 +191,16 @@ class Checkpoint {
                   writer.staging(), cuda, handshake ? handshake->dir() : std::filesystem::path(),
                   requests);
     if (handshake) {
-      phases_.run("pause", [&] { handshake->pause(options_.pid, options_.handshake_timeout); });
-      paused.emplace(std::move(*handshake), options_.pid, options_.handshake_timeout,
-                     phases_.reporter());
+      phases_.run("pause", [&] {
+        // The memory tier, if the workload has one, drains into STAGING/tier (engine/tier.h).
+        const auto tier_dir = engine::make_tier_dir(writer.staging(), options_.pid);
+        handshake->pause(options_.pid, options_.handshake_timeout,
+                         {{"tier_dir", tier_dir.string()}});
+        paused.emplace(std::move(*handshake), options_.pid, options_.handshake_timeout,
+                       phases_.reporter());
+        tier_ = engine::check_tier_dir(tier_dir);
+        paused->set_tier_dir(engine::tier_member(tier_dir));
+      });
       manifest.control_dir = control_dir_.string();
     } else {
       phases_.reporter().note("capturing pid " + std::to_string(options_.pid) +
@@ -311,6 +324,7 @@ class Checkpoint {
                   "run gpusnap where libcuda.so.1 and libnvidia-ml.so.1 can be loaded");
     }
     manifest.gpu = engine::describe_gpu_state(driver, cuda);
+    engine::add_tier_memory(manifest.gpu, options_.pid, tier_);
     for (const auto& p : manifest.gpu.at("processes")) {
       for (auto& rec : manifest.processes) {
         if (rec.pid == p.at("pid").get<pid_t>()) rec.gpu_bytes = p.at("bytes").get<uint64_t>();
@@ -459,6 +473,7 @@ class Checkpoint {
   std::filesystem::path control_dir_;  // the workload's, as it names it
   Phases phases_;
   std::vector<FileRecord> host_image_files_;  // hashed while written: seal need not read them
+  engine::TierContents tier_;  // what the workload's memory tier drained at the pause
   std::unique_ptr<gpu::Driver> owned_driver_;
 };
 

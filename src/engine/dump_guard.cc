@@ -5,13 +5,17 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <filesystem>
 
 #include <nlohmann/json.hpp>
 
 #include "common/fs.h"
 #include "engine/gpu_state.h"
 #include "engine/handshake.h"
+#include "engine/tier.h"
 #include "gpu/driver.h"
 #include "gpusnap/error.h"
 
@@ -43,6 +47,26 @@ bool write_exact(int fd, const void* data, size_t size) {
     put += static_cast<size_t>(n);
   }
   return true;
+}
+
+// How long the guardian waits for a workload to fill its memory tier from the staging
+// directory before removing it: a fill runs at tens of GB/s, so this bounds only a workload that
+// died or hangs.
+constexpr std::chrono::milliseconds kTierFillWait{120000};
+
+// Whether the tier's folder holds anything: a drain started (it may still be writing). The
+// folder is renamed away while it is looked at, so that no drain can create its files in it
+// unseen: a drain that starts meanwhile fails to create them and releases nothing; a drain
+// that had created them is seen, and the folder goes back for its fill (the tier checks that its
+// files are still in the folder before it releases any memory).
+bool tier_dir_in_use(const std::filesystem::path& dir) {
+  std::filesystem::path aside = dir;
+  aside += ".closed";
+  if (::rename(dir.c_str(), aside.c_str()) != 0) return false;  // no tier folder
+  std::error_code ec;
+  const bool in_use = !std::filesystem::is_empty(aside, ec) || ec;
+  if (in_use && ::rename(aside.c_str(), dir.c_str()) != 0) return false;
+  return in_use;
 }
 
 // CRIU as the guardian's child, to the end whatever happens to gpusnap.
@@ -82,7 +106,11 @@ int dump_guard_main(const std::string& spec_json) {
   for (const auto& request : spec.value("preload_requests", std::vector<std::string>{})) {
     ::unlink(request.c_str());
   }
-  fs::remove_tree_noexcept(spec.at("staging").get<std::string>());
+  const auto staging = spec.at("staging").get<std::string>();
+  // A memory tier that drained into the staging directory has its contents only there: the
+  // workload must fill them back before the directory goes (docs/design.md, "The memory tier").
+  const bool tier_holds_memory = tier_dir_in_use(std::filesystem::path(staging) / kTierDirName);
+  if (!tier_holds_memory) fs::remove_tree_noexcept(staging);
   // The workload's GPU state back first, then its own resume: the order gpusnap itself keeps.
   // Rather now than leave the workload blocked in its next CUDA call, or paused, until someone
   // runs gpusnap again.
@@ -92,8 +120,13 @@ int dump_guard_main(const std::string& spec_json) {
     if (driver->available()) return_to_running(*driver, gpu_pids);
   }
   if (auto dir = spec.at("control_dir").get<std::string>(); !dir.empty()) {
-    Handshake(dir).request_resume_as_source();
+    if (tier_holds_memory) {
+      (void)Handshake(dir).resume_as_source_and_wait(kTierFillWait);
+    } else {
+      Handshake(dir).request_resume_as_source();
+    }
   }
+  if (tier_holds_memory) fs::remove_tree_noexcept(staging);
   return 0;
 }
 

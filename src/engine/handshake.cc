@@ -113,22 +113,25 @@ void Handshake::exchange(pid_t pid, const std::string& request, json body,
   }
 }
 
-void Handshake::pause(pid_t pid, std::chrono::milliseconds timeout) {
-  exchange(pid, "pause", json::object(), "paused", timeout);
+void Handshake::pause(pid_t pid, std::chrono::milliseconds timeout, const json& members) {
+  exchange(pid, "pause", members, "paused", timeout);
 }
 
 void Handshake::resume(pid_t pid, const json& context, std::chrono::milliseconds timeout) {
   exchange(pid, "resume", {{"context", context}}, "resumed", timeout);
 }
 
-void Handshake::request_resume_as_source() const noexcept {
+void Handshake::request_resume_as_source() const noexcept { (void)write_resume_as_source(); }
+
+std::string Handshake::write_resume_as_source() const noexcept {
   try {
     // Whoever asked for the pause gave up on it: a workload that has not seen it yet must not
     // pause after answering this resume (it answers a resume at once while running).
     std::error_code ec;
     std::filesystem::remove(dir_ / "pause", ec);
+    std::string id = fs::random_id().substr(0, 12);
     write_message(dir_, "resume",
-                  {{"id", fs::random_id().substr(0, 12)},
+                  {{"id", id},
                    {"context",
                     {{"restored", false},
                      {"copy", 0},
@@ -136,9 +139,27 @@ void Handshake::request_resume_as_source() const noexcept {
                      {"artifact_id", ""},
                      {"gpu_map", json::object()},
                      {"settings", json::object()}}}});
+    return id;
   } catch (const std::exception&) {
     // Best effort by contract: the caller is already failing or dying.
+    return {};
   }
+}
+
+bool Handshake::resume_as_source_and_wait(std::chrono::milliseconds timeout) const noexcept {
+  const std::string id = write_resume_as_source();
+  if (id.empty()) return false;
+  try {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < deadline) {
+      for (const char* answer : {"resumed", "failed"}) {
+        if (auto a = read_message(dir_ / answer); a && a->value("id", "") == id) return true;
+      }
+      std::this_thread::sleep_for(kPoll);
+    }
+  } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): reported as no answer
+  }
+  return false;
 }
 
 void Handshake::clear_exchange() const noexcept {

@@ -29,9 +29,11 @@ class Handshake {
   bool ready() const;
   // Waits for READY while `pid` lives. Throws kTimeout, or kHandshake when the process exits.
   void wait_ready(pid_t pid, std::chrono::milliseconds timeout) const;
-  // Asks the workload to pause and waits for PAUSED. Throws kHandshake (FAILED, or the process
-  // died) or kTimeout; the workload is then left as it was.
-  void pause(pid_t pid, std::chrono::milliseconds timeout);
+  // Asks the workload to pause and waits for PAUSED. `members` go into the request besides its
+  // id and timeout (the memory tier's folder, engine/tier.h). Throws kHandshake (FAILED, or the
+  // process died) or kTimeout; the workload is then left as it was.
+  void pause(pid_t pid, std::chrono::milliseconds timeout,
+             const nlohmann::json& members = nlohmann::json::object());
   // Asks it to resume with `context` and waits for RESUMED. Throws like pause().
   void resume(pid_t pid, const nlohmann::json& context, std::chrono::milliseconds timeout);
   // Asks the workload to resume as the source without waiting for its answer: for one that
@@ -39,10 +41,16 @@ class Handshake {
   // mid-capture). The pending pause is withdrawn first, so a workload that has not seen it
   // never pauses; one that is running answers at once. Never throws.
   void request_resume_as_source() const noexcept;
+  // The same, then waits up to `timeout` for the workload's answer (RESUMED or FAILED) to it:
+  // for a workload whose memory tier must be filled from the staging directory before that
+  // directory may go. False when no answer came in time. Never throws.
+  bool resume_as_source_and_wait(std::chrono::milliseconds timeout) const noexcept;
   // Removes the request and answer files of finished steps.
   void clear_exchange() const noexcept;
 
  private:
+  // Withdraws a pending pause and writes a resume as the source; its id, or "" on failure.
+  std::string write_resume_as_source() const noexcept;
   // Writes `request` (with a new id) and waits for `answer` or `failed` with that id.
   void exchange(pid_t pid, const std::string& request, nlohmann::json body,
                 const std::string& answer, std::chrono::milliseconds timeout);

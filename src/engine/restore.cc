@@ -37,6 +37,7 @@
 #include "engine/copy_init.h"
 #include "engine/gpu_state.h"
 #include "engine/handshake.h"
+#include "engine/tier.h"
 #include "gpu/driver.h"
 #include "gpusnap/error.h"
 #include "gpusnap/restore.h"
@@ -435,6 +436,8 @@ class Restore {
               const engine::GpuPlan& gpu_plan) {
     nlohmann::json gpu_map = nlohmann::json::object();
     for (const auto& p : gpu_plan.pairs) gpu_map[p.old_uuid] = p.new_uuid;
+    // Each copy's memory tier fills from the artifact itself (engine/tier.h).
+    const nlohmann::json tier_dir = engine::artifact_tier_dir(options_.artifact, manifest);
     std::vector<std::optional<Error>> errors(copies.size());
     {
       std::vector<std::jthread> threads;
@@ -448,7 +451,8 @@ class Restore {
                               {"copies", static_cast<int>(copies.size())},
                               {"artifact_id", manifest.id},
                               {"gpu_map", gpu_map},
-                              {"settings", options_.settings}},
+                              {"settings", options_.settings},
+                              {"tier_dir", tier_dir}},
                              options_.handshake_timeout);
             handshake.clear_exchange();
           } catch (const Error& e) {

@@ -6,7 +6,11 @@
 // The instance is created at the first call and never destroyed: at process exit the CUDA
 // runtime and driver may already be torn down, and returning memory then would crash the
 // workload on its way out. No exception crosses this interface.
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
 
 #include <cstring>
 #include <map>
@@ -132,7 +136,20 @@ int gpusnap_tier_drain(const char* dir, char* error, size_t error_size) {
       throw Error(ErrorKind::kInternal, "memory tier: no folder to drain into",
                   "pass the pause request's tier_dir");
     }
-    if (Tier* t = tier(false)) t->drain(dir);  // nothing allocated: nothing to drain
+    Tier* t = tier(false);
+    if (t == nullptr) return;  // nothing allocated: nothing to drain
+    // A folder this process cannot see (a workload in a container without the artifact volume
+    // at the same path): the memory stays mapped and goes with the driver's checkpoint, as
+    // without the tier. Safe, only slower, so a note and not a failure.
+    struct stat st {};
+    if (::stat(dir, &st) != 0 && errno == ENOENT) {
+      std::fprintf(stderr,
+                   "gpusnap-tier: %s is not reachable from this process; its GPU memory goes "
+                   "with the driver's checkpoint\n",
+                   dir);
+      return;
+    }
+    t->drain(dir);
   });
 }
 

@@ -317,9 +317,19 @@ void Tier::run_drain_workers(std::vector<Piece>& pieces, const std::filesystem::
     }
   });
   for (std::size_t k = 0; k < n; ++k) {
-    if (const int err = fds[k].close_checked(); err != 0) {
-      throw file_error("cannot write", dir / files[k], err);
+    // Still the file at that path? gpusnap removes a staging directory it gave up on; the
+    // memory must not be released into files nobody can find again.
+    struct stat open_file {};
+    struct stat by_path {};
+    const auto path = dir / files[k];
+    if (::fstat(fds[k].get(), &open_file) != 0 || ::stat(path.c_str(), &by_path) != 0 ||
+        open_file.st_dev != by_path.st_dev || open_file.st_ino != by_path.st_ino) {
+      throw Error(ErrorKind::kInternal,
+                  "memory tier: " + path.string() + " was removed while it was written",
+                  "gpusnap gave up on this capture; nothing was released");
     }
+    if (const int err = fds[k].close_checked(); err != 0)
+      throw file_error("cannot write", path, err);
   }
 }
 

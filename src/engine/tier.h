@@ -1,0 +1,58 @@
+// gpusnap's side of the memory tier (docs/design.md, "The memory tier"). A workload that opted
+// in moves its GPU memory itself: at the pause, into the folder gpusnap names in the request
+// (STAGING/tier); at the resume, back from the folder named in the context (ARTIFACT/tier for a
+// copy). gpusnap makes the folder, checks what the workload left in it, counts that memory for
+// the restore's free-memory check, and names the folder in every resume context. The files are
+// then ordinary files of the artifact: checksummed, listed in the manifest, verified.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "gpusnap/artifact.h"
+
+namespace gpusnap::engine {
+
+// The tier's folder, relative to the staging directory and to the artifact.
+inline constexpr const char* kTierDirName = "tier";
+// Bounds on what a workload may leave there: it writes a few files per process.
+inline constexpr size_t kMaxTierEntries = 4096;
+inline constexpr uintmax_t kMaxTierIndexBytes = 1 << 20;
+
+// What the tier's index files (PID.json) say.
+struct TierContents {
+  size_t files = 0;                           // every file in the folder
+  uint64_t bytes = 0;                         // GPU memory the files hold
+  std::map<std::string, uint64_t> gpu_bytes;  // per GPU UUID
+};
+
+// Creates STAGING/tier owned by `pid`'s user and group (the workload writes into it; gpusnap
+// runs as root), mode 0700, and returns its path. Throws Error(kInternal) naming the folder.
+std::filesystem::path make_tier_dir(const std::filesystem::path& staging, pid_t pid);
+
+// After the workload answered `paused`: the folder must hold the tier's files alone, regular
+// files named PID-wN.img and PID.json (no links, folders or anything else), at most
+// kMaxTierEntries, every index well-formed and at most kMaxTierIndexBytes. Throws
+// Error(kHandshake) naming the first entry that is not so. An empty folder is removed (the
+// workload has no tier, or nothing in it), so that artifacts without a tier do not change.
+TierContents check_tier_dir(const std::filesystem::path& dir);
+
+// Adds the tier's memory to the GPU facts of the manifest (`gpu`, as describe_gpu_state wrote
+// it), to process `pid`'s entry, or to the first process's when `pid` has none: NVML no longer
+// counts that memory after the drain, and a restore must find room for it.
+void add_tier_memory(nlohmann::json& gpu, pid_t pid, const TierContents& tier);
+
+// The tier_dir member of a pause request or a resume context: the folder, or "" without one.
+nlohmann::json tier_member(const std::filesystem::path& dir);
+
+// The tier_dir member of a copy's resume context: ARTIFACT/tier as an absolute path (copies see
+// gpusnap's mounts) when the manifest lists files there, else "".
+nlohmann::json artifact_tier_dir(const std::filesystem::path& artifact, const Manifest& manifest);
+
+}  // namespace gpusnap::engine

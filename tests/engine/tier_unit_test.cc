@@ -1,0 +1,118 @@
+// gpusnap's side of the memory tier (src/engine/tier.h): the folder handed to the workload, the
+// checks of what it left there, and how its memory is counted and named to copies.
+#include "engine/tier.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "gpusnap/error.h"
+#include "testing/unit.h"
+
+namespace gpusnap::engine {
+namespace {
+
+using namespace gpusnap::testing;  // testing/unit.h
+using nlohmann::json;
+
+constexpr const char* kIndex =
+    R"({"format":"gpusnap-tier","version":1,"pid":7,"bytes":12,"files":[{"path":"7-w0.img","size":8},{"path":"7-w1.img","size":4}],"gpus":[{"uuid":"GPU-a","bytes":8},{"uuid":"GPU-b","bytes":4}]})";
+
+class TierDirTest : public ::testing::Test {
+ protected:
+  TierDirTest() : tier(make_tier_dir(staging.path(), ::getpid())) {}
+  void drained() {
+    write(tier / "7-w0.img", "12345678");
+    write(tier / "7-w1.img", "abcd");
+    write(tier / "7.json", kIndex);
+  }
+  TempDir staging;
+  std::filesystem::path tier;
+};
+
+TEST_F(TierDirTest, TheFolderBelongsToTheWorkloadAndNobodyElse) {
+  struct stat st {};
+  ASSERT_EQ(::stat(tier.c_str(), &st), 0);
+  EXPECT_EQ(tier, staging / "tier");
+  EXPECT_EQ(st.st_mode & 07777, 0700u);
+  EXPECT_EQ(st.st_uid, ::geteuid());
+  EXPECT_EQ(st.st_gid, ::getegid());
+}
+
+TEST_F(TierDirTest, AnEmptyFolderIsRemovedSoArtifactsWithoutATierDoNotChange) {
+  const TierContents c = check_tier_dir(tier);
+  EXPECT_EQ(c.files, 0u);
+  EXPECT_FALSE(std::filesystem::exists(tier));
+  EXPECT_EQ(tier_member(tier), "");
+}
+
+TEST_F(TierDirTest, TheIndexesSayHowMuchMemoryIsOnEachGpu) {
+  drained();
+  const TierContents c = check_tier_dir(tier);
+  EXPECT_EQ(c.files, 3u);
+  EXPECT_EQ(c.bytes, 12u);
+  EXPECT_EQ(c.gpu_bytes, (std::map<std::string, uint64_t>{{"GPU-a", 8}, {"GPU-b", 4}}));
+  EXPECT_EQ(tier_member(tier), tier.string());
+}
+
+TEST_F(TierDirTest, AnythingButTheTiersFilesIsRefused) {
+  drained();
+  std::filesystem::create_symlink("/etc/passwd", tier / "7-w2.img");
+  const Error link = catch_error([&] { check_tier_dir(tier); });
+  EXPECT_EQ(link.kind(), ErrorKind::kHandshake);
+  EXPECT_EQ(std::string(link.what()), "the workload left " + (tier / "7-w2.img").string() +
+                                          " in its memory tier's folder: not a regular file");
+  std::filesystem::remove(tier / "7-w2.img");
+  write(tier / "notes.txt", "x");
+  EXPECT_EQ(std::string(catch_error([&] { check_tier_dir(tier); }).what()),
+            "the workload left " + (tier / "notes.txt").string() +
+                " in its memory tier's folder: not a file of the tier (PID-wN.img or PID.json)");
+}
+
+TEST_F(TierDirTest, AnIndexMustMatchTheFilesThere) {
+  drained();
+  std::filesystem::resize_file(tier / "7-w1.img", 3);
+  EXPECT_EQ(std::string(catch_error([&] { check_tier_dir(tier); }).what()),
+            "the workload left " + (tier / "7.json").string() +
+                " in its memory tier's folder: an index naming 7-w1.img, which is not there at "
+                "4 bytes");
+  write(tier / "7.json", "{\"format\":\"gpusnap-tier\"");
+  EXPECT_TRUE(Contains(catch_error([&] { check_tier_dir(tier); }).what(),
+                       "in its memory tier's folder: a malformed index ("));
+}
+
+TEST(TierMemory, IsCountedOnTheWorkloadsProcessForTheRestoresFreeMemoryCheck) {
+  json gpu = {{"gpus", {{{"uuid", "GPU-a"}, {"used", true}}, {{"uuid", "GPU-b"}, {"used", false}}}},
+              {"processes",
+               {{{"pid", 5}, {"bytes", 100}, {"gpus", {{{"uuid", "GPU-a"}, {"bytes", 100}}}}},
+                {{"pid", 7}, {"bytes", 50}, {"gpus", {{{"uuid", "GPU-a"}, {"bytes", 50}}}}}}}};
+  TierContents tier;
+  tier.bytes = 12;
+  tier.gpu_bytes = {{"GPU-a", 8}, {"GPU-b", 4}};
+  add_tier_memory(gpu, 7, tier);
+  EXPECT_EQ(gpu.at("processes").at(1),
+            json::parse(R"({"pid":7,"bytes":62,"gpus":[{"uuid":"GPU-a","bytes":58},)"
+                        R"({"uuid":"GPU-b","bytes":4}]})"));
+  EXPECT_EQ(gpu.at("processes").at(0).at("bytes"), 100);
+  EXPECT_EQ(gpu.at("gpus").at(1).at("used"), true);
+  // A root that is not a CUDA process (a launcher): the first process carries it.
+  add_tier_memory(gpu, 99, tier);
+  EXPECT_EQ(gpu.at("processes").at(0).at("bytes"), 112);
+}
+
+TEST(TierMemory, CopiesAreToldTheArtifactsFolderOnlyWhenItHoldsTierFiles) {
+  Manifest m;
+  m.files.push_back({"criu/pages-1.img", 10, {}});
+  EXPECT_EQ(artifact_tier_dir("/srv/a", m), "");
+  m.files.push_back({"tier/7-w0.img", 8, {}});
+  EXPECT_EQ(artifact_tier_dir("/srv/a", m), "/srv/a/tier");
+  EXPECT_EQ(artifact_tier_dir("rel", m),
+            (std::filesystem::current_path() / "rel" / "tier").string());
+}
+
+}  // namespace
+}  // namespace gpusnap::engine
