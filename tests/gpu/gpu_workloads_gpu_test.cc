@@ -428,6 +428,86 @@ TEST(KvCache, TheCacheNeverEntersTheArtifactAndTheGraphReplaysAfterRestore) {
   EXPECT_EQ(check.substr(0, 12), "OK max_err=0") << check;
 }
 
+// ---- The memory tier (docs/design.md, "The memory tier") -----------------------------------
+
+// `gpusnap run` of tests/torch_tier.py holding `gib` GiB of weights, with or without the tier:
+// captured at READY through the handshake. Returns the run's JSON (null on failure).
+json run_tier_worker(const TempDir& dir, const std::string& name, double gib, bool tier) {
+  const char* weights = std::getenv("GPUSNAP_TEST_WEIGHTS");
+  auto ready = dir / (name + ".port");
+  auto run = gpusnap({"run", "-o", (dir / name).string(), "--json", "--", "python3",
+                      build_path("tests/torch_tier.py"), tier ? "--tier" : "--no-tier", "--gib",
+                      std::to_string(gib), "--weights",
+                      weights != nullptr ? weights : (dir / "weights.bin").string(), "--ready-file",
+                      ready.string()},
+                     std::chrono::minutes(10));
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  return run.exit_code == 0 ? json::parse(run.out) : json();
+}
+
+// Bytes of the artifact's files under tier/.
+uint64_t tier_bytes(const std::filesystem::path& artifact) {
+  std::string text;
+  EXPECT_TRUE(fs::try_read_file(artifact / "manifest.json", &text));
+  uint64_t bytes = 0;
+  for (const auto& f : json::parse(text).at("files")) {
+    if (f.at("path").get<std::string>().rfind("tier/", 0) == 0)
+      bytes += f.at("size").get<uint64_t>();
+  }
+  return bytes;
+}
+
+// Captures the tier workload, restores one copy (with `restore_args`), and checks that every
+// weight is bit-exact and the CUDA graph captured before the checkpoint replays to its answer.
+void tier_round_trip(const std::string& name, double gib,
+                     const std::vector<std::string>& restore_args = {}) {
+  TempDir dir;
+  auto run = run_tier_worker(dir, name, gib, true);
+  ASSERT_FALSE(run.is_null());
+  EXPECT_TRUE(run["handshake"].get<bool>());
+  const auto artifact = dir / name;
+  // The weights went through the tier's files, not the driver's checkpoint.
+  EXPECT_GE(static_cast<double>(tier_bytes(artifact)), gib * (1ULL << 30));
+  std::string port_text;
+  ASSERT_TRUE(fs::try_read_file(dir / (name + ".port"), &port_text));
+  std::vector<std::string> args = {"restore", artifact.string(), "--publish",
+                                   std::to_string(std::stoi(port_text)), "--json"};
+  args.insert(args.end(), restore_args.begin(), restore_args.end());
+  auto rs = gpusnap(args);
+  ASSERT_EQ(rs.exit_code, 0) << rs.err;
+  Copies copies{json::parse(rs.out)};
+  record(name + "-checkpoint", run);
+  record(name + "-restore", copies.doc);
+  auto check = ask(copies.port(0), "CHECK", std::chrono::seconds(60));
+  EXPECT_EQ(check.substr(0, 13), "OK max_err=0 ") << check;
+  auto verify = ask(copies.port(0), "VERIFY", std::chrono::seconds(300));
+  EXPECT_EQ(verify.substr(0, 3), "OK ") << verify;
+}
+
+TEST(MemoryTier, FourGiBBitExactAfterRestoreAndTheGraphReplays) {
+  SKIP_WITHOUT_GPU(1);
+  tier_round_trip("tier-4gib", 4);
+}
+
+TEST(MemoryTier, SixteenGiBBitExactAfterRestoreAndTheGraphReplays) {
+  SKIP_WITHOUT_GPU(1);
+  tier_round_trip("tier-16gib", 16);
+}
+
+TEST(MemoryTier, RestoredOntoAnotherGpuWithGpuMap) {
+  SKIP_WITHOUT_GPU(2);
+  tier_round_trip("tier-2gib-remap", 2, {"--gpu-map", "0=1"});
+}
+
+TEST(MemoryTier, WorkloadWithoutTheTierIsCapturedAsBefore) {
+  SKIP_WITHOUT_GPU(1);
+  TempDir dir;
+  auto run = run_tier_worker(dir, "notier", 1, false);
+  ASSERT_FALSE(run.is_null());
+  EXPECT_EQ(tier_bytes(dir / "notier"), 0u);
+  EXPECT_FALSE(std::filesystem::exists(dir / "notier" / "tier"));
+}
+
 std::vector<std::string> torch_tp(int ranks, double gib, bool nccl_defaults = false) {
   std::vector<std::string> argv = {"python3", build_path("tests/torch_tp.py"),
                                    "--ranks", std::to_string(ranks),
