@@ -1,14 +1,18 @@
 // The workload handshake end to end, with real processes and real CRIU: `gpusnap run` and
 // `gpusnap checkpoint` pausing workloads that speak it (the C++ and Python examples), copies
 // resuming with their own contexts, and every way a workload can fail the handshake.
+#include <fcntl.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <filesystem>
+#include <map>
 #include <thread>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "common/fd.h"
 #include "common/fs.h"
 #include "common/proc.h"
 #include "common/subprocess.h"
@@ -187,6 +191,139 @@ TEST(Handshake, GpusnapKilledDuringThePauseLeavesTheWorkloadServing) {
     return true;
   })) << "a staging directory was left";
   EXPECT_TRUE(running(worker.process->pid()));
+}
+
+// ---- The memory tier's plumbing, with tests/tier_standin.py playing the GPU side ------------
+
+std::vector<std::string> tier_standin(const std::string& extra = "") {
+  std::vector<std::string> argv = {"python3", build_path("tests/tier_standin.py"), "--mib", "16"};
+  if (!extra.empty()) argv.insert(argv.end(), {"--drain-delay", extra});
+  return argv;
+}
+
+// The artifact's manifest entries under tier/, by path.
+std::map<std::string, uint64_t> tier_files(const std::filesystem::path& artifact) {
+  std::map<std::string, uint64_t> out;
+  std::string text;
+  EXPECT_TRUE(fs::try_read_file(artifact / "manifest.json", &text));
+  const json manifest = json::parse(text);  // a named object: the loop refers into it
+  for (const auto& f : manifest.at("files")) {
+    const auto path = f.at("path").get<std::string>();
+    if (path.rfind("tier/", 0) == 0) out[path] = f.at("size").get<uint64_t>();
+  }
+  return out;
+}
+
+TEST(MemoryTierPlumbing, DrainedIntoTheArtifactChecksummedAndFilledByEachCopy) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  auto ready = dir / "port";
+  auto snap = dir / "snap";
+  std::vector<std::string> args = {"run", "-o", snap.string(), "--leave-running", "--json", "--"};
+  auto worker = tier_standin();
+  args.insert(args.end(), worker.begin(), worker.end());
+  args.insert(args.end(), {"--ready-file", ready.string()});
+  auto run = gpusnap(args);
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  auto doc = json::parse(run.out);
+  TreeKiller source{doc["pid"].get<pid_t>()};
+  const uint16_t port = read_port(ready);
+  ASSERT_NE(port, 0);
+  // The source drained into the staging directory and filled back from it before the commit.
+  EXPECT_EQ(ask(port, "CHECK"), "OK");
+  auto info = ask(port, "INFO");
+  EXPECT_EQ(field(info, "drains"), "1") << info;
+  EXPECT_EQ(field(info, "fills"), "1") << info;
+  EXPECT_NE(field(info, "tier_dir").find(".snap.staging-"), std::string::npos) << info;
+  // The tier's files are the artifact's: listed, sized, checksummed; nothing else is in tier/.
+  const std::string pid = field(info, "pid");
+  EXPECT_EQ(
+      tier_files(snap),
+      (std::map<std::string, uint64_t>{
+          {"tier/" + pid + "-w0.img", 16u << 20},
+          {"tier/" + pid + ".json", std::filesystem::file_size(snap / "tier" / (pid + ".json"))}}));
+  EXPECT_EQ(gpusnap({"verify", snap.string()}).exit_code, 0);
+
+  auto rs = gpusnap(
+      {"restore", snap.string(), "--replicas", "2", "--publish", std::to_string(port), "--json"});
+  ASSERT_EQ(rs.exit_code, 0) << rs.err;
+  Copies copies{json::parse(rs.out)};
+  for (size_t i = 0; i < 2; ++i) {
+    // Each copy filled from the artifact itself before it answered RESUMED.
+    EXPECT_EQ(ask(copies.port(i), "CHECK"), "OK");
+    auto copy_info = ask(copies.port(i), "INFO");
+    EXPECT_EQ(field(copy_info, "restored"), "1") << copy_info;
+    EXPECT_EQ(field(copy_info, "tier_dir"), (std::filesystem::absolute(snap) / "tier").string())
+        << copy_info;
+    // Captured after its drain, before the source's own fill: this fill is its first.
+    EXPECT_EQ(field(copy_info, "fills"), "1") << copy_info;
+  }
+}
+
+TEST(MemoryTierPlumbing, ADamagedTierFileRefusesTheRestore) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  auto snap = dir / "snap";
+  std::vector<std::string> args = {"run", "-o", snap.string(), "--json", "--"};
+  auto worker = tier_standin();
+  args.insert(args.end(), worker.begin(), worker.end());
+  auto run = gpusnap(args);
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  const auto files = tier_files(snap);
+  ASSERT_EQ(files.size(), 2u);
+  const auto image = snap / files.begin()->first;
+  {
+    UniqueFd fd(::open(image.c_str(), O_WRONLY | O_CLOEXEC));
+    ASSERT_GE(fd.get(), 0);
+    ASSERT_EQ(::pwrite(fd.get(), "x", 1, 4096), 1);
+  }
+  auto rs = gpusnap({"restore", snap.string(), "--json"});
+  EXPECT_EQ(rs.exit_code, 4) << rs.err;  // a bad artifact: no copy ever fills from it
+  EXPECT_NE(rs.err.find(files.begin()->first), std::string::npos) << rs.err;
+}
+
+// gpusnap killed after the workload's tier has written its files: the guardian has the
+// workload fill them back before it removes the staging directory.
+TEST(MemoryTierPlumbing, GpusnapKilledDuringTheDrainLeavesTheWorkloadWithItsMemory) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  auto control = dir / "control";
+  std::filesystem::create_directories(control);
+  auto argv = tier_standin("3");  // files written, then 3 s before the memory is released
+  argv.insert(argv.begin(), {"/usr/bin/env", "GPUSNAP_CONTROL_DIR=" + control.string(),
+                             "PYTHONPATH=" + build_path("tests")});
+  Workload worker(dir, argv, std::chrono::seconds(30));
+  ASSERT_TRUE(eventually([&] { return std::filesystem::exists(control / "ready"); }));
+  ASSERT_EQ(ask(worker.port(), "CHECK"), "OK");
+  SpawnOptions o;
+  o.argv = {gpusnap_bin(),           "checkpoint", "-p", std::to_string(worker.pid()), "-o",
+            (dir / "snap").string(), "--quiet"};
+  Subprocess cp(o);
+  // Killed once the drain's files are there: from then on they may be the only copy.
+  ASSERT_TRUE(eventually([&] {
+    for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+      if (e.path().filename().string().rfind(".snap.staging-", 0) == 0 &&
+          std::filesystem::exists(e.path() / "tier" / (std::to_string(worker.pid()) + ".json"))) {
+        return true;
+      }
+    }
+    return false;
+  }));
+  cp.kill(SIGKILL);
+  cp.wait();
+  // The drain ends (3 s), the memory is released, PAUSED; the guardian's resume fills it back
+  // (until then CHECK answers from memory the drain has not released yet, or "ERR drained").
+  EXPECT_TRUE(eventually([&] { return field(ask(worker.port(), "INFO"), "fills") == "1"; },
+                         std::chrono::seconds(30)))
+      << ask(worker.port(), "INFO");
+  EXPECT_EQ(ask(worker.port(), "CHECK"), "OK");
+  EXPECT_EQ(field(ask(worker.port(), "INFO"), "drains"), "1");
+  EXPECT_TRUE(eventually([&] {
+    for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+      if (e.path().filename().string().rfind(".snap", 0) == 0) return false;
+    }
+    return true;
+  })) << "a staging directory was left";
 }
 
 TEST(Handshake, WorkloadDyingDuringThePauseAbortsTheCapture) {

@@ -450,7 +450,8 @@ uint64_t tier_bytes(const std::filesystem::path& artifact) {
   std::string text;
   EXPECT_TRUE(fs::try_read_file(artifact / "manifest.json", &text));
   uint64_t bytes = 0;
-  for (const auto& f : json::parse(text).at("files")) {
+  const json manifest = json::parse(text);  // a named object: the loop refers into it
+  for (const auto& f : manifest.at("files")) {
     if (f.at("path").get<std::string>().rfind("tier/", 0) == 0)
       bytes += f.at("size").get<uint64_t>();
   }

@@ -1,0 +1,115 @@
+"""A CPU workload whose "GPU memory" is a bytearray moved by a stand-in for libgpusnap-tier.so:
+it drains into the folder the pause names and fills back from the one the resume names, through
+the real Python handshake client, exactly as the tier does (docs/design.md, "The memory tier").
+It lets the system tests run gpusnap's side of the tier (the folder, its checks, the manifest,
+verify, the resume contexts, the guardian) with real CRIU on a machine without a GPU.
+
+  python3 tier_standin.py --mib N [--drain-delay S] [--ready-file PATH]
+
+Serves line commands on TCP 127.0.0.1 (port in --ready-file):
+  CHECK -> OK | FAIL | ERR drained     the memory against its digest taken at start
+  INFO  -> pid=<pid> restored=<0|1> copy=<i> tier_dir=<path> drains=<n> fills=<n>
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import socket
+import time
+
+import gpusnap_handshake
+
+
+class StandInTier:
+    """The drain and fill of MemoryTier, on host memory: files named and indexed as the tier
+    names them; memory released only once its file is complete and still in the folder."""
+
+    def __init__(self, mib, drain_delay):
+        block = hashlib.sha256(b"gpusnap").digest() * (1 << 15)  # 1 MiB
+        self.memory = bytearray(block * mib)
+        self.digest = hashlib.sha256(self.memory).hexdigest()
+        self.drain_delay = drain_delay
+        self.drained = False
+        self.file = None
+        self.folder = None
+        self.drains = self.fills = 0
+
+    def drain(self, folder):
+        name = f"{os.getpid()}-w0.img"
+        path = os.path.join(folder, name)
+        try:
+            with open(path, "xb") as f:
+                f.write(self.memory)
+            index = {"format": "gpusnap-tier", "version": 1, "pid": os.getpid(),
+                     "bytes": len(self.memory), "files": [{"path": name, "size": len(self.memory)}],
+                     "gpus": [{"uuid": "GPU-standin", "bytes": len(self.memory)}]}
+            tmp = os.path.join(folder, f"{os.getpid()}.json.tmp")
+            with open(tmp, "x") as f:
+                json.dump(index, f)
+            os.rename(tmp, os.path.join(folder, f"{os.getpid()}.json"))
+        except OSError as e:
+            raise gpusnap_handshake.TierError(f"stand-in tier: {e}") from e
+        time.sleep(self.drain_delay)
+        if not os.path.exists(path):
+            raise gpusnap_handshake.TierError(f"stand-in tier: {path} was removed")
+        self.memory, self.drained, self.file, self.folder = None, True, name, folder
+        self.drains += 1
+
+    def fill(self, folder, gpu_map):
+        path = os.path.join(folder or self.folder, self.file)
+        try:
+            with open(path, "rb") as f:
+                self.memory = bytearray(f.read())
+        except OSError as e:
+            raise gpusnap_handshake.TierError(f"stand-in tier: {e}") from e
+        self.drained = False
+        self.fills += 1
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--mib", type=int, default=16)
+    p.add_argument("--drain-delay", type=float, default=0)
+    p.add_argument("--ready-file")
+    args = p.parse_args()
+    tier = StandInTier(args.mib, args.drain_delay)
+    last = gpusnap_handshake.ResumeContext()
+
+    def on_resume(context):
+        nonlocal last
+        last = context
+        return True
+
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    hs = gpusnap_handshake.Client.from_environment(memory_tier=tier)
+    hs.serve(lambda: True, on_resume)
+    hs.ready()
+    if args.ready_file:
+        with open(args.ready_file + ".tmp", "w") as f:
+            f.write(f"{srv.getsockname()[1]}\n")
+        os.rename(args.ready_file + ".tmp", args.ready_file)
+    while True:
+        conn, _ = srv.accept()
+        with conn, conn.makefile("rw") as io:
+            for line in io:
+                cmd = line.strip()
+                if cmd == "CHECK":
+                    if tier.drained:
+                        reply = "ERR drained"
+                    else:
+                        reply = "OK" if hashlib.sha256(tier.memory).hexdigest() == tier.digest else "FAIL"
+                elif cmd == "INFO":
+                    reply = (f"pid={os.getpid()} restored={int(last.restored)} copy={last.copy} "
+                             f"tier_dir={last.tier_dir or '-'} drains={tier.drains} fills={tier.fills}")
+                else:
+                    reply = "ERR unknown command"
+                io.write(reply + "\n")
+                io.flush()
+
+
+if __name__ == "__main__":
+    main()
