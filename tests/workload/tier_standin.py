@@ -15,10 +15,10 @@ import argparse
 import hashlib
 import json
 import os
-import socket
 import time
 
 import gpusnap_handshake
+import line_server
 
 
 class StandInTier:
@@ -81,34 +81,24 @@ def main():
         last = context
         return True
 
-    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(8)
+    srv = line_server.listen()
     hs = gpusnap_handshake.Client.from_environment(memory_tier=tier)
     hs.serve(lambda: True, on_resume)
     hs.ready()
     if args.ready_file:
-        with open(args.ready_file + ".tmp", "w") as f:
-            f.write(f"{srv.getsockname()[1]}\n")
-        os.rename(args.ready_file + ".tmp", args.ready_file)
-    while True:
-        conn, _ = srv.accept()
-        with conn, conn.makefile("rw") as io:
-            for line in io:
-                cmd = line.strip()
-                if cmd == "CHECK":
-                    if tier.drained:
-                        reply = "ERR drained"
-                    else:
-                        reply = "OK" if hashlib.sha256(tier.memory).hexdigest() == tier.digest else "FAIL"
-                elif cmd == "INFO":
-                    reply = (f"pid={os.getpid()} restored={int(last.restored)} copy={last.copy} "
-                             f"tier_dir={last.tier_dir or '-'} drains={tier.drains} fills={tier.fills}")
-                else:
-                    reply = "ERR unknown command"
-                io.write(reply + "\n")
-                io.flush()
+        line_server.write_ready_file(args.ready_file, srv.getsockname()[1])
+
+    def handle(cmd):
+        if cmd == "CHECK":
+            if tier.drained:
+                return "ERR drained"
+            return "OK" if hashlib.sha256(tier.memory).hexdigest() == tier.digest else "FAIL"
+        if cmd == "INFO":
+            return (f"pid={os.getpid()} restored={int(last.restored)} copy={last.copy} "
+                    f"tier_dir={last.tier_dir or '-'} drains={tier.drains} fills={tier.fills}")
+        return "ERR unknown command"
+
+    line_server.serve_lines(srv, handle)
 
 
 if __name__ == "__main__":

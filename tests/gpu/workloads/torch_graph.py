@@ -18,12 +18,13 @@ if missing (random, seeded), so the load reads real bytes from storage as a serv
 
 import argparse
 import os
-import socket
 import time
 
 T0 = time.monotonic()
 
 import torch  # noqa: E402  (timed: importing torch is part of a cold start)
+
+from line_server import listen, serve_lines, write_ready_file  # noqa: E402  (beside this file)
 
 
 def parse_args():
@@ -57,15 +58,11 @@ def load_weights(path, layers, dim):
     return weights
 
 
-def main():
-    args = parse_args()
-    layers = max(1, int(args.gib * (1 << 30) / (args.dim * args.dim * 2)))
-    if not os.path.exists(args.weights):
-        make_weights(args.weights, layers, args.dim)
-    t_load = time.monotonic()
-    weights = load_weights(args.weights, layers, args.dim)
-
-    static_x = torch.randn(16, args.dim, device="cuda", generator=torch.Generator("cuda").manual_seed(7)).to(torch.bfloat16)
+def capture(weights, dim):
+    """The forward pass over `weights` captured in a CUDA graph (warmed up on a side stream, as
+    PyTorch asks), replayed once: (graph, its input tensor, its output tensor, that output on
+    the CPU). The caller keeps the input alive: the graph reads it at every replay."""
+    static_x = torch.randn(16, dim, device="cuda", generator=torch.Generator("cuda").manual_seed(7)).to(torch.bfloat16)
 
     def forward(x):
         for w in weights:
@@ -83,46 +80,52 @@ def main():
         static_y = forward(static_x)
     graph.replay()
     torch.cuda.synchronize()
-    reference = static_y.float().cpu().clone()
+    return graph, static_x, static_y, static_y.float().cpu().clone()
+
+
+class Checker:
+    """CHECK: replays the graph and compares its output with the answer taken before."""
+
+    def __init__(self, graph, static_x, static_y, reference):
+        self.graph, self.static_x, self.static_y = graph, static_x, static_y
+        self.reference, self.replays = reference, 0
+
+    def check(self):
+        self.graph.replay()
+        torch.cuda.synchronize()
+        self.replays += 1
+        err = (self.static_y.float().cpu() - self.reference).abs().max().item()
+        return (f"OK max_err={err:g} replays={self.replays} pid={os.getpid()}" if err == 0
+                else f"FAIL max_err={err:g}")
+
+
+def main():
+    args = parse_args()
+    layers = max(1, int(args.gib * (1 << 30) / (args.dim * args.dim * 2)))
+    if not os.path.exists(args.weights):
+        make_weights(args.weights, layers, args.dim)
+    t_load = time.monotonic()
+    weights = load_weights(args.weights, layers, args.dim)
+    checker = Checker(*capture(weights, args.dim))
     ready_s = time.monotonic() - T0
 
-    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind(("127.0.0.1", args.port))
-    srv.listen(16)
+    srv = listen(args.port)
     port = srv.getsockname()[1]
     print(f"ready port={port} pid={os.getpid()} ready_s={ready_s:.2f} load_s={time.monotonic() - t_load:.2f}", flush=True)
     if args.ready_file:
-        with open(args.ready_file + ".tmp", "w") as f:
-            f.write(f"{port}\n")
-        os.rename(args.ready_file + ".tmp", args.ready_file)
+        write_ready_file(args.ready_file, port)
 
-    replays = 0
-    while True:
-        conn, _ = srv.accept()
-        with conn, conn.makefile("rw") as io:
-            for line in io:
-                cmd = line.strip()
-                if cmd == "PING":
-                    reply = "PONG"
-                elif cmd == "CHECK":
-                    graph.replay()
-                    torch.cuda.synchronize()
-                    replays += 1
-                    err = (static_y.float().cpu() - reference).abs().max().item()
-                    reply = (f"OK max_err={err:g} replays={replays} pid={os.getpid()}" if err == 0
-                             else f"FAIL max_err={err:g}")
-                elif cmd == "INFO":
-                    reply = (f"pid={os.getpid()} gib={args.gib:g} layers={layers} "
-                             f"device={torch.cuda.get_device_name()} ready_s={ready_s:.2f}")
-                elif cmd == "QUIT":
-                    io.write("BYE\n")
-                    io.flush()
-                    return
-                else:
-                    reply = "ERR unknown command"
-                io.write(reply + "\n")
-                io.flush()
+    def handle(cmd):
+        if cmd == "PING":
+            return "PONG"
+        if cmd == "CHECK":
+            return checker.check()
+        if cmd == "INFO":
+            return (f"pid={os.getpid()} gib={args.gib:g} layers={layers} "
+                    f"device={torch.cuda.get_device_name()} ready_s={ready_s:.2f}")
+        return "ERR unknown command"
+
+    serve_lines(srv, handle)
 
 
 if __name__ == "__main__":
