@@ -249,6 +249,15 @@ class CudaTierDriver final : public TierDriver {
     check(api_.cuCtxSetCurrent(primary(device)), "cuCtxSetCurrent");
   }
 
+  void enter_device(int device) override {
+    check(api_.cuCtxPushCurrent_v2(primary(device)), "cuCtxPushCurrent");
+  }
+
+  void leave_device() noexcept override {
+    CUcontext popped = nullptr;
+    (void)api_.cuCtxPopCurrent_v2(&popped);
+  }
+
   void synchronize(int device) override {
     check(api_.cuCtxPushCurrent_v2(primary(device)), "cuCtxPushCurrent");
     const CUresult r = api_.cuCtxSynchronize();

@@ -238,6 +238,24 @@ void FakeTierDriver::use_device(int device) {
   check_device(device, "use_device");
 }
 
+void FakeTierDriver::enter_device(int device) {
+  std::lock_guard lock(mu_);
+  record("enter_device", "enter_device " + std::to_string(device));
+  check_device(device, "enter_device");
+  ++entered_;
+}
+
+void FakeTierDriver::leave_device() noexcept {
+  std::lock_guard lock(mu_);
+  calls_.emplace_back(entered_ > 0 ? "leave_device" : "leave_device invalid");
+  if (entered_ > 0) --entered_;
+}
+
+int FakeTierDriver::entered() const {
+  std::lock_guard lock(mu_);
+  return entered_;
+}
+
 void FakeTierDriver::synchronize(int device) {
   std::lock_guard lock(mu_);
   record("synchronize", "synchronize " + std::to_string(device));

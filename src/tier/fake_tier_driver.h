@@ -60,7 +60,11 @@ class FakeTierDriver final : public TierDriver {
   void set_access(DevicePtr va, std::size_t size, int device) override;
   void unmap(DevicePtr va, std::size_t size) override;
   void use_device(int device) override;
+  void enter_device(int device) override;
+  void leave_device() noexcept override;
   void synchronize(int device) override;
+  // enter_device() calls not yet left: 0 after every drain and fill.
+  int entered() const;
   void* host_alloc(std::size_t size) override;
   void host_free(void* p) noexcept override;
   Stream stream_create() override;
@@ -101,6 +105,7 @@ class FakeTierDriver final : public TierDriver {
   Handle next_handle_ = 1;
   DevicePtr next_va_ = 0x7f0000000000;
   std::uintptr_t next_stream_ = 0x1000;
+  int entered_ = 0;
 };
 
 }  // namespace gpusnap::tier

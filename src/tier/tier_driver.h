@@ -42,6 +42,12 @@ class TierDriver {
   // calling thread. Only for the tier's own threads, which start without one: changing the
   // current context of a workload's thread would change what its CUDA runtime calls use.
   virtual void use_device(int device) = 0;
+  // Makes `device`'s primary context current in the calling thread until leave_device(), which
+  // puts back what was current before (cuCtxPushCurrent, cuCtxPopCurrent): a drain or a fill
+  // runs in a workload's thread (the handshake's), which may have no context current, and the
+  // driver's memory calls need one.
+  virtual void enter_device(int device) = 0;
+  virtual void leave_device() noexcept = 0;
   // Waits for all work on `device` (its primary context: cuCtxSynchronize), from any thread,
   // leaving the calling thread's current context as it was.
   virtual void synchronize(int device) = 0;

@@ -110,6 +110,26 @@ class WorkerResources {
   std::vector<void*> buffers_;
 };
 
+// The first device of the tier made current in the calling thread for one drain or fill, and
+// what was current put back after it.
+class DeviceScope {
+ public:
+  DeviceScope(TierDriver& driver, const std::map<int, std::string>& devices) : driver_(driver) {
+    if (devices.empty()) return;
+    driver_.enter_device(devices.begin()->first);
+    entered_ = true;
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+  ~DeviceScope() {
+    if (entered_) driver_.leave_device();
+  }
+
+ private:
+  TierDriver& driver_;
+  bool entered_ = false;
+};
+
 // Runs `work(k)` on n threads and rethrows the first error once all have finished. `stop` is set
 // on the first error, so that the others take no more pieces.
 template <typename Work>
@@ -218,6 +238,7 @@ TransferReport Tier::drain(const std::filesystem::path& dir) {
                 "resume the workload before the next capture");
   }
   const auto t0 = Clock::now();
+  const DeviceScope scope(driver_, device_uuids_);
   // Nothing queued may still write a block while it is copied; then the cached free segments go
   // back to the driver: nobody holds an address in them, and they need not be saved.
   synchronize_devices();
@@ -378,6 +399,7 @@ TransferReport Tier::fill(const std::filesystem::path& dir,
   std::lock_guard lock(mu_);
   if (state_ == TierState::kServing) return {};
   const auto t0 = Clock::now();
+  const DeviceScope scope(driver_, device_uuids_);
   const auto from = dir.empty() ? drained_dir_ : dir;
   check_gpu_map(gpu_map);
   std::vector<DevicePtr> todo;

@@ -260,6 +260,10 @@ TEST_F(TierTest, DrainThenFillPutsBackEveryLiveByteAtTheSameAddress) {
 
   const TransferReport filled = tier->fill(dir.path(), {});
   EXPECT_EQ(filled.bytes, drained.bytes);
+  // Both ran with a context of the tier's made current, and put back what was there before.
+  EXPECT_EQ(driver.calls_named("enter_device"),
+            (std::vector<std::string>{"enter_device 0", "enter_device 0"}));
+  EXPECT_EQ(driver.entered(), 0);
   EXPECT_EQ(tier->state(), TierState::kServing);
   EXPECT_EQ(driver.host_allocations(), 0u);
   EXPECT_EQ(driver.streams(), 0u);
@@ -326,6 +330,7 @@ TEST_F(TierTest, AFailedCopyDuringTheDrainReleasesNothingAndLeavesNoFile) {
   EXPECT_EQ(tier->state(), TierState::kServing);
   EXPECT_TRUE(driver.calls_named("unmap").empty());
   EXPECT_TRUE(files_in(dir.path()).empty());
+  EXPECT_EQ(driver.entered(), 0);
   EXPECT_EQ(driver.host_allocations(), 0u);
   EXPECT_EQ(driver.streams(), 0u);
   expect_pattern(p, 10 * kMiB, 7);
