@@ -159,9 +159,8 @@ CUmemAllocationProp device_memory(int device) {
 
 class CudaTierDriver final : public TierDriver {
  public:
-  CudaTierDriver() {
-    // The workload has loaded libcuda already (PyTorch did): this finds that copy.
-    handle_ = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
+  // The workload has loaded libcuda already (PyTorch did): dlopen finds that copy.
+  CudaTierDriver() : handle_(::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE)) {
     if (handle_ == nullptr) {
       const char* text = ::dlerror();
       throw Error(ErrorKind::kEnvironment,
@@ -169,6 +168,20 @@ class CudaTierDriver final : public TierDriver {
                       (text != nullptr ? text : "dlopen failed"),
                   "run the workload on a host with the NVIDIA driver");
     }
+    try {
+      resolve_all();
+      // Idempotent; the workload has initialised CUDA already in the usual case.
+      check(api_.cuInit(0), "cuInit");
+    } catch (...) {
+      ::dlclose(handle_);  // a destructor does not run for a constructor that throws
+      throw;
+    }
+  }
+  ~CudaTierDriver() override { ::dlclose(handle_); }
+  CudaTierDriver(const CudaTierDriver&) = delete;
+  CudaTierDriver& operator=(const CudaTierDriver&) = delete;
+
+  void resolve_all() {
     resolve("cuInit", &api_.cuInit);
     resolve("cuGetErrorName", &api_.cuGetErrorName);
     resolve("cuDeviceGet", &api_.cuDeviceGet);
@@ -194,12 +207,7 @@ class CudaTierDriver final : public TierDriver {
     resolve("cuStreamIsCapturing", &api_.cuStreamIsCapturing);
     resolve("cuMemcpyDtoHAsync_v2", &api_.cuMemcpyDtoHAsync_v2);
     resolve("cuMemcpyHtoDAsync_v2", &api_.cuMemcpyHtoDAsync_v2);
-    // Idempotent; the workload has initialised CUDA already in the usual case.
-    check(api_.cuInit(0), "cuInit");
   }
-  ~CudaTierDriver() override { ::dlclose(handle_); }
-  CudaTierDriver(const CudaTierDriver&) = delete;
-  CudaTierDriver& operator=(const CudaTierDriver&) = delete;
 
   std::size_t granularity(int device) override {
     const CUmemAllocationProp prop = device_memory(device);

@@ -140,7 +140,7 @@ class Tier {
   void check_gpu_map(const std::map<std::string, std::string>& gpu_map);
   // Maps the listed segments and fills the pieces that fall in them; on failure unmaps what it
   // mapped and rethrows.
-  void refill(const std::vector<DevicePtr>& segments, const std::filesystem::path& dir);
+  void refill(const std::vector<DevicePtr>& todo, const std::filesystem::path& dir);
 
   TierDriver& driver_;
   const TierSettings settings_;

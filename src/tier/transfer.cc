@@ -363,21 +363,36 @@ void Tier::write_index(const std::filesystem::path& dir, const std::vector<std::
     per_gpu[device_uuids_.at(p.device)] += p.size;
   }
   std::map<std::string, std::uintmax_t> sizes;
-  for (const auto& f : files) sizes[f] = std::filesystem::file_size(dir / f);
-  std::string json = "{\"format\":\"gpusnap-tier\",\"version\":1,\"pid\":" + std::to_string(pid_) +
-                     ",\"bytes\":" + std::to_string(bytes) + ",\"files\":[";
-  bool first = true;
+  for (const auto& f : files) {
+    std::error_code ec;
+    sizes[f] = std::filesystem::file_size(dir / f, ec);
+    if (ec) throw file_error("cannot stat", dir / f, ec.value());
+  }
+  std::string json = "{\"format\":\"gpusnap-tier\",\"version\":1,\"pid\":";
+  json += std::to_string(pid_);
+  json += ",\"bytes\":";
+  json += std::to_string(bytes);
+  json += ",\"files\":[";
+  const char* separator = "";
   for (const auto& [name, size] : sizes) {
-    json += std::string(first ? "" : ",") + "{\"path\":\"" + name +
-            "\",\"size\":" + std::to_string(size) + "}";
-    first = false;
+    json += separator;
+    json += "{\"path\":\"";
+    json += name;
+    json += "\",\"size\":";
+    json += std::to_string(size);
+    json += "}";
+    separator = ",";
   }
   json += "],\"gpus\":[";
-  first = true;
+  separator = "";
   for (const auto& [uuid, n] : per_gpu) {
-    json += std::string(first ? "" : ",") + "{\"uuid\":\"" + uuid +
-            "\",\"bytes\":" + std::to_string(n) + "}";
-    first = false;
+    json += separator;
+    json += "{\"uuid\":\"";
+    json += uuid;
+    json += "\",\"bytes\":";
+    json += std::to_string(n);
+    json += "}";
+    separator = ",";
   }
   json += "]}\n";
   const auto path = dir / (std::to_string(pid_) + ".json");
