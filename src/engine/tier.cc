@@ -61,10 +61,11 @@ std::pair<uid_t, gid_t> owner_of(pid_t pid) {
 
 stdfs::path make_tier_dir(const stdfs::path& staging, pid_t pid) {
   const auto [uid, gid] = owner_of(pid);
-  const stdfs::path dir = staging / kTierDirName;
+  stdfs::path dir = staging / kTierDirName;
   if (::mkdir(dir.c_str(), 0700) != 0) throw sys_error("cannot create " + dir.string(), errno);
-  if (::chown(dir.c_str(), uid, gid) != 0)
+  if (::chown(dir.c_str(), uid, gid) != 0) {
     throw sys_error("cannot hand " + dir.string() + " to the workload's user", errno);
+  }
   return dir;
 }
 
