@@ -373,26 +373,29 @@ void Tier::write_index(const std::filesystem::path& dir, const std::vector<std::
   json += ",\"bytes\":";
   json += std::to_string(bytes);
   json += ",\"files\":[";
-  const char* separator = "";
-  for (const auto& [name, size] : sizes) {
-    json += separator;
-    json += "{\"path\":\"";
+  // {"NAME":"TEXT","KEY":N}, after a comma unless first.
+  const auto entry = [&json](bool first, const char* name, const std::string& text, const char* key,
+                             std::uintmax_t n) {
+    json += first ? "{\"" : ",{\"";
     json += name;
-    json += "\",\"size\":";
-    json += std::to_string(size);
-    json += "}";
-    separator = ",";
-  }
-  json += "],\"gpus\":[";
-  separator = "";
-  for (const auto& [uuid, n] : per_gpu) {
-    json += separator;
-    json += "{\"uuid\":\"";
-    json += uuid;
-    json += "\",\"bytes\":";
+    json += "\":\"";
+    json += text;
+    json += "\",\"";
+    json += key;
+    json += "\":";
     json += std::to_string(n);
     json += "}";
-    separator = ",";
+  };
+  bool first = true;
+  for (const auto& [name, size] : sizes) {
+    entry(first, "path", name, "size", size);
+    first = false;
+  }
+  json += "],\"gpus\":[";
+  first = true;
+  for (const auto& [uuid, n] : per_gpu) {
+    entry(first, "uuid", uuid, "bytes", n);
+    first = false;
   }
   json += "]}\n";
   const auto path = dir / (std::to_string(pid_) + ".json");
