@@ -11,15 +11,20 @@
 //   dump         CRIU dumps the tree into the staging directory (--leave-running)
 //   gpu-resume   with --leave-running: the source's GPU state goes back, unlocked
 //   resume       with --leave-running and the handshake: the source serves again
+//   settle       (CUDA processes only) every process still alive a moment after CRIU thawed
+//                it, its GPU state where it should be: else nothing is committed
 //   checksum     every staged file, in parallel
 //   commit       manifest, fsync, rename into place: the artifact becomes visible
 //   stop         without --leave-running, the source is stopped, only now
 //
 // A failure in any phase leaves the source running as before and nothing at the output path.
+// A process of the tree that dies between the pause and the commit fails the capture, whatever
+// phase notices it, with the error naming the process and how it died (engine/death_watch.h).
 #include <signal.h>
 #include <time.h>
 
 #include <map>
+#include <set>
 #include <thread>
 
 #include "artifact/writer.h"
@@ -28,6 +33,7 @@
 #include "container/enter.h"
 #include "container/runc.h"
 #include "criu/criu.h"
+#include "engine/death_watch.h"
 #include "engine/dump_guard.h"
 #include "engine/gpu_state.h"
 #include "engine/handshake.h"
@@ -46,6 +52,12 @@ namespace {
 // returns. They work ahead of the driver's copy, so they normally finish before it; this only
 // bounds a starved machine.
 constexpr std::chrono::milliseconds kFillThreadsLimit{30000};
+// How long a capture watches its CUDA processes after CRIU thawed them, before it commits. A
+// process that cannot run without its GPU memory (a thread touching device memory outside any
+// CUDA call) faults as soon as it runs again; on the H200 JAX with preallocation died within
+// this (docs/compatibility.md).
+constexpr std::chrono::milliseconds kSettle{500};
+constexpr std::chrono::milliseconds kSettlePoll{20};
 
 std::string utc_now() {
   char buf[32];
@@ -56,7 +68,10 @@ std::string utc_now() {
   return buf;
 }
 
-ProcessRecord record_of(const proc::Process& p) {
+// `internal`: the pipes the tree holds both ends of (proc::pipes_within). Such a pipe on a
+// standard descriptor is the tree's own plumbing (a worker's stdin and stdout to its parent):
+// it is not recorded as stdio, which a restore would give to the copy's log and /dev/null.
+ProcessRecord record_of(const proc::Process& p, const std::set<std::string>& internal) {
   ProcessRecord r;
   r.pid = p.pid;
   r.ppid = p.ppid;
@@ -65,7 +80,7 @@ ProcessRecord record_of(const proc::Process& p) {
   r.threads = p.threads;
   r.rss_bytes = p.rss_bytes;
   for (const auto& f : p.files) {
-    if (f.fd <= 2) r.stdio.push_back({f.fd, f.target});
+    if (f.fd <= 2 && !internal.count(f.target)) r.stdio.push_back({f.fd, f.target});
   }
   return r;
 }
@@ -153,6 +168,7 @@ class Checkpoint {
     phases_.run("preflight", [&] {
       preflight(tree);
       engine::refuse_unsafe_nccl(tree, cuda);
+      engine::refuse_xla_preallocation(tree, cuda);
     });
     Manifest manifest = describe(tree, criu);
 
@@ -161,64 +177,77 @@ class Checkpoint {
     // on a failure it comes last and finds nothing left to do.
     std::optional<engine::CaptureGuard> guard;
     std::optional<PausedWorkload> paused;
+    std::optional<engine::GpuCapture> gpu;
+    engine::DeathWatch watch(tree);
     auto handshake = find_handshake();
     guard.emplace(options_.helper_binary.empty() ? "/proc/self/exe" : options_.helper_binary,
                   writer.staging(), cuda, handshake ? handshake->dir() : std::filesystem::path());
-    if (handshake) {
-      phases_.run("pause", [&] { handshake->pause(options_.pid, options_.handshake_timeout); });
-      paused.emplace(std::move(*handshake), options_.pid, options_.handshake_timeout,
-                     phases_.reporter());
-      manifest.control_dir = control_dir_.string();
-    } else {
-      phases_.reporter().note("capturing pid " + std::to_string(options_.pid) +
-                              " as it runs: it does not speak the workload handshake");
-    }
-
-    std::optional<engine::GpuCapture> gpu;
-    std::map<pid_t, std::vector<Mapping>> maps_before;
-    if (!cuda.empty()) {
-      phases_.run("gpu-facts", [&] {
-        describe_gpu(driver, cuda, manifest);
-        for (pid_t pid : cuda) maps_before[pid] = read_mappings(pid);
-      });
-      note_processes_without_preload(maps_before);
-      gpu.emplace(driver, cuda, options_.gpu_lock_timeout, options_.run_dir, phases_.reporter());
-      phases_.run("gpu-lock", [&] { gpu->lock_all(); });
-      phases_.run("gpu-checkpoint", [&] {
-        gpu->checkpoint_all();
-        // The preload library may still be populating a region ahead of the driver's copy;
-        // it must be done before the region is copied, moved or dumped.
-        for (pid_t pid : engine::wait_for_fill_threads(cuda, kFillThreadsLimit)) {
-          maps_before.erase(pid);  // its region stays with CRIU
-          phases_.reporter().note(
-              "process " + std::to_string(pid) + ": " + engine::kPreloadFileName +
-              " was still populating its GPU state's host memory after " +
-              std::to_string(kFillThreadsLimit.count()) + " ms; that memory is left to CRIU");
-        }
-      });
-      if (options_.host_images) {
-        phases_.run("host-images", [&] { store_host_images(maps_before, writer, manifest); });
+    try {
+      if (handshake) {
+        phases_.run("pause", [&] { pause(*handshake); });
+        paused.emplace(std::move(*handshake), options_.pid, options_.handshake_timeout,
+                       phases_.reporter());
+        manifest.control_dir = control_dir_.string();
+      } else {
+        phases_.reporter().note("capturing pid " + std::to_string(options_.pid) +
+                                " as it runs: it does not speak the workload handshake");
       }
-    }
 
-    auto log = writer.staging() / "logs" / "criu-dump.log";
-    std::filesystem::create_directories(log.parent_path());
-    phases_.run("dump", [&] {
-      auto status = guard->dump(
-          dump_argv(criu, {options_.pid, writer.criu_dir(), log, manifest.shell_job,
-                           options_.ghost_limit, engine::criu_external_keys(manifest.host_images)}),
-          log.parent_path() / "criu-dump.out");
-      if (!status.ok()) fail_dump(status, log);
-    });
-    // The source waits for nothing more: its GPU state goes back before the bookkeeping.
-    if (gpu && options_.leave_running) phases_.run("gpu-resume", [&] { gpu->resume_all(); });
-    if (paused && options_.leave_running) {
-      paused->set_artifact_id(manifest.id);
-      phases_.run("resume", [&] { paused->resume(); });
+      std::map<pid_t, std::vector<Mapping>> maps_before;
+      if (!cuda.empty()) {
+        phases_.run("gpu-facts", [&] {
+          describe_gpu(driver, cuda, manifest);
+          for (pid_t pid : cuda) maps_before[pid] = read_mappings(pid);
+        });
+        note_processes_without_preload(maps_before);
+        gpu.emplace(driver, cuda, options_.gpu_lock_timeout, options_.run_dir, phases_.reporter());
+        phases_.run("gpu-lock", [&] { gpu->lock_all(); });
+        phases_.run("gpu-checkpoint", [&] {
+          gpu->checkpoint_all();
+          // The preload library may still be populating a region ahead of the driver's copy;
+          // it must be done before the region is copied, moved or dumped.
+          for (pid_t pid : engine::wait_for_fill_threads(cuda, kFillThreadsLimit)) {
+            maps_before.erase(pid);  // its region stays with CRIU
+            phases_.reporter().note(
+                "process " + std::to_string(pid) + ": " + engine::kPreloadFileName +
+                " was still populating its GPU state's host memory after " +
+                std::to_string(kFillThreadsLimit.count()) + " ms; that memory is left to CRIU");
+          }
+        });
+        if (options_.host_images) {
+          phases_.run("host-images", [&] { store_host_images(maps_before, writer, manifest); });
+        }
+      }
+
+      auto log = writer.staging() / "logs" / "criu-dump.log";
+      std::filesystem::create_directories(log.parent_path());
+      phases_.run("dump", [&] {
+        auto status =
+            guard->dump(dump_argv(criu, {options_.pid, writer.criu_dir(), log, manifest.shell_job,
+                                         options_.ghost_limit,
+                                         engine::criu_external_keys(manifest.host_images)}),
+                        log.parent_path() / "criu-dump.out");
+        if (!status.ok()) fail_dump(status, log);
+      });
+      // The source waits for nothing more: its GPU state goes back before the bookkeeping.
+      if (gpu && options_.leave_running) phases_.run("gpu-resume", [&] { gpu->resume_all(); });
+      if (paused && options_.leave_running) {
+        paused->set_artifact_id(manifest.id);
+        phases_.run("resume", [&] { paused->resume(); });
+      }
+      if (gpu) phases_.run("settle", [&] { settle(watch, driver, gpu->pids()); });
+      if (target_) container::use_namespace_pids(manifest);
+      manifest.checkpoint_phases = phases_.timings();
+      writer.seal(manifest, phases_, host_image_files_);
+      // Last look before the artifact becomes visible: the checksums took a while.
+      require_alive(watch, nullptr);
+    } catch (const Error& e) {
+      // A dying process often shows first as a CRIU or driver error about a missing pid, while
+      // the kernel is still ending it (a core dump takes a while): give its death the time the
+      // settle phase gives, so that the error names the cause.
+      if (!death_reported_) watch_for_deaths(watch, &e);
+      throw;
     }
-    if (target_) container::use_namespace_pids(manifest);
-    manifest.checkpoint_phases = phases_.timings();
-    writer.seal(manifest, phases_, host_image_files_);
     // The manifest records its own phases up to the commit; the commit itself is reported.
     manifest.checkpoint_phases = phases_.timings();
     writer.commit(manifest, phases_);
@@ -232,6 +261,66 @@ class Checkpoint {
   }
 
  private:
+  // Asks the workload to pause and says what it gave back, where it says so.
+  void pause(engine::Handshake& handshake) {
+    auto answer = handshake.pause(options_.pid, options_.handshake_timeout);
+    auto released = answer.find("released_bytes");
+    if (released != answer.end() && released->is_number_unsigned() &&
+        released->get<uint64_t>() > 0) {
+      phases_.reporter().note("the workload released " +
+                              fs::human_bytes(released->get<uint64_t>()) + " (" +
+                              std::to_string(released->get<uint64_t>()) +
+                              " bytes) of cached free GPU memory at the pause: it is not captured");
+    }
+  }
+
+  // Throws, when a process of the tree is dead, an Error naming each death and how it came;
+  // `cause` is the failure that led here, if any (a dead process often shows first as a CRIU or
+  // driver error about a missing pid), and is kept in the message.
+  void require_alive(engine::DeathWatch& watch, const Error* cause) {
+    auto deaths = watch.deaths();
+    if (deaths.empty()) return;
+    std::string message;
+    for (const auto& d : deaths) message += (message.empty() ? "" : "; ") + d;
+    message += " during the capture, after the GPU checkpoint or CRIU's freeze: an artifact of it "
+               "would not restore, so nothing was committed";
+    if (cause != nullptr) message += std::string(" (then: ") + cause->what() + ")";
+    death_reported_ = true;
+    throw Error(ErrorKind::kNotCapturable, message,
+                "gpusnap left the rest of the workload as it was, not stopped; a framework whose "
+                "threads touch GPU memory outside CUDA calls cannot be captured "
+                "(docs/compatibility.md): JAX needs XLA_PYTHON_CLIENT_PREALLOCATE=false");
+  }
+
+  // Throws as require_alive() does if a process of the tree dies within kSettle.
+  void watch_for_deaths(engine::DeathWatch& watch, const Error* cause) {
+    auto until = std::chrono::steady_clock::now() + kSettle;
+    for (;;) {
+      require_alive(watch, cause);
+      if (std::chrono::steady_clock::now() >= until) break;
+      std::this_thread::sleep_for(kSettlePoll);
+    }
+  }
+
+  // Phase settle: CRIU has thawed the tree; a process that cannot live without its GPU memory
+  // dies within moments. Then every CUDA process's GPU state must be where the capture left it:
+  // back and running (--leave-running) or checkpointed, awaiting the stop.
+  void settle(engine::DeathWatch& watch, gpu::Driver& driver, const std::vector<pid_t>& cuda) {
+    watch_for_deaths(watch, nullptr);
+    auto expected =
+        options_.leave_running ? gpu::ProcessState::kRunning : gpu::ProcessState::kCheckpointed;
+    for (pid_t pid : cuda) {
+      auto state = driver.state(pid);
+      if (state == expected) continue;
+      throw Error(ErrorKind::kGpu,
+                  "the driver reports process " + std::to_string(pid) + "'s GPU state " +
+                      gpu::state_name(state) + " after the dump, not " + gpu::state_name(expected) +
+                      ": it cannot be carried, so nothing was committed",
+                  "gpusnap left the workload as it was, not stopped; see the driver's messages "
+                  "in the kernel log (dmesg)");
+    }
+  }
+
   // The handshake to use: the workload has a control directory and has said READY.
   std::optional<engine::Handshake> find_handshake() {
     if (!options_.handshake) return std::nullopt;
@@ -338,7 +427,8 @@ class Checkpoint {
     m.source_cmdline = tree.front().cmdline;
     m.host = HostFacts::probe(criu.version);
     m.shell_job = engine::uses_terminal(tree);
-    for (const auto& p : tree) m.processes.push_back(record_of(p));
+    auto internal = proc::pipes_within(tree);
+    for (const auto& p : tree) m.processes.push_back(record_of(p, internal));
     if (target_) m.container = container::describe(*target_, tree);
     return m;
   }
@@ -375,6 +465,7 @@ class Checkpoint {
   std::optional<container::CaptureTarget> target_;
   std::filesystem::path control_dir_;  // the workload's, as it names it
   Phases phases_;
+  bool death_reported_ = false;  // require_alive() threw: the error already names the deaths
   std::vector<FileRecord> host_image_files_;  // hashed while written: seal need not read them
   std::unique_ptr<gpu::Driver> owned_driver_;
 };
