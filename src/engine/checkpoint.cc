@@ -18,7 +18,7 @@
 //   stop         without --leave-running, the source is stopped, only now
 //
 // A failure in any phase leaves the source running as before and nothing at the output path.
-// A process of the tree that dies between the pause and the commit fails the capture, whatever
+// A process of the tree that dies after the pause and before the commit fails the capture, whatever
 // phase notices it, with the error naming the process and how it died (engine/death_watch.h).
 #include <signal.h>
 #include <time.h>
@@ -182,17 +182,17 @@ class Checkpoint {
     auto handshake = find_handshake();
     guard.emplace(options_.helper_binary.empty() ? "/proc/self/exe" : options_.helper_binary,
                   writer.staging(), cuda, handshake ? handshake->dir() : std::filesystem::path());
+    // A death during the pause is the handshake's to report: it names it already.
+    if (handshake) {
+      phases_.run("pause", [&] { pause(*handshake); });
+      paused.emplace(std::move(*handshake), options_.pid, options_.handshake_timeout,
+                     phases_.reporter());
+      manifest.control_dir = control_dir_.string();
+    } else {
+      phases_.reporter().note("capturing pid " + std::to_string(options_.pid) +
+                              " as it runs: it does not speak the workload handshake");
+    }
     try {
-      if (handshake) {
-        phases_.run("pause", [&] { pause(*handshake); });
-        paused.emplace(std::move(*handshake), options_.pid, options_.handshake_timeout,
-                       phases_.reporter());
-        manifest.control_dir = control_dir_.string();
-      } else {
-        phases_.reporter().note("capturing pid " + std::to_string(options_.pid) +
-                                " as it runs: it does not speak the workload handshake");
-      }
-
       std::map<pid_t, std::vector<Mapping>> maps_before;
       if (!cuda.empty()) {
         phases_.run("gpu-facts", [&] {
@@ -245,7 +245,13 @@ class Checkpoint {
       // A dying process often shows first as a CRIU or driver error about a missing pid, while
       // the kernel is still ending it (a core dump takes a while): give its death the time the
       // settle phase gives, so that the error names the cause.
-      if (!death_reported_) watch_for_deaths(watch, &e);
+      if (!death_reported_) {
+        // gpusnap's own rollback kills a process the driver marked FAILED: not a death to report.
+        if (gpu) {
+          for (pid_t pid : gpu->killed()) watch.forget(pid);
+        }
+        watch_for_deaths(watch, &e);
+      }
       throw;
     }
     // The manifest records its own phases up to the commit; the commit itself is reported.
@@ -282,14 +288,13 @@ class Checkpoint {
     if (deaths.empty()) return;
     std::string message;
     for (const auto& d : deaths) message += (message.empty() ? "" : "; ") + d;
-    message += " during the capture, after the GPU checkpoint or CRIU's freeze: an artifact of it "
-               "would not restore, so nothing was committed";
+    message += " during the capture: an artifact of it would not restore, so nothing was committed";
     if (cause != nullptr) message += std::string(" (then: ") + cause->what() + ")";
     death_reported_ = true;
     throw Error(ErrorKind::kNotCapturable, message,
-                "gpusnap left the rest of the workload as it was, not stopped; a framework whose "
-                "threads touch GPU memory outside CUDA calls cannot be captured "
-                "(docs/compatibility.md): JAX needs XLA_PYTHON_CLIENT_PREALLOCATE=false");
+                "gpusnap left the rest of the workload as it was, not stopped; the kernel log "
+                "(dmesg) says where it faulted; frameworks that die at the driver's checkpoint, "
+                "and the settings that avoid it: docs/compatibility.md");
   }
 
   // Throws as require_alive() does if a process of the tree dies within kSettle.

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <filesystem>
 #include <sstream>
 
@@ -34,7 +35,7 @@ std::set<pid_t> threads_of(pid_t pid) {
   std::error_code ec;
   for (const auto& e :
        std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec)) {
-    pid_t tid = std::atoi(e.path().filename().c_str());
+    auto tid = static_cast<pid_t>(std::strtol(e.path().filename().c_str(), nullptr, 10));
     if (tid > 0) out.insert(tid);
   }
   return out;
@@ -111,6 +112,10 @@ std::string DeathWatch::kernel_says(const Watched& w) const {
   return {};
 }
 
+void DeathWatch::forget(pid_t pid) noexcept {
+  std::erase_if(watched_, [&](const Watched& w) { return w.pid == pid; });
+}
+
 std::vector<std::string> DeathWatch::deaths() noexcept {
   std::vector<std::string> out;
   try {
@@ -127,7 +132,8 @@ std::vector<std::string> DeathWatch::deaths() noexcept {
       }
       dead.push_back(&w);
       if (same) {
-        how.push_back(describe_wait_status(std::atoi(field(fields, kExitCodeField).c_str())));
+        auto status = std::strtol(field(fields, kExitCodeField).c_str(), nullptr, 10);
+        how.push_back(describe_wait_status(static_cast<int>(status)));
       } else {
         how.push_back("exited (reaped by its parent before gpusnap could read how)");
       }

@@ -33,12 +33,15 @@ class DeathWatch {
   explicit DeathWatch(const std::vector<proc::Process>& tree);
   DeathWatch(const DeathWatch&) = delete;
   DeathWatch& operator=(const DeathWatch&) = delete;
+  ~DeathWatch() = default;
 
   // One line per process of the tree that is dead (exited, a zombie, or its pid now another
   // process's), saying how where /proc or the kernel log knows: "process 12 (python3) was
   // killed by SIGSEGV (kernel: python3[14]: segfault at 0 ip ... in libcuda.so...)". Empty
   // while every process lives. Never throws.
   std::vector<std::string> deaths() noexcept;
+  // Stops watching `pid`: gpusnap itself ended it (a process the driver marked FAILED).
+  void forget(pid_t pid) noexcept;
 
  private:
   struct Watched {
