@@ -1,7 +1,7 @@
 """Small workloads of real frameworks for gpusnap's GPU tests (docs/compatibility.md).
 
 Each computes an answer on the GPU once, before any checkpoint, keeps it on the host, and then
-serves line commands on TCP 127.0.0.1:--port, as tests/gpu/workloads/torch_graph.py does:
+serves line commands on TCP 127.0.0.1:--port (line_server.py), as torch_graph.py does:
 
   CHECK  -> OK max_err=0 pid=<pid> ...   computes again on the GPU (from state kept on the GPU:
             FAIL max_err=<e>               weights, compiled graphs, KV cache) and compares exactly
@@ -26,10 +26,11 @@ serves line commands on TCP 127.0.0.1:--port, as tests/gpu/workloads/torch_graph
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import time
+
+import line_server
 
 T0 = time.monotonic()
 
@@ -212,34 +213,12 @@ def main():
         handshake.ready()
         handshake.serve(on_pause=lambda: True, on_resume=lambda ctx: True)
 
-    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind(("127.0.0.1", args.port))
-    srv.listen(16)
-    port = srv.getsockname()[1]
-    print(f"ready port={port} pid={os.getpid()} ready_s={ready_s:.2f}", flush=True)
-    if args.ready_file:
-        with open(args.ready_file + ".tmp", "w") as f:
-            f.write(f"{port}\n")
-        os.rename(args.ready_file + ".tmp", args.ready_file)
-    while True:
-        conn, _ = srv.accept()
-        with conn, conn.makefile("rw") as io:
-            for line in io:
-                cmd = line.strip()
-                if cmd == "CHECK":
-                    reply = check()
-                elif cmd == "INFO":
-                    reply = (f"pid={os.getpid()} framework={args.framework} version={version} "
-                             f"ready_s={ready_s:.2f} {gpu_bytes(kind)}")
-                elif cmd == "QUIT":
-                    io.write("BYE\n")
-                    io.flush()
-                    return
-                else:
-                    reply = "ERR unknown command"
-                io.write(reply + "\n")
-                io.flush()
+    def info():
+        return (f"pid={os.getpid()} framework={args.framework} version={version} "
+                f"ready_s={ready_s:.2f} {gpu_bytes(kind)}")
+
+    line_server.serve(args.port, args.ready_file, {"CHECK": check, "INFO": info},
+                      banner=f"pid={os.getpid()} ready_s={ready_s:.2f}")
 
 
 if __name__ == "__main__":

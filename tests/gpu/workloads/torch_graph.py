@@ -18,8 +18,9 @@ if missing (random, seeded), so the load reads real bytes from storage as a serv
 
 import argparse
 import os
-import socket
 import time
+
+import line_server
 
 T0 = time.monotonic()
 
@@ -86,43 +87,25 @@ def main():
     reference = static_y.float().cpu().clone()
     ready_s = time.monotonic() - T0
 
-    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind(("127.0.0.1", args.port))
-    srv.listen(16)
-    port = srv.getsockname()[1]
-    print(f"ready port={port} pid={os.getpid()} ready_s={ready_s:.2f} load_s={time.monotonic() - t_load:.2f}", flush=True)
-    if args.ready_file:
-        with open(args.ready_file + ".tmp", "w") as f:
-            f.write(f"{port}\n")
-        os.rename(args.ready_file + ".tmp", args.ready_file)
-
+    load_s = time.monotonic() - t_load
     replays = 0
-    while True:
-        conn, _ = srv.accept()
-        with conn, conn.makefile("rw") as io:
-            for line in io:
-                cmd = line.strip()
-                if cmd == "PING":
-                    reply = "PONG"
-                elif cmd == "CHECK":
-                    graph.replay()
-                    torch.cuda.synchronize()
-                    replays += 1
-                    err = (static_y.float().cpu() - reference).abs().max().item()
-                    reply = (f"OK max_err={err:g} replays={replays} pid={os.getpid()}" if err == 0
-                             else f"FAIL max_err={err:g}")
-                elif cmd == "INFO":
-                    reply = (f"pid={os.getpid()} gib={args.gib:g} layers={layers} "
-                             f"device={torch.cuda.get_device_name()} ready_s={ready_s:.2f}")
-                elif cmd == "QUIT":
-                    io.write("BYE\n")
-                    io.flush()
-                    return
-                else:
-                    reply = "ERR unknown command"
-                io.write(reply + "\n")
-                io.flush()
+
+    def check():
+        nonlocal replays
+        graph.replay()
+        torch.cuda.synchronize()
+        replays += 1
+        err = (static_y.float().cpu() - reference).abs().max().item()
+        return (f"OK max_err={err:g} replays={replays} pid={os.getpid()}" if err == 0
+                else f"FAIL max_err={err:g}")
+
+    def info():
+        return (f"pid={os.getpid()} gib={args.gib:g} layers={layers} "
+                f"device={torch.cuda.get_device_name()} ready_s={ready_s:.2f}")
+
+    line_server.serve(args.port, args.ready_file,
+                      {"PING": lambda: "PONG", "CHECK": check, "INFO": info},
+                      banner=f"pid={os.getpid()} ready_s={ready_s:.2f} load_s={load_s:.2f}")
 
 
 if __name__ == "__main__":
