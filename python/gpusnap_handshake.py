@@ -34,7 +34,13 @@ Why it is built this way:
   Event.wait(), which wait for a deadline on the monotonic clock: a restored copy may run on a
   machine whose monotonic clock is behind the source's, and a deadline taken before the
   checkpoint would then lie far in the future.
-- Nothing here touches CUDA: the thread runs while gpusnap holds the GPU state locked.
+- Nothing here touches CUDA but one call at the pause, before gpusnap locks the GPU state: the
+  serving thread may run later while the state is locked, and a CUDA call would then block.
+- At the pause the client frees the GPU memory PyTorch keeps cached but unused (its caching
+  allocator's free blocks), once on_pause has stopped the GPU work: free memory is not data,
+  and whatever stays allocated is copied into the snapshot and back at every restore. The
+  answer tells gpusnap how many bytes that gave back. JAX has no call that returns its
+  allocator's free blocks, so a JAX workload gives back nothing here.
 """
 
 import ctypes
@@ -43,6 +49,7 @@ import json
 import os
 import select
 import stat
+import sys
 import threading
 
 PROTOCOL_VERSION = 1
@@ -200,6 +207,21 @@ def _short(reason):
     return reason if len(reason) <= MAX_REASON_CHARS else reason[:MAX_REASON_CHARS] + "..."
 
 
+def release_cached_gpu_memory():
+    """Frees the GPU memory PyTorch's caching allocator holds unused, on every GPU the process
+    has used, and returns the bytes given back; None when torch is not imported or never touched
+    CUDA (importing or initialising it here would cost seconds and create a CUDA context)."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None) if torch is not None else None
+    if cuda is None or not cuda.is_initialized():
+        return None
+    devices = range(cuda.device_count())
+    before = sum(cuda.memory_reserved(d) for d in devices)
+    cuda.empty_cache()
+    after = sum(cuda.memory_reserved(d) for d in devices)
+    return max(0, before - after)
+
+
 def _relative_sleep(seconds):
     # select() with a relative timeout: see the module docstring.
     select.select([], [], [], seconds)
@@ -216,16 +238,18 @@ class Client:
     that coordinates the workload may speak.
     """
 
-    def __init__(self, control_dir, memory_tier=None):
+    def __init__(self, control_dir, memory_tier=None, release_cached_memory=True):
         """A client for an explicit directory; disabled when it is empty/None or relative.
         memory_tier: the tier the client drains and fills (default: the one use_memory_tier()
-        installed, if any)."""
+        installed, if any).
+        release_cached_memory: free PyTorch's cached free GPU blocks when answering a pause."""
         self._memory_tier = memory_tier
         control_dir = control_dir or ""
         if len(control_dir) > 1:
             control_dir = control_dir.rstrip("/") or "/"
         # Relative: disabled, as it would change meaning with the working directory.
         self._dir = control_dir if control_dir.startswith("/") else ""
+        self._release_cached_memory = release_cached_memory
         self._lock = threading.RLock()
         self._paused = False  # answered `paused`, and no `resumed` since
         self._ready_wanted = False
@@ -237,9 +261,9 @@ class Client:
         self._stop = threading.Event()
 
     @classmethod
-    def from_environment(cls, memory_tier=None):
+    def from_environment(cls, memory_tier=None, release_cached_memory=True):
         """A client for $GPUSNAP_CONTROL_DIR; disabled when it is unset, empty or relative."""
-        return cls(os.environ.get(CONTROL_DIR_VARIABLE), memory_tier)
+        return cls(os.environ.get(CONTROL_DIR_VARIABLE), memory_tier, release_cached_memory)
 
     @property
     def enabled(self):
@@ -370,11 +394,21 @@ class Client:
         return self._poll()
 
     def answer_paused(self, request_id):
-        """In-flight work done, memory released, no more GPU work until resume."""
+        """In-flight work done, memory released, no more GPU work until resume. Frees PyTorch's
+        cached free GPU memory first (unless the client was made without release_cached_memory)
+        and tells gpusnap how much, as "released_bytes"."""
         if not self.enabled:
             return
+        body = {"id": request_id}
+        if self._release_cached_memory:
+            try:
+                released = release_cached_gpu_memory()
+                if released is not None:
+                    body["released_bytes"] = released
+            except Exception:  # noqa: BLE001 - a failed release costs only artifact bytes
+                pass
         with self._lock:
-            self._answer("pause", request_id, "paused", {"id": request_id})
+            self._answer("pause", request_id, "paused", body)
             self._paused = True
 
     def answer_resumed(self, request_id):

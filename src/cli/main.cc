@@ -356,8 +356,9 @@ std::vector<Command> commands() {
        "gpusnap run -o ARTIFACT [--leave-running] -- COMMAND [ARGS...]",
        "Launch a workload so that it can be captured (own session, output to a log, io_uring\n"
        "refused, a handshake directory in $GPUSNAP_CONTROL_DIR, libgpusnap-preload.so in\n"
-       "LD_PRELOAD for a faster GPU checkpoint), wait until it says READY, pause it, capture\n"
-       "it, then stop it or, with --leave-running, resume it.",
+       "LD_PRELOAD for a faster GPU checkpoint, XLA_PYTHON_CLIENT_PREALLOCATE=false unless set,\n"
+       "as JAX with preallocation dies at the GPU checkpoint), wait until it says READY, pause\n"
+       "it, capture it, then stop it or, with --leave-running, resume it.",
        {{"--output", "-o", "ARTIFACT", "artifact directory to create (must not exist)"},
         {"--leave-running", "", "", "resume the workload after the capture"},
         {"--ready-timeout", "", "SECONDS", "how long it may take to say READY (default 600)"},

@@ -1,12 +1,14 @@
 #include "common/proc.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cstdlib>
 #include <filesystem>
 #include <sstream>
 
@@ -98,6 +100,30 @@ std::vector<pid_t> children(pid_t pid) {
     for (pid_t child; in >> child;) out.push_back(child);
   }
   return out;
+}
+
+std::set<std::string> pipes_within(const std::vector<Process>& tree) {
+  std::set<std::string> readers, writers, both;
+  for (const auto& p : tree) {
+    for (const auto& f : p.files) {
+      if (f.target.rfind("pipe:[", 0) != 0) continue;
+      // Both ends show the same inode; the descriptor's access mode tells them apart
+      // ("flags:" in fdinfo, octal; O_WRONLY is 01).
+      std::string info;
+      if (!fs::try_read_file("/proc/" + std::to_string(p.pid) + "/fdinfo/" + std::to_string(f.fd),
+                             &info)) {
+        continue;
+      }
+      auto at = info.find("flags:");
+      if (at == std::string::npos) continue;
+      long flags = std::strtol(info.c_str() + at + 6, nullptr, 8);
+      ((flags & O_ACCMODE) == O_RDONLY ? readers : writers).insert(f.target);
+    }
+  }
+  for (const auto& pipe : readers) {
+    if (writers.count(pipe)) both.insert(pipe);
+  }
+  return both;
 }
 
 std::vector<Process> read_tree(pid_t root) {

@@ -5,6 +5,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,10 @@ bool exists(pid_t pid);
 Process read_process(pid_t pid);
 // The process and all its descendants, root first, parents before children.
 std::vector<Process> read_tree(pid_t root);
+// The pipes ("pipe:[INODE]") whose read end and write end are both held by processes of
+// `tree`: the tree talks to itself through them, so they belong to the snapshot as they are
+// (a child's stdin or stdout piped to its parent), unlike a pipe to something outside.
+std::set<std::string> pipes_within(const std::vector<Process>& tree);
 // Direct children of pid (all threads' children files).
 std::vector<pid_t> children(pid_t pid);
 // The pid as the innermost PID namespace sees it (last NSpid entry).

@@ -15,11 +15,15 @@
 //   dump         CRIU dumps the tree into the staging directory (--leave-running)
 //   gpu-resume   with --leave-running: the source's GPU state goes back, unlocked
 //   resume       with --leave-running and the handshake: the source serves again
+//   settle       (CUDA processes only) every process still alive a moment after CRIU thawed
+//                it, its GPU state where it should be: else nothing is committed
 //   checksum     every staged file, in parallel
 //   commit       manifest, fsync, rename into place: the artifact becomes visible
 //   stop         without --leave-running, the source is stopped, only now
 //
 // A failure in any phase leaves the source running as before and nothing at the output path.
+// A process of the tree that dies after the pause and before the commit fails the capture, whatever
+// phase notices it, with the error naming the process and how it died (engine/death_watch.h).
 #include <signal.h>
 #include <time.h>
 
@@ -35,6 +39,7 @@
 #include "container/enter.h"
 #include "container/runc.h"
 #include "criu/criu.h"
+#include "engine/death_watch.h"
 #include "engine/dump_guard.h"
 #include "engine/gpu_state.h"
 #include "engine/handshake.h"
@@ -54,6 +59,12 @@ namespace {
 // returns. They work ahead of the driver's copy, so they normally finish before it; this only
 // bounds a starved machine.
 constexpr std::chrono::milliseconds kFillThreadsLimit{30000};
+// How long a capture watches its CUDA processes after CRIU thawed them, before it commits. A
+// process that cannot run without its GPU memory (a thread touching device memory outside any
+// CUDA call) faults as soon as it runs again; on the H200 JAX with preallocation died within
+// this (docs/compatibility.md).
+constexpr std::chrono::milliseconds kSettle{500};
+constexpr std::chrono::milliseconds kSettlePoll{20};
 
 std::string utc_now() {
   char buf[32];
@@ -64,7 +75,10 @@ std::string utc_now() {
   return buf;
 }
 
-ProcessRecord record_of(const proc::Process& p) {
+// `internal`: the pipes the tree holds both ends of (proc::pipes_within). Such a pipe on a
+// standard descriptor is the tree's own plumbing (a worker's stdin and stdout to its parent):
+// it is not recorded as stdio, which a restore would give to the copy's log and /dev/null.
+ProcessRecord record_of(const proc::Process& p, const std::set<std::string>& internal) {
   ProcessRecord r;
   r.pid = p.pid;
   r.ppid = p.ppid;
@@ -73,7 +87,7 @@ ProcessRecord record_of(const proc::Process& p) {
   r.threads = p.threads;
   r.rss_bytes = p.rss_bytes;
   for (const auto& f : p.files) {
-    if (f.fd <= 2) r.stdio.push_back({f.fd, f.target});
+    if (f.fd <= 2 && !internal.count(f.target)) r.stdio.push_back({f.fd, f.target});
   }
   return r;
 }
@@ -174,6 +188,7 @@ class Checkpoint {
       preflight(tree);
       engine::refuse_unsafe_nccl(tree, cuda);
       refuse_without_room(driver, tree, cuda, direct, writer.staging());
+      engine::refuse_xla_preallocation(tree, cuda);
     });
     Manifest manifest = describe(tree, criu);
 
@@ -182,6 +197,8 @@ class Checkpoint {
     // on a failure it comes last and finds nothing left to do.
     std::optional<engine::CaptureGuard> guard;
     std::optional<PausedWorkload> paused;
+    std::optional<engine::GpuCapture> gpu;
+    engine::DeathWatch watch(tree);
     auto handshake = find_handshake();
     const auto requests_dir = options_.run_dir / engine::kPreloadRequestsDir;
     std::vector<std::filesystem::path> requests;
@@ -190,12 +207,12 @@ class Checkpoint {
     guard.emplace(options_.helper_binary.empty() ? "/proc/self/exe" : options_.helper_binary,
                   writer.staging(), cuda, handshake ? handshake->dir() : std::filesystem::path(),
                   requests);
+    // A death during the pause is the handshake's to report: it names it already.
     if (handshake) {
       phases_.run("pause", [&] {
         // The memory tier, if the workload has one, drains into STAGING/tier (engine/tier.h).
         const auto tier_dir = engine::make_tier_dir(writer.staging(), options_.pid);
-        handshake->pause(options_.pid, options_.handshake_timeout,
-                         {{"tier_dir", tier_dir.string()}});
+        pause(*handshake, {{"tier_dir", tier_dir.string()}});
         paused.emplace(std::move(*handshake), options_.pid, options_.handshake_timeout,
                        phases_.reporter());
         tier_ = engine::check_tier_dir(tier_dir);
@@ -206,83 +223,101 @@ class Checkpoint {
       phases_.reporter().note("capturing pid " + std::to_string(options_.pid) +
                               " as it runs: it does not speak the workload handshake");
     }
-
-    std::optional<engine::GpuCapture> gpu;
     std::map<pid_t, std::vector<Mapping>> maps_before;
     std::vector<std::unique_ptr<engine::DirectHostImage>> direct_images;
     std::optional<engine::HashedFiles> hashing;
-    if (!cuda.empty()) {
-      phases_.run("gpu-facts", [&] {
-        describe_gpu(driver, cuda, manifest);
-        for (pid_t pid : cuda) maps_before[pid] = read_mappings(pid);
-      });
-      note_processes_without_preload(maps_before);
-      gpu.emplace(driver, cuda, options_.gpu_lock_timeout, options_.run_dir, phases_.reporter());
-      phases_.run("gpu-lock", [&] { gpu->lock_all(); });
-      phases_.run("gpu-checkpoint", [&] {
-        // Just before the driver's call, so that no other mapping of the process takes it.
-        for (pid_t pid : direct) {
-          direct_images.push_back(std::make_unique<engine::DirectHostImage>(
-              pid, writer.staging(), requests_dir, phases_.reporter()));
+    try {
+      if (!cuda.empty()) {
+        phases_.run("gpu-facts", [&] {
+          describe_gpu(driver, cuda, manifest);
+          for (pid_t pid : cuda) maps_before[pid] = read_mappings(pid);
+        });
+        note_processes_without_preload(maps_before);
+        gpu.emplace(driver, cuda, options_.gpu_lock_timeout, options_.run_dir, phases_.reporter());
+        phases_.run("gpu-lock", [&] { gpu->lock_all(); });
+        phases_.run("gpu-checkpoint", [&] {
+          // Just before the driver's call, so that no other mapping of the process takes it.
+          for (pid_t pid : direct) {
+            direct_images.push_back(std::make_unique<engine::DirectHostImage>(
+                pid, writer.staging(), requests_dir, phases_.reporter()));
+          }
+          gpu->checkpoint_all();
+          for (auto& d : direct_images) d->withdraw();
+          // The preload library may still be populating a region ahead of the driver's copy;
+          // it must be done before the region is copied, moved or dumped.
+          for (pid_t pid : engine::wait_for_fill_threads(cuda, kFillThreadsLimit)) {
+            if (direct.count(pid) > 0) {
+              throw Error(ErrorKind::kTimeout,
+                          "process " + std::to_string(pid) + ": " + engine::kPreloadFileName +
+                              " was still populating its GPU state's memory after " +
+                              std::to_string(kFillThreadsLimit.count()) + " ms",
+                          "try again on a less loaded machine, or with --no-direct-host-images");
+            }
+            maps_before.erase(pid);  // its region stays with CRIU
+            phases_.reporter().note(
+                "process " + std::to_string(pid) + ": " + engine::kPreloadFileName +
+                " was still populating its GPU state's host memory after " +
+                std::to_string(kFillThreadsLimit.count()) + " ms; that memory is left to CRIU");
+          }
+        });
+        if (options_.host_images) {
+          phases_.run("host-images", [&] {
+            std::vector<HostImageRecord> written;
+            for (auto& d : direct_images) {
+              if (auto rec = d->adopt(writer.staging(), phases_.reporter())) {
+                written.push_back(*rec);
+              }
+            }
+            if (!written.empty()) {
+              hashing.emplace(writer.staging(), written, manifest.chunk_bytes, io_threads());
+            }
+            manifest.host_images = written;
+            store_host_images(maps_before, writer, manifest);
+          });
         }
-        gpu->checkpoint_all();
-        for (auto& d : direct_images) d->withdraw();
-        // The preload library may still be populating a region ahead of the driver's copy;
-        // it must be done before the region is copied, moved or dumped.
-        for (pid_t pid : engine::wait_for_fill_threads(cuda, kFillThreadsLimit)) {
-          if (direct.count(pid) > 0) {
-            throw Error(ErrorKind::kTimeout,
-                        "process " + std::to_string(pid) + ": " + engine::kPreloadFileName +
-                            " was still populating its GPU state's memory after " +
-                            std::to_string(kFillThreadsLimit.count()) + " ms",
-                        "try again on a less loaded machine, or with --no-direct-host-images");
-          }
-          maps_before.erase(pid);  // its region stays with CRIU
-          phases_.reporter().note(
-              "process " + std::to_string(pid) + ": " + engine::kPreloadFileName +
-              " was still populating its GPU state's host memory after " +
-              std::to_string(kFillThreadsLimit.count()) + " ms; that memory is left to CRIU");
-        }
+      }
+
+      auto log = writer.staging() / "logs" / "criu-dump.log";
+      std::filesystem::create_directories(log.parent_path());
+      phases_.run("dump", [&] {
+        auto status =
+            guard->dump(dump_argv(criu, {options_.pid, writer.criu_dir(), log, manifest.shell_job,
+                                         options_.ghost_limit,
+                                         engine::criu_external_keys(manifest.host_images)}),
+                        log.parent_path() / "criu-dump.out");
+        if (!status.ok()) fail_dump(status, log);
       });
-      if (options_.host_images) {
-        phases_.run("host-images", [&] {
-          std::vector<HostImageRecord> written;
-          for (auto& d : direct_images) {
-            if (auto rec = d->adopt(writer.staging(), phases_.reporter())) written.push_back(*rec);
-          }
-          if (!written.empty()) {
-            hashing.emplace(writer.staging(), written, manifest.chunk_bytes, io_threads());
-          }
-          manifest.host_images = written;
-          store_host_images(maps_before, writer, manifest);
+      // The source waits for nothing more: its GPU state goes back before the bookkeeping.
+      if (gpu && options_.leave_running) phases_.run("gpu-resume", [&] { gpu->resume_all(); });
+      if (paused && options_.leave_running) {
+        paused->set_artifact_id(manifest.id);
+        phases_.run("resume", [&] { paused->resume(); });
+      }
+      if (gpu) phases_.run("settle", [&] { settle(watch, driver, gpu->pids()); });
+      if (hashing) {
+        phases_.run("host-images-hash", [&] {
+          auto files = hashing->join(manifest.host_images);
+          host_image_files_.insert(host_image_files_.end(), files.begin(), files.end());
         });
       }
+      if (target_) container::use_namespace_pids(manifest);
+      manifest.checkpoint_phases = phases_.timings();
+      writer.seal(manifest, phases_, host_image_files_);
+      // Last look before the artifact becomes visible: the checksums took a while.
+      require_alive(watch, nullptr);
+    } catch (const Error& e) {
+      // A dying process often shows first as a CRIU or driver error about a missing pid, while
+      // the kernel is still ending it (a core dump takes a while): give its death the time the
+      // settle phase gives, so that the error names the cause.
+      if (!death_reported_) {
+        // gpusnap's own rollback kills a process the driver marked FAILED: not a death to report.
+        if (gpu) {
+          for (pid_t pid : gpu->killed()) watch.forget(pid);
+        }
+        watch_for_deaths(watch, &e);
+      }
+      throw;
     }
-
-    auto log = writer.staging() / "logs" / "criu-dump.log";
-    std::filesystem::create_directories(log.parent_path());
-    phases_.run("dump", [&] {
-      auto status = guard->dump(
-          dump_argv(criu, {options_.pid, writer.criu_dir(), log, manifest.shell_job,
-                           options_.ghost_limit, engine::criu_external_keys(manifest.host_images)}),
-          log.parent_path() / "criu-dump.out");
-      if (!status.ok()) fail_dump(status, log);
-    });
-    // The source waits for nothing more: its GPU state goes back before the bookkeeping.
-    if (gpu && options_.leave_running) phases_.run("gpu-resume", [&] { gpu->resume_all(); });
-    if (paused && options_.leave_running) {
-      paused->set_artifact_id(manifest.id);
-      phases_.run("resume", [&] { paused->resume(); });
-    }
-    if (hashing) {
-      phases_.run("host-images-hash", [&] {
-        auto files = hashing->join(manifest.host_images);
-        host_image_files_.insert(host_image_files_.end(), files.begin(), files.end());
-      });
-    }
-    if (target_) container::use_namespace_pids(manifest);
-    manifest.checkpoint_phases = phases_.timings();
-    writer.seal(manifest, phases_, host_image_files_);
     // The manifest records its own phases up to the commit; the commit itself is reported.
     manifest.checkpoint_phases = phases_.timings();
     writer.commit(manifest, phases_);
@@ -296,6 +331,65 @@ class Checkpoint {
   }
 
  private:
+  // Asks the workload to pause and says what it gave back, where it says so.
+  void pause(engine::Handshake& handshake, const nlohmann::json& members) {
+    auto answer = handshake.pause(options_.pid, options_.handshake_timeout, members);
+    auto released = answer.find("released_bytes");
+    if (released != answer.end() && released->is_number_unsigned() &&
+        released->get<uint64_t>() > 0) {
+      phases_.reporter().note("the workload released " +
+                              fs::human_bytes(released->get<uint64_t>()) + " (" +
+                              std::to_string(released->get<uint64_t>()) +
+                              " bytes) of cached free GPU memory at the pause: it is not captured");
+    }
+  }
+
+  // Throws, when a process of the tree is dead, an Error naming each death and how it came;
+  // `cause` is the failure that led here, if any (a dead process often shows first as a CRIU or
+  // driver error about a missing pid), and is kept in the message.
+  void require_alive(engine::DeathWatch& watch, const Error* cause) {
+    auto deaths = watch.deaths();
+    if (deaths.empty()) return;
+    std::string message;
+    for (const auto& d : deaths) message += (message.empty() ? "" : "; ") + d;
+    message += " during the capture: an artifact of it would not restore, so nothing was committed";
+    if (cause != nullptr) message += std::string(" (then: ") + cause->what() + ")";
+    death_reported_ = true;
+    throw Error(ErrorKind::kNotCapturable, message,
+                "gpusnap left the rest of the workload as it was, not stopped; the kernel log "
+                "(dmesg) says where it faulted; frameworks that die at the driver's checkpoint, "
+                "and the settings that avoid it: docs/compatibility.md");
+  }
+
+  // Throws as require_alive() does if a process of the tree dies within kSettle.
+  void watch_for_deaths(engine::DeathWatch& watch, const Error* cause) {
+    auto until = std::chrono::steady_clock::now() + kSettle;
+    for (;;) {
+      require_alive(watch, cause);
+      if (std::chrono::steady_clock::now() >= until) break;
+      std::this_thread::sleep_for(kSettlePoll);
+    }
+  }
+
+  // Phase settle: CRIU has thawed the tree; a process that cannot live without its GPU memory
+  // dies within moments. Then every CUDA process's GPU state must be where the capture left it:
+  // back and running (--leave-running) or checkpointed, awaiting the stop.
+  void settle(engine::DeathWatch& watch, gpu::Driver& driver, const std::vector<pid_t>& cuda) {
+    watch_for_deaths(watch, nullptr);
+    auto expected =
+        options_.leave_running ? gpu::ProcessState::kRunning : gpu::ProcessState::kCheckpointed;
+    for (pid_t pid : cuda) {
+      auto state = driver.state(pid);
+      if (state == expected) continue;
+      throw Error(ErrorKind::kGpu,
+                  "the driver reports process " + std::to_string(pid) + "'s GPU state " +
+                      gpu::state_name(state) + " after the dump, not " + gpu::state_name(expected) +
+                      ": it cannot be carried, so nothing was committed",
+                  "gpusnap left the workload as it was, not stopped; see the driver's messages "
+                  "in the kernel log (dmesg)");
+    }
+  }
+
   // The handshake to use: the workload has a control directory and has said READY.
   std::optional<engine::Handshake> find_handshake() {
     if (!options_.handshake) return std::nullopt;
@@ -435,7 +529,8 @@ class Checkpoint {
     m.source_cmdline = tree.front().cmdline;
     m.host = HostFacts::probe(criu.version);
     m.shell_job = engine::uses_terminal(tree);
-    for (const auto& p : tree) m.processes.push_back(record_of(p));
+    auto internal = proc::pipes_within(tree);
+    for (const auto& p : tree) m.processes.push_back(record_of(p, internal));
     if (target_) m.container = container::describe(*target_, tree);
     return m;
   }
@@ -472,6 +567,7 @@ class Checkpoint {
   std::optional<container::CaptureTarget> target_;
   std::filesystem::path control_dir_;  // the workload's, as it names it
   Phases phases_;
+  bool death_reported_ = false;  // require_alive() threw: the error already names the deaths
   std::vector<FileRecord> host_image_files_;  // hashed while written: seal need not read them
   engine::TierContents tier_;  // what the workload's memory tier drained at the pause
   std::unique_ptr<gpu::Driver> owned_driver_;

@@ -14,6 +14,7 @@
 #include "common/proc.h"
 #include "common/subprocess.h"
 #include "engine/copy_init.h"
+#include "engine/preflight.h"
 #include "engine/preload.h"
 #include "gpusnap/error.h"
 
@@ -52,6 +53,7 @@ int shim_main(const std::vector<std::string>& command) {
   // The library next to this gpusnap (the node's /opt/gpusnap/bin, mounted into the pod): the
   // driver's checkpoint of CMD then populates its host memory in parallel.
   if (auto preload = preload_environment()) o.env_add.push_back(*preload);
+  for (auto& setting : capturable_environment()) o.env_add.push_back(std::move(setting));
   Subprocess child(o);
   pid_t pid = child.release();  // supervise() reaps it, with every orphan
   return supervise(pid, {});

@@ -123,8 +123,8 @@ json describe_gpu_state(gpu::Driver& driver, const std::vector<pid_t>& pids) {
           {"processes", processes}};
 }
 
-std::vector<std::string> return_to_running(gpu::Driver& driver,
-                                           const std::vector<pid_t>& pids) noexcept {
+std::vector<std::string> return_to_running(gpu::Driver& driver, const std::vector<pid_t>& pids,
+                                           std::vector<pid_t>* killed) noexcept {
   std::vector<std::string> log;
   for (pid_t pid : pids) {
     try {
@@ -141,6 +141,7 @@ std::vector<std::string> return_to_running(gpu::Driver& driver,
       }
       if (driver.state(pid) == gpu::ProcessState::kFailed) {
         ::kill(pid, SIGKILL);
+        if (killed != nullptr) killed->push_back(pid);
         log.push_back("process " + std::to_string(pid) +
                       " was marked FAILED by the driver and has been killed");
       }
@@ -191,14 +192,14 @@ void GpuCapture::write_journal() {
 
 GpuCapture::~GpuCapture() {
   if (!done_) {
-    for (const auto& line : return_to_running(driver_, moved_)) reporter_.note(line);
+    for (const auto& line : return_to_running(driver_, moved_, &killed_)) reporter_.note(line);
   }
   std::error_code ec;
   std::filesystem::remove(journal_, ec);
 }
 
 void GpuCapture::fail(const std::exception& error) {
-  auto log = return_to_running(driver_, moved_);
+  auto log = return_to_running(driver_, moved_, &killed_);
   done_ = true;
   std::string what = error.what();
   what += log.empty() ? "; no process was left locked" : "; then: " + [&] {

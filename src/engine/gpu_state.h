@@ -36,10 +36,10 @@ std::vector<pid_t> cuda_processes(gpu::Driver& driver, const std::vector<proc::P
 nlohmann::json describe_gpu_state(gpu::Driver& driver, const std::vector<pid_t>& pids);
 
 // Puts each process back to RUNNING whatever state it is in; kills one the driver marked
-// FAILED. Returns one line per action taken or problem met (for notes and error messages).
-// Never throws.
-std::vector<std::string> return_to_running(gpu::Driver& driver,
-                                           const std::vector<pid_t>& pids) noexcept;
+// FAILED (and adds it to `killed`, when given). Returns one line per action taken or problem met
+// (for notes and error messages). Never throws.
+std::vector<std::string> return_to_running(gpu::Driver& driver, const std::vector<pid_t>& pids,
+                                           std::vector<pid_t>* killed = nullptr) noexcept;
 
 // Repairs what gpusnap runs that were killed left behind: journal entries whose owner is
 // gone. Returns what was done, one line each. Never throws.
@@ -61,6 +61,8 @@ class GpuCapture {
   void checkpoint_all();  // phase gpu-checkpoint, one thread per process
   void resume_all();      // restore in place + unlock: the source keeps running
   void release();         // the source is about to be stopped: nothing to undo
+  // The processes this capture killed because the driver marked them FAILED.
+  const std::vector<pid_t>& killed() const { return killed_; }
 
  private:
   // Rolls back and rethrows `error` with what the rollback did appended.
@@ -70,6 +72,7 @@ class GpuCapture {
   gpu::Driver& driver_;
   std::vector<pid_t> pids_;
   std::vector<pid_t> moved_;  // locked by this capture, so ours to return to RUNNING
+  std::vector<pid_t> killed_;
   std::chrono::milliseconds lock_timeout_;
   std::filesystem::path journal_;
   Reporter& reporter_;

@@ -75,7 +75,7 @@ void Handshake::wait_ready(pid_t pid, std::chrono::milliseconds timeout) const {
   }
 }
 
-void Handshake::exchange(pid_t pid, const std::string& request, json body,
+json Handshake::exchange(pid_t pid, const std::string& request, json body,
                          const std::string& answer, std::chrono::milliseconds timeout) {
   std::string id = fs::random_id().substr(0, 12);
   body["id"] = id;
@@ -86,7 +86,7 @@ void Handshake::exchange(pid_t pid, const std::string& request, json body,
   write_message(dir_, request, body);
   auto deadline = std::chrono::steady_clock::now() + timeout;
   for (;;) {
-    if (auto a = read_message(dir_ / answer); a && a->value("id", "") == id) return;
+    if (auto a = read_message(dir_ / answer); a && a->value("id", "") == id) return *a;
     if (auto f = read_message(dir_ / "failed"); f && f->value("id", "") == id) {
       std::filesystem::remove(dir_ / request, ec);
       throw Error(ErrorKind::kHandshake,
@@ -113,8 +113,8 @@ void Handshake::exchange(pid_t pid, const std::string& request, json body,
   }
 }
 
-void Handshake::pause(pid_t pid, std::chrono::milliseconds timeout, const json& members) {
-  exchange(pid, "pause", members, "paused", timeout);
+json Handshake::pause(pid_t pid, std::chrono::milliseconds timeout, const json& members) {
+  return exchange(pid, "pause", members, "paused", timeout);
 }
 
 void Handshake::resume(pid_t pid, const json& context, std::chrono::milliseconds timeout) {

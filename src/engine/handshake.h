@@ -29,11 +29,12 @@ class Handshake {
   bool ready() const;
   // Waits for READY while `pid` lives. Throws kTimeout, or kHandshake when the process exits.
   void wait_ready(pid_t pid, std::chrono::milliseconds timeout) const;
-  // Asks the workload to pause and waits for PAUSED. `members` go into the request besides its
-  // id and timeout (the memory tier's folder, engine/tier.h). Throws kHandshake (FAILED, or the
-  // process died) or kTimeout; the workload is then left as it was.
-  void pause(pid_t pid, std::chrono::milliseconds timeout,
-             const nlohmann::json& members = nlohmann::json::object());
+  // Asks the workload to pause and waits for PAUSED; returns that answer (it may say what the
+  // workload released, "released_bytes"). `members` go into the request besides its id and
+  // timeout (the memory tier's folder, engine/tier.h). Throws kHandshake (FAILED, or the process
+  // died) or kTimeout; the workload is then left as it was.
+  nlohmann::json pause(pid_t pid, std::chrono::milliseconds timeout,
+                       const nlohmann::json& members = nlohmann::json::object());
   // Asks it to resume with `context` and waits for RESUMED. Throws like pause().
   void resume(pid_t pid, const nlohmann::json& context, std::chrono::milliseconds timeout);
   // Asks the workload to resume as the source without waiting for its answer: for one that
@@ -51,9 +52,10 @@ class Handshake {
  private:
   // Withdraws a pending pause and writes a resume as the source; its id, or "" on failure.
   std::string write_resume_as_source() const noexcept;
-  // Writes `request` (with a new id) and waits for `answer` or `failed` with that id.
-  void exchange(pid_t pid, const std::string& request, nlohmann::json body,
-                const std::string& answer, std::chrono::milliseconds timeout);
+  // Writes `request` (with a new id) and waits for `answer` or `failed` with that id; returns
+  // the answer.
+  nlohmann::json exchange(pid_t pid, const std::string& request, nlohmann::json body,
+                          const std::string& answer, std::chrono::milliseconds timeout);
 
   std::filesystem::path dir_;
 };

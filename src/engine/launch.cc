@@ -8,6 +8,7 @@
 #include "common/fd.h"
 #include "common/fs.h"
 #include "engine/handshake.h"
+#include "engine/preflight.h"
 #include "engine/preload.h"
 #include "gpusnap/error.h"
 
@@ -32,6 +33,7 @@ LaunchedWorkload::LaunchedWorkload(const std::vector<std::string>& argv,
   o.env_add = {std::string(kControlDirEnv) + "=" + control_dir_.string()};
   // The driver's checkpoint of this workload then populates its host memory in parallel.
   if (preload) o.env_add.push_back(*preload);
+  for (auto& setting : capturable_environment()) o.env_add.push_back(std::move(setting));
   o.stdout_fd = log.get();
   o.stderr_fd = log.get();
   // A service's life: no terminal (so no shell-job restore), not killed with gpusnap.

@@ -5,6 +5,8 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <cstdlib>
+#include <optional>
 #include <sstream>
 
 #include "common/fs.h"
@@ -29,6 +31,35 @@ constexpr Uncapturable kUncapturable[] = {
     {"anon_inode:[perf_event]", "a perf event", "stop profiling the workload before the capture"},
     {"anon_inode:bpf-prog", "a BPF program", "detach the BPF program before the capture"},
 };
+
+// The value of `key` in a process's environment as it started (/proc/PID/environ, NUL-separated
+// "KEY=VALUE" entries); nullopt when it is not set.
+std::optional<std::string> environ_value(const std::string& environ, const std::string& key) {
+  for (size_t start = 0; start < environ.size();) {
+    auto end = environ.find('\0', start);
+    if (end == std::string::npos) end = environ.size();
+    if (environ.compare(start, key.size() + 1, key + "=") == 0) {
+      return environ.substr(start + key.size() + 1, end - start - key.size() - 1);
+    }
+    start = end + 1;
+  }
+  return std::nullopt;
+}
+
+std::string comm_of(const std::vector<proc::Process>& tree, pid_t pid) {
+  for (const auto& p : tree) {
+    if (p.pid == pid) return p.comm;
+  }
+  return {};
+}
+
+// Libraries that show XLA's GPU runtime in a process's maps: jaxlib's own extension and the
+// CUDA plugin JAX loads (older and newer layouts).
+constexpr const char* kXlaLibraries[] = {"/jaxlib/", "/jax_plugins/", "xla_extension",
+                                         "xla_cuda_plugin", "libxla"};
+
+// The variable that turns XLA's preallocation off, and the value that does it.
+constexpr const char* kXlaPreallocate = "XLA_PYTHON_CLIENT_PREALLOCATE";
 
 }  // namespace
 
@@ -77,21 +108,12 @@ void refuse_unsafe_nccl(const std::vector<proc::Process>& tree, const std::vecto
     fs::try_read_file(dir + "/environ", &environ);
     std::string missing;
     for (const auto& [key, value] : kRequired) {
-      std::string want = std::string(key) + "=" + value;
-      bool set = false;
-      for (size_t start = 0; start < environ.size();) {
-        auto end = environ.find('\0', start);
-        if (end == std::string::npos) end = environ.size();
-        set |= environ.compare(start, end - start, want) == 0;
-        start = end + 1;
+      if (environ_value(environ, key) != value) {
+        missing += (missing.empty() ? "" : " ") + std::string(key) + "=" + value;
       }
-      if (!set) missing += (missing.empty() ? "" : " ") + want;
     }
     if (!missing.empty()) {
-      std::string comm;
-      for (const auto& p : tree) {
-        if (p.pid == pid) comm = p.comm;
-      }
+      std::string comm = comm_of(tree, pid);
       throw Error(ErrorKind::kNotCapturable,
                   "process " + std::to_string(pid) + " (" + comm + ") uses NCCL across " +
                       std::to_string(cuda.size()) +
@@ -100,6 +122,46 @@ void refuse_unsafe_nccl(const std::vector<proc::Process>& tree, const std::vecto
                   "start the workload with " + missing);
     }
   }
+}
+
+void refuse_xla_preallocation(const std::vector<proc::Process>& tree,
+                              const std::vector<pid_t>& cuda) {
+  for (pid_t pid : cuda) {
+    std::string maps, environ;
+    auto dir = "/proc/" + std::to_string(pid);
+    if (!fs::try_read_file(dir + "/maps", &maps)) continue;
+    const char* library = nullptr;
+    for (const char* l : kXlaLibraries) {
+      if (maps.find(l) != std::string::npos) library = l;
+    }
+    if (library == nullptr) continue;
+    fs::try_read_file(dir + "/environ", &environ);
+    auto preallocate = environ_value(environ, kXlaPreallocate);
+    auto allocator = environ_value(environ, "XLA_PYTHON_CLIENT_ALLOCATOR");
+    std::string why;
+    if (preallocate != "false" && preallocate != "0") {
+      why = std::string("with XLA's preallocation on (") + kXlaPreallocate + " is " +
+            (preallocate ? "'" + *preallocate + "'" : std::string("unset")) + ")";
+    } else if (allocator == "platform" || allocator == "cuda_async") {
+      why = "with XLA_PYTHON_CLIENT_ALLOCATOR=" + *allocator;
+    }
+    if (why.empty()) continue;
+    throw Error(ErrorKind::kNotCapturable,
+                "process " + std::to_string(pid) + " (" + comm_of(tree, pid) +
+                    ") runs JAX/XLA on the GPU " + why +
+                    ": it dies of SIGSEGV inside libcuda once the driver's checkpoint takes its "
+                    "GPU memory, and its artifact would not restore",
+                "start it with XLA_PYTHON_CLIENT_PREALLOCATE=false and XLA's default allocator "
+                "(`gpusnap run` sets that); see docs/compatibility.md");
+  }
+}
+
+std::vector<std::string> capturable_environment() {
+  std::vector<std::string> out;
+  // JAX: preallocation makes the driver's checkpoint kill the process (docs/compatibility.md).
+  if (std::getenv(kXlaPreallocate) == nullptr)
+    out.push_back(std::string(kXlaPreallocate) + "=false");
+  return out;
 }
 
 void refuse_bad_root(pid_t root) {

@@ -18,6 +18,15 @@ bool uses_terminal(const std::vector<proc::Process>& tree);
 // Refuses CUDA processes that talk to each other through NCCL transports the driver cannot
 // checkpoint (peer-to-peer, shared memory, NVLink SHARP, cuMem handles), naming the settings.
 void refuse_unsafe_nccl(const std::vector<proc::Process>& tree, const std::vector<pid_t>& cuda);
+// Refuses a CUDA process with JAX/XLA loaded (its libraries in /proc/PID/maps) whose environment
+// keeps XLA's preallocation on, or picks an allocator under which the driver's checkpoint kills
+// it too, naming the setting that works. Only the environment the process started with is seen.
+void refuse_xla_preallocation(const std::vector<proc::Process>& tree,
+                              const std::vector<pid_t>& cuda);
+// "KEY=VALUE" settings that keep frameworks capturable, for the workloads gpusnap starts (`run`,
+// `init`): each only where gpusnap's own environment does not set the variable, so a user's
+// choice stands.
+std::vector<std::string> capturable_environment();
 // Refuses a root that is gpusnap itself, one of its ancestors, or the host's init.
 void refuse_bad_root(pid_t root);
 

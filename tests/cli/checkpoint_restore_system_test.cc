@@ -4,14 +4,14 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
-#include <sys/socket.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
-#include <functional>
 #include <fstream>
+#include <functional>
 #include <set>
 #include <thread>
 
@@ -30,8 +30,8 @@ using nlohmann::json;
 TEST(CheckpointRestore, TwoCopiesRunBesideTheSource) {
   SKIP_WITHOUT_CRIU();
   TempDir dir;
-  Workload source(dir, {"--mib", "64", "--threads", "4", "--children", "1", "--file",
-                        (dir / "data").string()});
+  Workload source(
+      dir, {"--mib", "64", "--threads", "4", "--children", "1", "--file", (dir / "data").string()});
   ASSERT_EQ(ask(source.port(), "INCR"), "1");
   std::string seed = field(ask(source.port(), "INFO"), "seed");
   ASSERT_FALSE(seed.empty());
@@ -82,11 +82,39 @@ TEST(CheckpointRestore, WithoutLeaveRunningTheSourceStops) {
   EXPECT_EQ(vr.exit_code, 0) << vr.err;
 
   // The file lock and the unlinked file come back with the copy.
-  auto rs = gpusnap({"restore", snap.string(), "--publish", std::to_string(source.port()),
-                     "--json"});
+  auto rs =
+      gpusnap({"restore", snap.string(), "--publish", std::to_string(source.port()), "--json"});
   ASSERT_EQ(rs.exit_code, 0) << rs.err;
   Copies reaper{json::parse(rs.out)};
   EXPECT_EQ(ask(reaper.copies[0].port, "CHECK").substr(0, 2), "OK");
+}
+
+// A worker whose stdin and stdout are pipes to its parent (Python's subprocess with PIPE): those
+// pipes are the tree's own, and a copy keeps them. Only stdio that leads out of the tree (the
+// log the test gave the parent) goes to the copy's output.log.
+TEST(CheckpointRestore, AWorkerPipedToItsParentKeepsItsPipesInTheCopy) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Workload source(dir,
+                  {"python3", build_path("tests/frameworks.py"), "--framework", "tree", "--cpu"},
+                  std::chrono::seconds(30));
+  auto before = ask(source.port(), "CHECK");
+  ASSERT_EQ(before.substr(0, 12), "OK max_err=0") << before;
+  auto snap = dir / "snap";
+  auto cp = gpusnap({"checkpoint", "--pid", std::to_string(source.pid()), "-o", snap.string(),
+                     "--leave-running"});
+  ASSERT_EQ(cp.exit_code, 0) << cp.err;
+  auto manifest = json::parse(fs::read_file(snap / "manifest.json"));
+  ASSERT_EQ(manifest["processes"].size(), 2u);
+  EXPECT_EQ(manifest["processes"][1]["stdio"].size(), 1u)  // its stderr, the test's log
+      << manifest["processes"][1]["stdio"].dump();
+  auto rs =
+      gpusnap({"restore", snap.string(), "--publish", std::to_string(source.port()), "--json"});
+  ASSERT_EQ(rs.exit_code, 0) << rs.err;
+  Copies reaper{json::parse(rs.out)};
+  auto after = ask(reaper.copies[0].port, "CHECK");
+  EXPECT_EQ(after.substr(0, 12), "OK max_err=0") << after;
+  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 12), "OK max_err=0");
 }
 
 TEST(CheckpointRestore, EstablishedConnectionSurvivesTheCapture) {
@@ -96,7 +124,7 @@ TEST(CheckpointRestore, EstablishedConnectionSurvivesTheCapture) {
   // A client connected across the checkpoint: CRIU must dump the established connection and
   // the source must keep serving it afterwards.
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in addr{};
+  struct sockaddr_in addr {};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(source.port());
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -116,8 +144,8 @@ TEST(CheckpointRestore, EstablishedConnectionSurvivesTheCapture) {
 
   // The copy restores with the connection closed (its peer is not in the copy's namespace)
   // and serves new ones.
-  auto rs = gpusnap({"restore", snap.string(), "--publish", std::to_string(source.port()),
-                     "--json"});
+  auto rs =
+      gpusnap({"restore", snap.string(), "--publish", std::to_string(source.port()), "--json"});
   ASSERT_EQ(rs.exit_code, 0) << rs.err;
   Copies reaper{json::parse(rs.out)};
   EXPECT_EQ(ask(reaper.copies[0].port, "PING"), "PONG");
@@ -129,7 +157,9 @@ TEST(CheckpointRestore, InspectShowsTheTree) {
   Workload source(dir, {"--mib", "8", "--children", "2"});
   auto snap = dir / "snap";
   ASSERT_EQ(gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
-                     "--leave-running"}).exit_code, 0);
+                     "--leave-running"})
+                .exit_code,
+            0);
   auto human = gpusnap({"inspect", snap.string()});
   ASSERT_EQ(human.exit_code, 0) << human.err;
   EXPECT_NE(human.out.find("processes  3"), std::string::npos) << human.out;
@@ -170,7 +200,9 @@ TEST(Verify, CatchesOneFlippedByteAndRestoreRefuses) {
   Workload source(dir, {"--mib", "16"});
   auto snap = dir / "snap";
   ASSERT_EQ(gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
-                     "--leave-running"}).exit_code, 0);
+                     "--leave-running"})
+                .exit_code,
+            0);
   auto pages = largest_file(snap);
   flip_byte(pages, static_cast<off_t>(std::filesystem::file_size(pages) / 2));
 
@@ -196,7 +228,9 @@ TEST(BadInput, EachGetsItsMessageAndExitCode) {
   Workload source(dir, {"--mib", "4"});
   auto snap = dir / "snap";
   ASSERT_EQ(gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
-                     "--leave-running"}).exit_code, 0);
+                     "--leave-running"})
+                .exit_code,
+            0);
 
   auto expect = [](const CliResult& r, int code, const std::string& text) {
     EXPECT_EQ(r.exit_code, code) << r.err;
@@ -229,9 +263,8 @@ TEST(BadInput, EachGetsItsMessageAndExitCode) {
          "format version 99 is not supported");
   expect(gpusnap({"restore", damaged("arch", [](json& d) { d["host"]["arch"] = "riscv64"; })}), 5,
          "taken on riscv64");
-  expect(gpusnap({"restore", damaged("cpu", [](json& d) {
-                    d["host"]["cpu_flags"].push_back("avx10_9");
-                  })}),
+  expect(gpusnap({"restore",
+                  damaged("cpu", [](json& d) { d["host"]["cpu_flags"].push_back("avx10_9"); })}),
          5, "lacks instruction sets the source used: avx10_9");
   expect(gpusnap({"restore", damaged("nofield", [](json& d) { d.erase("files"); })}), 4,
          "lacks the field 'files'");
@@ -255,8 +288,8 @@ TEST(BadInput, IoUringIsRefusedBeforeAnythingIsFrozen) {
   } catch (const std::exception& e) {
     GTEST_SKIP() << "skipped: io_uring is disabled on this host";
   }
-  auto r = gpusnap({"checkpoint", "-p", std::to_string(source->pid()), "-o",
-                    (dir / "snap").string()});
+  auto r =
+      gpusnap({"checkpoint", "-p", std::to_string(source->pid()), "-o", (dir / "snap").string()});
   EXPECT_EQ(r.exit_code, 6);
   EXPECT_NE(r.err.find("holds an io_uring instance"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("gpusnap run"), std::string::npos) << r.err;
@@ -296,8 +329,8 @@ TEST(Faults, KilledMidCheckpointLeavesSourceRunningAndNoArtifact) {
   Workload source(dir, {"--mib", "1024", "--threads", "2"});
   auto snap = dir / "snap";
   SpawnOptions o;
-  o.argv = {gpusnap_bin(), "checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
-            "--quiet"};
+  o.argv = {gpusnap_bin(), "checkpoint",  "-p",     std::to_string(source.pid()),
+            "-o",          snap.string(), "--quiet"};
   Subprocess cp(o);
   // Kill gpusnap while CRIU is dumping (and so has the source frozen).
   ASSERT_TRUE(eventually([&] { return !criu_processes(snap.filename().string()).empty(); },
@@ -319,7 +352,9 @@ TEST(Faults, FailedRestoreLeavesNoProcessOrNamespace) {
   Workload source(dir, {"--mib", "8"});
   auto snap = dir / "snap";
   ASSERT_EQ(gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
-                     "--leave-running"}).exit_code, 0);
+                     "--leave-running"})
+                .exit_code,
+            0);
   // Damage CRIU's view of the process tree in a way only CRIU notices (with --no-verify).
   auto pstree = snap / "criu" / "pstree.img";
   std::filesystem::resize_file(pstree, 0);
@@ -343,15 +378,16 @@ TEST(Faults, KilledMidRestoreLeavesNoProcessOrNamespace) {
   Workload source(dir, {"--mib", "1024", "--threads", "2"});
   auto snap = dir / "snap";
   ASSERT_EQ(gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
-                     "--leave-running"}).exit_code, 0);
+                     "--leave-running"})
+                .exit_code,
+            0);
   auto before = pid_namespaces();
   SpawnOptions o;
   o.argv = {gpusnap_bin(), "restore", snap.string(), "--replicas", "2", "--no-verify", "--quiet"};
   Subprocess rs(o);
   // CRIU's restore command line names the artifact's image directory.
   auto mine = (snap / "criu").string();
-  ASSERT_TRUE(eventually([&] { return !criu_processes(mine).empty(); },
-                         std::chrono::seconds(30)));
+  ASSERT_TRUE(eventually([&] { return !criu_processes(mine).empty(); }, std::chrono::seconds(30)));
   rs.kill(SIGKILL);
   rs.wait();
   EXPECT_TRUE(eventually([&] { return pid_namespaces() == before; }))

@@ -5,8 +5,10 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
+#include <sstream>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -57,6 +59,17 @@ void run_capture_and_restore(const std::vector<std::string>& worker) {
   EXPECT_TRUE(doc["handshake"].get<bool>());
   // `gpusnap run` starts workloads with the library that speeds up the driver's checkpoint.
   EXPECT_TRUE(maps_file(source.pid, "libgpusnap-preload.so"));
+  // And with JAX's preallocation off (the driver's checkpoint kills JAX with it on), unless the
+  // user set it.
+  std::string environ;
+  ASSERT_TRUE(fs::try_read_file("/proc/" + std::to_string(source.pid) + "/environ", &environ));
+  std::vector<std::string> entries;
+  for (std::istringstream in(environ); std::getline(in, entries.emplace_back(), '\0');) {
+  }
+  if (std::getenv("XLA_PYTHON_CLIENT_PREALLOCATE") == nullptr) {
+    EXPECT_NE(std::find(entries.begin(), entries.end(), "XLA_PYTHON_CLIENT_PREALLOCATE=false"),
+              entries.end());
+  }
   uint16_t port = read_port(ready);
   ASSERT_NE(port, 0);
 

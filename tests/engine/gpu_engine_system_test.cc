@@ -1017,5 +1017,160 @@ TEST(GpuEngine, JournalOfAKilledGpusnapIsRecoveredAndALiveOnesIsLeftAlone) {
   EXPECT_TRUE(journal_empty(run_dir));
 }
 
+// --- 8. A process dies, or its GPU state is lost, between the freeze and the commit -----------
+// What JAX with preallocation does on the H200: a thread faults once the driver's checkpoint has
+// taken the GPU memory and CRIU has thawed the tree. No artifact of it may be committed, and the
+// source must not be stopped by gpusnap.
+
+// A workload and its child, both CUDA processes on the fake GPU.
+struct CudaTree {
+  TempDir dir;
+  Workload source{dir, {"--mib", "8", "--children", "1"}};
+  std::vector<pid_t> pids = tree_pids(source.pid());
+  pid_t root = pids.at(0);
+  pid_t child = pids.at(1);
+  FakeDriver fake;
+  CudaTree() {
+    fake.add_gpu(FakeDriver::make_gpu(kGpuA));
+    register_cuda(fake, pids);
+  }
+};
+
+TEST(GpuEngine, AProcessThatDiesAfterTheDumpFailsTheCaptureNamingHowAndNothingIsCommitted) {
+  SKIP_WITHOUT_CRIU();
+  CudaTree t;
+  auto& [dir, source, pids, root, child, fake] = t;
+
+  RecordingReporter reporter;
+  reporter.hook = [&](std::string_view phase, bool started) {
+    if (phase == "dump" && !started) ::kill(child, SIGSEGV);  // its parent leaves it a zombie
+  };
+  auto e = error_of([&] {
+    checkpoint(checkpoint_options(source.pid(), dir / "snap", fake, dir / "run"), reporter);
+  });
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->kind(), ErrorKind::kNotCapturable) << e->what();
+  EXPECT_TRUE(contains(e->what(), "process " + std::to_string(child) +
+                                      " (tw-child) was killed by SIGSEGV during the capture"))
+      << e->what();
+  EXPECT_TRUE(contains(e->what(), "nothing was committed")) << e->what();
+  EXPECT_TRUE(contains(e->hint(), "docs/compatibility.md")) << e->hint();
+  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  EXPECT_TRUE(staging_left(dir.path(), "snap").empty());
+  // Not stopped: the root lives, its GPU state given back.
+  EXPECT_TRUE(running(root));
+  EXPECT_EQ(fake.peek_state(root), ProcessState::kRunning);
+  EXPECT_TRUE(journal_empty(dir / "run"));
+}
+
+TEST(GpuEngine, WithLeaveRunningADeathShowingAsADriverErrorIsNamedAsTheDeath) {
+  SKIP_WITHOUT_CRIU();
+  CudaTree t;
+  auto& [dir, source, pids, root, child, fake] = t;
+
+  auto o = checkpoint_options(source.pid(), dir / "snap", fake, dir / "run");
+  o.leave_running = true;
+  RecordingReporter reporter;
+  reporter.hook = [&](std::string_view phase, bool started) {
+    if (phase == "dump" && !started) {
+      ::kill(child, SIGSEGV);
+      fake.remove_process(child);  // the driver forgets a process that exited
+    }
+  };
+  auto e = error_of([&] { checkpoint(o, reporter); });
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->kind(), ErrorKind::kNotCapturable) << e->what();
+  EXPECT_TRUE(
+      contains(e->what(), "process " + std::to_string(child) + " (tw-child) was killed by SIGSEGV"))
+      << e->what();
+  // The driver's complaint that first showed it is kept.
+  EXPECT_TRUE(contains(e->what(), "(then: cuCheckpointProcessRestore(pid " + std::to_string(child)))
+      << e->what();
+  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  EXPECT_TRUE(running(root));
+  EXPECT_EQ(fake.peek_state(root), ProcessState::kRunning);
+}
+
+TEST(GpuEngine, GpuStateTheDriverLostAfterTheDumpFailsTheCapture) {
+  SKIP_WITHOUT_CRIU();
+  CudaTree t;
+  auto& [dir, source, pids, root, child, fake] = t;
+
+  RecordingReporter reporter;
+  reporter.hook = [&](std::string_view phase, bool started) {
+    // The driver marks the child FAILED while CRIU's dump runs.
+    if (phase == "dump" && !started) fake.add_process(child, ProcessState::kFailed);
+  };
+  auto e = error_of([&] {
+    checkpoint(checkpoint_options(source.pid(), dir / "snap", fake, dir / "run"), reporter);
+  });
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->kind(), ErrorKind::kGpu) << e->what();
+  EXPECT_TRUE(contains(e->what(), "the driver reports process " + std::to_string(child) +
+                                      "'s GPU state FAILED after the dump, not CHECKPOINTED"))
+      << e->what();
+  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  EXPECT_TRUE(staging_left(dir.path(), "snap").empty());
+  EXPECT_TRUE(running(root));
+  EXPECT_EQ(fake.peek_state(root), ProcessState::kRunning);
+}
+
+// A process that looks like JAX on the GPU: jaxlib's library in its maps (here a copy of a
+// harmless library, preloaded under that name) and the fake driver taking it for a CUDA process.
+std::vector<std::string> jax_like_workload(const TempDir& dir, const std::string& preallocate) {
+  auto lib = dir / "site-packages" / "jaxlib" / "_jax.so";
+  std::filesystem::create_directories(lib.parent_path());
+  std::filesystem::copy_file(build_path("libgpusnap-preload.so"), lib,
+                             std::filesystem::copy_options::overwrite_existing);
+  std::vector<std::string> argv = {"/usr/bin/env", "-u", "XLA_PYTHON_CLIENT_PREALLOCATE",
+                                   "LD_PRELOAD=" + lib.string()};
+  if (!preallocate.empty()) argv.push_back("XLA_PYTHON_CLIENT_PREALLOCATE=" + preallocate);
+  argv.insert(argv.end(), {build_path("tests/gpusnap-test-workload"), "--mib", "8"});
+  return argv;
+}
+
+TEST(GpuEngine, JaxWithPreallocationIsRefusedBeforeAnythingIsFrozen) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Workload source(dir, jax_like_workload(dir, ""), std::chrono::seconds(30));
+  ASSERT_TRUE(maps_file(source.pid(), "jaxlib/_jax.so"));
+  FakeDriver fake;
+  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
+  register_cuda(fake, {source.pid()});
+
+  RecordingReporter reporter;
+  auto e = error_of([&] {
+    checkpoint(checkpoint_options(source.pid(), dir / "snap", fake, dir / "run"), reporter);
+  });
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->exit_code(), 6) << e->what();
+  EXPECT_EQ(std::string(e->what()),
+            "process " + std::to_string(source.pid()) +
+                " (gpusnap-test-wo) runs JAX/XLA on the GPU with XLA's preallocation on "
+                "(XLA_PYTHON_CLIENT_PREALLOCATE is unset): it dies of SIGSEGV inside libcuda once "
+                "the driver's checkpoint takes its GPU memory, and its artifact would not restore");
+  EXPECT_TRUE(contains(e->hint(), "XLA_PYTHON_CLIENT_PREALLOCATE=false")) << e->hint();
+  // Refused in the preflight: not a single driver call that changes a state, nothing written.
+  EXPECT_TRUE(fake.transitions().empty()) << join(fake.transitions());
+  EXPECT_EQ(reporter.phases(), (std::vector<std::string>{"resolve", "preflight"}));
+  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
+}
+
+TEST(GpuEngine, JaxWithPreallocationOffIsCaptured) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Workload source(dir, jax_like_workload(dir, "false"), std::chrono::seconds(30));
+  FakeDriver fake;
+  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
+  register_cuda(fake, {source.pid()});
+  auto o = checkpoint_options(source.pid(), dir / "snap", fake, dir / "run");
+  o.leave_running = true;
+  RecordingReporter reporter;
+  checkpoint(o, reporter);
+  EXPECT_TRUE(Artifact::open(dir / "snap").verify().empty());
+  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
+}
+
 }  // namespace
 }  // namespace gpusnap::testing

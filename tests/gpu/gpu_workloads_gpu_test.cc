@@ -575,5 +575,159 @@ TEST(MultiGpu, RefusesNcclTransportsTheDriverCannotCarry) {
   EXPECT_EQ(ask(source.port(), "CHECK", std::chrono::seconds(60)), "OK ranks=2 max_err=0");
 }
 
+// --- Real frameworks: one test per row of docs/compatibility.md ----------------------------------
+// Small sizes. Each workload computes its answer before the checkpoint and a restored copy must
+// compute it again exactly (max_err=0) from the GPU state it got back. Each prints a RESULT line
+// with the row's figures: cold start (the workload's own start-to-ready), the capture's phases,
+// the restore's phases and the time from the restore command to the first exact answer, and the
+// artifact's bytes against the GPU bytes the driver saw in use.
+
+std::vector<std::string> framework(const std::string& name, std::vector<std::string> extra = {},
+                                   std::vector<std::string> env = {}) {
+  std::vector<std::string> argv = {"/usr/bin/env"};
+  argv.insert(argv.end(), env.begin(), env.end());
+  argv.insert(argv.end(), {"python3", build_path("tests/frameworks.py"), "--framework", name});
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  return argv;
+}
+
+uint64_t tree_bytes(const std::filesystem::path& root) {
+  uint64_t total = 0;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(root)) {
+    if (e.is_regular_file()) total += e.file_size();
+  }
+  return total;
+}
+
+uint64_t gpu_bytes_in(const std::filesystem::path& snap) {
+  auto inspect = json::parse(gpusnap({"inspect", snap.string(), "--json"}).out);
+  uint64_t total = 0;
+  for (const auto& p : inspect["gpu"]["processes"]) total += p["bytes"].get<uint64_t>();
+  return total;
+}
+
+// Restores `snap`, asks the copy for its answer; returns the row's restore figures.
+json restore_and_check(const std::filesystem::path& snap, uint16_t port) {
+  auto t0 = std::chrono::steady_clock::now();
+  auto rs = gpusnap({"restore", snap.string(), "--publish", std::to_string(port), "--json"});
+  EXPECT_EQ(rs.exit_code, 0) << rs.err;
+  if (rs.exit_code != 0) return {{"error", rs.err}};
+  Copies copies{json::parse(rs.out)};
+  auto after = ask(copies.port(0), "CHECK", std::chrono::seconds(120));
+  double to_answer = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::string output;  // the copy's own output, for a failure
+  fs::try_read_file(copies.doc["copies"][0]["dir"].get<std::string>() + "/output.log", &output);
+  EXPECT_EQ(after.substr(0, 12), "OK max_err=0") << after << " | copy's output: " << output;
+  return {{"restore", copies.doc}, {"restore_to_first_answer_s", to_answer}, {"answer", after}};
+}
+
+// The whole row for a workload that is captured (the source stopped) and restored.
+void framework_row(const std::string& name, const std::vector<std::string>& argv) {
+  TempDir dir;
+  Workload source(dir, argv, std::chrono::seconds(600));
+  auto before = ask(source.port(), "CHECK", std::chrono::seconds(120));
+  ASSERT_EQ(before.substr(0, 12), "OK max_err=0") << before;
+  auto info = ask(source.port(), "INFO");
+  auto snap = dir / "snap";
+  auto cp =
+      gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(), "--json"},
+              std::chrono::minutes(5));
+  ASSERT_EQ(cp.exit_code, 0) << cp.err << fs::read_file(dir / "workload.log");
+  auto row = restore_and_check(snap, source.port());
+  row["info"] = info;
+  row["checkpoint"] = json::parse(cp.out);
+  row["artifact_bytes"] = tree_bytes(snap);
+  row["gpu_bytes"] = gpu_bytes_in(snap);
+  record(name, row);
+}
+
+TEST(Frameworks, TorchCompileReduceOverheadRestoresItsCudaGraphs) {
+  SKIP_WITHOUT_GPU(1);
+  framework_row("torch-compile", framework("torch-compile"));
+}
+
+TEST(Frameworks, JaxWithPreallocationOffRestores) {
+  SKIP_WITHOUT_GPU(1);
+  framework_row("jax", framework("jax", {}, {"XLA_PYTHON_CLIENT_PREALLOCATE=false"}));
+}
+
+TEST(Frameworks, JaxWithPreallocationIsRefusedBeforeAnythingIsFrozen) {
+  SKIP_WITHOUT_GPU(1);
+  TempDir dir;
+  Workload source(dir, framework("jax", {}, {"-u", "XLA_PYTHON_CLIENT_PREALLOCATE"}),
+                  std::chrono::seconds(600));
+  auto before = ask(source.port(), "CHECK", std::chrono::seconds(120));
+  ASSERT_EQ(before.substr(0, 12), "OK max_err=0") << before;
+  auto cp = gpusnap(
+      {"checkpoint", "-p", std::to_string(source.pid()), "-o", (dir / "snap").string(), "--json"});
+  EXPECT_EQ(cp.exit_code, 6) << cp.err;
+  EXPECT_NE(cp.err.find("XLA_PYTHON_CLIENT_PREALLOCATE is unset"), std::string::npos) << cp.err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  // Nothing was frozen or moved: the source answers as before.
+  EXPECT_EQ(ask(source.port(), "CHECK", std::chrono::seconds(60)).substr(0, 12), "OK max_err=0");
+  record("jax-preallocation-refused", {{"stderr", cp.err}});
+}
+
+TEST(Frameworks, CupyRestores) {
+  SKIP_WITHOUT_GPU(1);
+  framework_row("cupy", framework("cupy"));
+}
+
+TEST(Frameworks, TwoProcessTreeWithACudaWorkerRestores) {
+  SKIP_WITHOUT_GPU(1);
+  framework_row("tree", framework("tree"));
+}
+
+TEST(Frameworks, CppProgramWithCublasRestores) {
+  SKIP_WITHOUT_GPU(1);
+  auto binary = build_path("tests/cublas_gemm");
+  if (!std::filesystem::exists(binary)) GTEST_SKIP() << "skipped: cublas_gemm not built (no nvcc)";
+  framework_row("cublas", {binary});
+}
+
+// transformers generate() with its KV cache, and PyTorch's cached free blocks: captured once as
+// it runs (the cache in the artifact), once through the handshake (the client frees the cache at
+// the pause), and the second restored.
+TEST(Frameworks, TransformersGenerateRestoresAndItsFreeCacheIsNotCaptured) {
+  SKIP_WITHOUT_GPU(1);
+  TempDir dir;
+  auto control = dir / "control";
+  std::filesystem::create_directories(control);
+  Workload source(
+      dir,
+      framework("transformers", {"--cache-gib", "4"}, {"GPUSNAP_CONTROL_DIR=" + control.string()}),
+      std::chrono::seconds(600));
+  auto before = ask(source.port(), "CHECK", std::chrono::seconds(120));
+  ASSERT_EQ(before.substr(0, 12), "OK max_err=0") << before;
+  auto info = ask(source.port(), "INFO");
+  auto as_it_runs = dir / "as-it-runs";
+  auto cp1 = gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", as_it_runs.string(),
+                      "--leave-running", "--no-handshake", "--json"},
+                     std::chrono::minutes(5));
+  ASSERT_EQ(cp1.exit_code, 0) << cp1.err;
+  auto paused = dir / "paused";
+  auto cp2 = gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", paused.string(),
+                      "--leave-running", "--json"},
+                     std::chrono::minutes(5));
+  ASSERT_EQ(cp2.exit_code, 0) << cp2.err;
+  auto paused_doc = json::parse(cp2.out);
+  EXPECT_NE(paused_doc["notes"].dump().find("of cached free GPU memory at the pause"),
+            std::string::npos)
+      << cp2.out;
+  auto with_cache = tree_bytes(as_it_runs), without = tree_bytes(paused);
+  // The 4 GiB of free blocks are in the first artifact and not in the second.
+  EXPECT_GE(with_cache, without + (3ull << 30)) << with_cache << " vs " << without;
+  EXPECT_EQ(ask(source.port(), "CHECK", std::chrono::seconds(60)).substr(0, 12), "OK max_err=0");
+  auto row = restore_and_check(paused, source.port());
+  row["info"] = info;
+  row["checkpoint_as_it_runs"] = json::parse(cp1.out);
+  row["checkpoint_paused"] = paused_doc;
+  row["artifact_bytes_as_it_runs"] = with_cache;
+  row["artifact_bytes_paused"] = without;
+  row["gpu_bytes_as_it_runs"] = gpu_bytes_in(as_it_runs);
+  row["gpu_bytes_paused"] = gpu_bytes_in(paused);
+  record("transformers", row);
+}
+
 }  // namespace
 }  // namespace gpusnap::testing

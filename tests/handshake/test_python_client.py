@@ -143,6 +143,64 @@ class ClientTest(ControlDir):
         self.assertEqual(self.wait_answer("paused", "cap-1"), {"id": "cap-1"})
         self.assertEqual(rec.pauses, 1)
 
+    def test_pause_frees_torchs_cached_gpu_memory_and_says_how_much(self):
+        # A stand-in for torch.cuda with 2 GPUs: 3 GiB reserved, 1 GiB of it cached and free.
+        class Cuda:
+            def __init__(self):
+                self.reserved = [2 << 30, 1 << 30]
+                self.cached = [1 << 30, 0]
+                self.empty_cache_calls = 0
+
+            def is_initialized(self):
+                return True
+
+            def device_count(self):
+                return 2
+
+            def memory_reserved(self, device):
+                return self.reserved[device]
+
+            def empty_cache(self):
+                self.empty_cache_calls += 1
+                self.reserved = [r - c for r, c in zip(self.reserved, self.cached)]
+                self.cached = [0, 0]
+
+        class Torch:
+            cuda = Cuda()
+
+        self.addCleanup(sys.modules.pop, "torch", None)
+        sys.modules["torch"] = Torch
+        rec = Recorder()
+        rec.serve(self.client())
+        self.put("pause", {"id": "p1", "timeout_ms": 5000})
+        self.assertEqual(self.wait_answer("paused", "p1"), {"id": "p1", "released_bytes": 1 << 30})
+        self.assertEqual(Torch.cuda.empty_cache_calls, 1)
+        # Nothing cached any more: a second pause releases 0 bytes, and says so.
+        c2 = hs.Client(self.dir)
+        c2.answer_paused("p2")
+        self.assertEqual(self.get("paused"), {"id": "p2", "released_bytes": 0})
+        # A client made without the release leaves the cache alone.
+        Torch.cuda.cached = [5, 0]
+        hs.Client(self.dir, release_cached_memory=False).answer_paused("p3")
+        self.assertEqual(self.get("paused"), {"id": "p3"})
+        self.assertEqual(Torch.cuda.empty_cache_calls, 2)
+
+    def test_pause_touches_no_cuda_when_torch_never_initialised_it(self):
+        class Cuda:
+            def is_initialized(self):
+                return False
+
+            def empty_cache(self):
+                raise AssertionError("empty_cache on an uninitialised CUDA")
+
+        class Torch:
+            cuda = Cuda()
+
+        self.addCleanup(sys.modules.pop, "torch", None)
+        sys.modules["torch"] = Torch
+        hs.Client(self.dir).answer_paused("p1")
+        self.assertEqual(self.get("paused"), {"id": "p1"})
+
     def test_a_pause_with_an_answered_id_is_ignored(self):
         rec = Recorder()
         rec.serve(self.client())

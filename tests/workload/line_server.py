@@ -1,5 +1,5 @@
 """The line protocol of the tests' Python workloads (torch_graph.py, torch_tier.py,
-tier_standin.py): a TCP listener on 127.0.0.1, the port handed over in a ready file written
+torch_tp.py, frameworks.py, tier_standin.py): a TCP listener on 127.0.0.1, the port handed over in a ready file written
 atomically, and one reply line per command line. Standard library only."""
 
 import os
@@ -20,16 +20,36 @@ def write_ready_file(path, port):
     os.rename(path + ".tmp", path)
 
 
-def serve_lines(srv, handle):
-    """Answers line commands for ever: handle(command) gives the reply; QUIT ends it."""
+def serve_lines(srv, handle, on_quit=None):
+    """Answers line commands until QUIT: handle(command) gives the reply; `on_quit` runs
+    before BYE."""
     while True:
         conn, _ = srv.accept()
         with conn, conn.makefile("rw") as io:
             for line in io:
                 cmd = line.strip()
                 if cmd == "QUIT":
+                    if on_quit:
+                        on_quit()
                     io.write("BYE\n")
                     io.flush()
                     return
                 io.write(handle(cmd) + "\n")
                 io.flush()
+
+
+def serve(port, ready_file, commands, banner="", on_quit=None):
+    """Serves until QUIT. `commands` maps a request word to a function returning the reply;
+    `banner` follows "ready port=N" on stdout, printed once the workload is ready (the time to
+    that point is the cold start a restore competes with)."""
+    srv = listen(port)
+    port = srv.getsockname()[1]
+    print(f"ready port={port} {banner}".rstrip(), flush=True)
+    if ready_file:
+        write_ready_file(ready_file, port)
+
+    def handle(cmd):
+        handler = commands.get(cmd)
+        return handler() if handler else "ERR unknown command"
+
+    serve_lines(srv, handle, on_quit)

@@ -20,6 +20,7 @@ import argparse
 import os
 import time
 
+
 T0 = time.monotonic()
 
 import torch  # noqa: E402  (timed: importing torch is part of a cold start)

@@ -22,6 +22,8 @@ import socket
 import subprocess
 import sys
 
+import line_server
+
 
 def parse_args():
     p = argparse.ArgumentParser()
@@ -128,37 +130,16 @@ def rank_main(args):
             elif c.item() == 2:
                 return
 
-    srv = socket.socket()
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind(("127.0.0.1", args.port))
-    srv.listen(8)
-    port = srv.getsockname()[1]
-    print(f"ready port={port} ranks={world}", flush=True)
-    if args.ready_file:
-        with open(args.ready_file + ".tmp", "w") as f:
-            f.write(f"{port}\n")
-        os.rename(args.ready_file + ".tmp", args.ready_file)
-    while True:
-        conn, _ = srv.accept()
-        with conn, conn.makefile("rw") as io:
-            for line in io:
-                cmd = line.strip()
-                if cmd == "CHECK":
-                    err = run(1)
-                    reply = f"OK ranks={world} max_err={err:g}" if err == 0 else f"FAIL max_err={err:g}"
-                elif cmd == "INFO":
-                    reply = (f"ranks={world} gib={args.gib:g} pids={','.join(str(int(p.item())) for p in pids)} "
-                             f"gpu0={bus}")
-                elif cmd == "QUIT":
-                    run(2)
-                    io.write("BYE\n")
-                    io.flush()
-                    return
-                else:
-                    reply = "ERR unknown command"
-                io.write(reply + "\n")
-                io.flush()
+    def check():
+        err = run(1)
+        return f"OK ranks={world} max_err={err:g}" if err == 0 else f"FAIL max_err={err:g}"
 
+    def info():
+        return (f"ranks={world} gib={args.gib:g} pids={','.join(str(int(p.item())) for p in pids)} "
+                f"gpu0={bus}")
+
+    line_server.serve(args.port, args.ready_file, {"CHECK": check, "INFO": info},
+                      banner=f"ranks={world}", on_quit=lambda: run(2))
 
 if __name__ == "__main__":
     a = parse_args()
