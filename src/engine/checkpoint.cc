@@ -22,9 +22,12 @@
 #include <map>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "artifact/writer.h"
 #include "common/fs.h"
 #include "common/proc.h"
+#include "common/utc.h"
 #include "container/enter.h"
 #include "container/runc.h"
 #include "criu/criu.h"
@@ -46,15 +49,6 @@ namespace {
 // returns. They work ahead of the driver's copy, so they normally finish before it; this only
 // bounds a starved machine.
 constexpr std::chrono::milliseconds kFillThreadsLimit{30000};
-
-std::string utc_now() {
-  char buf[32];
-  time_t now = ::time(nullptr);
-  struct tm tm {};
-  ::gmtime_r(&now, &tm);
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
-}
 
 ProcessRecord record_of(const proc::Process& p) {
   ProcessRecord r;
@@ -143,11 +137,11 @@ class Checkpoint {
 
   CheckpointResult run() {
     auto criu = criu::locate(options_.criu_path);
-    gpu::Driver& driver = open_driver();
+    gpu::Driver& driver = gpu::given_or_nvidia(options_.driver, owned_driver_);
     for (const auto& line : engine::recover_abandoned(driver, options_.run_dir)) {
       phases_.reporter().note(line);
     }
-    ArtifactWriter writer(options_.output);
+    artifact::ArtifactWriter writer(options_.output);
     auto tree = phases_.run("resolve", [&] { return resolve(); });
     auto cuda = engine::cuda_processes(driver, tree);
     phases_.run("preflight", [&] {
@@ -246,12 +240,6 @@ class Checkpoint {
     return handshake;
   }
 
-  gpu::Driver& open_driver() {
-    if (options_.driver != nullptr) return *options_.driver;
-    owned_driver_ = gpu::open_nvidia_driver();
-    return *owned_driver_;
-  }
-
   void describe_gpu(gpu::Driver& driver, const std::vector<pid_t>& cuda, Manifest& manifest) {
     if (!driver.available()) {
       throw Error(ErrorKind::kEnvironment,
@@ -260,9 +248,9 @@ class Checkpoint {
                   "run gpusnap where libcuda.so.1 and libnvidia-ml.so.1 can be loaded");
     }
     manifest.gpu = engine::describe_gpu_state(driver, cuda);
-    for (const auto& p : manifest.gpu.at("processes")) {
+    for (const auto& p : manifest.gpu->processes) {
       for (auto& rec : manifest.processes) {
-        if (rec.pid == p.at("pid").get<pid_t>()) rec.gpu_bytes = p.at("bytes").get<uint64_t>();
+        if (rec.pid == p.pid) rec.gpu_bytes = p.bytes;
       }
     }
   }
@@ -270,7 +258,7 @@ class Checkpoint {
   // Each CUDA process's new host memory into files of the artifact, one process at a time,
   // each with every I/O thread.
   void store_host_images(const std::map<pid_t, std::vector<Mapping>>& before,
-                         const ArtifactWriter& writer, Manifest& manifest) {
+                         const artifact::ArtifactWriter& writer, Manifest& manifest) {
     engine::HostImageOptions o;
     o.threads = options_.io_threads > 0
                     ? options_.io_threads
@@ -332,7 +320,7 @@ class Checkpoint {
   Manifest describe(const std::vector<proc::Process>& tree, const criu::Binary& criu) {
     Manifest m;
     m.id = fs::random_id();
-    m.created = utc_now();
+    m.created = utc::now();
     m.gpusnap_version = GPUSNAP_VERSION;
     m.source_pid = options_.pid;
     m.source_cmdline = tree.front().cmdline;

@@ -16,6 +16,12 @@ const char* state_name(ProcessState state) {
   return "UNKNOWN";
 }
 
+Driver& given_or_nvidia(Driver* given, std::unique_ptr<Driver>& owned) {
+  if (given != nullptr) return *given;
+  owned = open_nvidia_driver();
+  return *owned;
+}
+
 namespace {
 
 constexpr std::string_view kUuidPrefix = "GPU-";

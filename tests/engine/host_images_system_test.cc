@@ -16,6 +16,7 @@
 #include <sys/uio.h>
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
