@@ -12,14 +12,16 @@
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
+// The declarations only: the manifest's JSON form (to_json/from_json) is its on-disk
+// contract, and the callers that use it include <nlohmann/json.hpp> themselves.
+#include <nlohmann/json_fwd.hpp>
 
 #include "gpusnap/phases.h"
 
 namespace gpusnap {
 
 inline constexpr const char* kArtifactFormat = "gpusnap-artifact";
-// 2 added host images; version 1 artifacts (none) are still read.
+// The only version ever written: 2 (host images) replaced 1 before any artifact of 1 existed.
 inline constexpr int kArtifactFormatVersion = 2;
 inline constexpr const char* kManifestName = "manifest.json";
 inline constexpr const char* kCriuImageDir = "criu";
@@ -67,6 +69,57 @@ struct HostImageRecord {
   uint64_t stored_bytes = 0;  // bytes not in holes
 };
 
+// A GPU the workload could see when it was captured. Every visible GPU is recorded, used or
+// not: the driver's restore onto other GPUs takes a map of all of them.
+struct GpuRecord {
+  int index = 0;
+  bool used = true;  // held the workload's memory (true for all when usage was not visible)
+  std::string uuid;
+  std::string name;  // "NVIDIA H200": the model a target GPU must match
+  std::string bus_id;
+  std::string compute_capability;  // "9.0"
+  uint64_t memory_total = 0;
+};
+
+// The GPU memory one GPU held for a process.
+struct GpuUsageRecord {
+  std::string uuid;
+  uint64_t bytes = 0;
+};
+
+// A CUDA process of the snapshot: its pid (as ProcessRecord::pid) and its GPU memory.
+struct GpuProcessRecord {
+  pid_t pid = 0;
+  uint64_t bytes = 0;
+  std::vector<GpuUsageRecord> gpus;
+};
+
+// What a restore checks and maps about the GPUs the snapshot was taken on.
+struct GpuFacts {
+  std::string driver_version;   // "580.95.05": a restore needs the same
+  int cuda_driver_version = 0;  // 13000
+  std::vector<GpuRecord> gpus;
+  std::vector<GpuProcessRecord> processes;
+};
+
+// A file of the captured container's root filesystem that the workload maps: a placeholder
+// restored into must hold the same one.
+struct RootfsFileRecord {
+  std::string path;  // inside the container's root
+  uint64_t size = 0;
+  std::string xxh3;  // 64-bit xxh3 of the content, hex
+};
+
+// The container a workload was captured from.
+struct ContainerRecord {
+  std::string runtime;  // "runc"
+  std::string id;
+  std::string bundle;
+  std::string rootfs;
+  std::vector<RootfsFileRecord> rootfs_files;
+  std::string runtime_root;  // the runtime's state directory it was found in
+};
+
 struct FileRecord {
   std::string path;  // relative to the artifact root
   uint64_t size = 0;
@@ -84,14 +137,13 @@ struct Manifest {
   HostFacts host;
   bool shell_job = false;
   std::vector<ProcessRecord> processes;
-  nlohmann::json gpu;  // GPU facts (null: the snapshot holds no GPU state)
+  std::optional<GpuFacts> gpu;  // none: the snapshot holds no GPU state
   // The workload's handshake control directory at capture time (empty: captured without the
   // handshake). Restored copies get their own directory mounted at this path.
   std::string control_dir;
-  // A capture of a container's workload (null: of a host process tree): the runtime, the
-  // container, and the files of its root filesystem the workload maps. Its pids are then those
-  // of the container's PID namespace.
-  nlohmann::json container;
+  // A capture of a container's workload (none: of a host process tree). Its pids are then
+  // those of the container's PID namespace.
+  std::optional<ContainerRecord> container;
   std::string checksum_algorithm = "xxh3-128";
   uint64_t chunk_bytes = 64ull << 20;
   std::vector<FileRecord> files;
@@ -100,7 +152,8 @@ struct Manifest {
 
   uint64_t total_bytes() const;
   nlohmann::json to_json() const;
-  // Throws Error(kBadArtifact) naming the field when the document is not a valid manifest.
+  // Validates the whole document, every section typed: throws Error(kBadArtifact) naming the
+  // field when it is not a manifest this gpusnap reads, never a JSON library exception.
   static Manifest from_json(const nlohmann::json& doc);
 };
 

@@ -10,10 +10,11 @@
 #include <chrono>
 
 #include "artifact/writer.h"
-#include "cli/documents.h"
 #include "common/fd.h"
 #include "common/fs.h"
 #include "common/proc.h"
+#include "common/utc.h"
+#include "engine/documents.h"
 #include "engine/gpu_state.h"
 #include "engine/handshake.h"
 #include "gpu/driver.h"
@@ -112,33 +113,9 @@ std::vector<pid_t> orphaned_dump_guardians(const std::filesystem::path& storage)
   return out;
 }
 
-// GPU journal entries (engine/gpu_state.h) naming this very pid as their owner: a previous
-// agent that had our pid (an agent that is PID 1 of its container always has). The engine's
-// own recovery takes their owner for alive; these are recovered here. Never throws.
-std::vector<std::string> recover_own_pid_entries(gpu::Driver& driver,
-                                                 const std::filesystem::path& run_dir) noexcept {
-  std::vector<std::string> lines;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(run_dir / "journal", ec)) {
-    try {
-      const auto doc = json::parse(fs::read_file(e.path()));
-      if (doc.at("owner").get<pid_t>() != ::getpid()) continue;
-      if (driver.available()) {
-        for (auto& line :
-             engine::return_to_running(driver, doc.at("pids").get<std::vector<pid_t>>())) {
-          lines.push_back("recovered after a killed agent: " + line);
-        }
-      }
-      std::filesystem::remove(e.path(), ec);
-    } catch (const std::exception&) {
-      // Unreadable entries are the engine's to report (recover_abandoned).
-    }
-  }
-  return lines;
-}
-
-// Staging directories named with this very pid: see recover_own_pid_entries. Nothing of ours
-// writes yet, so an unlocked one is stale. Never throws.
+// Staging directories named with this very pid: a previous agent that had our pid (an agent
+// that is PID 1 of its container always has) wrote them. Nothing of ours writes yet, so an
+// unlocked one is stale. Never throws.
 void remove_own_pid_staging(const std::filesystem::path& storage) noexcept {
   const std::string tag = ".staging-" + std::to_string(::getpid()) + "-";
   std::error_code ec;
@@ -155,6 +132,36 @@ std::string hostname() {
   char buf[256] = {};
   if (::gethostname(buf, sizeof buf - 1) != 0) return "unknown";
   return buf;
+}
+
+// What the agent says about an operation a dead agent left in its journal, by how far it got.
+std::string interrupted_message(const Operation& op, const json& entry) {
+  const std::string kind = kind_name(op.kind);
+  const std::string name = op.request.value("artifact", "?");
+  const bool was_running = entry.value("state", "") == "running";
+  const std::string phase = entry.value("phase", "");
+  std::string message = "the agent restarted ";
+  if (!was_running) {
+    message.append("before the ").append(kind).append(" of ").append(name);
+    message.append(" started; nothing was done");
+    return message;
+  }
+  message.append("during the ").append(kind);
+  if (op.kind == OperationKind::kCheckpoint) {
+    message.append(" of pid ").append(std::to_string(entry.value("pid", 0))).append(" into ");
+  } else {
+    message.append(" of ");
+  }
+  message.append(name);
+  if (!phase.empty()) message.append(" (phase ").append(phase).append(")");
+  if (op.kind != OperationKind::kCheckpoint) {
+    return message.append("; copies not yet released ended with it");
+  }
+  std::error_code ec;
+  return message.append(std::filesystem::exists(entry.value("artifact", ""), ec)
+                            ? "; the artifact had been committed, but the operation did not "
+                              "finish (the source may still be running)"
+                            : "; the workload was resumed and nothing was written");
 }
 
 }  // namespace
@@ -181,7 +188,7 @@ void Agent::stop() noexcept {
   std::lock_guard lock(mu_);
   for (const auto& op : queue_) {
     op->state = OperationState::kFailed;
-    op->finished_at = utc_now();
+    op->finished_at = utc::now(utc::Precision::kMilliseconds);
     op->error =
         error_json(Error(ErrorKind::kInternal,
                          "the agent stopped before this " + std::string(kind_name(op->kind)) +
@@ -210,7 +217,7 @@ json Agent::submit(OperationKind kind, json request) {
   op->id = fs::random_id().substr(0, 16);
   op->kind = kind;
   op->request = std::move(request);
-  op->created_at = utc_now();
+  op->created_at = utc::now(utc::Precision::kMilliseconds);
   std::lock_guard lock(mu_);
   if (stopping_) {
     throw Error(ErrorKind::kEnvironment, "the agent is stopping", "send the request again later");
@@ -261,11 +268,11 @@ json Agent::operations() const {
   return {{"operations", list}};
 }
 
-json Agent::snapshots() const { return cli::list_document(config_.engine.storage); }
+json Agent::snapshots() const { return engine::list_document(config_.engine.storage); }
 
 json Agent::snapshot(const std::string& name) const {
   check_artifact_name(name);
-  return cli::inspect_document(Artifact::open(config_.engine.storage / name));
+  return engine::inspect_document(Artifact::open(config_.engine.storage / name));
 }
 
 void Agent::work(const std::stop_token& stop) {
@@ -304,7 +311,7 @@ void Agent::run(const std::shared_ptr<Operation>& op) {
   {
     std::lock_guard lock(mu_);
     op->state = OperationState::kRunning;
-    op->started_at = utc_now();
+    op->started_at = utc::now(utc::Precision::kMilliseconds);
     op->started = Clock::now();
     entry = journal_entry(*op);
   }
@@ -323,7 +330,7 @@ void Agent::run(const std::shared_ptr<Operation>& op) {
       OperationReporter reporter(mu_, *op, metrics_, journal_, entry);
       auto r = checkpoint(options, reporter);
       bytes = r.manifest.total_bytes();
-      result = cli::checkpoint_document(r, options.leave_running, notes_of(*op));
+      result = engine::checkpoint_document(r, options.leave_running, notes_of(*op));
     } else {
       const auto options = restore_options(parse_restore_request(op->request), config_.engine);
       entry["artifact"] = options.artifact.string();
@@ -332,7 +339,7 @@ void Agent::run(const std::shared_ptr<Operation>& op) {
       auto r = restore(options, reporter);
       bytes = r.manifest.total_bytes();
       for (const auto& c : r.copies) released_inits_.push_back(c.init_pid);
-      result = cli::restore_document(r, options.artifact, notes_of(*op));
+      result = engine::restore_document(r, options.artifact, notes_of(*op));
     }
   } catch (const Error& e) {
     error = error_json(e);
@@ -343,7 +350,7 @@ void Agent::run(const std::shared_ptr<Operation>& op) {
   {
     std::lock_guard lock(mu_);
     op->state = error.is_null() ? OperationState::kSucceeded : OperationState::kFailed;
-    op->finished_at = utc_now();
+    op->finished_at = utc::now(utc::Precision::kMilliseconds);
     op->result = std::move(result);
     op->error = error;
     op->progress = nullptr;
@@ -354,36 +361,49 @@ void Agent::run(const std::shared_ptr<Operation>& op) {
 }
 
 void Agent::recover() noexcept {
-  const auto& storage = config_.engine.storage;
   std::vector<std::string> actions;
-  // 1. A dead agent's dump may still be running: its guardian finishes it and cleans up.
+  wait_for_dump_guardians(actions);
+  recover_gpu_processes(actions);
+  // Staging directories nobody writes any more.
+  artifact::ArtifactWriter::remove_stale_staging(config_.engine.storage);
+  remove_own_pid_staging(config_.engine.storage);
+  recover_operations(actions);
+}
+
+// A dead agent's dump may still be running: its guardian finishes it and cleans up.
+void Agent::wait_for_dump_guardians(std::vector<std::string>& actions) noexcept {
+  const auto& storage = config_.engine.storage;
   const auto waiting_since = Clock::now();
   for (auto guardians = orphaned_dump_guardians(storage); !guardians.empty();
        guardians = orphaned_dump_guardians(storage)) {
     if (Clock::now() - waiting_since > kGuardianWait) {
       actions.push_back("a previous agent's CRIU dump is still running after 10 minutes");
-      break;
+      return;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  // 2. The engine's recovery, as `gpusnap recover` runs it: CUDA processes a dead capture left
-  //    locked or checkpointed go back to RUNNING.
+}
+
+// The engine's recovery, as `gpusnap recover` runs it: CUDA processes a dead capture left
+// locked or checkpointed go back to RUNNING. Entries naming this very pid are a previous
+// agent's that had our pid, which the engine's own recovery takes for alive.
+void Agent::recover_gpu_processes(std::vector<std::string>& actions) noexcept {
   try {
     auto driver = gpu::open_nvidia_driver();
     for (auto& line : engine::recover_abandoned(*driver, config_.engine.run_dir)) {
       actions.push_back(std::move(line));
     }
-    for (auto& line : recover_own_pid_entries(*driver, config_.engine.run_dir)) {
-      actions.push_back(std::move(line));
+    for (auto& line : engine::recover_entries_of(*driver, config_.engine.run_dir, ::getpid())) {
+      actions.push_back("recovered after a killed agent: " + line);
     }
   } catch (const std::exception& e) {
     actions.push_back(std::string("GPU recovery failed: ") + e.what());
   }
-  // 3. Staging directories nobody writes any more.
-  ArtifactWriter::remove_stale_staging(storage);
-  remove_own_pid_staging(storage);
+}
 
-  // 4. Each interrupted operation: the workload's handshake, then its record.
+// Each operation a dead agent left in the journal: the workload's handshake, then its record,
+// failed, with `actions` as its notes.
+void Agent::recover_operations(std::vector<std::string>& actions) noexcept {
   std::vector<std::shared_ptr<Operation>> recovered;
   for (const auto& leftover : journal_.leftovers()) {
     if (leftover.entry.is_null()) {
@@ -400,43 +420,19 @@ void Agent::recover() noexcept {
       op->request = e.value("request", json::object());
       op->created_at = e.value("created_at", "");
       op->started_at = e.value("started_at", "");
-      op->finished_at = utc_now();
+      op->finished_at = utc::now(utc::Precision::kMilliseconds);
       op->state = OperationState::kFailed;
       op->notes = actions;
-      const std::string kind = kind_name(op->kind);
-      const std::string name = op->request.value("artifact", "?");
-      const bool was_running = e.value("state", "") == "running";
-      const std::string phase = e.value("phase", "");
-      std::string message = "the agent restarted ";
-      if (!was_running) {
-        message.append("before the ").append(kind).append(" of ").append(name);
-        message.append(" started; nothing was done");
-      } else {
-        message.append("during the ").append(kind);
-        if (op->kind == OperationKind::kCheckpoint) {
-          message.append(" of pid ").append(std::to_string(e.value("pid", 0))).append(" into ");
-        } else {
-          message.append(" of ");
-        }
-        message.append(name);
-        if (!phase.empty()) message.append(" (phase ").append(phase).append(")");
-      }
-      if (was_running && op->kind == OperationKind::kCheckpoint) {
+      if (e.value("state", "") == "running" && op->kind == OperationKind::kCheckpoint) {
         // A paused workload waits for a resume that its dead agent will never send. Asking
         // one that is not paused costs nothing: it answers at once.
         if (auto dir = e.value("control_dir", ""); !dir.empty()) {
           engine::Handshake(dir).request_resume_as_source();
         }
-        std::error_code ec;
-        message.append(std::filesystem::exists(e.value("artifact", ""), ec)
-                           ? "; the artifact had been committed, but the operation did not "
-                             "finish (the source may still be running)"
-                           : "; the workload was resumed and nothing was written");
-      } else if (was_running) {
-        message.append("; copies not yet released ended with it");
       }
-      op->error = error_json(Error(ErrorKind::kInternal, message, "send the request again"));
-      metrics_.failed_without_running(kind, Error::kind_name(ErrorKind::kInternal));
+      op->error = error_json(
+          Error(ErrorKind::kInternal, interrupted_message(*op, e), "send the request again"));
+      metrics_.failed_without_running(kind_name(op->kind), Error::kind_name(ErrorKind::kInternal));
       recovered.push_back(op);
     } catch (const std::exception& err) {
       actions.push_back("journal entry " + leftover.path.string() + " unreadable: " + err.what());

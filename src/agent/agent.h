@@ -76,6 +76,10 @@ class Agent {
   // recovery (GPU journal, the workload's handshake), removes stale staging directories, and
   // records each interrupted operation as failed. Never throws.
   void recover() noexcept;
+  // The steps of recover(), in its order; each adds what it did to `actions`.
+  void wait_for_dump_guardians(std::vector<std::string>& actions) noexcept;
+  void recover_gpu_processes(std::vector<std::string>& actions) noexcept;
+  void recover_operations(std::vector<std::string>& actions) noexcept;
   void add(const std::shared_ptr<Operation>& op);           // with mu_ held
   void reap_copies();                                       // released copies' inits that ended
   nlohmann::json journal_entry(const Operation& op) const;  // with mu_ held

@@ -15,7 +15,7 @@
 
 #include "agent/agent.h"
 #include "agent/server.h"
-#include "cli/args.h"
+#include "common/args.h"
 #include "common/fs.h"
 #include "gpusnap/error.h"
 
@@ -23,7 +23,7 @@ namespace gpusnap::agent {
 
 namespace {
 
-const std::vector<cli::FlagSpec> kFlags = {
+const std::vector<args::FlagSpec> kFlags = {
     {"--socket", "", "PATH", "the Unix socket to serve (default /run/gpusnap/agent.sock)"},
     {"--socket-group", "", "GROUP", "the group that may use the socket (name or gid)"},
     {"--listen", "", "ADDR:PORT", "also serve TCP (requires --token-file; port 0: any)"},
@@ -78,7 +78,7 @@ std::string read_token(const std::filesystem::path& file) {
 
 // The gpusnap binary that runs the engine's helper processes (the dump guardian, a copy's
 // init): the agent itself cannot, it is another program.
-std::string helper_binary(const cli::Args& args) {
+std::string helper_binary(const args::Args& args) {
   std::filesystem::path path = args.get("--gpusnap");
   if (path.empty()) {
     path = std::filesystem::read_symlink("/proc/self/exe").parent_path() / "gpusnap";
@@ -105,15 +105,15 @@ void make_private_dir(const std::filesystem::path& dir) {
 void on_sigpipe(int /*signal*/) {}
 
 int run(const std::vector<std::string>& argv) {
-  std::optional<cli::Args> parsed;
+  std::optional<args::Args> parsed;
   try {
     parsed.emplace("agent", kFlags, argv);
   } catch (const Error& e) {
     throw usage(e.what());
   }
-  const cli::Args& args = *parsed;
+  const args::Args& args = *parsed;
   if (args.has("--help")) {
-    std::fputs(cli::format_help(kUsage, kSummary, kFlags).c_str(), stdout);
+    std::fputs(args::format_help(kUsage, kSummary, kFlags).c_str(), stdout);
     return 0;
   }
   if (args.has("--version")) {

@@ -35,6 +35,11 @@ std::string label(const std::string& name, const std::string& value) {
   return name + "=\"" + escape_label(value) + "\"";
 }
 
+// One sample of a counter or gauge: NAME{LABELS} VALUE.
+void sample(std::string& out, const char* name, const std::string& labels, int64_t value) {
+  out += std::string(name) + "{" + labels + "} " + std::to_string(value) + "\n";
+}
+
 void header(std::string& out, const char* name, const char* type, const char* help) {
   out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
 }
@@ -125,14 +130,13 @@ std::string Metrics::render() const {
   header(out, "gpusnap_operations_total", "counter",
          "Checkpoints and restores that ended, by result.");
   for (const auto& [key, n] : operations_) {
-    out += "gpusnap_operations_total{" + label("kind", key.first) + "," +
-           label("result", key.second) + "} " + std::to_string(n) + "\n";
+    sample(out, "gpusnap_operations_total",
+           label("kind", key.first) + "," + label("result", key.second), static_cast<int64_t>(n));
   }
   header(out, "gpusnap_operations_in_flight", "gauge",
          "Operations running now (pending ones excluded).");
-  for (const auto& [kind, n] : in_flight_) {
-    out += "gpusnap_operations_in_flight{" + label("kind", kind) + "} " + std::to_string(n) + "\n";
-  }
+  for (const auto& [kind, n] : in_flight_)
+    sample(out, "gpusnap_operations_in_flight", label("kind", kind), n);
   header(out, "gpusnap_operation_duration_seconds", "histogram",
          "Time from an operation's start to its end.");
   for (const auto& [kind, h] : duration_) {
@@ -147,13 +151,14 @@ std::string Metrics::render() const {
   header(out, "gpusnap_artifact_bytes_total", "counter",
          "Artifact bytes written by checkpoints and read by restores.");
   for (const auto& [kind, n] : bytes_) {
-    out += "gpusnap_artifact_bytes_total{" + label("kind", kind) + "} " + std::to_string(n) + "\n";
+    sample(out, "gpusnap_artifact_bytes_total", label("kind", kind), static_cast<int64_t>(n));
   }
   header(out, "gpusnap_operation_failures_total", "counter",
          "Failed operations by error kind (the kinds are gpusnap's exit codes).");
   for (const auto& [key, n] : failures_) {
-    out += "gpusnap_operation_failures_total{" + label("kind", key.first) + "," +
-           label("error_kind", key.second) + "} " + std::to_string(n) + "\n";
+    sample(out, "gpusnap_operation_failures_total",
+           label("kind", key.first) + "," + label("error_kind", key.second),
+           static_cast<int64_t>(n));
   }
   return out;
 }

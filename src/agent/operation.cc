@@ -1,9 +1,5 @@
 #include "agent/operation.h"
 
-#include <time.h>
-
-#include <cstdio>
-
 namespace gpusnap::agent {
 
 using nlohmann::json;
@@ -59,18 +55,6 @@ json error_json(const Error& error) {
           {"exit_code", error.exit_code()},
           {"message", error.what()},
           {"hint", error.hint()}};
-}
-
-std::string utc_now() {
-  timespec ts{};
-  ::clock_gettime(CLOCK_REALTIME, &ts);
-  struct tm tm {};
-  ::gmtime_r(&ts.tv_sec, &tm);
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900,
-                tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
-                static_cast<int>(ts.tv_nsec / 1000000));
-  return buf;
 }
 
 }  // namespace gpusnap::agent

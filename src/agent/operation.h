@@ -53,7 +53,4 @@ struct Operation {
 // The API's error object for an Error.
 nlohmann::json error_json(const Error& error);
 
-// Now, as RFC 3339 UTC with milliseconds.
-std::string utc_now();
-
 }  // namespace gpusnap::agent

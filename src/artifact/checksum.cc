@@ -33,7 +33,7 @@ std::string hex128(const XXH128_hash_t& h) {
 
 }  // namespace
 
-std::string ChunkHash::hex() const { return hex128(XXH3_128bits_digest(state_.get())); }
+std::string artifact::ChunkHash::hex() const { return hex128(XXH3_128bits_digest(state_.get())); }
 
 namespace {
 

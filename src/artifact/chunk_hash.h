@@ -9,7 +9,7 @@
 #include <memory>
 #include <string>
 
-namespace gpusnap {
+namespace gpusnap::artifact {
 
 class ChunkHash {
  public:
@@ -23,4 +23,4 @@ class ChunkHash {
   std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state_;
 };
 
-}  // namespace gpusnap
+}  // namespace gpusnap::artifact

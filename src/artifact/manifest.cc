@@ -6,6 +6,8 @@
 #include <map>
 #include <sstream>
 
+#include <nlohmann/json.hpp>
+
 #include "common/fs.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/error.h"
@@ -47,6 +49,44 @@ uint64_t Manifest::total_bytes() const {
   for (const auto& f : files) total += f.size;
   return total;
 }
+
+namespace {
+
+json gpu_json(const GpuFacts& g) {
+  json gpus = json::array();
+  for (const auto& d : g.gpus) {
+    gpus.push_back({{"index", d.index},
+                    {"used", d.used},
+                    {"uuid", d.uuid},
+                    {"name", d.name},
+                    {"bus_id", d.bus_id},
+                    {"compute_capability", d.compute_capability},
+                    {"memory_total", d.memory_total}});
+  }
+  json processes = json::array();
+  for (const auto& p : g.processes) {
+    json usage = json::array();
+    for (const auto& u : p.gpus) usage.push_back({{"uuid", u.uuid}, {"bytes", u.bytes}});
+    processes.push_back({{"pid", p.pid}, {"bytes", p.bytes}, {"gpus", usage}});
+  }
+  return {{"driver_version", g.driver_version},
+          {"cuda_driver_version", g.cuda_driver_version},
+          {"gpus", gpus},
+          {"processes", processes}};
+}
+
+json container_json(const ContainerRecord& c) {
+  json files = json::array();
+  for (const auto& f : c.rootfs_files) {
+    files.push_back({{"path", f.path}, {"size", f.size}, {"xxh3", f.xxh3}});
+  }
+  return {
+      {"runtime", c.runtime}, {"runtime_root", c.runtime_root}, {"id", c.id}, {"bundle", c.bundle},
+      {"rootfs", c.rootfs},   {"rootfs_files", files},
+  };
+}
+
+}  // namespace
 
 json Manifest::to_json() const {
   json processes_json = json::array();
@@ -97,9 +137,9 @@ json Manifest::to_json() const {
         {"page_size", host.page_size}}},
       {"criu", {{"shell_job", shell_job}}},
       {"processes", processes_json},
-      {"gpu", gpu},
+      {"gpu", gpu ? gpu_json(*gpu) : json(nullptr)},
       {"handshake", control_dir.empty() ? json(nullptr) : json{{"control_dir", control_dir}}},
-      {"container", container},
+      {"container", container ? container_json(*container) : json(nullptr)},
       {"checksum", {{"algorithm", checksum_algorithm}, {"chunk_bytes", chunk_bytes}}},
       {"files", files_json},
       {"host_images", images_json},
@@ -107,106 +147,149 @@ json Manifest::to_json() const {
   };
 }
 
-Manifest Manifest::from_json(const json& doc) {
-  Manifest m;
-  std::string field;
-  const char* kHint =
-      "the artifact is damaged or was not written by gpusnap; take a new checkpoint";
-  auto wrong_type = [&](const char* key, const std::string& expected, const json& got) {
-    return Error(ErrorKind::kBadArtifact,
-                 std::string("manifest field '") + key + "' has the wrong type: expected " +
-                     expected + ", found " + got.type_name(),
-                 kHint);
-  };
-  // Every access goes through get(): a missing or mistyped field names itself in the error.
-  // `obj` is the document itself or a value that object()/objects() already checked, so a
-  // non-object there ("host": "x86_64") is reported against its own field, not as a missing
-  // inner field.
-  auto get = [&](const json& obj, const char* key) -> const json& {
-    field = key;
-    if (!obj.is_object() || !obj.contains(key)) {
-      throw Error(ErrorKind::kBadArtifact, std::string("manifest lacks the field '") + key + "'",
-                  kHint);
+namespace {
+
+constexpr const char* kDamagedHint =
+    "the artifact is damaged or was not written by gpusnap; take a new checkpoint";
+
+// Reads a manifest document field by field. Every access checks the field's presence and type
+// and names the field in its error: a malformed manifest is a bad artifact (exit 4), never a
+// JSON library exception. `obj` is the document itself or a value that object()/objects()
+// already checked, so a non-object there ("host": "x86_64") is reported against its own field,
+// not as a missing inner field.
+class ManifestReader {
+ public:
+  Manifest read(const json& doc) {
+    try {
+      Manifest m;
+      read_header(doc, m);
+      read_host(object(doc, "host"), m.host);
+      m.shell_job = boolean(object(doc, "criu"), "shell_job");
+      for (const auto& p : objects(doc, "processes")) m.processes.push_back(process(p));
+      m.gpu = gpu(doc);
+      if (const auto& hs = get(doc, "handshake"); !hs.is_null()) {
+        m.control_dir = text(hs, "control_dir");
+      }
+      m.container = container(doc);
+      read_checksum(object(doc, "checksum"), m);
+      for (const auto& f : objects(doc, "files")) {
+        m.files.push_back({text(f, "path"), size(f, "size"), texts(f, "chunks")});
+      }
+      for (const auto& i : objects(doc, "host_images")) m.host_images.push_back(host_image(i));
+      for (const auto& p : objects(doc, "checkpoint_phases")) {
+        m.checkpoint_phases.push_back({text(p, "name"), number(p, "seconds")});
+      }
+      return m;
+    } catch (const json::exception& e) {
+      // The checks above leave nothing for the library to refuse; kept so that one missed
+      // still names its field rather than escaping as an internal error.
+      throw Error(ErrorKind::kBadArtifact,
+                  "manifest field '" + field_ + "' has the wrong type: " + e.what(), kDamagedHint);
     }
-    return obj.at(key);
-  };
-  auto object = [&](const json& obj, const char* key) -> const json& {
-    const json& v = get(obj, key);
-    if (!v.is_object()) throw wrong_type(key, "an object", v);
-    return v;
-  };
-  auto objects = [&](const json& obj, const char* key) -> const json& {
-    const json& v = get(obj, key);
-    if (!v.is_array()) throw wrong_type(key, "an array", v);
-    for (const auto& item : v) {
-      if (!item.is_object()) throw wrong_type(key, "an array of objects", item);
-    }
-    return v;
-  };
-  // get<int>() / get<uint64_t>() would quietly truncate 1.9 and wrap -1: refuse both.
-  auto integer = [&](const json& obj, const char* key) -> const json& {
-    const json& v = get(obj, key);
-    if (!v.is_number_integer()) throw wrong_type(key, "an integer", v);
-    return v;
-  };
-  auto size = [&](const json& obj, const char* key) -> uint64_t {
-    const json& v = integer(obj, key);
-    if (!v.is_number_unsigned() && v.get<int64_t>() < 0) {
-      throw wrong_type(key, "an unsigned integer", v);
-    }
-    return v.get<uint64_t>();
-  };
-  try {
-    m.format = get(doc, "format").get<std::string>();
+  }
+
+ private:
+  void read_header(const json& doc, Manifest& m) {
+    m.format = text(doc, "format");
     if (m.format != kArtifactFormat) {
       throw Error(ErrorKind::kBadArtifact, "not a gpusnap artifact (format '" + m.format + "')",
                   "point gpusnap at a directory written by `gpusnap checkpoint`");
     }
     m.format_version = integer(doc, "format_version").get<int>();
-    if (m.format_version < 1 || m.format_version > kArtifactFormatVersion) {
+    if (m.format_version != kArtifactFormatVersion) {
       throw Error(ErrorKind::kBadArtifact,
                   "artifact format version " + std::to_string(m.format_version) +
-                      " is not supported (this gpusnap reads versions 1 to " +
+                      " is not supported (this gpusnap reads version " +
                       std::to_string(kArtifactFormatVersion) + ")",
                   "use the gpusnap version that wrote it, or take a new checkpoint");
     }
-    m.id = get(doc, "id").get<std::string>();
-    m.created = get(doc, "created").get<std::string>();
-    m.gpusnap_version = get(doc, "gpusnap_version").get<std::string>();
+    m.id = text(doc, "id");
+    m.created = text(doc, "created");
+    m.gpusnap_version = text(doc, "gpusnap_version");
     const auto& source = object(doc, "source");
     m.source_pid = integer(source, "pid").get<pid_t>();
-    m.source_cmdline = get(source, "cmdline").get<std::vector<std::string>>();
-    const auto& host = object(doc, "host");
-    m.host.hostname = get(host, "hostname").get<std::string>();
-    m.host.kernel = get(host, "kernel").get<std::string>();
-    m.host.arch = get(host, "arch").get<std::string>();
-    m.host.cpu_model = get(host, "cpu_model").get<std::string>();
-    m.host.cpu_flags = get(host, "cpu_flags").get<std::vector<std::string>>();
-    m.host.criu_version = get(host, "criu_version").get<std::string>();
-    m.host.page_size = integer(host, "page_size").get<long>();
-    m.shell_job = get(object(doc, "criu"), "shell_job").get<bool>();
-    for (const auto& p : objects(doc, "processes")) {
-      ProcessRecord rec;
+    m.source_cmdline = texts(source, "cmdline");
+  }
+
+  void read_host(const json& host, HostFacts& h) {
+    h.hostname = text(host, "hostname");
+    h.kernel = text(host, "kernel");
+    h.arch = text(host, "arch");
+    h.cpu_model = text(host, "cpu_model");
+    h.cpu_flags = texts(host, "cpu_flags");
+    h.criu_version = text(host, "criu_version");
+    h.page_size = integer(host, "page_size").get<long>();
+  }
+
+  ProcessRecord process(const json& p) {
+    ProcessRecord rec;
+    rec.pid = integer(p, "pid").get<pid_t>();
+    rec.ppid = integer(p, "ppid").get<pid_t>();
+    rec.comm = text(p, "comm");
+    rec.cmdline = texts(p, "cmdline");
+    rec.threads = integer(p, "threads").get<int>();
+    rec.rss_bytes = size(p, "rss_bytes");
+    rec.gpu_bytes = size(p, "gpu_bytes");
+    for (const auto& s : objects(p, "stdio")) {
+      rec.stdio.push_back({integer(s, "fd").get<int>(), text(s, "target")});
+    }
+    return rec;
+  }
+
+  std::optional<GpuFacts> gpu(const json& doc) {
+    const json& g = object_or_null(doc, "gpu");
+    if (g.is_null()) return std::nullopt;
+    GpuFacts facts;
+    facts.driver_version = text(g, "driver_version");
+    facts.cuda_driver_version = integer(g, "cuda_driver_version").get<int>();
+    for (const auto& d : objects(g, "gpus")) {
+      GpuRecord rec;
+      rec.index = integer(d, "index").get<int>();
+      rec.used = boolean(d, "used");
+      rec.uuid = text(d, "uuid");
+      rec.name = text(d, "name");
+      rec.bus_id = text(d, "bus_id");
+      rec.compute_capability = text(d, "compute_capability");
+      rec.memory_total = size(d, "memory_total");
+      facts.gpus.push_back(std::move(rec));
+    }
+    for (const auto& p : objects(g, "processes")) {
+      GpuProcessRecord rec;
       rec.pid = integer(p, "pid").get<pid_t>();
-      rec.ppid = integer(p, "ppid").get<pid_t>();
-      rec.comm = get(p, "comm").get<std::string>();
-      rec.cmdline = get(p, "cmdline").get<std::vector<std::string>>();
-      rec.threads = integer(p, "threads").get<int>();
-      rec.rss_bytes = size(p, "rss_bytes");
-      rec.gpu_bytes = size(p, "gpu_bytes");
-      for (const auto& s : objects(p, "stdio")) {
-        rec.stdio.push_back({integer(s, "fd").get<int>(), get(s, "target").get<std::string>()});
+      rec.bytes = size(p, "bytes");
+      for (const auto& u : objects(p, "gpus")) {
+        rec.gpus.push_back({text(u, "uuid"), size(u, "bytes")});
+        // A restore maps each process's GPUs; one the section does not list cannot be mapped.
+        if (!std::any_of(facts.gpus.begin(), facts.gpus.end(),
+                         [&](const GpuRecord& d) { return d.uuid == rec.gpus.back().uuid; })) {
+          throw Error(ErrorKind::kBadArtifact,
+                      "manifest field 'gpu' names GPU " + rec.gpus.back().uuid + " for process " +
+                          std::to_string(rec.pid) + " but does not list it",
+                      kDamagedHint);
+        }
       }
-      m.processes.push_back(std::move(rec));
+      facts.processes.push_back(std::move(rec));
     }
-    m.gpu = get(doc, "gpu");
-    if (const auto& hs = get(doc, "handshake"); !hs.is_null()) {
-      m.control_dir = get(hs, "control_dir").get<std::string>();
+    return facts;
+  }
+
+  std::optional<ContainerRecord> container(const json& doc) {
+    const json& c = object_or_null(doc, "container");
+    if (c.is_null()) return std::nullopt;
+    ContainerRecord rec;
+    rec.runtime = text(c, "runtime");
+    rec.runtime_root = text(c, "runtime_root");
+    rec.id = text(c, "id");
+    rec.bundle = text(c, "bundle");
+    rec.rootfs = text(c, "rootfs");
+    for (const auto& f : objects(c, "rootfs_files")) {
+      rec.rootfs_files.push_back({text(f, "path"), size(f, "size"), text(f, "xxh3")});
     }
-    // Absent from manifests written before container captures existed.
-    if (doc.contains("container")) m.container = doc.at("container");
-    const auto& checksum = object(doc, "checksum");
-    m.checksum_algorithm = get(checksum, "algorithm").get<std::string>();
+    return rec;
+  }
+
+  void read_checksum(const json& checksum, Manifest& m) {
+    m.checksum_algorithm = text(checksum, "algorithm");
     if (m.checksum_algorithm != "xxh3-128") {
       throw Error(ErrorKind::kBadArtifact,
                   "unknown checksum algorithm '" + m.checksum_algorithm + "' in the manifest",
@@ -217,40 +300,109 @@ Manifest Manifest::from_json(const json& doc) {
       throw Error(ErrorKind::kBadArtifact, "manifest has a checksum chunk size of 0",
                   "the artifact is damaged; take a new checkpoint");
     }
-    for (const auto& f : objects(doc, "files")) {
-      FileRecord rec;
-      rec.path = get(f, "path").get<std::string>();
-      rec.size = size(f, "size");
-      rec.chunks = get(f, "chunks").get<std::vector<std::string>>();
-      m.files.push_back(std::move(rec));
-    }
-    if (m.format_version >= 2) {
-      for (const auto& i : objects(doc, "host_images")) {
-        HostImageRecord rec;
-        rec.pid = integer(i, "pid").get<pid_t>();
-        rec.start = size(i, "start");
-        rec.end = size(i, "end");
-        rec.file = get(i, "file").get<std::string>();
-        // Absent in artifacts written before host images were aligned to 2 MiB pages.
-        if (i.contains("file_offset")) rec.file_offset = size(i, "file_offset");
-        rec.criu_key = get(i, "criu_key").get<std::string>();
-        rec.stored_bytes = size(i, "stored_bytes");
-        if (rec.end <= rec.start) {
-          throw Error(ErrorKind::kBadArtifact, "manifest has an empty host image range", kHint);
-        }
-        m.host_images.push_back(std::move(rec));
-      }
-    }
-    for (const auto& p : objects(doc, "checkpoint_phases")) {
-      m.checkpoint_phases.push_back(
-          {get(p, "name").get<std::string>(), get(p, "seconds").get<double>()});
-    }
-  } catch (const json::exception& e) {
-    throw Error(ErrorKind::kBadArtifact,
-                "manifest field '" + field + "' has the wrong type: " + e.what(), kHint);
   }
-  return m;
-}
+
+  HostImageRecord host_image(const json& i) {
+    HostImageRecord rec;
+    rec.pid = integer(i, "pid").get<pid_t>();
+    rec.start = size(i, "start");
+    rec.end = size(i, "end");
+    rec.file = text(i, "file");
+    rec.file_offset = size(i, "file_offset");
+    rec.criu_key = text(i, "criu_key");
+    rec.stored_bytes = size(i, "stored_bytes");
+    if (rec.end <= rec.start) {
+      throw Error(ErrorKind::kBadArtifact, "manifest has an empty host image range", kDamagedHint);
+    }
+    return rec;
+  }
+
+  Error wrong_type(const char* key, const std::string& expected, const json& got) const {
+    return Error(ErrorKind::kBadArtifact,
+                 std::string("manifest field '") + key + "' has the wrong type: expected " +
+                     expected + ", found " + got.type_name(),
+                 kDamagedHint);
+  }
+
+  const json& get(const json& obj, const char* key) {
+    field_ = key;
+    if (!obj.is_object() || !obj.contains(key)) {
+      throw Error(ErrorKind::kBadArtifact, std::string("manifest lacks the field '") + key + "'",
+                  kDamagedHint);
+    }
+    return obj.at(key);
+  }
+
+  const json& object(const json& obj, const char* key) {
+    const json& v = get(obj, key);
+    if (!v.is_object()) throw wrong_type(key, "an object", v);
+    return v;
+  }
+
+  // An optional section: present as an object, or null.
+  const json& object_or_null(const json& obj, const char* key) {
+    const json& v = get(obj, key);
+    if (!v.is_object() && !v.is_null()) throw wrong_type(key, "an object or null", v);
+    return v;
+  }
+
+  const json& objects(const json& obj, const char* key) {
+    const json& v = get(obj, key);
+    if (!v.is_array()) throw wrong_type(key, "an array", v);
+    for (const auto& item : v) {
+      if (!item.is_object()) throw wrong_type(key, "an array of objects", item);
+    }
+    return v;
+  }
+
+  std::string text(const json& obj, const char* key) {
+    const json& v = get(obj, key);
+    if (!v.is_string()) throw wrong_type(key, "a string", v);
+    return v.get<std::string>();
+  }
+
+  std::vector<std::string> texts(const json& obj, const char* key) {
+    const json& v = get(obj, key);
+    if (!v.is_array()) throw wrong_type(key, "an array of strings", v);
+    for (const auto& item : v) {
+      if (!item.is_string()) throw wrong_type(key, "an array of strings", item);
+    }
+    return v.get<std::vector<std::string>>();
+  }
+
+  bool boolean(const json& obj, const char* key) {
+    const json& v = get(obj, key);
+    if (!v.is_boolean()) throw wrong_type(key, "true or false", v);
+    return v.get<bool>();
+  }
+
+  double number(const json& obj, const char* key) {
+    const json& v = get(obj, key);
+    if (!v.is_number()) throw wrong_type(key, "a number", v);
+    return v.get<double>();
+  }
+
+  // get<int>() / get<uint64_t>() would quietly truncate 1.9 and wrap -1: refuse both.
+  const json& integer(const json& obj, const char* key) {
+    const json& v = get(obj, key);
+    if (!v.is_number_integer()) throw wrong_type(key, "an integer", v);
+    return v;
+  }
+
+  uint64_t size(const json& obj, const char* key) {
+    const json& v = integer(obj, key);
+    if (!v.is_number_unsigned() && v.get<int64_t>() < 0) {
+      throw wrong_type(key, "an unsigned integer", v);
+    }
+    return v.get<uint64_t>();
+  }
+
+  std::string field_;  // the field being read, for an error the checks did not foresee
+};
+
+}  // namespace
+
+Manifest Manifest::from_json(const json& doc) { return ManifestReader().read(doc); }
 
 Artifact Artifact::open(const std::filesystem::path& root) {
   Artifact a;

@@ -8,11 +8,13 @@
 
 #include <cerrno>
 
+#include <nlohmann/json.hpp>
+
 #include "common/fs.h"
 #include "common/proc.h"
 #include "gpusnap/error.h"
 
-namespace gpusnap {
+namespace gpusnap::artifact {
 
 namespace {
 constexpr const char* kStagingTag = ".staging-";
@@ -127,4 +129,4 @@ void ArtifactWriter::remove_stale_staging(const std::filesystem::path& dir) noex
   }
 }
 
-}  // namespace gpusnap
+}  // namespace gpusnap::artifact

@@ -8,7 +8,7 @@
 #include "common/fd.h"
 #include "gpusnap/artifact.h"
 
-namespace gpusnap {
+namespace gpusnap::artifact {
 
 class ArtifactWriter {
  public:
@@ -51,4 +51,4 @@ class ArtifactWriter {
   bool committed_ = false;
 };
 
-}  // namespace gpusnap
+}  // namespace gpusnap::artifact

@@ -108,7 +108,7 @@ json checked(const AgentReply& reply, const std::string& socket) {
               "the gpusnap agent at " + socket + " answered HTTP " + std::to_string(reply.status));
 }
 
-void refuse_local_flags(const Args& args, const std::vector<std::string>& flags) {
+void refuse_local_flags(const args::Args& args, const std::vector<std::string>& flags) {
   for (const auto& f : flags) {
     if (args.has(f)) {
       throw Error(ErrorKind::kUsage, f + " is not available through the agent",
@@ -117,7 +117,7 @@ void refuse_local_flags(const Args& args, const std::vector<std::string>& flags)
   }
 }
 
-json checkpoint_request(const Args& args) {
+json checkpoint_request(const args::Args& args) {
   refuse_local_flags(args, {"--ghost-limit-mib", "--gpu-lock-timeout", "--no-handshake",
                             "--no-host-images", "--no-direct-host-images", "--io-threads", "--host-image-file-mib", "--criu"});
   if (!args.has("--pid")) throw args.usage_error("checkpoint needs --pid PID");
@@ -132,7 +132,7 @@ json checkpoint_request(const Args& args) {
   return body;
 }
 
-json restore_request(const Args& args) {
+json restore_request(const args::Args& args) {
   refuse_local_flags(args, {"--no-verify", "--run-dir", "--timeout", "--criu"});
   json body{{"artifact", args.only_artifact()},
             {"replicas", args.get_int("--replicas", 1, 1, 1024)}};
@@ -280,7 +280,7 @@ AgentReply agent_request(const std::string& socket, const std::string& method,
   return reply;
 }
 
-int run_through_agent(const std::string& socket, const Args& args) {
+int run_through_agent(const std::string& socket, const args::Args& args) {
   const bool json_out = args.has("--json");
   const bool quiet = args.has("--quiet");
   const std::string& command = args.command();

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "cli/args.h"
+#include "common/args.h"
 
 namespace gpusnap::cli {
 
@@ -35,7 +35,7 @@ AgentChoice take_agent_flag(std::vector<std::string>& argv);
 // Runs the command `args.command()` through the agent; returns the exit code. Throws Error as
 // the direct command would (with the agent's error kind and message), or kEnvironment when the
 // agent cannot be reached.
-int run_through_agent(const std::string& socket, const Args& args);
+int run_through_agent(const std::string& socket, const args::Args& args);
 
 // One HTTP exchange with the agent over its Unix socket.
 struct AgentReply {

@@ -1,57 +1,14 @@
 #include "cli/documents.h"
 
-#include <algorithm>
 #include <cstdio>
-#include <iostream>
 
 #include "common/fs.h"
 #include "common/proc.h"
-#include "gpusnap/error.h"
+#include "gpusnap/artifact.h"
 
 namespace gpusnap::cli {
 
-namespace {
-
 using nlohmann::json;
-
-json phases_json(const std::vector<PhaseTiming>& phases) {
-  json out = json::array();
-  for (const auto& p : phases) out.push_back({{"name", p.name}, {"seconds", p.seconds}});
-  return out;
-}
-
-json host_images_json(const Manifest& m) {
-  json out = json::array();
-  for (const auto& i : m.host_images) {
-    out.push_back({{"pid", i.pid}, {"bytes", i.end - i.start}, {"stored_bytes", i.stored_bytes}});
-  }
-  return out;
-}
-
-double sum(const std::vector<PhaseTiming>& phases) {
-  double total = 0;
-  for (const auto& p : phases) total += p.seconds;
-  return total;
-}
-
-}  // namespace
-
-json checkpoint_document(const CheckpointResult& r, bool leave_running,
-                         const std::vector<std::string>& notes) {
-  return {{"artifact", r.artifact.string()},
-          {"id", r.manifest.id},
-          {"pid", r.manifest.source_pid},
-          {"processes", r.manifest.processes.size()},
-          {"bytes", r.manifest.total_bytes()},
-          {"source_left_running", leave_running},
-          {"handshake", r.handshake},
-          {"phases", phases_json(r.phases)},
-          {"seconds", sum(r.phases)},
-          {"host_images", host_images_json(r.manifest)},
-          {"notes", notes},
-          {"container",
-           r.manifest.container.is_null() ? json(nullptr) : r.manifest.container.at("id")}};
-}
 
 void print_checkpoint_human(const json& doc) {
   std::printf("checkpoint %s: %zu process(es), %s, %.2f s; source %s%s\n",
@@ -60,31 +17,6 @@ void print_checkpoint_human(const json& doc) {
               doc.at("seconds").get<double>(),
               doc.at("source_left_running").get<bool>() ? "left running" : "stopped",
               doc.at("handshake").get<bool>() ? " (paused through the handshake)" : "");
-}
-
-json restore_document(const RestoreResult& r, const std::filesystem::path& artifact,
-                      const std::vector<std::string>& notes) {
-  json copies = json::array();
-  for (const auto& c : r.copies) {
-    json ports = json::array();
-    for (const auto& p : c.ports) {
-      ports.push_back(
-          {{"host_address", p.host_address}, {"host_port", p.host_port}, {"port", p.port}});
-    }
-    copies.push_back({{"index", c.index},
-                      {"pid", c.host_pid},
-                      {"ns_pid", c.ns_pid},
-                      {"init_pid", c.init_pid},
-                      {"dir", c.dir.string()},
-                      {"ports", ports}});
-  }
-  return {{"artifact", artifact.string()},
-          {"id", r.manifest.id},
-          {"copies", copies},
-          {"handshake", r.handshake},
-          {"phases", phases_json(r.phases)},
-          {"seconds", sum(r.phases)},
-          {"notes", notes}};
 }
 
 void print_restore_human(const json& doc, bool quiet) {
@@ -102,13 +34,6 @@ void print_restore_human(const json& doc, bool quiet) {
                 doc.at("seconds").get<double>(),
                 doc.at("handshake").get<bool>() ? ", each resumed and ready to serve" : "");
   }
-}
-
-json inspect_document(const Artifact& a) {
-  json doc = a.manifest().to_json();
-  doc["artifact"] = a.root().string();
-  doc["total_bytes"] = a.manifest().total_bytes();
-  return doc;
 }
 
 void print_inspect_human(const json& doc) {
@@ -136,75 +61,34 @@ void print_inspect_human(const json& doc) {
                 p.gpu_bytes ? fs::human_bytes(p.gpu_bytes).c_str() : "-",
                 proc::join_cmdline(p.cmdline).c_str());
   }
-  if (m.gpu.is_null()) {
+  if (!m.gpu) {
     std::printf("gpu        none\n");
   } else {
-    std::printf("gpu        NVIDIA driver %s, CUDA %d\n",
-                m.gpu.at("driver_version").get<std::string>().c_str(),
-                m.gpu.at("cuda_driver_version").get<int>());
-    for (const auto& g : m.gpu.at("gpus")) {
-      std::printf("  GPU %d  %s  %s  cc %s  %s  bus %s\n", g.at("index").get<int>(),
-                  g.at("uuid").get<std::string>().c_str(), g.at("name").get<std::string>().c_str(),
-                  g.at("compute_capability").get<std::string>().c_str(),
-                  fs::human_bytes(g.at("memory_total").get<uint64_t>()).c_str(),
-                  g.at("bus_id").get<std::string>().c_str());
+    std::printf("gpu        NVIDIA driver %s, CUDA %d\n", m.gpu->driver_version.c_str(),
+                m.gpu->cuda_driver_version);
+    for (const auto& g : m.gpu->gpus) {
+      std::printf("  GPU %d  %s  %s  cc %s  %s  bus %s\n", g.index, g.uuid.c_str(), g.name.c_str(),
+                  g.compute_capability.c_str(), fs::human_bytes(g.memory_total).c_str(),
+                  g.bus_id.c_str());
     }
     // CUDA processes in tree order: for a tensor-parallel workload, its ranks.
     int rank = 0;
-    for (const auto& p : m.gpu.at("processes")) {
+    for (const auto& p : m.gpu->processes) {
       std::string where;
-      for (const auto& u : p.at("gpus")) {
+      for (const auto& u : p.gpus) {
         std::string index = "?";
-        for (const auto& g : m.gpu.at("gpus")) {
-          if (g.at("uuid") == u.at("uuid")) index = std::to_string(g.at("index").get<int>());
+        for (const auto& g : m.gpu->gpus) {
+          if (g.uuid == u.uuid) index = std::to_string(g.index);
         }
-        where += (where.empty() ? "" : ", ") + fs::human_bytes(u.at("bytes").get<uint64_t>()) +
-                 " on GPU " + index;
+        where += (where.empty() ? "" : ", ") + fs::human_bytes(u.bytes) + " on GPU " + index;
       }
-      std::printf("  CUDA process %d (pid %d): %s\n", rank++, p.at("pid").get<pid_t>(),
+      std::printf("  CUDA process %d (pid %d): %s\n", rank++, p.pid,
                   where.empty() ? "no per-GPU usage reported" : where.c_str());
     }
   }
   std::printf("checkpoint");
   for (const auto& p : m.checkpoint_phases) std::printf(" %s %.3fs", p.name.c_str(), p.seconds);
   std::printf("\n");
-}
-
-json list_document(const std::filesystem::path& dir) {
-  std::error_code ec;
-  if (!std::filesystem::is_directory(dir, ec)) {
-    throw Error(ErrorKind::kNotFound, "snapshot directory " + dir.string() + " does not exist",
-                "name the directory that holds the artifacts");
-  }
-  std::vector<std::filesystem::path> entries;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-    const auto name = e.path().filename().string();
-    // Hidden names are staging directories and kept dump logs' neighbours, never artifacts.
-    if (name.empty() || name[0] == '.' || !e.is_directory(ec)) continue;
-    entries.push_back(e.path());
-  }
-  if (ec) throw sys_error("list " + dir.string(), ec.value());
-  std::sort(entries.begin(), entries.end());
-  json list = json::array();
-  for (const auto& path : entries) {
-    json item{{"name", path.filename().string()}, {"artifact", path.string()}};
-    try {
-      const auto a = Artifact::open(path);
-      const Manifest& m = a.manifest();
-      item["id"] = m.id;
-      item["created"] = m.created;
-      item["source_pid"] = m.source_pid;
-      item["source_cmdline"] = m.source_cmdline;
-      item["processes"] = m.processes.size();
-      item["bytes"] = m.total_bytes();
-      item["gpu"] = !m.gpu.is_null();
-      item["handshake"] = !m.control_dir.empty();
-    } catch (const Error& e) {
-      item["error"] = e.what();
-    }
-    list.push_back(std::move(item));
-  }
-  return {{"directory", dir.string()}, {"snapshots", list}};
 }
 
 void print_list_human(const json& doc) {

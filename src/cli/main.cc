@@ -10,14 +10,15 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/agent_client.h"
-#include "cli/args.h"
 #include "cli/documents.h"
 #include "cli/store_cli.h"
+#include "common/args.h"
 #include "common/fs.h"
 #include "common/proc.h"
 #include "container/enter.h"
 #include "engine/container_init.h"
 #include "engine/copy_init.h"
+#include "engine/documents.h"
 #include "engine/dump_guard.h"
 #include "engine/gpu_state.h"
 #include "engine/handshake.h"
@@ -29,6 +30,10 @@
 #include "gpusnap/restore.h"
 
 namespace gpusnap::cli {
+
+using args::Args;
+using args::FlagSpec;
+using args::format_help;
 
 namespace {
 
@@ -78,6 +83,16 @@ struct Output {
       reporter = std::make_unique<Reporter>();
     } else {
       reporter = std::make_unique<TerminalReporter>(::isatty(STDERR_FILENO) == 1);
+    }
+  }
+
+  // Prints a command's document: as JSON with --json, else in its human form.
+  void print(const nlohmann::json& doc,
+             const std::function<void(const nlohmann::json&)>& human) const {
+    if (json) {
+      std::cout << doc.dump(2) << "\n";
+    } else {
+      human(doc);
     }
   }
 };
@@ -138,12 +153,9 @@ int cmd_checkpoint(const Args& args) {
 }
 
 void print_checkpoint(const Output& out, const CheckpointResult& r, bool leave_running) {
-  json doc = checkpoint_document(r, leave_running, out.notes());
-  if (out.json) {
-    std::cout << doc.dump(2) << "\n";
-  } else if (!out.quiet) {
-    print_checkpoint_human(doc);
-  }
+  out.print(engine::checkpoint_document(r, leave_running, out.notes()), [&](const json& doc) {
+    if (!out.quiet) print_checkpoint_human(doc);
+  });
 }
 
 int cmd_restore(const Args& args) {
@@ -174,25 +186,16 @@ int cmd_restore(const Args& args) {
     o.settings[kv.substr(0, eq)] = kv.substr(eq + 1);
   }
   auto r = restore(o, *out.reporter);
-  json doc = restore_document(r, o.artifact, out.notes());
+  json doc = engine::restore_document(r, o.artifact, out.notes());
   if (o.into_container) doc["into_container"] = o.into_container->id;
-  if (out.json) {
-    std::cout << doc.dump(2) << "\n";
-  } else {
-    print_restore_human(doc, out.quiet);
-  }
+  out.print(doc, [&](const json& d) { print_restore_human(d, out.quiet); });
   return 0;
 }
 
 int cmd_inspect(const Args& args) {
   if (is_remote(args.only_artifact())) return inspect_remote(args, args.only_artifact());
   Output out(args);
-  json doc = inspect_document(Artifact::open(args.only_artifact()));
-  if (out.json) {
-    std::cout << doc.dump(2) << "\n";
-  } else {
-    print_inspect_human(doc);
-  }
+  out.print(engine::inspect_document(Artifact::open(args.only_artifact())), print_inspect_human);
   return 0;
 }
 
@@ -200,12 +203,9 @@ int cmd_list(const Args& args) {
   if (args.has("--cache")) return list_cache(args);
   Output out(args);
   if (args.positional().size() > 1) throw args.usage_error("list takes at most one DIR");
-  json doc = list_document(args.positional().empty() ? kDefaultStorage : args.positional()[0]);
-  if (out.json) {
-    std::cout << doc.dump(2) << "\n";
-  } else {
-    print_list_human(doc);
-  }
+  out.print(
+      engine::list_document(args.positional().empty() ? kDefaultStorage : args.positional()[0]),
+      print_list_human);
   return 0;
 }
 

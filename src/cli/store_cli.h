@@ -8,10 +8,13 @@
 #include <string>
 #include <vector>
 
-#include "cli/args.h"
+#include "common/args.h"
 #include "gpusnap/phases.h"
 
 namespace gpusnap::cli {
+
+using args::Args;
+using args::FlagSpec;
 
 struct StoreCommand {
   std::string name;

@@ -33,19 +33,6 @@ std::string ExitStatus::describe() const {
 
 namespace {
 
-int thread_count() {
-  std::string status;
-  FILE* f = std::fopen("/proc/self/status", "re");
-  if (f == nullptr) return -1;
-  char line[256];
-  int threads = -1;
-  while (std::fgets(line, sizeof line, f) != nullptr) {
-    if (std::sscanf(line, "Threads: %d", &threads) == 1) break;
-  }
-  std::fclose(f);
-  return threads;
-}
-
 ExitStatus decode(int raw) {
   if (WIFEXITED(raw)) return {true, WEXITSTATUS(raw)};
   return {false, WTERMSIG(raw)};
@@ -95,8 +82,9 @@ std::vector<sock_filter> io_uring_filter() {
   for (auto [src, dst] : plan.moves) {
     if (::dup2(src, dst) < 0) ::_exit(126);  // dup2 clears FD_CLOEXEC on dst
   }
-  // Close everything else, CLOEXEC or not: an in-process helper never execs, and a pipe end
-  // left open in a child would keep its reader from ever seeing EOF. plan.kept is sorted.
+  // Close everything else, CLOEXEC or not: a descriptor opened without O_CLOEXEC (by a library,
+  // or by a thread racing this fork) would otherwise reach the program, and a pipe end left open
+  // in a child would keep its reader from ever seeing EOF. plan.kept is sorted.
   unsigned next = 3;
   for (int keep : plan.kept) {
     if (keep >= static_cast<int>(next)) {
@@ -122,16 +110,6 @@ std::vector<sock_filter> io_uring_filter() {
       ::_exit(125);
     }
   }
-  if (o.function) {
-    int code = 1;
-    try {
-      code = o.function();
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "gpusnap helper: %s\n", e.what());
-    }
-    std::fflush(nullptr);
-    ::_exit(code);
-  }
   ::execve(plan.argv[0], plan.argv.data(), plan.envp.data());
   if (std::strchr(plan.argv[0], '/') == nullptr) {
     ::execvpe(plan.argv[0], plan.argv.data(), plan.envp.data());
@@ -139,26 +117,10 @@ std::vector<sock_filter> io_uring_filter() {
   ::_exit(127);
 }
 
-// Whether we are the only thread. A thread that was just joined can still be counted in
-// /proc/self/status for a moment (the kernel updates the count only once the exiting thread
-// has been fully released, after join() has already returned), so a caller that joined its
-// last worker right before spawning would be refused at random: retry for up to ~100 ms.
-bool single_threaded() {
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
-  for (;;) {
-    if (thread_count() == 1) return true;
-    if (std::chrono::steady_clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-}
-
 }  // namespace
 
 Subprocess::Subprocess(const SpawnOptions& o) {
-  if (o.argv.empty() && !o.function) throw Error(ErrorKind::kInternal, "spawn: empty command");
-  if (o.function && !single_threaded()) {
-    throw Error(ErrorKind::kInternal, "spawn of an in-process helper while other threads run");
-  }
+  if (o.argv.empty()) throw Error(ErrorKind::kInternal, "spawn: empty command");
   ChildPlan plan;
   for (char** e = environ; *e != nullptr; ++e) {
     std::string entry(*e);
@@ -191,10 +153,7 @@ Subprocess::Subprocess(const SpawnOptions& o) {
   } else {
     pid_ = ::fork();
   }
-  // A function-mode helper may have no argv at all: name it "helper" then.
-  if (pid_ < 0) {
-    throw sys_error("fork " + (o.argv.empty() ? std::string("helper") : o.argv[0]), errno);
-  }
+  if (pid_ < 0) throw sys_error("fork " + o.argv[0], errno);
   if (pid_ == 0) child_main(o, plan, parent);
 }
 

@@ -5,7 +5,6 @@
 #include <sys/types.h>
 
 #include <chrono>
-#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -28,10 +27,6 @@ struct SpawnOptions {
   // ENOSYS, as on a kernel without it), so libraries fall back to plain system calls and the
   // process stays capturable by CRIU.
   bool deny_io_uring = false;
-  // Instead of exec'ing argv, run this function in the child and exit with its result. Only
-  // for a caller that is single-threaded at the time (checked): after fork only the calling
-  // thread exists, and a lock held by another thread would never be released.
-  std::function<int()> function;
 };
 
 struct ExitStatus {

@@ -11,6 +11,7 @@
 #include <set>
 
 #include <xxhash.h>
+#include <nlohmann/json.hpp>
 
 #include "common/fd.h"
 #include "common/fs.h"
@@ -204,22 +205,22 @@ CaptureTarget capture_target(const ContainerRef& ref) {
   return t;
 }
 
-json describe(const CaptureTarget& target, const std::vector<proc::Process>& tree) {
+ContainerRecord describe(const CaptureTarget& target, const std::vector<proc::Process>& tree) {
   std::set<std::string> paths;
   for (const auto& p : tree) paths.merge(mapped_files(p.pid));
-  json files = json::array();
+  ContainerRecord rec{"runc",
+                      target.state.id,
+                      target.state.bundle.string(),
+                      target.state.rootfs.string(),
+                      {},
+                      target.state.runtime_root.string()};
   auto root = "/proc/" + std::to_string(target.root) + "/root";
   for (const auto& path : paths) {
     auto id = identify(root + path);
     if (!id) continue;  // gone since: CRIU decides what that means
-    files.push_back({{"path", path}, {"size", id->size}, {"xxh3", id->xxh3}});
+    rec.rootfs_files.push_back({path, id->size, id->xxh3});
   }
-  return {{"runtime", "runc"},
-          {"runtime_root", target.state.runtime_root.string()},
-          {"id", target.state.id},
-          {"bundle", target.state.bundle.string()},
-          {"rootfs", target.state.rootfs.string()},
-          {"rootfs_files", files}};
+  return rec;
 }
 
 void use_namespace_pids(Manifest& manifest) {
@@ -233,15 +234,15 @@ void use_namespace_pids(Manifest& manifest) {
     p.pid = translate(p.pid);
     p.ppid = translate(p.ppid);
   }
-  if (manifest.gpu.is_object() && manifest.gpu.contains("processes")) {
-    for (auto& p : manifest.gpu["processes"]) p["pid"] = translate(p.at("pid").get<pid_t>());
+  if (manifest.gpu) {
+    for (auto& p : manifest.gpu->processes) p.pid = translate(p.pid);
   }
   for (auto& image : manifest.host_images) image.pid = translate(image.pid);
   manifest.source_pid = translate(manifest.source_pid);
 }
 
 Placeholder placeholder_target(const ContainerRef& ref, const Manifest& manifest) {
-  if (!manifest.container.is_object()) {
+  if (!manifest.container) {
     throw Error(ErrorKind::kUsage, "artifact " + manifest.id + " was not captured from a container",
                 "restore it without --into-container, or capture the workload with "
                 "`gpusnap checkpoint --container ID`");
@@ -262,24 +263,23 @@ Placeholder placeholder_target(const ContainerRef& ref, const Manifest& manifest
                 "start a new placeholder container for this restore");
   }
   auto root = "/proc/" + std::to_string(p.state.pid) + "/root";
-  for (const auto& f : manifest.container.at("rootfs_files")) {
-    auto path = f.at("path").get<std::string>();
-    auto id = identify(root + path);
+  for (const auto& f : manifest.container->rootfs_files) {
+    auto id = identify(root + f.path);
     std::string problem;
     if (!id) {
-      problem = "has no " + path;
-    } else if (id->size != f.at("size").get<uint64_t>()) {
-      problem = "has another " + path + " (" + std::to_string(id->size) + " bytes, captured " +
-                std::to_string(f.at("size").get<uint64_t>()) + ")";
-    } else if (id->xxh3 != f.at("xxh3").get<std::string>()) {
-      problem = "has another " + path + " (same size, other content)";
+      problem = "has no " + f.path;
+    } else if (id->size != f.size) {
+      problem = "has another " + f.path + " (" + std::to_string(id->size) + " bytes, captured " +
+                std::to_string(f.size) + ")";
+    } else if (id->xxh3 != f.xxh3) {
+      problem = "has another " + f.path + " (same size, other content)";
     }
     if (!problem.empty()) {
       throw Error(ErrorKind::kIncompatible,
                   describe_ref(p.state) +
                       "'s root filesystem differs from the captured container's: it " + problem,
                   "start the placeholder from the same image as the captured container (" +
-                      manifest.container.at("id").get<std::string>() + ")");
+                      manifest.container->id + ")");
     }
   }
   return p;

@@ -8,8 +8,6 @@
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "common/proc.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/container.h"
@@ -39,9 +37,9 @@ struct CaptureTarget {
 // gpusnap shim, or the shim has no single child to capture.
 CaptureTarget capture_target(const ContainerRef& ref);
 
-// What the manifest records of a container capture ("container"): runtime, id, rootfs and the
-// identity of every file the tree maps (path in the container, size, checksum).
-nlohmann::json describe(const CaptureTarget& target, const std::vector<proc::Process>& tree);
+// What the manifest records of a container capture: runtime, id, rootfs and the identity of
+// every file the tree maps (path in the container, size, checksum).
+ContainerRecord describe(const CaptureTarget& target, const std::vector<proc::Process>& tree);
 
 // Rewrites the manifest's pids (processes, GPU processes, the source) into the pids the
 // container's PID namespace gives them: the pids CRIU records and restores.

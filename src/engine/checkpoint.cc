@@ -33,9 +33,12 @@
 #include <set>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "artifact/writer.h"
 #include "common/fs.h"
 #include "common/proc.h"
+#include "common/utc.h"
 #include "container/enter.h"
 #include "container/runc.h"
 #include "criu/criu.h"
@@ -65,15 +68,6 @@ constexpr std::chrono::milliseconds kFillThreadsLimit{30000};
 // this (docs/compatibility.md).
 constexpr std::chrono::milliseconds kSettle{500};
 constexpr std::chrono::milliseconds kSettlePoll{20};
-
-std::string utc_now() {
-  char buf[32];
-  time_t now = ::time(nullptr);
-  struct tm tm {};
-  ::gmtime_r(&now, &tm);
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
-}
 
 // `internal`: the pipes the tree holds both ends of (proc::pipes_within). Such a pipe on a
 // standard descriptor is the tree's own plumbing (a worker's stdin and stdout to its parent):
@@ -170,11 +164,11 @@ class Checkpoint {
 
   CheckpointResult run() {
     auto criu = criu::locate(options_.criu_path);
-    gpu::Driver& driver = open_driver();
+    gpu::Driver& driver = gpu::given_or_nvidia(options_.driver, owned_driver_);
     for (const auto& line : engine::recover_abandoned(driver, options_.run_dir)) {
       phases_.reporter().note(line);
     }
-    ArtifactWriter writer(options_.output);
+    artifact::ArtifactWriter writer(options_.output);
     auto tree = phases_.run("resolve", [&] { return resolve(); });
     auto cuda = engine::cuda_processes(driver, tree);
     // Which CUDA processes get their GPU memory written straight into the artifact.
@@ -404,12 +398,6 @@ class Checkpoint {
     return handshake;
   }
 
-  gpu::Driver& open_driver() {
-    if (options_.driver != nullptr) return *options_.driver;
-    owned_driver_ = gpu::open_nvidia_driver();
-    return *owned_driver_;
-  }
-
   void describe_gpu(gpu::Driver& driver, const std::vector<pid_t>& cuda, Manifest& manifest) {
     if (!driver.available()) {
       throw Error(ErrorKind::kEnvironment,
@@ -419,9 +407,9 @@ class Checkpoint {
     }
     manifest.gpu = engine::describe_gpu_state(driver, cuda);
     engine::add_tier_memory(manifest.gpu, options_.pid, tier_);
-    for (const auto& p : manifest.gpu.at("processes")) {
+    for (const auto& p : manifest.gpu->processes) {
       for (auto& rec : manifest.processes) {
-        if (rec.pid == p.at("pid").get<pid_t>()) rec.gpu_bytes = p.at("bytes").get<uint64_t>();
+        if (rec.pid == p.pid) rec.gpu_bytes = p.bytes;
       }
     }
   }
@@ -463,7 +451,7 @@ class Checkpoint {
   // Each CUDA process's new host memory into files of the artifact, one process at a time,
   // each with every I/O thread.
   void store_host_images(const std::map<pid_t, std::vector<Mapping>>& before,
-                         const ArtifactWriter& writer, Manifest& manifest) {
+                         const artifact::ArtifactWriter& writer, Manifest& manifest) {
     engine::HostImageOptions o;
     o.threads = io_threads();
     o.chunk_bytes = manifest.chunk_bytes;
@@ -523,7 +511,7 @@ class Checkpoint {
   Manifest describe(const std::vector<proc::Process>& tree, const criu::Binary& criu) {
     Manifest m;
     m.id = fs::random_id();
-    m.created = utc_now();
+    m.created = utc::now();
     m.gpusnap_version = GPUSNAP_VERSION;
     m.source_pid = options_.pid;
     m.source_cmdline = tree.front().cmdline;

@@ -4,11 +4,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <set>
 #include <thread>
+
+#include <nlohmann/json.hpp>
 
 #include "common/fs.h"
 #include "gpusnap/error.h"
@@ -84,43 +87,36 @@ std::set<std::string> visible_gpus(const gpu::DriverFacts& facts, const std::vec
   return chosen.empty() ? all : chosen;
 }
 
-json describe_gpu_state(gpu::Driver& driver, const std::vector<pid_t>& pids) {
+GpuFacts describe_gpu_state(gpu::Driver& driver, const std::vector<pid_t>& pids) {
   auto facts = driver.facts();
   auto usage = driver.usage();
+  GpuFacts out;
+  out.driver_version = facts.driver_version;
+  out.cuda_driver_version = facts.cuda_driver_version;
   std::set<std::string> used;
-  json processes = json::array();
   for (pid_t pid : pids) {
-    json gpus = json::array();
-    uint64_t bytes = 0;
+    GpuProcessRecord rec;
+    rec.pid = pid;
     for (const auto& u : usage) {
       if (u.host_pid != pid) continue;
-      gpus.push_back({{"uuid", u.gpu_uuid}, {"bytes", u.bytes}});
-      bytes += u.bytes;
+      rec.gpus.push_back({u.gpu_uuid, u.bytes});
+      rec.bytes += u.bytes;
       used.insert(u.gpu_uuid);
     }
-    processes.push_back({{"pid", pid}, {"bytes", bytes}, {"gpus", gpus}});
+    out.processes.push_back(std::move(rec));
   }
   // Every GPU the processes can see is recorded, used or not: the driver's restore onto other
   // GPUs takes a map of all of them (a permutation), not only of those holding memory.
   // Without per-process usage (NVML cannot always see processes in other namespaces), every
   // visible GPU counts as used: the checks at restore then err on the safe side.
   auto visible = visible_gpus(facts, pids);
-  json gpus = json::array();
   for (const auto& g : facts.gpus) {
     if (!visible.count(g.uuid)) continue;
-    gpus.push_back(
-        {{"index", g.index},
-         {"used", used.empty() || used.count(g.uuid) > 0},
-         {"uuid", g.uuid},
-         {"name", g.name},
-         {"bus_id", g.bus_id},
-         {"compute_capability", std::to_string(g.cc_major) + "." + std::to_string(g.cc_minor)},
-         {"memory_total", g.memory_total}});
+    out.gpus.push_back({g.index, used.empty() || used.count(g.uuid) > 0, g.uuid, g.name, g.bus_id,
+                        std::to_string(g.cc_major) + "." + std::to_string(g.cc_minor),
+                        g.memory_total});
   }
-  return {{"driver_version", facts.driver_version},
-          {"cuda_driver_version", facts.cuda_driver_version},
-          {"gpus", gpus},
-          {"processes", processes}};
+  return out;
 }
 
 std::vector<std::string> return_to_running(gpu::Driver& driver, const std::vector<pid_t>& pids,
@@ -153,24 +149,51 @@ std::vector<std::string> return_to_running(gpu::Driver& driver, const std::vecto
   return log;
 }
 
-std::vector<std::string> recover_abandoned(gpu::Driver& driver,
-                                           const std::filesystem::path& run_dir) noexcept {
+namespace {
+
+// Returns the processes of every journal entry whose owner `recover_owner` accepts to RUNNING,
+// and removes the entry. Each action is reported after `prefix`; an unreadable entry only when
+// `report_unreadable`.
+std::vector<std::string> recover_entries(gpu::Driver& driver, const std::filesystem::path& run_dir,
+                                         const std::function<bool(pid_t)>& recover_owner,
+                                         const std::string& prefix,
+                                         bool report_unreadable) noexcept {
   std::vector<std::string> log;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(journal_dir(run_dir), ec)) {
     try {
       auto doc = json::parse(fs::read_file(entry.path()));
-      if (proc::exists(doc.at("owner").get<pid_t>())) continue;  // still at work
+      if (!recover_owner(doc.at("owner").get<pid_t>())) continue;
       if (driver.available()) {
-        auto done = return_to_running(driver, doc.at("pids").get<std::vector<pid_t>>());
-        for (auto& line : done) log.push_back("recovered after a killed gpusnap: " + line);
+        for (auto& line : return_to_running(driver, doc.at("pids").get<std::vector<pid_t>>())) {
+          log.push_back(prefix + line);
+        }
       }
       std::filesystem::remove(entry.path(), ec);
     } catch (const std::exception& e) {
-      log.push_back("journal entry " + entry.path().string() + " unreadable: " + e.what());
+      if (report_unreadable) {
+        log.push_back("journal entry " + entry.path().string() + " unreadable: " + e.what());
+      }
     }
   }
   return log;
+}
+
+}  // namespace
+
+std::vector<std::string> recover_abandoned(gpu::Driver& driver,
+                                           const std::filesystem::path& run_dir) noexcept {
+  // An owner still alive is at work.
+  return recover_entries(
+      driver, run_dir, [](pid_t owner) { return !proc::exists(owner); },
+      "recovered after a killed gpusnap: ", true);
+}
+
+std::vector<std::string> recover_entries_of(gpu::Driver& driver,
+                                            const std::filesystem::path& run_dir,
+                                            pid_t owner) noexcept {
+  return recover_entries(
+      driver, run_dir, [owner](pid_t o) { return o == owner; }, "", false);
 }
 
 GpuCapture::GpuCapture(gpu::Driver& driver, std::vector<pid_t> pids,
@@ -265,64 +288,45 @@ void GpuCapture::release() { done_ = true; }
 
 namespace {
 
-// Finds a GPU by UUID or by index among `gpus` (each with "uuid" and "index").
-const json* find_gpu(const json& gpus, const std::string& key) {
+// Finds a GPU by UUID or by index: among the artifact's (GpuRecord) or this host's (GpuInfo).
+template <class Gpu>
+const Gpu* find_gpu(const std::vector<Gpu>& gpus, const std::string& key) {
   for (const auto& g : gpus) {
-    if (g.at("uuid").get<std::string>() == key) return &g;
-    if (std::to_string(g.at("index").get<int>()) == key) return &g;
+    if (g.uuid == key || std::to_string(g.index) == key) return &g;
   }
   return nullptr;
 }
 
-json local_gpus_json(const gpu::DriverFacts& facts) {
-  json out = json::array();
-  for (const auto& g : facts.gpus) {
-    out.push_back(
-        {{"uuid", g.uuid}, {"index", g.index}, {"name", g.name}, {"memory_free", g.memory_free}});
-  }
-  return out;
-}
-
-}  // namespace
-
-GpuPlan plan_gpu_restore(const json& gpu_facts, gpu::Driver& driver,
-                         const std::vector<std::string>& map, int replicas) {
-  GpuPlan plan;
-  if (gpu_facts.is_null()) {
-    if (!map.empty()) {
-      throw Error(ErrorKind::kUsage, "the artifact holds no GPU state; --gpu-map does not apply",
-                  "leave out --gpu-map");
-    }
-    return plan;
-  }
-  plan.has_gpu_state = true;
+// The driver this host has, refused unless it is the one the artifact was taken with.
+gpu::DriverFacts refuse_other_driver(const GpuFacts& source, gpu::Driver& driver) {
   if (!driver.available()) {
     throw Error(ErrorKind::kEnvironment,
                 "the artifact holds GPU state but this host has no usable NVIDIA driver: " +
                     driver.reason(),
-                "restore it on a host with the NVIDIA driver " +
-                    gpu_facts.at("driver_version").get<std::string>());
+                "restore it on a host with the NVIDIA driver " + source.driver_version);
   }
   auto facts = driver.facts();
-  auto want_driver = gpu_facts.at("driver_version").get<std::string>();
-  if (facts.driver_version != want_driver) {
+  if (facts.driver_version != source.driver_version) {
     throw Error(ErrorKind::kIncompatible,
-                "the artifact was taken with NVIDIA driver " + want_driver + ", this host has " +
-                    facts.driver_version,
-                "restore it on a host with driver " + want_driver);
+                "the artifact was taken with NVIDIA driver " + source.driver_version +
+                    ", this host has " + facts.driver_version,
+                "restore it on a host with driver " + source.driver_version);
   }
-  const json& source_gpus = gpu_facts.at("gpus");
-  json local = local_gpus_json(facts);
+  return facts;
+}
 
-  // Source GPU uuid -> target GPU uuid: explicit entries first, then the same GPU where this
-  // host has it, then the first unused GPU of the same model.
+// Source GPU uuid -> target GPU uuid, as --gpu-map says: "OLD=NEW" entries, each side a UUID
+// or an index.
+std::map<std::string, std::string> explicit_map(const std::vector<GpuRecord>& source,
+                                                const std::vector<gpu::GpuInfo>& local,
+                                                const std::vector<std::string>& map) {
   std::map<std::string, std::string> target;
-  std::set<std::string> taken;
   for (const auto& entry : map) {
     auto eq = entry.find('=');
-    const json* from =
-        eq == std::string::npos ? nullptr : find_gpu(source_gpus, entry.substr(0, eq));
-    const json* to = eq == std::string::npos ? nullptr : find_gpu(local, entry.substr(eq + 1));
+    const GpuRecord* from =
+        eq == std::string::npos ? nullptr : find_gpu(source, entry.substr(0, eq));
+    const gpu::GpuInfo* to =
+        eq == std::string::npos ? nullptr : find_gpu(local, entry.substr(eq + 1));
     if (eq == std::string::npos || from == nullptr || to == nullptr) {
       throw Error(ErrorKind::kUsage,
                   "bad --gpu-map entry '" + entry + "': " +
@@ -332,72 +336,93 @@ GpuPlan plan_gpu_restore(const json& gpu_facts, gpu::Driver& driver,
                   "use OLD=NEW with GPU UUIDs or indexes (`gpusnap inspect` lists the "
                   "artifact's GPUs, nvidia-smi -L this host's)");
     }
-    target[from->at("uuid").get<std::string>()] = to->at("uuid").get<std::string>();
-    taken.insert(to->at("uuid").get<std::string>());
+    target[from->uuid] = to->uuid;
   }
-  // GPUs holding memory are placed first; the others the process could see then take the
-  // remaining GPUs, so that the map given to the driver covers every GPU it knows of.
-  std::vector<const json*> order;
-  for (const auto& g : source_gpus) {
-    if (g.value("used", true)) order.push_back(&g);
+  return target;
+}
+
+// Completes `target` for the GPUs the map left out: the same GPU where this host has it, else
+// the first free GPU of the same model. GPUs holding memory are placed first; the others the
+// process could see then take the remaining GPUs, so that the map given to the driver covers
+// every GPU it knows of. Says each move in `notes`.
+void place_remaining(const std::vector<GpuRecord>& source, const std::vector<gpu::GpuInfo>& local,
+                     std::map<std::string, std::string>& target, std::vector<std::string>& notes) {
+  std::set<std::string> taken;
+  for (const auto& [from, to] : target) taken.insert(to);
+  std::vector<const GpuRecord*> order;
+  for (const auto& g : source) {
+    if (g.used) order.push_back(&g);
   }
-  for (const auto& g : source_gpus) {
-    if (!g.value("used", true)) order.push_back(&g);
+  for (const auto& g : source) {
+    if (!g.used) order.push_back(&g);
   }
-  for (const json* gp : order) {
-    const json& g = *gp;
-    auto uuid = g.at("uuid").get<std::string>();
-    if (target.count(uuid)) continue;
-    if (find_gpu(local, uuid) != nullptr && !taken.count(uuid)) {
-      target[uuid] = uuid;
-      taken.insert(uuid);
+  for (const GpuRecord* g : order) {
+    if (target.count(g->uuid)) continue;
+    if (find_gpu(local, g->uuid) != nullptr && !taken.count(g->uuid)) {
+      target[g->uuid] = g->uuid;
+      taken.insert(g->uuid);
       continue;
     }
     for (const auto& l : local) {
-      auto luuid = l.at("uuid").get<std::string>();
-      if (!taken.count(luuid) && l.at("name") == g.at("name")) {
-        target[uuid] = luuid;
-        taken.insert(luuid);
-        plan.notes.push_back("GPU " + uuid + " maps to " + luuid);
+      if (!taken.count(l.uuid) && l.name == g->name) {
+        target[g->uuid] = l.uuid;
+        taken.insert(l.uuid);
+        notes.push_back("GPU " + g->uuid + " maps to " + l.uuid);
         break;
       }
     }
-    if (!target.count(uuid)) {
-      throw Error(ErrorKind::kIncompatible,
-                  "no GPU of model " + g.at("name").get<std::string>() +
-                      " left on this host for the artifact's GPU " + uuid + " (the workload saw " +
-                      std::to_string(source_gpus.size()) + " GPU(s))",
-                  "restore it on a host with " + std::to_string(source_gpus.size()) + " " +
-                      g.at("name").get<std::string>() + " GPU(s)");
+    if (!target.count(g->uuid)) {
+      throw Error(
+          ErrorKind::kIncompatible,
+          "no GPU of model " + g->name + " left on this host for the artifact's GPU " + g->uuid +
+              " (the workload saw " + std::to_string(source.size()) + " GPU(s))",
+          "restore it on a host with " + std::to_string(source.size()) + " " + g->name + " GPU(s)");
     }
   }
-  // Same model only, and room for every copy's memory on each target GPU.
+}
+
+// Same model only, and room for every copy's memory on each target GPU.
+void check_targets(const GpuFacts& source, const std::vector<gpu::GpuInfo>& local,
+                   const std::map<std::string, std::string>& target, int replicas) {
   std::map<std::string, uint64_t> need;
-  for (const auto& p : gpu_facts.at("processes")) {
-    for (const auto& u : p.at("gpus")) {
-      need[target.at(u.at("uuid").get<std::string>())] += u.at("bytes").get<uint64_t>();
-    }
+  for (const auto& p : source.processes) {
+    for (const auto& u : p.gpus) need[target.at(u.uuid)] += u.bytes;
   }
-  for (const auto& g : source_gpus) {
-    auto uuid = g.at("uuid").get<std::string>();
-    const json& t = *find_gpu(local, target[uuid]);
-    if (t.at("name") != g.at("name")) {
+  for (const auto& g : source.gpus) {
+    const gpu::GpuInfo& t = *find_gpu(local, target.at(g.uuid));
+    if (t.name != g.name) {
       throw Error(ErrorKind::kIncompatible,
-                  "the artifact's GPU " + uuid + " is an " + g.at("name").get<std::string>() +
-                      ", the target " + t.at("uuid").get<std::string>() + " is an " +
-                      t.at("name").get<std::string>(),
+                  "the artifact's GPU " + g.uuid + " is an " + g.name + ", the target " + t.uuid +
+                      " is an " + t.name,
                   "map it onto a GPU of the same model");
     }
-    uint64_t free = t.at("memory_free").get<uint64_t>();
-    uint64_t wanted = need[t.at("uuid").get<std::string>()] * static_cast<uint64_t>(replicas);
-    if (wanted > free) {
+    uint64_t wanted = need[t.uuid] * static_cast<uint64_t>(replicas);
+    if (wanted > t.memory_free) {
       throw Error(ErrorKind::kIncompatible,
-                  "GPU " + t.at("uuid").get<std::string>() + " has " + fs::human_bytes(free) +
-                      " free, the " + std::to_string(replicas) + " copy(ies) need " +
-                      fs::human_bytes(wanted),
+                  "GPU " + t.uuid + " has " + fs::human_bytes(t.memory_free) + " free, the " +
+                      std::to_string(replicas) + " copy(ies) need " + fs::human_bytes(wanted),
                   "free GPU memory, restore fewer copies, or map onto other GPUs (--gpu-map)");
     }
   }
+}
+
+}  // namespace
+
+GpuPlan plan_gpu_restore(const std::optional<GpuFacts>& gpu_facts, gpu::Driver& driver,
+                         const std::vector<std::string>& map, int replicas) {
+  GpuPlan plan;
+  if (!gpu_facts) {
+    if (!map.empty()) {
+      throw Error(ErrorKind::kUsage, "the artifact holds no GPU state; --gpu-map does not apply",
+                  "leave out --gpu-map");
+    }
+    return plan;
+  }
+  plan.has_gpu_state = true;
+  const auto local = refuse_other_driver(*gpu_facts, driver).gpus;
+  auto target = explicit_map(gpu_facts->gpus, local, map);
+  place_remaining(gpu_facts->gpus, local, target, plan.notes);
+  check_targets(*gpu_facts, local, target, replicas);
   bool identity = std::all_of(target.begin(), target.end(),
                               [](const auto& kv) { return kv.first == kv.second; });
   if (!identity) {

@@ -17,13 +17,13 @@
 
 #include <chrono>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "common/proc.h"
 #include "gpu/driver.h"
+#include "gpusnap/artifact.h"
 #include "gpusnap/phases.h"
 
 namespace gpusnap::engine {
@@ -31,9 +31,9 @@ namespace gpusnap::engine {
 // The CUDA processes of a tree (host pids), in tree order.
 std::vector<pid_t> cuda_processes(gpu::Driver& driver, const std::vector<proc::Process>& tree);
 
-// The manifest's "gpu" document for these processes: driver versions, the GPUs they use, and
+// The manifest's GPU section for these processes: driver versions, the GPUs they can see, and
 // each process's GPU bytes. Must be read while the processes still hold their GPU memory.
-nlohmann::json describe_gpu_state(gpu::Driver& driver, const std::vector<pid_t>& pids);
+GpuFacts describe_gpu_state(gpu::Driver& driver, const std::vector<pid_t>& pids);
 
 // Puts each process back to RUNNING whatever state it is in; kills one the driver marked
 // FAILED (and adds it to `killed`, when given). Returns one line per action taken or problem met
@@ -45,6 +45,14 @@ std::vector<std::string> return_to_running(gpu::Driver& driver, const std::vecto
 // gone. Returns what was done, one line each. Never throws.
 std::vector<std::string> recover_abandoned(gpu::Driver& driver,
                                            const std::filesystem::path& run_dir) noexcept;
+
+// Repairs the journal entries owned by `owner`, alive or not: those of an earlier process that
+// had the same pid (an agent that is PID 1 of its container always has), which
+// recover_abandoned takes for alive. Returns what was done, one line each; unreadable entries
+// are left to recover_abandoned to report. Never throws.
+std::vector<std::string> recover_entries_of(gpu::Driver& driver,
+                                            const std::filesystem::path& run_dir,
+                                            pid_t owner) noexcept;
 
 // The GPU side of one checkpoint. Destroying it before release() or resume_all() returns
 // every process to RUNNING.
@@ -89,9 +97,9 @@ struct GpuPlan {
 // Checks the artifact's GPU facts against this host and maps its GPUs, refusing before
 // anything starts (Error kIncompatible / kEnvironment / kUsage) when: no driver is present,
 // the driver version differs, a GPU model differs, the target GPUs lack free memory for the
-// copies, a --gpu-map entry is wrong, or a map is given for an artifact without GPU state.
-// `map` entries are "OLD=NEW", each side a GPU UUID or index.
-GpuPlan plan_gpu_restore(const nlohmann::json& gpu_facts, gpu::Driver& driver,
+// copies, a --gpu-map entry is wrong, or a map is given for an artifact without GPU state
+// (`gpu_facts` empty). `map` entries are "OLD=NEW", each side a GPU UUID or index.
+GpuPlan plan_gpu_restore(const std::optional<GpuFacts>& gpu_facts, gpu::Driver& driver,
                          const std::vector<std::string>& map, int replicas);
 
 // Restores and unlocks the CUDA processes of the restored copies (host pids), all in

@@ -157,7 +157,7 @@ void copy_out(pid_t pid, std::vector<ImageFile>& files, int threads, uint64_t ch
   auto worker = [&] {
     // Small enough to stay in the core's cache between the read and the copy into the file.
     std::vector<unsigned char> buf(kCopyBuffer);
-    ChunkHash hash;
+    artifact::ChunkHash hash;
     for (size_t j; !failed && (j = next.fetch_add(1)) < jobs.size();) {
       const Job& job = jobs[j];
       hash.reset();
@@ -667,7 +667,7 @@ HashedFiles::HashedFiles(const std::filesystem::path& artifact_root,
 }
 
 void HashedFiles::work() {
-  ChunkHash hash;
+  artifact::ChunkHash hash;
   while (!stop_) {
     // The next chunk, counted across the files in order.
     size_t job = next_.fetch_add(1);

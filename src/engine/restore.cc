@@ -12,9 +12,7 @@
 //
 // Until release, every copy's init dies with this object (and with gpusnap), so a failure or a
 // kill at any point leaves no process and no namespace behind.
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <sched.h>
 #include <sys/socket.h>
@@ -22,10 +20,12 @@
 
 #include <cerrno>
 #include <future>
-#include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <thread>
+
+#include <nlohmann/json.hpp>
 
 #include "common/fd.h"
 #include "common/fs.h"
@@ -37,6 +37,7 @@
 #include "engine/copy_init.h"
 #include "engine/gpu_state.h"
 #include "engine/handshake.h"
+#include "engine/publish.h"
 #include "engine/tier.h"
 #include "gpu/driver.h"
 #include "gpusnap/error.h"
@@ -44,63 +45,11 @@
 
 namespace gpusnap {
 
-PortPublish PortPublish::parse(const std::string& text) {
-  PortPublish p;
-  std::vector<std::string> parts;
-  size_t start = 0;
-  for (size_t colon; (colon = text.find(':', start)) != std::string::npos; start = colon + 1) {
-    parts.push_back(text.substr(start, colon - start));
-  }
-  parts.push_back(text.substr(start));
-  auto port = [&](const std::string& s) -> uint16_t {
-    char* end = nullptr;
-    long v = std::strtol(s.c_str(), &end, 10);
-    if (s.empty() || *end != '\0' || v < 0 || v > 65535) {
-      throw Error(ErrorKind::kUsage, "bad port '" + s + "' in --publish " + text,
-                  "use --publish PORT, HOSTPORT:PORT or ADDR:HOSTPORT:PORT");
-    }
-    return static_cast<uint16_t>(v);
-  };
-  if (parts.size() > 3) {
-    throw Error(ErrorKind::kUsage, "bad --publish " + text,
-                "use --publish PORT, HOSTPORT:PORT or ADDR:HOSTPORT:PORT");
-  }
-  p.port = port(parts.back());
-  if (p.port == 0) throw Error(ErrorKind::kUsage, "--publish needs the copy's port, not 0");
-  if (parts.size() >= 2) p.host_port = port(parts[parts.size() - 2]);
-  if (parts.size() == 3) p.host_address = parts[0];
-  return p;
-}
-
 namespace {
 
 constexpr int kControlFd = 3;
 constexpr int kFirstInheritFd = 10;
 constexpr int kFirstListenFd = 512;
-
-UniqueFd listen_on(const std::string& address, uint16_t port, uint16_t* bound) {
-  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  int one = 1;
-  ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  struct sockaddr_in addr {};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  if (::inet_pton(AF_INET, address.c_str(), &addr.sin_addr) != 1) {
-    throw Error(ErrorKind::kUsage, "bad address '" + address + "' in --publish",
-                "give an IPv4 address such as 127.0.0.1");
-  }
-  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    throw Error(
-        ErrorKind::kUsage,
-        "cannot publish on " + address + ":" + std::to_string(port) + ": " + errno_text(errno),
-        "choose a free host port, or give only the copy's port to pick one");
-  }
-  if (::listen(fd.get(), 128) != 0) throw sys_error("listen", errno);
-  socklen_t len = sizeof addr;
-  ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len);
-  *bound = ntohs(addr.sin_port);
-  return fd;
-}
 
 // One copy being restored. Owns the copy's init until release(); destroying an unreleased
 // copy kills the init, which takes the whole namespace down with it. A copy restored into a
@@ -108,6 +57,8 @@ UniqueFd listen_on(const std::string& address, uint16_t port, uint16_t* bound) {
 // the control socket, on which the init kills the restored tree, and waits for that.
 class Copy {
  public:
+  // Starts the copy's init, which runs CRIU's restore and reports on control(). Each step is
+  // one of the copy's resources or one piece of the init's spec.
   Copy(int index, const Manifest& manifest, const std::filesystem::path& images,
        const criu::Binary& criu, const RestoreOptions& options, pid_t into = 0)
       : index_(index), into_(into) {
@@ -116,117 +67,22 @@ class Copy {
                 (manifest.id.substr(0, 8) + "-" + std::to_string(index) + "-" +
                  fs::random_id().substr(0, 6));
     std::filesystem::create_directories(info_.dir);
-
-    // The workload's standard descriptors pointed at things of the source (its log file, a
-    // pipe to its launcher, a terminal). Each copy gets its own: stdin from /dev/null, output
-    // into the copy's output.log.
-    UniqueFd output(::open((info_.dir / "output.log").c_str(),
-                           O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
-    UniqueFd null_in(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-    if (into_ != 0) {  // in a placeholder, the workload's stdio is the container's (its log)
-      output = container::borrow_fd(into_, STDOUT_FILENO);
-      null_in = container::borrow_fd(into_, STDIN_FILENO);
-    }
-    if (!output || !null_in) throw sys_error("open the copy's output", errno);
     criu::RestoreOptions ro;
     ro.images = images;
     ro.log = info_.dir / "restore.log";
     ro.pidfile = info_.dir / "root.pid";
     ro.shell_job = manifest.shell_job;
-    std::map<std::string, int> key_fds;  // CRIU matches each key once
-    for (const auto& p : manifest.processes) {
-      for (const auto& s : p.stdio) {
-        auto key = criu::inherit_key(s.target);
-        if (key.empty() || key_fds.count(key)) continue;
-        int fd = kFirstInheritFd + static_cast<int>(key_fds.size());
-        key_fds[key] = fd;
-        inherit_.emplace_back(s.fd == 0 ? null_in.get() : output.get(), fd);
-        ro.inherit.push_back({fd, key});
-      }
-    }
-    // Host images: CRIU maps each one back from the artifact, given to it as a descriptor
-    // under the key it recorded. Read-only: the copy's mapping is private.
-    std::vector<UniqueFd> images_fds;
-    for (const auto& image : manifest.host_images) {
-      UniqueFd fd(::open((images.parent_path() / image.file).c_str(), O_RDONLY | O_CLOEXEC));
-      if (!fd) throw sys_error("open host image " + image.file, errno);
-      int target = kFirstInheritFd + static_cast<int>(key_fds.size());
-      if (target >= kFirstListenFd) {
-        throw Error(ErrorKind::kBadArtifact, "the artifact names too many files to hand to CRIU",
-                    "take the checkpoint with --no-host-images");
-      }
-      key_fds[image.criu_key] = target;
-      inherit_.emplace_back(fd.get(), target);
-      ro.inherit.push_back({target, image.criu_key});
-      images_fds.push_back(std::move(fd));
-    }
-    for (const auto& pub : options.publish) {
-      uint16_t host_port = pub.host_port == 0 ? 0 : static_cast<uint16_t>(pub.host_port + index);
-      uint16_t bound = 0;
-      listeners_.push_back(listen_on(pub.host_address, host_port, &bound));
-      info_.ports.push_back({pub.host_address, bound, pub.port});
-    }
-
-    int sv[2];
-    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
-      throw sys_error("socketpair", errno);
-    }
-    control_.reset(sv[0]);
-    UniqueFd child_end(sv[1]);
-
+    auto stdio = open_stdio();
+    plan_stdio(manifest, stdio, ro);
+    auto image_fds = plan_host_images(manifest, images, ro);
+    publish_ports(options.publish);
     engine::CopyInitSpec spec;
-    if (!manifest.control_dir.empty() && into_ != 0) {
-      // In a placeholder the workload's handshake directory is the placeholder's own (a fresh
-      // volume at the same path); make sure it is there for the resume request.
-      std::error_code ec;
-      std::filesystem::create_directories(handshake_dir_in(into_, manifest), ec);
-    }
-    if (!manifest.control_dir.empty() && into_ == 0) {
-      spec.handshake_source = info_.dir / "control";
-      spec.handshake_target = manifest.control_dir;
-      std::filesystem::create_directories(spec.handshake_source);
-    }
-    spec.criu_argv = criu::restore_args(criu, ro);
-    if (into_ != 0) {
-      // CRIU runs inside the placeholder: its files through the host root, the root left to the
-      // placeholder's init, the tree in the placeholder's cgroups.
-      criu::RestoreOptions inside = ro;
-      inside.images = container::host_path(ro.images);
-      inside.log = container::host_path(ro.log);
-      inside.pidfile = container::host_path(ro.pidfile);
-      inside.sibling = false;
-      inside.keep_cgroups = true;
-      spec.criu_argv = container::criu_argv_inside(criu, criu::restore_args(criu, inside));
-      spec.into_pid = into_;
-      spec.criu_pid = container::criu_pid_inside();
-    }
+    spec.criu_argv =
+        into_ != 0 ? criu_argv_in_placeholder(criu, ro, spec) : criu::restore_args(criu, ro);
+    prepare_handshake_dir(manifest, spec);
     spec.pidfile = ro.pidfile;
     spec.criu_output = info_.dir / "criu.out";
-    spec.control_fd = kControlFd;
-    SpawnOptions o;
-    o.keep_fds.push_back({child_end.get(), kControlFd});
-    for (const auto& [src, dst] : inherit_) {
-      o.keep_fds.push_back({src, dst});
-      spec.inherit_fds.push_back(dst);
-    }
-    for (size_t i = 0; i < listeners_.size(); ++i) {
-      int fd = kFirstListenFd + static_cast<int>(i);
-      o.keep_fds.push_back({listeners_[i].get(), fd});
-      spec.forwards.push_back({fd, options.publish[i].port});
-    }
-    // A separate program rather than a forked function: gpusnap may have driver threads.
-    o.argv = {options.helper_binary.empty() ? "/proc/self/exe" : options.helper_binary,
-              "__copy-init", engine::to_json(spec)};
-    o.kill_with_parent = into_ == 0;
-    o.new_session = true;  // a Ctrl-C at gpusnap's terminal must not reach released copies
-    if (into_ == 0) {
-      o.clone_flags = CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS;
-    }
-    init_.emplace(o);
-    info_.init_pid = into_ != 0 ? into_ : init_->pid();
-    // Our copies of the inherited descriptors and listeners close here: the init holds them.
-    inherit_.clear();
-    listeners_.clear();
+    start_init(spec, options);
   }
 
   Copy(const Copy&) = delete;
@@ -302,12 +158,154 @@ class Copy {
   }
 
  private:
+  // The copy's own standard descriptors: the workload's pointed at things of the source (its
+  // log file, a pipe to its launcher, a terminal). A copy gets stdin from /dev/null and its
+  // output into the copy's output.log; in a placeholder, the container's own (its log).
+  struct Stdio {
+    UniqueFd in;
+    UniqueFd out;
+  };
+  Stdio open_stdio() const {
+    Stdio s;
+    if (into_ != 0) {
+      s.out = container::borrow_fd(into_, STDOUT_FILENO);
+      s.in = container::borrow_fd(into_, STDIN_FILENO);
+    } else {
+      s.out.reset(::open((info_.dir / "output.log").c_str(),
+                         O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+      s.in.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+    }
+    if (!s.out || !s.in) throw sys_error("open the copy's output", errno);
+    return s;
+  }
+
+  // The descriptor plan: each external file CRIU restores (by its key) is a descriptor the
+  // init inherits, numbered from kFirstInheritFd in the order planned.
+  int plan_inherit(int fd_here, const std::string& key, criu::RestoreOptions& ro) {
+    int target = kFirstInheritFd + static_cast<int>(inherit_.size());
+    inherit_.emplace_back(fd_here, target);
+    ro.inherit.push_back({target, key});
+    return target;
+  }
+
+  // The workload's stdio targets, each key once (CRIU matches each key once): stdin from the
+  // copy's stdin, everything else into its output. `stdio` stays open until the init starts.
+  void plan_stdio(const Manifest& manifest, const Stdio& stdio, criu::RestoreOptions& ro) {
+    std::set<std::string> keys;
+    for (const auto& p : manifest.processes) {
+      for (const auto& s : p.stdio) {
+        auto key = criu::inherit_key(s.target);
+        if (key.empty() || !keys.insert(key).second) continue;
+        plan_inherit(s.fd == 0 ? stdio.in.get() : stdio.out.get(), key, ro);
+      }
+    }
+  }
+
+  // Host images: CRIU maps each one back from the artifact, given to it as a descriptor under
+  // the key it recorded. Read-only: the copy's mapping is private. Returns the descriptors,
+  // to hold until the init starts.
+  std::vector<UniqueFd> plan_host_images(const Manifest& manifest,
+                                         const std::filesystem::path& images,
+                                         criu::RestoreOptions& ro) {
+    std::vector<UniqueFd> fds;
+    for (const auto& image : manifest.host_images) {
+      UniqueFd fd(::open((images.parent_path() / image.file).c_str(), O_RDONLY | O_CLOEXEC));
+      if (!fd) throw sys_error("open host image " + image.file, errno);
+      if (kFirstInheritFd + static_cast<int>(inherit_.size()) >= kFirstListenFd) {
+        throw Error(ErrorKind::kBadArtifact, "the artifact names too many files to hand to CRIU",
+                    "take the checkpoint with --no-host-images");
+      }
+      plan_inherit(fd.get(), image.criu_key, ro);
+      fds.push_back(std::move(fd));
+    }
+    return fds;
+  }
+
+  // One listener per --publish, on HOSTPORT + the copy's index (or any free port).
+  void publish_ports(const std::vector<PortPublish>& publish) {
+    for (const auto& pub : publish) {
+      uint16_t host_port = pub.host_port == 0 ? 0 : static_cast<uint16_t>(pub.host_port + index_);
+      uint16_t bound = 0;
+      listeners_.push_back(engine::listen_on(pub.host_address, host_port, &bound));
+      info_.ports.push_back({pub.host_address, bound, pub.port});
+      forwarded_ports_.push_back(pub.port);
+    }
+  }
+
+  // CRIU runs inside the placeholder: its files through the host root, the root left to the
+  // placeholder's init, the tree in the placeholder's cgroups.
+  std::vector<std::string> criu_argv_in_placeholder(const criu::Binary& criu,
+                                                    const criu::RestoreOptions& ro,
+                                                    engine::CopyInitSpec& spec) const {
+    criu::RestoreOptions inside = ro;
+    inside.images = container::host_path(ro.images);
+    inside.log = container::host_path(ro.log);
+    inside.pidfile = container::host_path(ro.pidfile);
+    inside.sibling = false;
+    inside.keep_cgroups = true;
+    spec.into_pid = into_;
+    spec.criu_pid = container::criu_pid_inside();
+    return container::criu_argv_inside(criu, criu::restore_args(criu, inside));
+  }
+
+  // The workload's handshake directory. A copy of its own gets a fresh one, mounted by its
+  // init at the captured path; in a placeholder it is the placeholder's own (a fresh volume at
+  // the same path), which must be there for the resume request.
+  void prepare_handshake_dir(const Manifest& manifest, engine::CopyInitSpec& spec) const {
+    if (manifest.control_dir.empty()) return;
+    if (into_ != 0) {
+      std::error_code ec;
+      std::filesystem::create_directories(handshake_dir_in(into_, manifest), ec);
+      return;
+    }
+    spec.handshake_source = info_.dir / "control";
+    spec.handshake_target = manifest.control_dir;
+    std::filesystem::create_directories(spec.handshake_source);
+  }
+
+  // Starts `gpusnap __copy-init` with the planned descriptors: a separate program rather than
+  // a forked function, as gpusnap may have driver threads. A copy of its own gets fresh
+  // namespaces and dies with gpusnap until released.
+  void start_init(engine::CopyInitSpec& spec, const RestoreOptions& options) {
+    int sv[2];
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+      throw sys_error("socketpair", errno);
+    }
+    control_.reset(sv[0]);
+    UniqueFd child_end(sv[1]);
+    spec.control_fd = kControlFd;
+    SpawnOptions o;
+    o.keep_fds.push_back({child_end.get(), kControlFd});
+    for (const auto& [src, dst] : inherit_) {
+      o.keep_fds.push_back({src, dst});
+      spec.inherit_fds.push_back(dst);
+    }
+    for (size_t i = 0; i < listeners_.size(); ++i) {
+      int fd = kFirstListenFd + static_cast<int>(i);
+      o.keep_fds.push_back({listeners_[i].get(), fd});
+      spec.forwards.push_back({fd, forwarded_ports_[i]});
+    }
+    o.argv = {options.helper_binary.empty() ? "/proc/self/exe" : options.helper_binary,
+              "__copy-init", engine::to_json(spec)};
+    o.kill_with_parent = into_ == 0;
+    o.new_session = true;  // a Ctrl-C at gpusnap's terminal must not reach released copies
+    if (into_ == 0) {
+      o.clone_flags = CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS;
+    }
+    init_.emplace(o);
+    info_.init_pid = into_ != 0 ? into_ : init_->pid();
+    // Our copies of the listeners close here: the init holds them.
+    inherit_.clear();
+    listeners_.clear();
+  }
+
   int index_;
   pid_t into_ = 0;
   CopyInfo info_;
   UniqueFd control_;
-  std::vector<std::pair<int, int>> inherit_;  // {fd here, fd in the init}; fds owned below
-  std::vector<UniqueFd> listeners_;
+  std::vector<std::pair<int, int>> inherit_;  // {fd here, fd in the init}, until the init starts
+  std::vector<UniqueFd> listeners_;           // until the init starts
+  std::vector<uint16_t> forwarded_ports_;     // the copy's port of each listener
   std::optional<Subprocess> init_;
 };
 
@@ -344,7 +342,7 @@ class Restore {
                   "drop --replicas and --publish; reach the copy as the container is reached");
     }
     auto criu = criu::locate(options_.criu_path);
-    gpu::Driver& driver = open_driver();
+    gpu::Driver& driver = gpu::given_or_nvidia(options_.driver, owned_driver_);
     for (const auto& line : engine::recover_abandoned(driver, options_.run_dir)) {
       phases_.reporter().note(line);
     }
@@ -401,8 +399,8 @@ class Restore {
       phases_.run("gpu-restore", [&] {
         std::vector<pid_t> pids;
         for (auto& c : copies) {
-          for (const auto& p : artifact.manifest().gpu.at("processes")) {
-            pids.push_back(c->host_pid_of(p.at("pid").get<pid_t>()));
+          for (const auto& p : artifact.manifest().gpu->processes) {
+            pids.push_back(c->host_pid_of(p.pid));
           }
         }
         engine::restore_gpu_processes(driver, pids, gpu_plan.pairs);
@@ -425,12 +423,6 @@ class Restore {
   }
 
  private:
-  gpu::Driver& open_driver() {
-    if (options_.driver != nullptr) return *options_.driver;
-    owned_driver_ = gpu::open_nvidia_driver();
-    return *owned_driver_;
-  }
-
   // Every copy is asked to resume with its own context, all at once; each must say RESUMED.
   void resume(std::vector<std::unique_ptr<Copy>>& copies, const Manifest& manifest,
               const engine::GpuPlan& gpu_plan) {

@@ -124,26 +124,26 @@ TierContents check_tier_dir(const stdfs::path& dir) {
   return contents;
 }
 
-void add_tier_memory(json& gpu, pid_t pid, const TierContents& tier) {
-  if (tier.bytes == 0 || gpu.is_null() || gpu.at("processes").empty()) return;
-  json* entry = &gpu.at("processes").front();
-  for (auto& p : gpu.at("processes")) {
-    if (p.at("pid").get<pid_t>() == pid) entry = &p;
+void add_tier_memory(std::optional<GpuFacts>& gpu, pid_t pid, const TierContents& tier) {
+  if (tier.bytes == 0 || !gpu || gpu->processes.empty()) return;
+  GpuProcessRecord* entry = &gpu->processes.front();
+  for (auto& p : gpu->processes) {
+    if (p.pid == pid) entry = &p;
   }
   for (const auto& [uuid, bytes] : tier.gpu_bytes) {
     bool found = false;
-    for (auto& g : entry->at("gpus")) {
-      if (g.at("uuid") == uuid) {
-        g["bytes"] = g.at("bytes").get<uint64_t>() + bytes;
+    for (auto& g : entry->gpus) {
+      if (g.uuid == uuid) {
+        g.bytes += bytes;
         found = true;
       }
     }
-    if (!found) entry->at("gpus").push_back({{"uuid", uuid}, {"bytes", bytes}});
+    if (!found) entry->gpus.push_back({uuid, bytes});
   }
-  (*entry)["bytes"] = entry->at("bytes").get<uint64_t>() + tier.bytes;
+  entry->bytes += tier.bytes;
   // A GPU that holds tier memory is used, whatever NVML said after the drain.
-  for (auto& g : gpu.at("gpus")) {
-    if (tier.gpu_bytes.count(g.at("uuid").get<std::string>()) != 0) g["used"] = true;
+  for (auto& g : gpu->gpus) {
+    if (tier.gpu_bytes.count(g.uuid) != 0) g.used = true;
   }
 }
 

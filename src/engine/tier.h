@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -46,7 +47,7 @@ TierContents check_tier_dir(const std::filesystem::path& dir);
 // Adds the tier's memory to the GPU facts of the manifest (`gpu`, as describe_gpu_state wrote
 // it), to process `pid`'s entry, or to the first process's when `pid` has none: NVML no longer
 // counts that memory after the drain, and a restore must find room for it.
-void add_tier_memory(nlohmann::json& gpu, pid_t pid, const TierContents& tier);
+void add_tier_memory(std::optional<GpuFacts>& gpu, pid_t pid, const TierContents& tier);
 
 // The tier_dir member of a pause request or a resume context: the folder, or "" without one.
 nlohmann::json tier_member(const std::filesystem::path& dir);

@@ -832,4 +832,10 @@ class CudaDriver final : public Driver {
 
 std::unique_ptr<Driver> open_nvidia_driver() { return std::make_unique<CudaDriver>(); }
 
+Driver& given_or_nvidia(Driver* given, std::unique_ptr<Driver>& owned) {
+  if (given != nullptr) return *given;
+  owned = open_nvidia_driver();
+  return *owned;
+}
+
 }  // namespace gpusnap::gpu

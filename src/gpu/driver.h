@@ -81,4 +81,8 @@ class Driver {
 // whose available() is false.
 std::unique_ptr<Driver> open_nvidia_driver();
 
+// The driver an operation uses: `given` when the caller passed one (a test's fake, an agent's
+// own), else the real driver, opened into `owned`, which the operation keeps for its lifetime.
+Driver& given_or_nvidia(Driver* given, std::unique_ptr<Driver>& owned);
+
 }  // namespace gpusnap::gpu

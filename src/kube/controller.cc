@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <set>
 
+#include "common/utc.h"
 #include "kube/objects.h"
 
 namespace gpusnap::kube {
@@ -42,6 +43,22 @@ double seconds_since(const std::string& rfc3339) {
   if (rfc3339.empty() || ::strptime(rfc3339.c_str(), "%Y-%m-%dT%H:%M:%S", &tm) == nullptr) return 0;
   std::time_t then = ::timegm(&tm);
   return std::difftime(std::time(nullptr), then);
+}
+
+// Whether a restore pod's gpusnap.io/restored condition is a verdict: restored, or failed for
+// good (a reason that is not a wait).
+bool restore_decided(const json& pod) {
+  auto c = find_condition(pod.value("/status/conditions"_json_pointer, json()), kRestoredCondition);
+  return c && (c->value("status", "") == "True" || !kRestoreWaits.contains(c->value("reason", "")));
+}
+
+// How long an agent operation's phases took, as its messages say it: "12.3".
+std::string seconds_text(const Operation& op) {
+  double seconds = 0;
+  for (const auto& p : op.phases) seconds += p.seconds;
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f", seconds);
+  return text;
 }
 
 json phases_json(const Operation& op) {
@@ -89,8 +106,8 @@ void Controller::say(const std::string& line) const {
     options_.log(line);
     return;
   }
-  std::fprintf(stderr, "%s gpusnap-controller[%s]: %s\n", now_rfc3339().c_str(),
-               options_.node.c_str(), line.c_str());
+  std::fprintf(stderr, "%s gpusnap-controller[%s]: %s\n", utc::now().c_str(), options_.node.c_str(),
+               line.c_str());
 }
 
 void Controller::start() {
@@ -126,7 +143,7 @@ void Controller::on_snapshot_changed(const std::string& key) {
   auto slash = key.find('/');
   std::string ns = key.substr(0, slash), name = key.substr(slash + 1);
   for (const auto& pod : pods_->items()) {
-    if (ns_of(pod) == ns && str_at(pod, "/metadata/annotations/gpusnap.io~1snapshot") == name) {
+    if (ns_of(pod) == ns && annotation(pod, kSnapshotAnnotation) == name) {
       enqueue("p:" + Informer::key_of(pod));
     }
   }
@@ -215,7 +232,7 @@ std::optional<json> Controller::find_pod(const std::string& ns, const std::strin
 
 void Controller::emit(const json& object, const std::string& type, const std::string& reason,
                       const std::string& message) {
-  std::string now = now_rfc3339();
+  std::string now = utc::now();
   std::string ns = ns_of(object);
   json event{{"apiVersion", "v1"},
              {"kind", "Event"},
@@ -246,31 +263,44 @@ void Controller::emit(const json& object, const std::string& type, const std::st
   say(ns + "/" + name_of(object) + ": " + reason + ": " + message);
 }
 
-std::optional<json> Controller::update_snapshot_status(const json& snap,
-                                                       const std::function<bool(json&)>& mutate) {
-  std::string ns = ns_of(snap), name = name_of(snap);
-  const std::string what = "status update of GpuSnapshot " + ns + "/" + name;
-  json current = snap;
+std::optional<json> Controller::write_status(const StatusTarget& target, json current,
+                                             const std::function<bool(json&)>& mutate) {
   for (int attempt = 0; attempt < kStatusAttempts; ++attempt) {
     json next = current;
     if (!next.contains("status") || !next["status"].is_object()) next["status"] = json::object();
     if (!mutate(next)) return std::nullopt;
-    next["status"]["observedGeneration"] = generation_of(next);
-    Response r = api_.update(snapshot_path(ns, name) + "/status", next);
+    Response r = api_.update(target.path + "/status", next);
     if (r.ok()) return r.body;
     if (r.status == 404) return std::nullopt;
-    if (r.status != 409) {
-      throw api_failure(what, r, "check the controller's RBAC rules (gpusnapshots/status: update)");
-    }
+    if (r.status != 409) throw api_failure("status update of " + target.what, r, target.rbac_hint);
     // Someone wrote first: apply the step again to what they wrote.
-    Response fresh = api_.get(snapshot_path(ns, name));
+    Response fresh = api_.get(target.path);
     if (fresh.status == 404) return std::nullopt;
-    if (!fresh.ok()) continue;
-    current = fresh.body;
+    if (fresh.ok()) current = fresh.body;
   }
   throw Error(ErrorKind::kEnvironment,
-              what + " lost " + std::to_string(kStatusAttempts) + " races in a row",
-              "something else writes this object's status continuously");
+              "status update of " + target.what + " lost " + std::to_string(kStatusAttempts) +
+                  " races in a row",
+              "something else writes this " + target.noun + "'s status continuously");
+}
+
+std::optional<json> Controller::read_fresh(const std::string& path, const std::string& what) {
+  Response fresh = api_.get(path);
+  if (fresh.status == 404) return std::nullopt;
+  if (!fresh.ok()) throw api_failure("get " + what, fresh, "check the controller's RBAC rules");
+  return fresh.body;
+}
+
+std::optional<json> Controller::update_snapshot_status(const json& snap,
+                                                       const std::function<bool(json&)>& mutate) {
+  const std::string ns = ns_of(snap), name = name_of(snap);
+  return write_status({snapshot_path(ns, name), "GpuSnapshot " + ns + "/" + name, "object",
+                       "check the controller's RBAC rules (gpusnapshots/status: update)"},
+                      snap, [&](json& o) {
+                        if (!mutate(o)) return false;
+                        o["status"]["observedGeneration"] = generation_of(o);
+                        return true;
+                      });
 }
 
 // ---- GpuSnapshot --------------------------------------------------------------------------
@@ -282,7 +312,7 @@ void Controller::fail_snapshot(const json& snap, const std::string& reason,
     if (terminal(st.value("phase", ""))) return false;  // another step already decided
     long gen = generation_of(o);
     st["phase"] = kPhaseFailed;
-    st["completionTime"] = now_rfc3339();
+    st["completionTime"] = utc::now();
     json& conds = st["conditions"];
     set_condition(conds, {"Capturing", "False", reason, message}, gen);
     set_condition(conds, {"Ready", "False", reason, message}, gen);
@@ -391,7 +421,7 @@ void Controller::create_source_pod(const json& snap, const std::string& pod_name
     if (terminal(st.value("phase", "")) || st.contains("podName")) return false;
     st["phase"] = kPhaseLaunching;
     st["podName"] = pod_name;
-    st["startTime"] = now_rfc3339();
+    st["startTime"] = utc::now();
     set_condition(st["conditions"],
                   {"Ready", "False", "Launching", "created pod " + pod_name + "; waiting for it"},
                   generation_of(o));
@@ -402,11 +432,9 @@ void Controller::create_source_pod(const json& snap, const std::string& pod_name
 }
 
 void Controller::capture(const json& snap, const json& pod) {
-  std::string ns = ns_of(snap), name = name_of(snap), pod_name = name_of(pod);
-  std::string key = ns + "/" + name;
-  std::string container = snap.value("/spec/source/container"_json_pointer, json(""));
-  std::string readiness = snap.value("/spec/readiness"_json_pointer, json("PodReady"));
-  std::string pod_phase = str_at(pod, "/status/phase");
+  const std::string ns = ns_of(snap), name = name_of(snap), pod_name = name_of(pod);
+  const std::string container = snap.value("/spec/source/container"_json_pointer, json(""));
+  const std::string pod_phase = str_at(pod, "/status/phase");
   auto c = container_state(pod, container);
   if ((c && c->terminated) || pod_phase == "Succeeded" || pod_phase == "Failed") {
     fail_snapshot(snap, "PodNotRunning",
@@ -418,62 +446,70 @@ void Controller::capture(const json& snap, const json& pod) {
     fail_snapshot(snap, "InvalidSpec", "pod " + ns + "/" + pod_name + " has no containers");
     return;
   }
-
-  bool ready = c && c->running && !c->id.empty();
-  if (ready && readiness == "Handshake") {
-    ready = std::filesystem::exists(options_.control_root / (ns + "." + pod_name) / "ready");
-  } else if (ready && readiness != "Running") {
-    ready = pod_ready(pod);
-  }
-  if (!ready) {
-    long timeout = snap.value("/spec/readyTimeoutSeconds"_json_pointer, json(600)).get<long>();
-    std::string since = str_at(snap, "/status/startTime");
-    if (!since.empty() && seconds_since(since) > static_cast<double>(timeout)) {
-      fail_snapshot(snap, "ReadyTimeout",
-                    "pod " + ns + "/" + pod_name + " was not ready (" + readiness + ") within " +
-                        std::to_string(timeout) + " s (spec.readyTimeoutSeconds)");
-      return;
-    }
-    std::string why = readiness == "Handshake"
-                          ? "waiting for the workload to write `ready` in its handshake directory"
-                          : "waiting for pod " + pod_name + " to be " +
-                                (readiness == "Running" ? "running" : "Ready");
-    auto written = update_snapshot_status(snap, [&](json& o) {
-      json& st = o["status"];
-      if (terminal(st.value("phase", "")) || st.value("phase", "") == kPhaseWaitingReady) {
-        return false;
-      }
-      st["phase"] = kPhaseWaitingReady;
-      st["nodeName"] = options_.node;
-      st["podName"] = pod_name;
-      if (!st.contains("startTime")) st["startTime"] = now_rfc3339();
-      set_condition(st["conditions"], {"Ready", "False", "WaitingForReady", why}, generation_of(o));
-      return true;
-    });
-    if (written) emit(*written, "Normal", "WaitingForReady", why);
-    enqueue("s:" + key, options_.poll);
+  if (!source_ready(snap, pod, c)) {
+    wait_for_ready(snap, pod_name);
     return;
   }
-
-  // The informer's copy may lag behind this controller's own last write (the events of a
-  // write race the next pass): read the object itself before an action that must not happen
-  // twice. Only this node's single worker starts captures of pods of this node, so nothing
-  // can come between this read and the status write below but other writers' edits, which
+  // Only this node's single worker starts captures of pods of this node, so nothing can come
+  // between this read and the status write of start_capture but other writers' edits, which
   // the write's retry absorbs.
-  Response fresh = api_.get(snapshot_path(ns, name));
-  if (fresh.status == 404) return;
-  if (!fresh.ok()) {
-    throw api_failure("get GpuSnapshot " + key, fresh, "check the controller's RBAC rules");
+  auto now = read_fresh(snapshot_path(ns, name), "GpuSnapshot " + ns + "/" + name);
+  if (!now || terminal(str_at(*now, "/status/phase")) ||
+      !str_at(*now, "/status/operation/id").empty()) {
+    return;  // gone, or already started or decided; the informer brings the news
   }
-  const json& now = fresh.body;
-  if (terminal(str_at(now, "/status/phase")) || !str_at(now, "/status/operation/id").empty()) {
-    return;  // already started or decided; the informer brings the news
-  }
+  start_capture(*now, pod_name, *c);
+}
 
-  std::string artifact = artifact_name(ns, name);
+bool Controller::source_ready(const json& snap, const json& pod,
+                              const std::optional<ContainerState>& c) const {
+  if (!c || !c->running || c->id.empty()) return false;
+  const std::string readiness = snap.value("/spec/readiness"_json_pointer, json("PodReady"));
+  if (readiness == "Handshake") {
+    return std::filesystem::exists(options_.control_root / (ns_of(snap) + "." + name_of(pod)) /
+                                   "ready");
+  }
+  return readiness == "Running" || pod_ready(pod);
+}
+
+void Controller::wait_for_ready(const json& snap, const std::string& pod_name) {
+  const std::string ns = ns_of(snap), name = name_of(snap);
+  const std::string readiness = snap.value("/spec/readiness"_json_pointer, json("PodReady"));
+  long timeout = snap.value("/spec/readyTimeoutSeconds"_json_pointer, json(600)).get<long>();
+  std::string since = str_at(snap, "/status/startTime");
+  if (!since.empty() && seconds_since(since) > static_cast<double>(timeout)) {
+    fail_snapshot(snap, "ReadyTimeout",
+                  "pod " + ns + "/" + pod_name + " was not ready (" + readiness + ") within " +
+                      std::to_string(timeout) + " s (spec.readyTimeoutSeconds)");
+    return;
+  }
+  std::string why = readiness == "Handshake"
+                        ? "waiting for the workload to write `ready` in its handshake directory"
+                        : "waiting for pod " + pod_name + " to be " +
+                              (readiness == "Running" ? "running" : "Ready");
+  auto written = update_snapshot_status(snap, [&](json& o) {
+    json& st = o["status"];
+    if (terminal(st.value("phase", "")) || st.value("phase", "") == kPhaseWaitingReady) {
+      return false;
+    }
+    st["phase"] = kPhaseWaitingReady;
+    st["nodeName"] = options_.node;
+    st["podName"] = pod_name;
+    if (!st.contains("startTime")) st["startTime"] = utc::now();
+    set_condition(st["conditions"], {"Ready", "False", "WaitingForReady", why}, generation_of(o));
+    return true;
+  });
+  if (written) emit(*written, "Normal", "WaitingForReady", why);
+  enqueue("s:" + ns + "/" + name, options_.poll);
+}
+
+void Controller::start_capture(const json& snap, const std::string& pod_name,
+                               const ContainerState& c) {
+  const std::string ns = ns_of(snap), name = name_of(snap);
+  const std::string artifact = artifact_name(ns, name);
   CheckpointCall call;
   call.artifact = artifact;
-  call.container = {c->id, options_.runtime_root};
+  call.container = {c.id, options_.runtime_root};
   call.leave_running = snap.value("/spec/leaveRunning"_json_pointer, json(true)).get<bool>();
   call.handshake_timeout_s =
       snap.value("/spec/handshakeTimeoutSeconds"_json_pointer, json(0)).get<int>();
@@ -484,31 +520,31 @@ void Controller::capture(const json& snap, const json& pod) {
     if (e.kind() == ErrorKind::kEnvironment) {
       // The agent is away (not running, its socket not mounted): a wait, not a verdict. The
       // snapshot says so, and the worker's backoff tries again until the agent answers.
-      wait_for_agent(now, pod_name, e);
+      wait_for_agent(snap, pod_name, e);
       throw;
     }
     fail_snapshot(snap, reason_of_kind(Error::kind_name(e.kind())), e.what());
     return;
   }
-  std::string message = "capturing container " + c->name + " of pod " + pod_name +
+  std::string message = "capturing container " + c.name + " of pod " + pod_name +
                         " into artifact " + artifact + " (agent operation " + op.id + ")";
-  auto written = update_snapshot_status(now, [&](json& o) {
+  auto written = update_snapshot_status(snap, [&](json& o) {
     json& st = o["status"];
     if (terminal(st.value("phase", ""))) return false;
     long gen = generation_of(o);
     st["phase"] = kPhaseCapturing;
     st["nodeName"] = options_.node;
     st["podName"] = pod_name;
-    st["containerID"] = c->id;
+    st["containerID"] = c.id;
     st["artifact"] = artifact;
     st["operation"] = {{"id", op.id}};
-    if (!st.contains("startTime")) st["startTime"] = now_rfc3339();
+    if (!st.contains("startTime")) st["startTime"] = utc::now();
     set_condition(st["conditions"], {"Capturing", "True", "CheckpointStarted", message}, gen);
     set_condition(st["conditions"], {"Ready", "False", "Capturing", message}, gen);
     return true;
   });
   if (written) emit(*written, "Normal", "CaptureStarted", message);
-  enqueue("s:" + key, options_.poll);
+  enqueue("s:" + ns + "/" + name, options_.poll);
 }
 
 void Controller::wait_for_agent(const json& snap, const std::string& pod_name, const Error& e) {
@@ -578,20 +614,16 @@ void Controller::follow_capture(const json& snap) {
     return;
   }
   json bytes = op->result.is_object() ? op->result.value("bytes", json(nullptr)) : json(nullptr);
-  double seconds = 0;
-  for (const auto& p : op->phases) seconds += p.seconds;
-  char took[32];
-  std::snprintf(took, sizeof took, "%.1f", seconds);
-  std::string message =
-      "artifact " + artifact + " on node " + options_.node +
-      (bytes.is_number() ? " (" + std::to_string(bytes.get<uint64_t>()) + " bytes, " + took + " s)"
-                         : "");
+  std::string message = "artifact " + artifact + " on node " + options_.node +
+                        (bytes.is_number() ? " (" + std::to_string(bytes.get<uint64_t>()) +
+                                                 " bytes, " + seconds_text(*op) + " s)"
+                                           : "");
   auto written = update_snapshot_status(snap, [&](json& o) {
     json& s = o["status"];
     if (terminal(s.value("phase", ""))) return false;
     long gen = generation_of(o);
     s["phase"] = kPhaseSucceeded;
-    s["completionTime"] = now_rfc3339();
+    s["completionTime"] = utc::now();
     if (bytes.is_number()) s["sizeBytes"] = bytes;
     if (!op->phases.empty()) s["phases"] = phases_json(*op);
     set_condition(s["conditions"], {"Capturing", "False", "Captured", message}, gen);
@@ -628,143 +660,144 @@ void Controller::restore_refused(const json& pod, const Error& e) {
 
 void Controller::set_restored(const json& pod, const std::string& status, const std::string& reason,
                               const std::string& message) {
-  std::string ns = ns_of(pod), name = name_of(pod);
-  const std::string what = "status update of pod " + ns + "/" + name;
-  json current = pod;
+  const std::string ns = ns_of(pod), name = name_of(pod);
   std::string previous_reason;
-  for (int attempt = 0; attempt < kStatusAttempts; ++attempt) {
-    json next = current;
-    json& conds = next["status"]["conditions"];
-    auto before = find_condition(conds, kRestoredCondition);
-    if (before && before->value("status", "") == "True") return;                 // never undone
-    if (before && !kRestoreWaits.contains(before->value("reason", ""))) return;  // verdict given
-    previous_reason = before ? before->value("reason", "") : "";
-    if (!set_condition(conds, {kRestoredCondition, status, reason, message})) return;
-    Response r = api_.update(pod_path(ns, name) + "/status", next);
-    if (r.ok()) {
-      if (reason != previous_reason) {
-        json o = r.body;
-        o["apiVersion"] = "v1";
-        o["kind"] = "Pod";
-        bool normal =
-            status == "True" || (kRestoreWaits.contains(reason) && reason != kAgentUnavailable);
-        emit(o, normal ? "Normal" : "Warning", reason, message);
-      }
-      return;
-    }
-    if (r.status == 404) return;
-    if (r.status != 409) {
-      throw api_failure(what, r, "check the controller's RBAC rules (pods/status: update)");
-    }
-    Response fresh = api_.get(pod_path(ns, name));
-    if (fresh.status == 404) return;
-    if (fresh.ok()) current = fresh.body;
-  }
-  throw Error(ErrorKind::kEnvironment,
-              what + " lost " + std::to_string(kStatusAttempts) + " races in a row",
-              "something else writes this pod's status continuously");
+  auto written =
+      write_status({pod_path(ns, name), "pod " + ns + "/" + name, "pod",
+                    "check the controller's RBAC rules (pods/status: update)"},
+                   pod, [&](json& next) {
+                     json& conds = next["status"]["conditions"];
+                     auto before = find_condition(conds, kRestoredCondition);
+                     if (before && before->value("status", "") == "True")
+                       return false;  // never undone
+                     if (before && !kRestoreWaits.contains(before->value("reason", ""))) {
+                       return false;  // verdict given
+                     }
+                     previous_reason = before ? before->value("reason", "") : "";
+                     return set_condition(conds, {kRestoredCondition, status, reason, message});
+                   });
+  if (!written || reason == previous_reason) return;
+  json o = *written;
+  o["apiVersion"] = "v1";
+  o["kind"] = "Pod";
+  bool normal = status == "True" || (kRestoreWaits.contains(reason) && reason != kAgentUnavailable);
+  emit(o, normal ? "Normal" : "Warning", reason, message);
 }
 
 void Controller::reconcile_pod(const std::string& key) {
   auto found = pods_->get(key);
   if (!found) return;
   const json& pod = *found;
-  std::string snap_name = str_at(pod, "/metadata/annotations/gpusnap.io~1snapshot");
+  const std::string snap_name = annotation(pod, kSnapshotAnnotation);
   if (snap_name.empty()) return;
   if (str_at(pod, "/spec/nodeName") != options_.node) return;
-  auto cond =
-      find_condition(pod.value("/status/conditions"_json_pointer, json()), kRestoredCondition);
-  if (cond &&
-      (cond->value("status", "") == "True" || !kRestoreWaits.contains(cond->value("reason", "")))) {
-    return;  // restored, or failed for good: a new pod is needed to try again
-  }
-  std::string op_id = str_at(pod, "/metadata/annotations/gpusnap.io~1restore-operation");
-  if (!op_id.empty()) {
+  if (restore_decided(pod)) return;  // restored, or failed for good: a new pod must try again
+  if (auto op_id = annotation(pod, kRestoreOperationAnnotation); !op_id.empty()) {
     follow_restore(pod, op_id);
     return;
   }
+  auto st = ready_snapshot_status(pod, snap_name);
+  if (!st) return;
+  auto c = running_placeholder(pod);
+  if (!c) return;
+  auto artifact = stored_artifact(pod, snap_name, *st);
+  if (!artifact) return;
+  // As for captures: the object itself, not the informer's copy, says whether a restore was
+  // already started into this container.
+  auto fresh = read_fresh(pod_path(ns_of(pod), name_of(pod)), "pod " + key);
+  if (!fresh || !annotation(*fresh, kRestoreOperationAnnotation).empty() ||
+      restore_decided(*fresh)) {
+    return;
+  }
+  start_restore(pod, snap_name, *artifact, *c);
+}
 
-  std::string ns = ns_of(pod), pod_name = name_of(pod);
-  std::string snap_ref = "GpuSnapshot " + ns + "/" + snap_name;
+std::optional<json> Controller::ready_snapshot_status(const json& pod,
+                                                      const std::string& snap_name) {
+  const std::string ns = ns_of(pod);
+  const std::string snap_ref = "GpuSnapshot " + ns + "/" + snap_name;
   auto snap = snapshots_->get(ns + "/" + snap_name);
   if (!snap) {
     set_restored(pod, "False", "SnapshotNotFound", snap_ref + " does not exist (yet)");
-    return;  // the snapshot's appearance brings this pod back
+    return std::nullopt;  // the snapshot's appearance brings this pod back
   }
-  const json& st = snap->value("status", json::object());
+  json st = snap->value("status", json::object());
   std::string phase = st.value("phase", "");
   if (phase == kPhaseFailed) {
     auto ready = find_condition(st.value("conditions", json()), "Ready");
     set_restored(pod, "False", "SnapshotFailed",
                  snap_ref + " failed: " + (ready ? ready->value("message", "") : ""));
-    return;
+    return std::nullopt;
   }
   if (phase != kPhaseSucceeded) {
     set_restored(pod, "False", "SnapshotNotReady",
                  snap_ref + " is not ready yet (phase " + (phase.empty() ? "none" : phase) + ")");
-    return;
+    return std::nullopt;
   }
-  std::string container = str_at(pod, "/metadata/annotations/gpusnap.io~1container");
+  return st;
+}
+
+std::optional<ContainerState> Controller::running_placeholder(const json& pod) {
+  const std::string container = annotation(pod, kContainerAnnotation);
   auto c = container_state(pod, container);
   if (c && c->terminated) {
     set_restored(pod, "False", "ContainerNotRunning",
                  "container " + c->name +
                      " ended before the restore; it must run `gpusnap init "
                      "--placeholder`");
-    return;
+    return std::nullopt;
   }
   if (!c || !c->running || c->id.empty()) {
     set_restored(pod, "False", "WaitingForContainer",
                  "waiting for the placeholder container " +
                      (container.empty() ? first_container(pod) : container) + " to run");
-    return;
+    return std::nullopt;
   }
-  std::string artifact = st.value("artifact", artifact_name(ns, snap_name));
-  std::string owner = st.value("nodeName", "");
+  return c;
+}
+
+std::optional<std::string> Controller::stored_artifact(const json& pod,
+                                                       const std::string& snap_name,
+                                                       const json& snap_status) {
+  const std::string ns = ns_of(pod);
+  const std::string snap_ref = "GpuSnapshot " + ns + "/" + snap_name;
+  std::string artifact = snap_status.value("artifact", artifact_name(ns, snap_name));
+  std::string owner = snap_status.value("nodeName", "");
   std::optional<json> inspect;
   try {
     inspect = agent_.snapshot(artifact);
   } catch (const Error& e) {
     restore_refused(pod, e);
-    return;
+    return std::nullopt;
   }
-  if (!inspect) {
-    if (!owner.empty() && owner != options_.node) {
-      set_restored(pod, "False", "SnapshotOnAnotherNode",
-                   snap_ref + " is stored on node " + owner + "'s local storage, which node " +
-                       options_.node + " cannot read: schedule the pod on " + owner +
-                       " (nodeSelector kubernetes.io/hostname) or keep artifacts on shared "
-                       "storage (chart value storage.type=pvc)");
-    } else {
-      set_restored(pod, "False", "ArtifactMissing",
-                   "artifact " + artifact + " of " + snap_ref +
-                       " is not in the gpusnap agent's storage on node " + options_.node);
-    }
-    return;
+  if (inspect) return artifact;
+  if (!owner.empty() && owner != options_.node) {
+    set_restored(pod, "False", "SnapshotOnAnotherNode",
+                 snap_ref + " is stored on node " + owner + "'s local storage, which node " +
+                     options_.node + " cannot read: schedule the pod on " + owner +
+                     " (nodeSelector kubernetes.io/hostname) or keep artifacts on shared "
+                     "storage (chart value storage.type=pvc)");
+  } else {
+    set_restored(pod, "False", "ArtifactMissing",
+                 "artifact " + artifact + " of " + snap_ref +
+                     " is not in the gpusnap agent's storage on node " + options_.node);
   }
-  // As for captures: the object itself, not the informer's copy, says whether a restore was
-  // already started into this container.
-  Response fresh = api_.get(pod_path(ns, pod_name));
-  if (fresh.status == 404) return;
-  if (!fresh.ok()) {
-    throw api_failure("get pod " + key, fresh, "check the controller's RBAC rules");
-  }
-  auto now = find_condition(fresh.body.value("/status/conditions"_json_pointer, json()),
-                            kRestoredCondition);
-  if (!str_at(fresh.body, "/metadata/annotations/gpusnap.io~1restore-operation").empty() ||
-      (now &&
-       (now->value("status", "") == "True" || !kRestoreWaits.contains(now->value("reason", ""))))) {
-    return;
-  }
+  return std::nullopt;
+}
+
+void Controller::start_restore(const json& pod, const std::string& snap_name,
+                               const std::string& artifact, const ContainerState& c) {
+  const std::string ns = ns_of(pod), pod_name = name_of(pod);
   RestoreCall call;
   call.artifact = artifact;
-  call.into_container = {c->id, options_.runtime_root};
-  std::string settings = str_at(pod, "/metadata/annotations/gpusnap.io~1settings");
+  call.into_container = {c.id, options_.runtime_root};
+  std::string settings = annotation(pod, kSettingsAnnotation);
   if (!settings.empty()) {
     json s = json::parse(settings, nullptr, false);
     if (!s.is_object()) {
-      set_restored(pod, "False", "InvalidSettings",
-                   "annotation gpusnap.io/settings must be a JSON object of strings");
+      set_restored(
+          pod, "False", "InvalidSettings",
+          std::string("annotation ") + kSettingsAnnotation + " must be a JSON object of strings");
       return;
     }
     for (const auto& [k, v] : s.items())
@@ -787,14 +820,14 @@ void Controller::reconcile_pod(const std::string& key) {
   }
   json annotated = r.body;
   set_restored(annotated, "False", "Restoring",
-               "restoring " + snap_ref + " (artifact " + artifact + ") into container " + c->name +
-                   " (agent operation " + op.id + ")");
-  enqueue("p:" + key, options_.poll);
+               "restoring GpuSnapshot " + ns + "/" + snap_name + " (artifact " + artifact +
+                   ") into container " + c.name + " (agent operation " + op.id + ")");
+  enqueue("p:" + ns + "/" + pod_name, options_.poll);
 }
 
 void Controller::follow_restore(const json& pod, const std::string& id) {
   std::string key = ns_of(pod) + "/" + name_of(pod);
-  std::string snap_name = str_at(pod, "/metadata/annotations/gpusnap.io~1snapshot");
+  std::string snap_name = annotation(pod, kSnapshotAnnotation);
   auto op = agent_.operation(id);
   if (!op) {
     set_restored(pod, "False", "OperationLost",
@@ -812,12 +845,8 @@ void Controller::follow_restore(const json& pod, const std::string& id) {
     set_restored(pod, "False", reason_of_kind(e.kind), e.message);
     return;
   }
-  double seconds = 0;
-  for (const auto& p : op->phases) seconds += p.seconds;
-  char took[32];
-  std::snprintf(took, sizeof took, "%.1f", seconds);
   set_restored(pod, "True", "Restored",
-               "restored from GpuSnapshot " + snap_name + " in " + took + " s");
+               "restored from GpuSnapshot " + snap_name + " in " + seconds_text(*op) + " s");
 }
 
 }  // namespace gpusnap::kube

@@ -38,6 +38,7 @@
 #include "kube/agent_client.h"
 #include "kube/api_client.h"
 #include "kube/informer.h"
+#include "kube/objects.h"
 
 namespace gpusnap::kube {
 
@@ -83,7 +84,14 @@ class Controller {
 
   // GpuSnapshot steps.
   void reconcile_snapshot(const std::string& key);
+  // The capture of a snapshot's source pod, in steps: refused when the pod cannot be
+  // captured, waited for until it is ready, started once (read fresh) through the agent.
   void capture(const nlohmann::json& snap, const nlohmann::json& pod);
+  bool source_ready(const nlohmann::json& snap, const nlohmann::json& pod,
+                    const std::optional<ContainerState>& c) const;
+  void wait_for_ready(const nlohmann::json& snap, const std::string& pod_name);
+  void start_capture(const nlohmann::json& snap, const std::string& pod_name,
+                     const ContainerState& c);
   void follow_capture(const nlohmann::json& snap);
   void create_source_pod(const nlohmann::json& snap, const std::string& pod_name);
   void fail_snapshot(const nlohmann::json& snap, const std::string& reason,
@@ -91,14 +99,41 @@ class Controller {
   // The agent did not answer a capture's start: status says so (phase Pending, Ready False
   // with reason AgentUnavailable) and one Warning Event announces it.
   void wait_for_agent(const nlohmann::json& snap, const std::string& pod_name, const Error& e);
-  // Writes status through the status subresource: mutate(object) edits the newest object and
-  // returns false when there is nothing to write. Retries on 409 Conflict with a fresh read.
-  // Returns the written object, or nullopt when mutate declined or the object is gone.
+  // A GpuSnapshot's status write (write_status), with its observedGeneration.
   std::optional<nlohmann::json> update_snapshot_status(
       const nlohmann::json& snap, const std::function<bool(nlohmann::json&)>& mutate);
 
+  // An object whose status the controller writes, as its errors name it.
+  struct StatusTarget {
+    std::string path;       // the object's API path
+    std::string what;       // "GpuSnapshot NS/NAME", "pod NS/NAME"
+    std::string noun;       // "object", "pod"
+    std::string rbac_hint;  // the rule a 403 points at
+  };
+  // Writes status through the status subresource: mutate(object) edits the newest object and
+  // returns false when there is nothing to write. Retries on 409 Conflict with a fresh read of
+  // the object. Returns the written object, or nullopt when mutate declined or the object is
+  // gone. Throws Error(kEnvironment) on another API failure or after kStatusAttempts races.
+  std::optional<nlohmann::json> write_status(const StatusTarget& target, nlohmann::json current,
+                                             const std::function<bool(nlohmann::json&)>& mutate);
+  // The object itself, read from the API rather than the informer's copy, which may lag
+  // behind this controller's own last write: for a check before an action that must not
+  // happen twice. nullopt when it is gone; throws Error(kEnvironment) on another failure.
+  std::optional<nlohmann::json> read_fresh(const std::string& path, const std::string& what);
+
   // Restore steps, for pods of this node.
+  // A restore pod, in steps: its snapshot must have succeeded, its placeholder run and the
+  // agent hold the artifact; each step that says no sets the pod's condition (nullopt). The
+  // restore starts once (read fresh) through the agent.
   void reconcile_pod(const std::string& key);
+  std::optional<nlohmann::json> ready_snapshot_status(const nlohmann::json& pod,
+                                                      const std::string& snap_name);
+  std::optional<ContainerState> running_placeholder(const nlohmann::json& pod);
+  std::optional<std::string> stored_artifact(const nlohmann::json& pod,
+                                             const std::string& snap_name,
+                                             const nlohmann::json& snap_status);
+  void start_restore(const nlohmann::json& pod, const std::string& snap_name,
+                     const std::string& artifact, const ContainerState& c);
   void follow_restore(const nlohmann::json& pod, const std::string& id);
   // Sets the pod's gpusnap.io/restored condition; emits an Event when its reason changes.
   void restore_refused(const nlohmann::json& pod, const Error& e);

@@ -1,8 +1,6 @@
 #include "kube/objects.h"
 
-#include <time.h>
-
-#include <chrono>
+#include "common/utc.h"
 
 namespace gpusnap::kube {
 
@@ -29,15 +27,6 @@ std::string artifact_name(const std::string& ns, const std::string& name) {
   return ns + "." + name;
 }
 
-std::string now_rfc3339() {
-  std::time_t t = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
-  std::tm tm{};
-  ::gmtime_r(&t, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
-}
-
 bool set_condition(json& conditions, const Condition& c, long observed_generation) {
   if (!conditions.is_array()) conditions = json::array();
   json* existing = nullptr;
@@ -52,7 +41,7 @@ bool set_condition(json& conditions, const Condition& c, long observed_generatio
   bool changed = e.value("status", "") != c.status || e.value("reason", "") != c.reason ||
                  e.value("message", "") != c.message;
   if (e.value("status", "") != c.status || !e.contains("lastTransitionTime")) {
-    e["lastTransitionTime"] = now_rfc3339();
+    e["lastTransitionTime"] = utc::now();
     changed = true;
   }
   e["status"] = c.status;
@@ -122,6 +111,11 @@ std::string str_at(const json& j, const std::string& pointer) {
   if (!j.contains(p)) return "";
   const json& v = j.at(p);
   return v.is_string() ? v.get<std::string>() : "";
+}
+
+std::string annotation(const json& object, const std::string& name) {
+  // The pointer escapes the name's "/" ("gpusnap.io~1snapshot").
+  return str_at(object, ("/metadata/annotations"_json_pointer / name).to_string());
 }
 
 }  // namespace gpusnap::kube

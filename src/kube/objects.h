@@ -50,9 +50,6 @@ std::string events_path(const std::string& ns);
 // no dots (DNS labels), so two snapshots never share a name.
 std::string artifact_name(const std::string& ns, const std::string& name);
 
-// Now, as Kubernetes writes times: RFC 3339, UTC, seconds ("2026-01-02T03:04:05Z").
-std::string now_rfc3339();
-
 // A condition as Kubernetes conventions write it.
 struct Condition {
   std::string type;
@@ -88,5 +85,8 @@ std::string reason_of_kind(const std::string& kind);
 
 // Reads a string member at a JSON pointer, "" when absent or not a string.
 std::string str_at(const json& j, const std::string& pointer);
+
+// An annotation of an object (kSnapshotAnnotation, ...), "" when absent or not a string.
+std::string annotation(const json& object, const std::string& name);
 
 }  // namespace gpusnap::kube

@@ -55,7 +55,7 @@ void write_sparse(int fd, const char* data, uint64_t length, uint64_t offset,
 void materialise(const Layout& layout, const sfs::path& dest, const BlobSource& source,
                  const MaterialiseOptions& options, Reporter& reporter) {
   const Manifest manifest = Manifest::from_json(layout.manifest);
-  ArtifactWriter writer(dest);
+  artifact::ArtifactWriter writer(dest);
   // Root-only: the artifact holds a process's memory.
   sfs::permissions(writer.staging(), sfs::perms::owner_all, sfs::perm_options::replace);
   Phases phases(reporter);

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "artifact/chunk_hash.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/error.h"
@@ -17,6 +19,7 @@ namespace gpusnap {
 namespace {
 
 using namespace gpusnap::testing;  // testing/unit.h
+using artifact::ChunkHash;
 
 namespace stdfs = std::filesystem;
 

@@ -51,7 +51,13 @@ Manifest full_manifest() {
   child.threads = 1;
   child.rss_bytes = 1 << 20;
   m.processes = {root, child};
-  m.gpu = {{"driver", "550.54.15"}, {"gpus", json::array({"GPU-0000"})}};
+  GpuFacts gpu;
+  gpu.driver_version = "550.54.15";
+  gpu.cuda_driver_version = 12040;
+  gpu.gpus = {{0, true, "GPU-0000", "NVIDIA H200", "0000:19:00.0", "9.0", 143771ull << 20},
+              {1, false, "GPU-0001", "NVIDIA H200", "0000:3b:00.0", "9.0", 143771ull << 20}};
+  gpu.processes = {{4242, 40ull << 30, {{"GPU-0000", 40ull << 30}}}};
+  m.gpu = gpu;
   m.chunk_bytes = 1 << 20;
   m.files = {{"criu/pages-1.img", 3 << 20, {"aa", "bb", "cc"}}, {"criu/empty.img", 0, {"dd"}}};
   m.host_images = {{4242, 0x7f00001db000, 0x7f04001db000, "host-images/4242-7f00001db000.img",
@@ -99,7 +105,24 @@ TEST(ManifestTest, RoundTripsEveryField) {
   EXPECT_EQ(back.processes[1].pid, 4250);
   EXPECT_EQ(back.processes[1].ppid, 4242);
   EXPECT_TRUE(back.processes[1].stdio.empty());
-  EXPECT_EQ(back.gpu["driver"], "550.54.15");
+  ASSERT_TRUE(back.gpu);
+  EXPECT_EQ(back.gpu->driver_version, "550.54.15");
+  EXPECT_EQ(back.gpu->cuda_driver_version, 12040);
+  ASSERT_EQ(back.gpu->gpus.size(), 2u);
+  EXPECT_EQ(back.gpu->gpus[1].index, 1);
+  EXPECT_FALSE(back.gpu->gpus[1].used);
+  EXPECT_EQ(back.gpu->gpus[1].uuid, "GPU-0001");
+  EXPECT_EQ(back.gpu->gpus[1].name, "NVIDIA H200");
+  EXPECT_EQ(back.gpu->gpus[1].bus_id, "0000:3b:00.0");
+  EXPECT_EQ(back.gpu->gpus[1].compute_capability, "9.0");
+  EXPECT_EQ(back.gpu->gpus[1].memory_total, 143771ull << 20);
+  ASSERT_EQ(back.gpu->processes.size(), 1u);
+  EXPECT_EQ(back.gpu->processes[0].pid, 4242);
+  EXPECT_EQ(back.gpu->processes[0].bytes, 40ull << 30);
+  ASSERT_EQ(back.gpu->processes[0].gpus.size(), 1u);
+  EXPECT_EQ(back.gpu->processes[0].gpus[0].uuid, "GPU-0000");
+  EXPECT_EQ(back.gpu->processes[0].gpus[0].bytes, 40ull << 30);
+  EXPECT_FALSE(back.container);
   EXPECT_EQ(back.checksum_algorithm, "xxh3-128");
   EXPECT_EQ(back.chunk_bytes, 1u << 20);
   ASSERT_EQ(back.files.size(), 2u);
@@ -115,22 +138,90 @@ TEST(ManifestTest, RoundTripsEveryField) {
 
 TEST(ManifestTest, NullGpuMeansNoGpuState) {
   Manifest m = full_manifest();
-  m.gpu = nullptr;
-  EXPECT_TRUE(Manifest::from_json(m.to_json()).gpu.is_null());
+  m.gpu.reset();
+  EXPECT_TRUE(m.to_json().at("gpu").is_null());
+  EXPECT_FALSE(Manifest::from_json(m.to_json()).gpu);
 }
 
-TEST(ManifestTest, RoundTripsAContainerCaptureAndReadsOlderManifestsWithout) {
+TEST(ManifestTest, RoundTripsAContainerCapture) {
   Manifest m = full_manifest();
-  m.container = {
-      {"runtime", "runc"},
-      {"id", "web-1"},
-      {"rootfs", "/var/lib/c/web-1/rootfs"},
-      {"rootfs_files",
-       json::array({{{"path", "/bin/app"}, {"size", 12345}, {"xxh3", "8af223c2582302de"}}})}};
-  EXPECT_EQ(Manifest::from_json(m.to_json()).container, m.container);
-  auto doc = full_manifest().to_json();
-  doc.erase("container");
-  EXPECT_TRUE(Manifest::from_json(doc).container.is_null());
+  m.container = ContainerRecord{"runc",
+                                "web-1",
+                                "/var/lib/c/web-1",
+                                "/var/lib/c/web-1/rootfs",
+                                {{"/bin/app", 12345, "8af223c2582302de"}},
+                                "/run/containerd/runc/k8s.io"};
+  const Manifest back = Manifest::from_json(m.to_json());
+  EXPECT_EQ(back.to_json(), m.to_json());
+  ASSERT_TRUE(back.container);
+  EXPECT_EQ(back.container->runtime, "runc");
+  EXPECT_EQ(back.container->runtime_root, "/run/containerd/runc/k8s.io");
+  EXPECT_EQ(back.container->id, "web-1");
+  EXPECT_EQ(back.container->bundle, "/var/lib/c/web-1");
+  EXPECT_EQ(back.container->rootfs, "/var/lib/c/web-1/rootfs");
+  ASSERT_EQ(back.container->rootfs_files.size(), 1u);
+  EXPECT_EQ(back.container->rootfs_files[0].path, "/bin/app");
+  EXPECT_EQ(back.container->rootfs_files[0].size, 12345u);
+  EXPECT_EQ(back.container->rootfs_files[0].xxh3, "8af223c2582302de");
+}
+
+// The GPU and container sections are typed like the rest: a malformed one is a bad artifact
+// that names its field, never a JSON library exception.
+TEST(ManifestTest, MalformedGpuOrContainerSectionIsABadArtifactNamingTheField) {
+  struct Case {
+    const char* pointer;  // JSON pointer of the field to replace
+    json value;
+    const char* message;
+  };
+  const Case cases[] = {
+      {"/gpu", "x",
+       "manifest field 'gpu' has the wrong type: expected an object or null, found "
+       "string"},
+      {"/gpu/driver_version", 550,
+       "manifest field 'driver_version' has the wrong type: expected "
+       "a string, found number"},
+      {"/gpu/gpus", json::object(),
+       "manifest field 'gpus' has the wrong type: expected an array, found object"},
+      {"/gpu/gpus/0/used", "yes",
+       "manifest field 'used' has the wrong type: expected true or false, found string"},
+      {"/gpu/gpus/1/memory_total", -1,
+       "manifest field 'memory_total' has the wrong type: "
+       "expected an unsigned integer, found number"},
+      {"/gpu/processes/0/pid", "4242",
+       "manifest field 'pid' has the wrong type: expected an integer, found string"},
+      {"/gpu/processes/0/gpus/0/uuid", "GPU-9999",
+       "manifest field 'gpu' names GPU GPU-9999 for process 4242 but does not list it"},
+      {"/container", json::array(),
+       "manifest field 'container' has the wrong type: expected an object or null, found array"},
+      {"/container/id", 7,
+       "manifest field 'id' has the wrong type: expected a string, found "
+       "number"},
+      {"/container/rootfs_files/0/size", "big",
+       "manifest field 'size' has the wrong type: expected an integer, found string"},
+      {"/container/rootfs_files/0", json::object({{"path", "/a"}, {"size", 1}}),
+       "manifest lacks the field 'xxh3'"}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.pointer);
+    Manifest m = full_manifest();
+    m.container = ContainerRecord{"runc", "web-1", "/b", "/b/rootfs", {{"/bin/app", 1, "ab"}}};
+    json doc = m.to_json();
+    doc[json::json_pointer(c.pointer)] = c.value;
+    Error e = catch_error([&] { Manifest::from_json(doc); });
+    EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+    EXPECT_STREQ(e.what(), c.message);
+    EXPECT_FALSE(e.hint().empty());
+  }
+}
+
+TEST(ManifestTest, GpuAndContainerSectionsAreRequiredFields) {
+  for (const char* field : {"gpu", "container"}) {
+    SCOPED_TRACE(field);
+    json doc = full_manifest().to_json();
+    doc.erase(field);
+    Error e = catch_error([&] { Manifest::from_json(doc); });
+    EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+    EXPECT_EQ(std::string(e.what()), std::string("manifest lacks the field '") + field + "'");
+  }
 }
 
 TEST(ManifestTest, RefusesForeignFormat) {
@@ -148,24 +239,10 @@ TEST(ManifestTest, RefusesUnsupportedFormatVersionNamingBoth) {
   Error e = catch_error([&] { Manifest::from_json(doc); });
   EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
   EXPECT_STREQ(e.what(),
-               "artifact format version 3 is not supported (this gpusnap reads versions 1 to 2)");
-}
-
-TEST(ManifestTest, ReadsVersionOneWithoutHostImages) {
-  json doc = full_manifest().to_json();
-  doc["format_version"] = 1;
-  doc.erase("host_images");
-  Manifest m = Manifest::from_json(doc);
-  EXPECT_EQ(m.format_version, 1);
-  EXPECT_TRUE(m.host_images.empty());
-}
-
-TEST(ManifestTest, HostImageWithoutFileOffsetStartsTheFile) {
-  json doc = full_manifest().to_json();
-  doc["host_images"][0].erase("file_offset");  // written before images were aligned
-  Manifest m = Manifest::from_json(doc);
-  ASSERT_EQ(m.host_images.size(), 1u);
-  EXPECT_EQ(m.host_images[0].file_offset, 0u);
+               "artifact format version 3 is not supported (this gpusnap reads version 2)");
+  doc["format_version"] = 1;  // never written: 2 replaced it before any artifact of 1 existed
+  EXPECT_STREQ(catch_error([&] { Manifest::from_json(doc); }).what(),
+               "artifact format version 1 is not supported (this gpusnap reads version 2)");
 }
 
 TEST(ManifestTest, RefusesAnEmptyHostImageRange) {
@@ -192,7 +269,11 @@ TEST(ManifestTest, MissingFieldIsNamed) {
                         {"/checksum", "chunk_bytes"},
                         {"/processes/1", "comm"},
                         {"/processes/0/stdio/2", "target"},
-                        {"/files/1", "chunks"}};
+                        {"/files/1", "chunks"},
+                        {"/host_images/0", "file_offset"},
+                        {"/gpu", "driver_version"},
+                        {"/gpu/gpus/0", "used"},
+                        {"/gpu/processes/0/gpus/0", "bytes"}};
   for (const auto& c : cases) {
     SCOPED_TRACE(std::string(c.pointer) + "/" + c.field);
     json doc = full_manifest().to_json();

@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "common/fd.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/error.h"
@@ -24,6 +26,7 @@ namespace gpusnap {
 namespace {
 
 using namespace gpusnap::testing;  // testing/unit.h
+using artifact::ArtifactWriter;
 
 namespace stdfs = std::filesystem;
 

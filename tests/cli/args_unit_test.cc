@@ -5,14 +5,11 @@
 #include <string>
 #include <vector>
 
-// src/cli is linked into the gpusnap executable only, not into gpusnap_core: compile the parser
-// into this test directly.
-#include "cli/args.cc"  // NOLINT(bugprone-suspicious-include)
-#include "cli/args.h"
+#include "common/args.h"
 #include "gpusnap/error.h"
 #include "testing/unit.h"
 
-namespace gpusnap::cli {
+namespace gpusnap::args {
 namespace {
 
 using namespace gpusnap::testing;  // testing/unit.h
@@ -174,4 +171,4 @@ TEST(ArgsTest, HelpPutsTheTextOfALongFlagOnTheNextLine) {
 }
 
 }  // namespace
-}  // namespace gpusnap::cli
+}  // namespace gpusnap::args

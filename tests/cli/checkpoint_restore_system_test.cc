@@ -268,6 +268,17 @@ TEST(BadInput, EachGetsItsMessageAndExitCode) {
          5, "lacks instruction sets the source used: avx10_9");
   expect(gpusnap({"restore", damaged("nofield", [](json& d) { d.erase("files"); })}), 4,
          "lacks the field 'files'");
+  // A malformed GPU or container section is a bad artifact naming the field, in every command
+  // that reads the manifest: never an internal error from the JSON library.
+  const auto bad_gpu = damaged("badgpu", [](json& d) { d["gpu"] = "x"; });
+  for (const char* command : {"inspect", "restore", "verify"}) {
+    SCOPED_TRACE(command);
+    expect(gpusnap({command, bad_gpu}), 4,
+           "manifest field 'gpu' has the wrong type: expected an object or null, found string");
+  }
+  expect(gpusnap({"restore", damaged("badcontainer", [](json& d) { d["container"] = 7; })}), 4,
+         "manifest field 'container' has the wrong type: expected an object or null, found "
+         "number");
 
   auto truncated = dir / "truncated";
   std::filesystem::copy(snap, truncated, std::filesystem::copy_options::recursive);

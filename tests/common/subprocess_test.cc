@@ -9,14 +9,13 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "common/fd.h"
@@ -46,6 +45,12 @@ SpawnOptions command(std::vector<std::string> argv) {
   SpawnOptions o;
   o.argv = std::move(argv);
   return o;
+}
+
+// A program of the build tree, found from this test binary (build/tests/).
+std::string built(const std::string& relative) {
+  auto exe = std::filesystem::read_symlink("/proc/self/exe");
+  return (exe.parent_path().parent_path() / relative).string();
 }
 
 // Whether a process with this pid exists (a zombie counts).
@@ -226,12 +231,8 @@ TEST(SubprocessTest, RefusesEmptyCommand) {
 
 TEST(SubprocessTest, KeptFdArrivesAtTheRequestedNumber) {
   Pipe pipe = Pipe::make();
-  SpawnOptions o;
+  SpawnOptions o = command({"/bin/sh", "-c", "printf 'via fd 5' >&5"});
   o.keep_fds = {{pipe.write.get(), 5}};
-  o.function = [] {
-    const char text[] = "via fd 5";
-    return ::write(5, text, sizeof text - 1) == static_cast<ssize_t>(sizeof text - 1) ? 0 : 1;
-  };
   Subprocess child(o);
   pipe.write.reset();
   EXPECT_EQ(read_all(pipe.read.get()), "via fd 5");
@@ -257,94 +258,28 @@ TEST(SubprocessTest, KeptFdsSurviveExecAndMayCrossNumbers) {
   EXPECT_TRUE(child.wait()->ok());
 }
 
-TEST(SubprocessTest, FunctionChildHasOnlyKeptFds) {
-  Pipe parent_pipe = Pipe::make();  // O_CLOEXEC, but a helper never execs: closed explicitly
-  UniqueFd inheritable(::dup(parent_pipe.read.get()));  // no O_CLOEXEC
+TEST(SubprocessTest, ChildHasOnlyKeptFds) {
+  Pipe parent_pipe = Pipe::make();                      // O_CLOEXEC: closed by the exec
+  UniqueFd inheritable(::dup(parent_pipe.read.get()));  // no O_CLOEXEC: closed by Subprocess
   ASSERT_TRUE(inheritable);
   Pipe kept = Pipe::make();
-  const int cloexec_fd = parent_pipe.write.get();
-  const int plain_fd = inheritable.get();
-  SpawnOptions o;
+  SpawnOptions o = command(
+      {built("tests/fd_probe"), "closed", std::to_string(parent_pipe.write.get()), "closed",
+       std::to_string(inheritable.get()), "open", "100", "open", "0", "open", "1", "open", "2"});
   o.keep_fds = {{kept.write.get(), 100}};
-  o.function = [=] {
-    auto closed = [](int fd) { return ::fcntl(fd, F_GETFD) == -1 && errno == EBADF; };
-    if (!closed(cloexec_fd)) return 10;
-    if (!closed(plain_fd)) return 11;
-    if (closed(100)) return 12;
-    for (int fd : {0, 1, 2}) {
-      if (closed(fd)) return 13;  // stdio is /dev/null, not closed
-    }
-    return 42;
-  };
   Subprocess child(o);
   std::optional<ExitStatus> status = child.wait();
   ASSERT_TRUE(status.has_value());
   EXPECT_TRUE(status->exited);
-  EXPECT_EQ(status->code, 42) << "10: CLOEXEC fd open, 11: plain fd open, 12: kept fd closed, "
-                                 "13: stdio closed";
+  EXPECT_EQ(status->code, 0) << "10: CLOEXEC fd open, 11: plain fd open, 12: kept fd closed, "
+                                "13-15: stdio closed (it is /dev/null)";
 }
 
-TEST(SubprocessTest, FunctionResultIsTheExitCodeAndExceptionsExitOne) {
-  Pipe err = Pipe::make();
-  SpawnOptions o;
-  o.stderr_fd = err.write.get();
-  o.function = []() -> int { throw Error(ErrorKind::kInternal, "boom"); };
-  Subprocess child(o);
-  err.write.reset();
-  EXPECT_EQ(read_all(err.read.get()), "gpusnap helper: boom\n");
-  std::optional<ExitStatus> status = child.wait();
-  ASSERT_TRUE(status.has_value());
-  EXPECT_TRUE(status->exited);
-  EXPECT_EQ(status->code, 1);
-
-  o = SpawnOptions{};
-  o.function = [] { return 7; };
-  EXPECT_EQ(Subprocess(o).wait()->code, 7);
-}
-
-TEST(SubprocessTest, FunctionModeRefusedWhileOtherThreadsRun) {
-  std::atomic<bool> stop{false};
-  std::thread other([&] {
-    while (!stop) std::this_thread::sleep_for(1ms);
-  });
-  SpawnOptions o;
-  o.function = [] { return 0; };
-  Error e = catch_error([&] { Subprocess child(o); });
-  stop = true;
-  other.join();
-  EXPECT_EQ(e.kind(), ErrorKind::kInternal);
-  EXPECT_STREQ(e.what(), "spawn of an in-process helper while other threads run");
-}
-
-TEST(SubprocessTest, FunctionModeRightAfterJoiningAThread) {
-  // A joined thread can still be counted in /proc/self/status for a moment: the spawn must
-  // wait for that rather than refuse.
-  for (int i = 0; i < 50; ++i) {
-    std::thread([] {}).join();
-    SpawnOptions o;
-    o.function = [] { return 3; };
-    std::optional<ExitStatus> status;
-    try {
-      status = Subprocess(o).wait();
-    } catch (const Error& e) {
-      FAIL() << "round " << i << ": " << e.what();
-    }
-    ASSERT_TRUE(status.has_value());
-    EXPECT_EQ(status->code, 3);
-  }
-}
-
-TEST(SubprocessTest, ForkFailureOfAFunctionHelperIsNamedHelper) {
-  SpawnOptions o;
-  o.function = [] { return 0; };
-  o.clone_flags = CLONE_SIGHAND;  // without CLONE_VM: clone fails with EINVAL
-  Error e = catch_error([&] { Subprocess child(o); });
-  EXPECT_EQ(e.kind(), ErrorKind::kInternal);
-  EXPECT_EQ(std::string(e.what()), std::string("fork helper: ") + std::strerror(EINVAL));
-
+TEST(SubprocessTest, ForkFailureNamesTheProgram) {
   SpawnOptions c = command({"/bin/true"});
-  c.clone_flags = CLONE_SIGHAND;
-  e = catch_error([&] { Subprocess child(c); });
+  c.clone_flags = CLONE_SIGHAND;  // without CLONE_VM: clone fails with EINVAL
+  Error e = catch_error([&] { Subprocess child(c); });
+  EXPECT_EQ(e.kind(), ErrorKind::kInternal);
   EXPECT_EQ(std::string(e.what()), std::string("fork /bin/true: ") + std::strerror(EINVAL));
 }
 

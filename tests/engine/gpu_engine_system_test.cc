@@ -235,22 +235,64 @@ RestoreOptions restore_options(const std::filesystem::path& artifact, gpu::Drive
   return o;
 }
 
+// What every test here starts from: a temporary directory, a fake driver with one H200
+// (kGpuA), and a reporter; most also a source workload whose processes are CUDA processes on it.
+class GpuEngine : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    SKIP_WITHOUT_CRIU();
+    fake.add_gpu(FakeDriver::make_gpu(kGpuA));
+  }
+
+  // Starts the source workload with these arguments; its tree must have `processes`
+  // processes, registered as CUDA processes (the i-th holding (i+1) * 256 MiB). Fatal failure
+  // otherwise: call it inside ASSERT_NO_FATAL_FAILURE.
+  void start_source(std::vector<std::string> args, size_t processes) {
+    source_.emplace(dir, std::move(args));
+    pids = tree_pids(source_->pid());
+    ASSERT_EQ(pids.size(), processes);
+    register_cuda(fake, pids);
+  }
+  const Workload& source() const { return *source_; }
+
+  // A checkpoint of the source into dir/snap, with the fake and dir/run.
+  CheckpointOptions source_checkpoint() {
+    return checkpoint_options(source().pid(), dir / "snap", fake, dir / "run");
+  }
+  // Checkpoints the source as source_checkpoint() says; returns its error, if any.
+  std::optional<Error> checkpoint_error() {
+    return error_of([&] { checkpoint(source_checkpoint(), reporter); });
+  }
+
+  // The source, after a failure the capture rolled back: every process RUNNING on the driver
+  // and alive, the workload's state intact, no artifact, no staging directory, no journal.
+  void expect_source_untouched() {
+    for (pid_t pid : pids) {
+      EXPECT_EQ(fake.peek_state(pid), ProcessState::kRunning);
+      EXPECT_TRUE(running(pid));
+    }
+    EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+    EXPECT_TRUE(journal_empty(dir / "run"));
+    EXPECT_EQ(ask(source().port(), "CHECK").substr(0, 2), "OK");
+  }
+
+  TempDir dir;
+  FakeDriver fake;
+  RecordingReporter reporter;
+  std::vector<pid_t> pids;  // the source's tree, in tree order
+
+ private:
+  std::optional<Workload> source_;
+};
+
 // --- 1. The happy path ---------------------------------------------------------------------------
 
-TEST(GpuEngine, LeaveRunningLocksAllThenCheckpointsThenResumesAfterTheDump) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload source(dir, {"--mib", "8", "--threads", "2", "--children", "1"});
-  auto pids = tree_pids(source.pid());
-  ASSERT_EQ(pids.size(), 2u);
-  FakeDriver fake;
-  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
-  register_cuda(fake, pids);
+TEST_F(GpuEngine, LeaveRunningLocksAllThenCheckpointsThenResumesAfterTheDump) {
+  ASSERT_NO_FATAL_FAILURE(start_source({"--mib", "8", "--threads", "2", "--children", "1"}, 2));
 
-  auto o = checkpoint_options(source.pid(), dir / "snap", fake, dir / "run");
+  auto o = source_checkpoint();
   o.leave_running = true;
   o.gpu_lock_timeout = std::chrono::milliseconds(4321);
-  RecordingReporter reporter;
   std::vector<std::string> at_dump_start, at_dump_end;
   reporter.hook = [&](std::string_view phase, bool started) {
     if (phase == "dump") (started ? at_dump_start : at_dump_end) = fake.transitions();
@@ -277,17 +319,17 @@ TEST(GpuEngine, LeaveRunningLocksAllThenCheckpointsThenResumesAfterTheDump) {
 
   // The manifest, as returned and as written.
   for (const auto& m : {result.manifest, Artifact::open(dir / "snap").manifest()}) {
-    const json& g = m.gpu;
-    ASSERT_TRUE(g.is_object()) << g.dump();
-    EXPECT_EQ(g.at("driver_version"), kDriverVersion);
-    EXPECT_EQ(g.at("cuda_driver_version"), 13000);
-    ASSERT_EQ(g.at("gpus").size(), 1u);
-    EXPECT_EQ(g.at("gpus")[0].at("uuid"), kGpuA);
-    EXPECT_EQ(g.at("gpus")[0].at("name"), "NVIDIA H200");
-    ASSERT_EQ(g.at("processes").size(), 2u);
+    ASSERT_TRUE(m.gpu) << m.to_json().dump();
+    const GpuFacts& g = *m.gpu;
+    EXPECT_EQ(g.driver_version, kDriverVersion);
+    EXPECT_EQ(g.cuda_driver_version, 13000);
+    ASSERT_EQ(g.gpus.size(), 1u);
+    EXPECT_EQ(g.gpus[0].uuid, kGpuA);
+    EXPECT_EQ(g.gpus[0].name, "NVIDIA H200");
+    ASSERT_EQ(g.processes.size(), 2u);
     for (size_t i = 0; i < 2; ++i) {
-      EXPECT_EQ(g.at("processes")[i].at("pid").get<pid_t>(), pids[i]);
-      EXPECT_EQ(g.at("processes")[i].at("bytes").get<uint64_t>(), (i + 1) * 256 * kMiB);
+      EXPECT_EQ(g.processes[i].pid, pids[i]);
+      EXPECT_EQ(g.processes[i].bytes, (i + 1) * 256 * kMiB);
       ASSERT_EQ(m.processes.size(), 2u);
       EXPECT_EQ(m.processes[i].gpu_bytes, (i + 1) * 256 * kMiB);
     }
@@ -310,7 +352,7 @@ TEST(GpuEngine, LeaveRunningLocksAllThenCheckpointsThenResumesAfterTheDump) {
     EXPECT_EQ(fake.peek_state(pid), ProcessState::kRunning);
     EXPECT_TRUE(running(pid));
   }
-  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
+  EXPECT_EQ(ask(source().port(), "CHECK").substr(0, 2), "OK");
   EXPECT_TRUE(journal_empty(dir / "run"));
   // Nothing to report but that the workload does not speak the handshake, and that it was
   // started without the preload library (by the test, not by `gpusnap run`): no GPU rollback.
@@ -324,19 +366,10 @@ TEST(GpuEngine, LeaveRunningLocksAllThenCheckpointsThenResumesAfterTheDump) {
       << reporter.notes()[1];
 }
 
-TEST(GpuEngine, WithoutLeaveRunningTheSourceStopsCheckpointedAndARestoreOfUnknownPidsFails) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload source(dir, {"--mib", "8", "--children", "1"});
-  auto pids = tree_pids(source.pid());
-  ASSERT_EQ(pids.size(), 2u);
-  FakeDriver fake;
-  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
-  register_cuda(fake, pids);
+TEST_F(GpuEngine, WithoutLeaveRunningTheSourceStopsCheckpointedAndARestoreOfUnknownPidsFails) {
+  ASSERT_NO_FATAL_FAILURE(start_source({"--mib", "8", "--children", "1"}, 2));
 
-  RecordingReporter reporter;
-  auto result =
-      checkpoint(checkpoint_options(source.pid(), dir / "snap", fake, dir / "run"), reporter);
+  auto result = checkpoint(source_checkpoint(), reporter);
   // No restore, no unlock: the source is stopped with its GPU state in the artifact.
   EXPECT_TRUE(Matches(fake.transitions(),
                       Calls()
@@ -374,37 +407,28 @@ TEST(GpuEngine, WithoutLeaveRunningTheSourceStopsCheckpointedAndARestoreOfUnknow
 
 // The real driver first sees a restored copy's processes after CRIU restored them, CHECKPOINTED.
 // Registering them with the fake at that moment lets the whole restore run, on real copies.
-TEST(GpuEngine, RestoreReturnsEveryCopyProcessToRunning) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload source(dir, {"--mib", "8", "--children", "1"});
-  auto pids = tree_pids(source.pid());
-  ASSERT_EQ(pids.size(), 2u);
-  FakeDriver fake;
-  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
-  register_cuda(fake, pids);
-  auto o = checkpoint_options(source.pid(), dir / "snap", fake, dir / "run");
+TEST_F(GpuEngine, RestoreReturnsEveryCopyProcessToRunning) {
+  ASSERT_NO_FATAL_FAILURE(start_source({"--mib", "8", "--children", "1"}, 2));
+  auto o = source_checkpoint();
   o.leave_running = true;
   RecordingReporter cp_reporter;
   auto cp = checkpoint(o, cp_reporter);
   fake.clear_calls();
 
   std::map<pid_t, pid_t> registered;  // host pid -> ns pid
-  RecordingReporter reporter;
   reporter.hook = [&](std::string_view phase, bool started) {
     if (phase != "gpu-restore" || !started) return;
     registered = copy_processes({pids.begin(), pids.end()}, true);
     for (const auto& [host, ns] : registered) {
       fake.add_process(host, ProcessState::kCheckpointed);
-      for (const auto& p : cp.manifest.gpu.at("processes")) {
-        if (p.at("pid").get<pid_t>() == ns)
-          fake.set_usage(host, kGpuA, p.at("bytes").get<uint64_t>());
+      for (const auto& p : cp.manifest.gpu->processes) {
+        if (p.pid == ns) fake.set_usage(host, kGpuA, p.bytes);
       }
     }
   };
   auto ro = restore_options(dir / "snap", fake, dir / "run");
   ro.replicas = 2;
-  ro.publish = {PortPublish::parse(std::to_string(source.port()))};
+  ro.publish = {PortPublish::parse(std::to_string(source().port()))};
   auto rs = restore(ro, reporter);
   Copies reaper{rs.copies};
 
@@ -424,12 +448,12 @@ TEST(GpuEngine, RestoreReturnsEveryCopyProcessToRunning) {
   ASSERT_EQ(rs.copies.size(), 2u);
   for (const auto& c : rs.copies) {
     EXPECT_TRUE(registered.count(c.host_pid)) << c.host_pid;
-    EXPECT_EQ(c.ns_pid, source.pid());
+    EXPECT_EQ(c.ns_pid, source().pid());
     ASSERT_EQ(c.ports.size(), 1u);
     EXPECT_EQ(ask(c.ports[0].host_port, "CHECK").substr(0, 2), "OK");
   }
   for (pid_t pid : pids) EXPECT_EQ(fake.peek_state(pid), ProcessState::kRunning);
-  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
+  EXPECT_EQ(ask(source().port(), "CHECK").substr(0, 2), "OK");
   // The driver is readied beside CRIU's restore and waited for before its restore calls.
   auto phases = reporter.phases();
   auto at = [&](const char* name) { return std::find(phases.begin(), phases.end(), name); };
@@ -440,21 +464,11 @@ TEST(GpuEngine, RestoreReturnsEveryCopyProcessToRunning) {
 
 // --- 2-4. A GPU phase fails mid-way: every process is put back --------------------------------
 
-TEST(GpuEngine, LockTimeoutOnTheSecondOfThreeUnlocksTheFirst) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload source(dir, {"--mib", "8", "--children", "2"});
-  auto pids = tree_pids(source.pid());
-  ASSERT_EQ(pids.size(), 3u);
-  FakeDriver fake;
-  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
-  register_cuda(fake, pids);
+TEST_F(GpuEngine, LockTimeoutOnTheSecondOfThreeUnlocksTheFirst) {
+  ASSERT_NO_FATAL_FAILURE(start_source({"--mib", "8", "--children", "2"}, 3));
   fake.time_out_next_lock(pids[1]);
 
-  RecordingReporter reporter;
-  auto e = error_of([&] {
-    checkpoint(checkpoint_options(source.pid(), dir / "snap", fake, dir / "run"), reporter);
-  });
+  auto e = checkpoint_error();
   ASSERT_TRUE(e);
   EXPECT_EQ(e->kind(), ErrorKind::kTimeout) << e->what();
   EXPECT_TRUE(contains(e->what(), "cuCheckpointProcessLock(pid " + std::to_string(pids[1]) +
@@ -466,31 +480,15 @@ TEST(GpuEngine, LockTimeoutOnTheSecondOfThreeUnlocksTheFirst) {
                                               .then(call("lock", pids[0]))
                                               .then(call("lock", pids[1]))
                                               .then(call("unlock", pids[0]))));
-  for (pid_t pid : pids) {
-    EXPECT_EQ(fake.peek_state(pid), ProcessState::kRunning);
-    EXPECT_TRUE(running(pid));
-  }
-  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  expect_source_untouched();
   EXPECT_TRUE(staging_left(dir.path(), "snap").empty()) << staging_left(dir.path(), "snap")[0];
-  EXPECT_TRUE(journal_empty(dir / "run"));
-  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
 }
 
-TEST(GpuEngine, CheckpointFailingLockedIsUnlockedAndTheCheckpointedOneRestored) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload source(dir, {"--mib", "8", "--children", "1"});
-  auto pids = tree_pids(source.pid());
-  ASSERT_EQ(pids.size(), 2u);
-  FakeDriver fake;
-  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
-  register_cuda(fake, pids);
+TEST_F(GpuEngine, CheckpointFailingLockedIsUnlockedAndTheCheckpointedOneRestored) {
+  ASSERT_NO_FATAL_FAILURE(start_source({"--mib", "8", "--children", "1"}, 2));
   fake.fail_next("checkpoint", pids[1], ProcessState::kLocked);
 
-  RecordingReporter reporter;
-  auto e = error_of([&] {
-    checkpoint(checkpoint_options(source.pid(), dir / "snap", fake, dir / "run"), reporter);
-  });
+  auto e = checkpoint_error();
   ASSERT_TRUE(e);
   EXPECT_EQ(e->kind(), ErrorKind::kGpu) << e->what();
   EXPECT_TRUE(contains(e->what(), "cuCheckpointProcessCheckpoint(pid " + std::to_string(pids[1])))
@@ -507,32 +505,16 @@ TEST(GpuEngine, CheckpointFailingLockedIsUnlockedAndTheCheckpointedOneRestored) 
                           .then(call("restore", pids[0]))
                           .then(call("unlock", pids[0]))
                           .then(call("unlock", pids[1]))));
-  for (pid_t pid : pids) {
-    EXPECT_EQ(fake.peek_state(pid), ProcessState::kRunning);
-    EXPECT_TRUE(running(pid));
-  }
-  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  expect_source_untouched();
   EXPECT_TRUE(staging_left(dir.path(), "snap").empty());
-  EXPECT_TRUE(journal_empty(dir / "run"));
-  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
 }
 
-TEST(GpuEngine, ProcessMarkedFailedIsKilledAndTheOthersResume) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload source(dir, {"--mib", "8", "--children", "1"});
-  auto pids = tree_pids(source.pid());
-  ASSERT_EQ(pids.size(), 2u);
+TEST_F(GpuEngine, ProcessMarkedFailedIsKilledAndTheOthersResume) {
+  ASSERT_NO_FATAL_FAILURE(start_source({"--mib", "8", "--children", "1"}, 2));
   pid_t root = pids[0], child = pids[1];
-  FakeDriver fake;
-  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
-  register_cuda(fake, pids);
   fake.fail_next("checkpoint", child, ProcessState::kFailed);
 
-  RecordingReporter reporter;
-  auto e = error_of([&] {
-    checkpoint(checkpoint_options(source.pid(), dir / "snap", fake, dir / "run"), reporter);
-  });
+  auto e = checkpoint_error();
   ASSERT_TRUE(e);
   EXPECT_EQ(e->kind(), ErrorKind::kGpu) << e->what();
   EXPECT_TRUE(contains(e->what(), "process " + std::to_string(child) +
@@ -549,7 +531,7 @@ TEST(GpuEngine, ProcessMarkedFailedIsKilledAndTheOthersResume) {
   EXPECT_EQ(fake.peek_state(child), ProcessState::kFailed);
   EXPECT_TRUE(eventually([&] { return !running(child); })) << "the FAILED process still runs";
   EXPECT_TRUE(running(root));
-  EXPECT_EQ(ask(source.port(), "PING"), "PONG");
+  EXPECT_EQ(ask(source().port(), "PING"), "PONG");
   EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
   EXPECT_TRUE(staging_left(dir.path(), "snap").empty());
   EXPECT_TRUE(journal_empty(dir / "run"));
@@ -557,19 +539,11 @@ TEST(GpuEngine, ProcessMarkedFailedIsKilledAndTheOthersResume) {
 
 // With --leave-running, a restore that fails while giving the source its GPU state back: the
 // rollback retries it, the source runs on, and no artifact appears.
-TEST(GpuEngine, ResumeFailingAfterTheDumpIsRetriedAndNoArtifactAppears) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload source(dir, {"--mib", "8", "--children", "1"});
-  auto pids = tree_pids(source.pid());
-  ASSERT_EQ(pids.size(), 2u);
-  FakeDriver fake;
-  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
-  register_cuda(fake, pids);
+TEST_F(GpuEngine, ResumeFailingAfterTheDumpIsRetriedAndNoArtifactAppears) {
+  ASSERT_NO_FATAL_FAILURE(start_source({"--mib", "8", "--children", "1"}, 2));
   fake.fail_next("restore", pids[1]);  // stays CHECKPOINTED
-  auto o = checkpoint_options(source.pid(), dir / "snap", fake, dir / "run");
+  auto o = source_checkpoint();
   o.leave_running = true;
-  RecordingReporter reporter;
   auto e = error_of([&] { checkpoint(o, reporter); });
   ASSERT_TRUE(e);
   EXPECT_EQ(e->kind(), ErrorKind::kGpu) << e->what();
@@ -584,34 +558,18 @@ TEST(GpuEngine, ResumeFailingAfterTheDumpIsRetriedAndNoArtifactAppears) {
           .any_order({call("restore", pids[0]), call("unlock", pids[0]), call("restore", pids[1])})
           .then(call("restore", pids[1]))
           .then(call("unlock", pids[1]))));
-  for (pid_t pid : pids) {
-    EXPECT_EQ(fake.peek_state(pid), ProcessState::kRunning);
-    EXPECT_TRUE(running(pid));
-  }
-  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  expect_source_untouched();
   EXPECT_TRUE(eventually([&] { return staging_left(dir.path(), "snap").empty(); }));
-  EXPECT_TRUE(journal_empty(dir / "run"));
-  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
 }
 
 // A process another checkpoint holds LOCKED (a second gpusnap on the same tree) must be left
 // alone: the capture refuses before locking anything, and never unlocks what it did not lock.
-TEST(GpuEngine, RollbackLeavesAloneAProcessItDidNotMove) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload source(dir, {"--mib", "8", "--children", "1"});
-  auto pids = tree_pids(source.pid());
-  ASSERT_EQ(pids.size(), 2u);
-  FakeDriver fake;
-  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
-  register_cuda(fake, pids);
+TEST_F(GpuEngine, RollbackLeavesAloneAProcessItDidNotMove) {
+  ASSERT_NO_FATAL_FAILURE(start_source({"--mib", "8", "--children", "1"}, 2));
   fake.lock(pids[1], std::chrono::seconds(1));  // held by someone else
   fake.clear_calls();
 
-  RecordingReporter reporter;
-  auto e = error_of([&] {
-    checkpoint(checkpoint_options(source.pid(), dir / "snap", fake, dir / "run"), reporter);
-  });
+  auto e = checkpoint_error();
   ASSERT_TRUE(e);
   EXPECT_EQ(e->kind(), ErrorKind::kGpu) << e->what();
   EXPECT_NE(std::string(e->what()).find("is LOCKED, not RUNNING"), std::string::npos) << e->what();
@@ -622,20 +580,15 @@ TEST(GpuEngine, RollbackLeavesAloneAProcessItDidNotMove) {
 
 // Two checkpoints in one process (a library user such as an agent, checkpointing two workloads
 // at once) keep one journal entry each: the second finishing must not remove the first's.
-TEST(GpuEngine, TwoCheckpointsInOneProcessKeepTheirOwnJournal) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
+TEST_F(GpuEngine, TwoCheckpointsInOneProcessKeepTheirOwnJournal) {
   Workload first(dir, {"--mib", "4", "--children", "0"});
   Workload second(dir, {"--mib", "4", "--children", "0"});
-  FakeDriver fake;
-  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
   register_cuda(fake, {first.pid()});
   register_cuda(fake, {second.pid()});
   auto run_dir = dir / "run";
 
   // While the first checkpoint dumps (its process CHECKPOINTED), a second one runs to the end.
   std::vector<pid_t> journaled_during_first;
-  RecordingReporter reporter;
   reporter.hook = [&](std::string_view phase, bool started) {
     if (phase != "dump" || !started) return;
     auto o2 = checkpoint_options(second.pid(), dir / "snap2", fake, run_dir);
@@ -658,9 +611,7 @@ TEST(GpuEngine, TwoCheckpointsInOneProcessKeepTheirOwnJournal) {
 
 // --- 5. Refused before any GPU call; CRIU failing after the GPU phases -------------------------
 
-TEST(GpuEngine, IoUringIsRefusedBeforeAnyDriverCall) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
+TEST_F(GpuEngine, IoUringIsRefusedBeforeAnyDriverCall) {
   std::unique_ptr<Workload> source;
   try {
     source = std::make_unique<Workload>(
@@ -668,10 +619,7 @@ TEST(GpuEngine, IoUringIsRefusedBeforeAnyDriverCall) {
   } catch (const std::exception&) {
     GTEST_SKIP() << "skipped: io_uring is disabled on this host";
   }
-  FakeDriver fake;
-  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
   register_cuda(fake, tree_pids(source->pid()));
-  RecordingReporter reporter;
   auto e = error_of([&] {
     checkpoint(checkpoint_options(source->pid(), dir / "snap", fake, dir / "run"), reporter);
   });
@@ -709,7 +657,7 @@ void expect_refused_untouched(const Error& e, FakeDriver& fake, Workload& source
   EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
 }
 
-TEST(GpuEngine, AStoreTooSmallForTheGpuMemoryIsRefusedBeforeAnythingIsFrozen) {
+TEST(GpuCapture, AStoreTooSmallForTheGpuMemoryIsRefusedBeforeAnythingIsFrozen) {
   SKIP_WITHOUT_CRIU();
   TempDir dir;
   Workload source(dir, {"--mib", "4", "--children", "0"});
@@ -730,7 +678,7 @@ TEST(GpuEngine, AStoreTooSmallForTheGpuMemoryIsRefusedBeforeAnythingIsFrozen) {
   ::umount2(store.c_str(), MNT_DETACH);
 }
 
-TEST(GpuEngine, GpuMemoryBeyondTheHostsAvailableMemoryIsRefusedBeforeAnythingIsFrozen) {
+TEST(GpuCapture, GpuMemoryBeyondTheHostsAvailableMemoryIsRefusedBeforeAnythingIsFrozen) {
   SKIP_WITHOUT_CRIU();
   TempDir dir;
   Workload source(dir, {"--mib", "4", "--children", "0"});
@@ -753,9 +701,7 @@ TEST(GpuEngine, GpuMemoryBeyondTheHostsAvailableMemoryIsRefusedBeforeAnythingIsF
   expect_refused_untouched(*e, fake, source, dir / "snap");
 }
 
-TEST(GpuEngine, CriuDumpFailingAfterTheGpuCheckpointResumesTheGpuState) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
+TEST_F(GpuEngine, CriuDumpFailingAfterTheGpuCheckpointResumesTheGpuState) {
   // A CRIU whose dump fails (after writing an error to its log); everything else is the real one.
   auto script = dir / "criu-failing-dump";
   fs::write_file(script, "#!/bin/sh\n"
@@ -773,16 +719,10 @@ TEST(GpuEngine, CriuDumpFailingAfterTheGpuCheckpointResumesTheGpuState) {
                              criu::locate().path + "' \"$@\"\n");
   std::filesystem::permissions(script, std::filesystem::perms::owner_all);
 
-  Workload source(dir, {"--mib", "8", "--children", "1"});
-  auto pids = tree_pids(source.pid());
-  ASSERT_EQ(pids.size(), 2u);
-  FakeDriver fake;
-  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
-  register_cuda(fake, pids);
-  auto o = checkpoint_options(source.pid(), dir / "snap", fake, dir / "run");
+  ASSERT_NO_FATAL_FAILURE(start_source({"--mib", "8", "--children", "1"}, 2));
+  auto o = source_checkpoint();
   o.criu_path = script.string();
   o.leave_running = true;
-  RecordingReporter reporter;
   auto e = error_of([&] { checkpoint(o, reporter); });
   ASSERT_TRUE(e);
   EXPECT_EQ(e->kind(), ErrorKind::kCriu) << e->what();
@@ -808,21 +748,15 @@ TEST(GpuEngine, CriuDumpFailingAfterTheGpuCheckpointResumesTheGpuState) {
   ASSERT_TRUE(std::filesystem::exists(kept_log));
   EXPECT_TRUE(contains(fs::read_file(kept_log), "fake-criu refused the dump"));
   EXPECT_TRUE(journal_empty(dir / "run"));
-  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
+  EXPECT_EQ(ask(source().port(), "CHECK").substr(0, 2), "OK");
 }
 
 // --- 6. Restore refusals, before any copy starts ------------------------------------------------
 
-TEST(GpuEngine, RestoreRefusesWhatThisHostsGpusCannotTake) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload source(dir, {"--mib", "8", "--children", "1"});
-  auto pids = tree_pids(source.pid());
-  ASSERT_EQ(pids.size(), 2u);  // 256 + 512 MiB of GPU memory on kGpuA
-  FakeDriver fake;
-  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
-  register_cuda(fake, pids);
-  auto cpo = checkpoint_options(source.pid(), dir / "snap", fake, dir / "run");
+TEST_F(GpuEngine, RestoreRefusesWhatThisHostsGpusCannotTake) {
+  ASSERT_NO_FATAL_FAILURE(
+      start_source({"--mib", "8", "--children", "1"}, 2));  // 256 + 512 MiB of GPU memory on kGpuA
+  auto cpo = source_checkpoint();
   cpo.leave_running = true;
   RecordingReporter cp_reporter;
   checkpoint(cpo, cp_reporter);
@@ -917,20 +851,16 @@ TEST(GpuEngine, RestoreRefusesWhatThisHostsGpusCannotTake) {
     EXPECT_TRUE(copy_processes({pids.begin(), pids.end()}, false).empty());
   }
   for (pid_t pid : pids) EXPECT_EQ(fake.peek_state(pid), ProcessState::kRunning);
-  EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
+  EXPECT_EQ(ask(source().port(), "CHECK").substr(0, 2), "OK");
 }
 
-TEST(GpuEngine, GpuMapOnACpuOnlyArtifactIsAUsageError) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload source(dir, {"--mib", "4", "--children", "0"});
-  FakeDriver fake;  // the workload is not registered: no CUDA process
-  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
-  auto cpo = checkpoint_options(source.pid(), dir / "snap", fake, dir / "run");
+TEST_F(GpuEngine, GpuMapOnACpuOnlyArtifactIsAUsageError) {
+  Workload cpu_only(dir, {"--mib", "4", "--children", "0"});  // not registered: no CUDA
+  auto cpo = checkpoint_options(cpu_only.pid(), dir / "snap", fake, dir / "run");
   cpo.leave_running = true;
   RecordingReporter cp_reporter;
   auto cp = checkpoint(cpo, cp_reporter);
-  EXPECT_TRUE(cp.manifest.gpu.is_null()) << cp.manifest.gpu.dump();
+  EXPECT_FALSE(cp.manifest.gpu) << cp.manifest.to_json().dump();
   EXPECT_TRUE(fake.calls().empty()) << join(fake.calls());
   auto phases = cp_reporter.phases();
   EXPECT_EQ(std::count(phases.begin(), phases.end(), "gpu-lock"), 0);
@@ -938,7 +868,6 @@ TEST(GpuEngine, GpuMapOnACpuOnlyArtifactIsAUsageError) {
   auto before = pid_namespaces();
   auto o = restore_options(dir / "snap", fake, dir / "restore-run");
   o.gpu_map = {"0=0"};
-  RecordingReporter reporter;
   auto e = error_of([&] { restore(o, reporter); });
   ASSERT_TRUE(e);
   EXPECT_EQ(e->kind(), ErrorKind::kUsage) << e->what();
@@ -964,14 +893,10 @@ void write_journal(const std::filesystem::path& run_dir, pid_t owner,
                  json{{"owner", owner}, {"pids", pids}}.dump());
 }
 
-TEST(GpuEngine, JournalOfAKilledGpusnapIsRecoveredAndALiveOnesIsLeftAlone) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
+TEST_F(GpuEngine, JournalOfAKilledGpusnapIsRecoveredAndALiveOnesIsLeftAlone) {
   auto run_dir = dir / "run";
   Subprocess locked = sleeper(), checkpointed = sleeper(), busy = sleeper();
   pid_t gone = dead_pid();  // a process of the journal that exited meanwhile
-  FakeDriver fake;
-  fake.add_gpu(FakeDriver::make_gpu(kGpuA));
   fake.add_process(locked.pid(), ProcessState::kLocked);
   fake.add_process(checkpointed.pid(), ProcessState::kCheckpointed);
   fake.add_process(busy.pid(), ProcessState::kLocked);
@@ -1007,7 +932,6 @@ TEST(GpuEngine, JournalOfAKilledGpusnapIsRecoveredAndALiveOnesIsLeftAlone) {
   std::filesystem::remove(run_dir / "journal" / (std::to_string(::getpid()) + ".json"));
   write_journal(run_dir, dead_pid(), {busy.pid()});
   fake.clear_calls();
-  RecordingReporter reporter;
   auto e = error_of([&] { restore(restore_options(dir / "nothing", fake, run_dir), reporter); });
   ASSERT_TRUE(e);
   EXPECT_EQ(e->kind(), ErrorKind::kNotFound) << e->what();
@@ -1036,7 +960,7 @@ struct CudaTree {
   }
 };
 
-TEST(GpuEngine, AProcessThatDiesAfterTheDumpFailsTheCaptureNamingHowAndNothingIsCommitted) {
+TEST(GpuCapture, AProcessThatDiesAfterTheDumpFailsTheCaptureNamingHowAndNothingIsCommitted) {
   SKIP_WITHOUT_CRIU();
   CudaTree t;
   auto& [dir, source, pids, root, child, fake] = t;
@@ -1063,7 +987,7 @@ TEST(GpuEngine, AProcessThatDiesAfterTheDumpFailsTheCaptureNamingHowAndNothingIs
   EXPECT_TRUE(journal_empty(dir / "run"));
 }
 
-TEST(GpuEngine, WithLeaveRunningADeathShowingAsADriverErrorIsNamedAsTheDeath) {
+TEST(GpuCapture, WithLeaveRunningADeathShowingAsADriverErrorIsNamedAsTheDeath) {
   SKIP_WITHOUT_CRIU();
   CudaTree t;
   auto& [dir, source, pids, root, child, fake] = t;
@@ -1091,7 +1015,7 @@ TEST(GpuEngine, WithLeaveRunningADeathShowingAsADriverErrorIsNamedAsTheDeath) {
   EXPECT_EQ(fake.peek_state(root), ProcessState::kRunning);
 }
 
-TEST(GpuEngine, GpuStateTheDriverLostAfterTheDumpFailsTheCapture) {
+TEST(GpuCapture, GpuStateTheDriverLostAfterTheDumpFailsTheCapture) {
   SKIP_WITHOUT_CRIU();
   CudaTree t;
   auto& [dir, source, pids, root, child, fake] = t;
@@ -1129,7 +1053,7 @@ std::vector<std::string> jax_like_workload(const TempDir& dir, const std::string
   return argv;
 }
 
-TEST(GpuEngine, JaxWithPreallocationIsRefusedBeforeAnythingIsFrozen) {
+TEST(GpuCapture, JaxWithPreallocationIsRefusedBeforeAnythingIsFrozen) {
   SKIP_WITHOUT_CRIU();
   TempDir dir;
   Workload source(dir, jax_like_workload(dir, ""), std::chrono::seconds(30));
@@ -1157,7 +1081,7 @@ TEST(GpuEngine, JaxWithPreallocationIsRefusedBeforeAnythingIsFrozen) {
   EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
 }
 
-TEST(GpuEngine, JaxWithPreallocationOffIsCaptured) {
+TEST(GpuCapture, JaxWithPreallocationOffIsCaptured) {
   SKIP_WITHOUT_CRIU();
   TempDir dir;
   Workload source(dir, jax_like_workload(dir, "false"), std::chrono::seconds(30));

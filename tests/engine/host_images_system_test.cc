@@ -18,6 +18,7 @@
 #include <sys/wait.h>
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <set>

@@ -86,22 +86,33 @@ TEST_F(TierDirTest, AnIndexMustMatchTheFilesThere) {
 }
 
 TEST(TierMemory, IsCountedOnTheWorkloadsProcessForTheRestoresFreeMemoryCheck) {
-  json gpu = {{"gpus", {{{"uuid", "GPU-a"}, {"used", true}}, {{"uuid", "GPU-b"}, {"used", false}}}},
-              {"processes",
-               {{{"pid", 5}, {"bytes", 100}, {"gpus", {{{"uuid", "GPU-a"}, {"bytes", 100}}}}},
-                {{"pid", 7}, {"bytes", 50}, {"gpus", {{{"uuid", "GPU-a"}, {"bytes", 50}}}}}}}};
+  std::optional<GpuFacts> gpu = GpuFacts{};
+  gpu->gpus.resize(2);
+  gpu->gpus[0].uuid = "GPU-a";
+  gpu->gpus[1].uuid = "GPU-b";
+  gpu->gpus[1].used = false;
+  gpu->processes = {{5, 100, {{"GPU-a", 100}}}, {7, 50, {{"GPU-a", 50}}}};
   TierContents tier;
   tier.bytes = 12;
   tier.gpu_bytes = {{"GPU-a", 8}, {"GPU-b", 4}};
   add_tier_memory(gpu, 7, tier);
-  EXPECT_EQ(gpu.at("processes").at(1),
-            json::parse(R"({"pid":7,"bytes":62,"gpus":[{"uuid":"GPU-a","bytes":58},)"
-                        R"({"uuid":"GPU-b","bytes":4}]})"));
-  EXPECT_EQ(gpu.at("processes").at(0).at("bytes"), 100);
-  EXPECT_EQ(gpu.at("gpus").at(1).at("used"), true);
+  const auto& seven = gpu->processes.at(1);
+  EXPECT_EQ(seven.pid, 7);
+  EXPECT_EQ(seven.bytes, 62u);
+  ASSERT_EQ(seven.gpus.size(), 2u);
+  EXPECT_EQ(seven.gpus[0].uuid, "GPU-a");
+  EXPECT_EQ(seven.gpus[0].bytes, 58u);
+  EXPECT_EQ(seven.gpus[1].uuid, "GPU-b");
+  EXPECT_EQ(seven.gpus[1].bytes, 4u);
+  EXPECT_EQ(gpu->processes.at(0).bytes, 100u);
+  EXPECT_TRUE(gpu->gpus.at(1).used);
   // A root that is not a CUDA process (a launcher): the first process carries it.
   add_tier_memory(gpu, 99, tier);
-  EXPECT_EQ(gpu.at("processes").at(0).at("bytes"), 112);
+  EXPECT_EQ(gpu->processes.at(0).bytes, 112u);
+  // No GPU facts (no CUDA process): nothing to count on.
+  std::optional<GpuFacts> none;
+  add_tier_memory(none, 7, tier);
+  EXPECT_FALSE(none);
 }
 
 TEST(TierMemory, CopiesAreToldTheArtifactsFolderOnlyWhenItHoldsTierFiles) {

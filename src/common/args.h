@@ -9,7 +9,7 @@
 
 #include "gpusnap/error.h"
 
-namespace gpusnap::cli {
+namespace gpusnap::args {
 
 struct FlagSpec {
   std::string name;        // "--output"
@@ -47,4 +47,4 @@ class Args {
 std::string format_help(const std::string& usage, const std::string& summary,
                         const std::vector<FlagSpec>& specs);
 
-}  // namespace gpusnap::cli
+}  // namespace gpusnap::args

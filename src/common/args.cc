@@ -1,10 +1,10 @@
-#include "cli/args.h"
+#include "common/args.h"
 
 #include <cstdlib>
 
 #include "gpusnap/error.h"
 
-namespace gpusnap::cli {
+namespace gpusnap::args {
 
 Args::Args(const std::string& command, const std::vector<FlagSpec>& specs,
            const std::vector<std::string>& argv)
@@ -95,4 +95,4 @@ std::string format_help(const std::string& usage, const std::string& summary,
   return out;
 }
 
-}  // namespace gpusnap::cli
+}  // namespace gpusnap::args

@@ -1,0 +1,17 @@
+// Wall-clock time as gpusnap writes it everywhere (the manifest's `created`, the agent's
+// operations, the controller's Kubernetes objects and log lines): RFC 3339 in UTC.
+#pragma once
+
+#include <string>
+
+namespace gpusnap::utc {
+
+enum class Precision {
+  kSeconds,       // "2026-12-01T16:07:56Z"
+  kMilliseconds,  // "2026-12-01T16:07:56.042Z": the agent orders operations by it
+};
+
+// The current time. Never throws beyond std::bad_alloc.
+std::string now(Precision precision = Precision::kSeconds);
+
+}  // namespace gpusnap::utc
