@@ -38,6 +38,8 @@ const FlagSpec kQuiet{"--quiet", "-q", "", "print no progress"};
 const FlagSpec kCriu{"--criu", "", "PATH",
                      "the criu binary (default: $GPUSNAP_CRIU, "
                      "/opt/gpusnap/criu/criu, criu on PATH)"};
+const FlagSpec kGroup{"--group", "", "GROUP",
+                      "let GROUP read the artifact (name or gid; default: root only)"};
 const FlagSpec kHelp{"--help", "-h", "", "show this help"};
 const FlagSpec kNoHostImages{"--no-host-images", "", "",
                              "store GPU memory through CRIU's pages, not as host images"};
@@ -91,8 +93,10 @@ void print_checkpoint(const Output& out, const CheckpointResult& r, bool leave_r
 // their defaults.
 CheckpointOptions capture_options(const Args& args) {
   if (!args.has("--output")) throw args.usage_error(args.command() + " needs -o ARTIFACT");
+  if (args.get("--output").empty()) throw args.usage_error("-o needs a path, not an empty one");
   CheckpointOptions o;
   o.output = args.get("--output");
+  if (args.has("--group")) o.artifact_group = group_id("--group", args.get("--group"));
   o.leave_running = args.has("--leave-running");
   o.criu_path = args.get("--criu");
   o.ghost_limit = static_cast<uint64_t>(args.get_int("--ghost-limit-mib", 256, 0, 1 << 20)) << 20;
@@ -119,6 +123,7 @@ std::optional<ContainerRef> container_ref(const Args& args, const std::string& f
 }
 
 int cmd_checkpoint(const Args& args) {
+  args.no_positional();
   Output out(args);
   if (args.has("--pid") == args.has("--container")) {
     throw args.usage_error("checkpoint needs either --pid PID or --container ID");
@@ -234,6 +239,7 @@ int cmd_verify(const Args& args) {
 }
 
 int cmd_run(const Args& args) {
+  args.no_positional();
   Output out(args);
   if (args.rest().empty()) throw args.usage_error("run needs a command after --");
   CheckpointOptions o = capture_options(args);
@@ -280,6 +286,7 @@ int cmd_init(const Args& args) {
 }
 
 int cmd_recover(const Args& args) {
+  args.no_positional();
   Output out(args);
   auto driver = gpu::open_nvidia_driver();
   std::vector<std::string> done =
@@ -313,6 +320,7 @@ std::vector<Command> commands() {
        {{"--pid", "-p", "PID", "root of the process tree to capture"},
         {"--output", "-o", "ARTIFACT", "artifact directory to create (must not exist)"},
         {"--leave-running", "", "", "keep the source running after the capture"},
+        kGroup,
         {"--ghost-limit-mib", "", "MIB", "largest unlinked-but-open file to store (default 256)"},
         {"--gpu-lock-timeout", "", "SECONDS",
          "how long each CUDA process may take to drain its GPU work (default 10)"},
@@ -340,6 +348,7 @@ std::vector<Command> commands() {
        "it, then stop it or, with --leave-running, resume it.",
        {{"--output", "-o", "ARTIFACT", "artifact directory to create (must not exist)"},
         {"--leave-running", "", "", "resume the workload after the capture"},
+        kGroup,
         {"--ready-timeout", "", "SECONDS", "how long it may take to say READY (default 600)"},
         {"--handshake-timeout", "", "SECONDS", "how long it may take to pause (default 60)"},
         kNoHostImages,

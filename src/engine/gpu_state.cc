@@ -10,6 +10,7 @@
 #include <set>
 #include <thread>
 
+#include "artifact/writer.h"
 #include "common/fs.h"
 #include "gpusnap/error.h"
 
@@ -169,6 +170,7 @@ std::vector<std::string> recover_abandoned(gpu::Driver& driver,
       log.push_back("journal entry " + entry.path().string() + " unreadable: " + e.what());
     }
   }
+  for (auto& line : ArtifactWriter::remove_abandoned_staging(run_dir)) log.push_back(line);
   return log;
 }
 

@@ -15,7 +15,10 @@ bool uses_terminal(const std::vector<proc::Process>& tree);
 // Refuses CUDA processes that talk to each other through NCCL transports the driver cannot
 // checkpoint (peer-to-peer, shared memory, NVLink SHARP, cuMem handles), naming the settings.
 void refuse_unsafe_nccl(const std::vector<proc::Process>& tree, const std::vector<pid_t>& cuda);
-// Refuses a root that is gpusnap itself, one of its ancestors, or the host's init.
+// Refuses a root that is gpusnap itself, one of its ancestors, the host's init or a kernel
+// thread.
 void refuse_bad_root(pid_t root);
+// Whether pid is a kernel thread (PF_KTHREAD): nothing CRIU can dump.
+bool is_kernel_thread(pid_t pid);
 
 }  // namespace gpusnap::engine

@@ -18,6 +18,7 @@
 #include <poll.h>
 #include <sched.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -115,12 +116,15 @@ class Copy {
                 (manifest.id.substr(0, 8) + "-" + std::to_string(index) + "-" +
                  fs::random_id().substr(0, 6));
     std::filesystem::create_directories(info_.dir);
+    // Its logs quote the workload's output and files: root-only, like the artifact.
+    if (::chmod(info_.dir.c_str(), 0700) != 0)
+      throw sys_error("chmod " + info_.dir.string(), errno);
 
     // The workload's standard descriptors pointed at things of the source (its log file, a
     // pipe to its launcher, a terminal). Each copy gets its own: stdin from /dev/null, output
     // into the copy's output.log.
     UniqueFd output(::open((info_.dir / "output.log").c_str(),
-                           O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+                           O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600));
     UniqueFd null_in(::open("/dev/null", O_RDONLY | O_CLOEXEC));
     if (into_ != 0) {  // in a placeholder, the workload's stdio is the container's (its log)
       output = container::borrow_fd(into_, STDOUT_FILENO);
