@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -28,18 +29,26 @@ std::string read_file(const std::filesystem::path& path) {
   return out;
 }
 
-bool try_read_file(const std::filesystem::path& path, std::string* out) {
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd) return false;
+// The rest of fd into *out; false (errno EFBIG) once it would pass max_bytes.
+static bool read_all(int fd, std::string* out, size_t max_bytes) {
   out->clear();
   char buf[65536];
   for (;;) {
-    ssize_t n = ::read(fd.get(), buf, sizeof buf);
+    ssize_t n = ::read(fd, buf, sizeof buf);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return false;
     if (n == 0) return true;
+    if (out->size() + static_cast<size_t>(n) > max_bytes) {
+      errno = EFBIG;
+      return false;
+    }
     out->append(buf, static_cast<size_t>(n));
   }
+}
+
+bool try_read_file(const std::filesystem::path& path, std::string* out) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  return fd && read_all(fd.get(), out, SIZE_MAX);
 }
 
 bool try_read_regular_file(const std::filesystem::path& path, std::string* out, size_t max_bytes) {
@@ -51,19 +60,7 @@ bool try_read_regular_file(const std::filesystem::path& path, std::string* out, 
     errno = EINVAL;
     return false;
   }
-  out->clear();
-  char buf[65536];
-  for (;;) {
-    ssize_t n = ::read(fd.get(), buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return false;
-    if (n == 0) return true;
-    if (out->size() + static_cast<size_t>(n) > max_bytes) {
-      errno = EFBIG;
-      return false;
-    }
-    out->append(buf, static_cast<size_t>(n));
-  }
+  return read_all(fd.get(), out, max_bytes);
 }
 
 static void write_all(int fd, const std::string& data, const std::string& what) {
