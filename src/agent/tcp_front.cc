@@ -45,6 +45,16 @@ void answer(int fd, int status, const char* reason, const Error& error, bool bea
   text += "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
           "\r\nConnection: close\r\n\r\n" + body;
   (void)send_all(fd, text.data(), text.size());
+  // Closing with unread bytes of the request (its body) would send a reset, which may reach
+  // the caller before the answer does: end our side, then read what is left, briefly.
+  ::shutdown(fd, SHUT_WR);
+  char buf[4096];
+  size_t drained = 0;
+  for (pollfd p{fd, POLLIN, 0}; drained < (64 << 10) && ::poll(&p, 1, 200) > 0;) {
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    drained += static_cast<size_t>(n);
+  }
 }
 
 bool iequals_prefix(const std::string& line, const char* name) {

@@ -400,8 +400,8 @@ std::vector<Command> commands() {
       {"recover",
        "gpusnap recover [--pid PID]",
        "Return to RUNNING every CUDA process a killed gpusnap left locked or checkpointed (from\n"
-       "gpusnap's journal), or those of the tree at PID. Checkpoint and restore do this by\n"
-       "themselves when they start.",
+       "gpusnap's journal), or those of the tree at PID, and remove the staging directories a\n"
+       "killed gpusnap left. Checkpoint and restore do this by themselves when they start.",
        {{"--pid", "-p", "PID", "also return this process tree's CUDA processes to RUNNING"},
         {"--run-dir", "", "DIR", "gpusnap's state directory (default /run/gpusnap)"},
         kJson,

@@ -72,16 +72,16 @@ TEST(BadCommandLine, RefusedBeforeAnyCapture) {
                "unexpected argument 'extra' for checkpoint" + help);
   expect_error(gpusnap({"checkpoint", "--pid", " " + pid, "-o", out}), 2,
                "--pid must be a whole number from 1 to 4194304, not ' " + pid + "'" + help);
-  expect_error(gpusnap({"checkpoint", "--pid", "2", "-o", out}), 2,
+  expect_error(gpusnap({"checkpoint", "--pid", "2", "-o", out, "--quiet"}), 2,
                "pid 2 is a kernel thread (fix: give the pid of the workload's own root process)");
   expect_error(gpusnap({"checkpoint", "--pid", pid, "-o", ""}), 2,
                "-o needs a path, not an empty one" + help);
-  expect_error(gpusnap({"checkpoint", "--pid", pid, "-o", "/proc/x"}), 2,
+  expect_error(gpusnap({"checkpoint", "--pid", pid, "-o", "/proc/x", "--quiet"}), 2,
                "cannot create an artifact in /proc: No such file or directory (fix: choose an -o "
                "path in a writable directory of an ordinary filesystem)");
   stdfs::create_symlink(dir / "nowhere", dir / "dangling");
   const auto started = std::chrono::steady_clock::now();
-  expect_error(gpusnap({"checkpoint", "--pid", pid, "-o", (dir / "dangling").string()}), 2,
+  expect_error(gpusnap({"checkpoint", "--pid", pid, "-o", (dir / "dangling").string(), "-q"}), 2,
                "output " + (dir / "dangling").string() +
                    " already exists (fix: choose another -o path or remove the old artifact "
                    "first)");
@@ -99,7 +99,7 @@ TEST(BadCommandLine, ReadOnlyOutputIsAUsageError) {
   ASSERT_EQ(::mount(nullptr, ro.path().c_str(), nullptr, MS_REMOUNT | MS_RDONLY, nullptr), 0);
   Workload source(dir);
   expect_error(gpusnap({"checkpoint", "--pid", std::to_string(source.pid()), "-o",
-                        (ro.path() / "snap").string()}),
+                        (ro.path() / "snap").string(), "--quiet"}),
                2,
                "output directory " + ro.path().string() +
                    " is read-only (fix: choose an -o path on a writable filesystem)");
@@ -155,7 +155,7 @@ TEST(Faults, KilledAtRandomPointsOfACapture) {
     // The guardian finishes (or abandons) CRIU's dump on its own; recover sweeps the rest.
     ASSERT_TRUE(eventually(
         [&] {
-          gpusnap({"recover", "--quiet"});
+          gpusnap({"recover", "--json"});
           auto names = names_in(out);
           return names.empty() || names == std::vector<std::string>{"snap"};
         },
