@@ -50,6 +50,8 @@ struct CheckpointOptions {
   bool direct_host_images = true;
   int io_threads = 0;                  // 0: one per core, at least 4
   uint64_t host_image_file_bytes = 0;  // largest host image file; 0: one file per region
+  // The artifact holds the workload's memory: root-only unless this group may read it.
+  std::optional<gid_t> artifact_group;
 };
 
 struct CheckpointResult {

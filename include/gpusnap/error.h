@@ -40,7 +40,8 @@ class Error : public std::runtime_error {
   std::string hint_;
 };
 
-// Builds an Error from errno for a failed system call: "what: strerror(errno)".
+// Builds an Error from errno for a failed system call: "what: strerror(errno)". kInternal, but
+// kEnvironment (with a hint) for a full filesystem or quota.
 Error sys_error(const std::string& what, int err);
 
 // The text of an errno value. Unlike strerror(), safe to call from several threads at once.

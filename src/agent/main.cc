@@ -26,6 +26,8 @@ namespace {
 const std::vector<args::FlagSpec> kFlags = {
     {"--socket", "", "PATH", "the Unix socket to serve (default /run/gpusnap/agent.sock)"},
     {"--socket-group", "", "GROUP", "the group that may use the socket (name or gid)"},
+    {"--artifact-group", "", "GROUP",
+     "the group that may read the artifacts (name or gid; default: root only)"},
     {"--listen", "", "ADDR:PORT", "also serve TCP (requires --token-file; port 0: any)"},
     {"--token-file", "", "FILE", "the bearer token TCP callers must send (one line)"},
     {"--storage", "", "DIR", "where artifacts live (default /var/lib/gpusnap/snapshots)"},
@@ -47,21 +49,18 @@ Error usage(const std::string& what) {
   return Error(ErrorKind::kUsage, what, "see `gpusnap-agent --help`");
 }
 
-gid_t group_id(const std::string& name) {
-  if (!name.empty() && name.find_first_not_of("0123456789") == std::string::npos) {
-    return static_cast<gid_t>(std::stoul(name));
-  }
-  // getgrnam is not thread-safe: main calls it before any thread exists.
-  const group* g = ::getgrnam(name.c_str());  // NOLINT(concurrency-mt-unsafe)
-  if (g == nullptr) throw usage("no group named '" + name + "'");
-  return g->gr_gid;
-}
-
 // The bearer token: the file's first line. A file anyone can read is refused, since the token
 // is all that stands between the network and root's checkpoints.
 std::string read_token(const std::filesystem::path& file) {
   struct stat st {};
-  if (::stat(file.c_str(), &st) != 0) throw sys_error("read token file " + file.string(), errno);
+  if (::stat(file.c_str(), &st) != 0) {
+    if (errno == ENOENT || errno == ENOTDIR) {
+      throw Error(ErrorKind::kUsage, "token file " + file.string() + " does not exist",
+                  "write the token there first (`openssl rand -hex 32 > FILE; chmod 600 FILE`), "
+                  "or give the right --token-file");
+    }
+    throw sys_error("read token file " + file.string(), errno);
+  }
   if ((st.st_mode & S_IROTH) != 0) {
     throw Error(ErrorKind::kUsage, "token file " + file.string() + " is readable by everyone",
                 "chmod o-r " + file.string());
@@ -127,8 +126,15 @@ int run(const std::vector<std::string>& argv) {
   }
 
   ListenOptions listen;
+  std::optional<gid_t> config_group;
   listen.socket_path = args.get("--socket", listen.socket_path);
-  if (args.has("--socket-group")) listen.socket_group = group_id(args.get("--socket-group"));
+  if (args.has("--socket-group")) {
+    // Before any thread exists: group_id is not thread-safe.
+    listen.socket_group = args::group_id("--socket-group", args.get("--socket-group"));
+  }
+  if (args.has("--artifact-group")) {
+    config_group = args::group_id("--artifact-group", args.get("--artifact-group"));
+  }
   if (args.has("--listen") != args.has("--token-file")) {
     throw usage("--listen and --token-file go together: TCP callers must send a token");
   }
@@ -159,6 +165,7 @@ int run(const std::vector<std::string>& argv) {
   config.engine.run_dir = args.get("--run-dir", "/run/gpusnap");
   config.engine.helper_binary = helper_binary(args);
   config.engine.criu_path = args.get("--criu");
+  config.engine.artifact_group = config_group;
   config.state_dir = args.get("--state-dir", config.state_dir.string());
   make_private_dir(config.engine.storage);
   make_private_dir(config.state_dir);

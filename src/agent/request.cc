@@ -2,6 +2,7 @@
 
 #include <set>
 
+#include "common/json.h"
 #include "gpusnap/error.h"
 
 namespace gpusnap::agent {
@@ -20,7 +21,7 @@ void refuse_unknown(const json& body, const std::set<std::string>& known, const 
     if (known.count(key) == 0) {
       std::string list;
       for (const auto& k : known) list.append(list.empty() ? "" : ", ").append(k);
-      throw bad("unknown field \"" + key + "\" in " + of, "the fields are: " + list);
+      throw bad("unknown field " + json_text::brief(key) + " in " + of, "the fields are: " + list);
     }
   }
 }
@@ -35,14 +36,15 @@ long int_field(const json& body, const std::string& key, long min, long max) {
   const auto& v = body.at(key);
   if (!v.is_number_integer() || v.get<long>() < min || v.get<long>() > max) {
     throw bad("\"" + key + "\" must be a whole number from " + std::to_string(min) + " to " +
-              std::to_string(max) + ", not " + v.dump());
+              std::to_string(max) + ", not " + json_text::brief(v));
   }
   return v.get<long>();
 }
 
 bool bool_field(const json& body, const std::string& key) {
   const auto& v = body.at(key);
-  if (!v.is_boolean()) throw bad("\"" + key + "\" must be true or false, not " + v.dump());
+  if (!v.is_boolean())
+    throw bad("\"" + key + "\" must be true or false, not " + json_text::brief(v));
   return v.get<bool>();
 }
 
@@ -51,7 +53,8 @@ std::vector<std::string> string_list(const json& body, const std::string& key) {
   if (!v.is_array()) throw bad("\"" + key + "\" must be a list of strings");
   std::vector<std::string> out;
   for (const auto& item : v) {
-    if (!item.is_string()) throw bad("\"" + key + "\" must be a list of strings, not " + v.dump());
+    if (!item.is_string())
+      throw bad("\"" + key + "\" must be a list of strings, not " + json_text::brief(v));
     out.push_back(item.get<std::string>());
   }
   return out;
@@ -114,15 +117,16 @@ void check_artifact_name(const std::string& name) {
 }
 
 json parse_body(const std::string& text) {
-  json body;
-  try {
-    body = json::parse(text);
-  } catch (const json::exception& e) {
-    throw bad(std::string("the request body is not JSON: ") + e.what(),
+  std::string why;
+  auto body = json_text::parse(text, &why);
+  if (!body) {
+    throw bad("the request body is not JSON: " + why,
               "send a JSON object with Content-Type: application/json");
   }
-  if (!body.is_object()) throw bad("the request body must be a JSON object, not " + body.dump());
-  return body;
+  if (!body->is_object()) {
+    throw bad("the request body must be a JSON object, not " + json_text::brief(*body));
+  }
+  return std::move(*body);
 }
 
 CheckpointRequest parse_checkpoint_request(const json& body) {
@@ -168,7 +172,8 @@ RestoreRequest parse_restore_request(const json& body) {
     if (!s.is_object()) throw bad("\"settings\" must be an object of strings");
     for (const auto& [key, value] : s.items()) {
       if (!value.is_string() || key.empty()) {
-        throw bad("\"settings\" must map names to strings; \"" + key + "\" is " + value.dump());
+        throw bad("\"settings\" must map names to strings; " + json_text::brief(key) + " is " +
+                  json_text::brief(value));
       }
       r.settings[key] = value.get<std::string>();
     }
@@ -218,6 +223,7 @@ CheckpointOptions checkpoint_options(const CheckpointRequest& r, const EngineSet
   o.criu_path = s.criu_path;
   o.helper_binary = s.helper_binary;
   o.run_dir = s.run_dir;
+  o.artifact_group = s.artifact_group;
   if (r.handshake_timeout_s) o.handshake_timeout = std::chrono::seconds(*r.handshake_timeout_s);
   return o;
 }

@@ -66,6 +66,7 @@ struct EngineSettings {
   std::filesystem::path run_dir = "/run/gpusnap";
   std::string helper_binary;  // the gpusnap binary, which runs the engine's helper processes
   std::string criu_path;      // empty: locate CRIU
+  std::optional<gid_t> artifact_group;  // may read the artifacts (default: root only)
 };
 
 // The request as the engine's options. Throws Error(kUsage) for a value only the engine's own

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <system_error>
 
 #include <httplib.h>
@@ -28,7 +29,9 @@ constexpr size_t kMaxBody = 1 << 20;
 
 void reply(httplib::Response& res, int status, const json& doc) {
   res.status = status;
-  res.set_content(doc.dump(2) + "\n", "application/json");
+  // A message may quote the caller's bytes: invalid UTF-8 in them is replaced, not thrown on.
+  res.set_content(doc.dump(2, ' ', false, json::error_handler_t::replace) + "\n",
+                  "application/json");
 }
 
 void reply_error(httplib::Response& res, const Error& e) {
@@ -49,20 +52,34 @@ std::vector<std::string> methods_of(const std::string& path) {
   return {};
 }
 
-bool authorized(const httplib::Request& req, const std::string& token) {
-  return bearer_matches(req.get_header_value("Authorization"), token);
+// The body, up to kMaxBody. httplib bounds a body with Content-Length itself (413), but reads
+// a chunked one to its end whatever its size: a 300 MB chunked body took the agent to 1.2 GB.
+// False when the body is larger: reading stopped there.
+bool read_body(const httplib::ContentReader& read, std::string* text) {
+  bool fits = true;
+  read([&](const char* data, size_t size) {
+    if (text->size() + size > kMaxBody) return fits = false;
+    text->append(data, size);
+    return true;
+  });
+  return fits;
 }
 
-void install(httplib::Server& server, Agent& agent, const std::string* token) {
+void answer_errors(httplib::Response& res, const std::function<void()>& handle) {
+  try {
+    handle();
+  } catch (const Error& e) {
+    reply_error(res, e);
+  } catch (const std::exception& e) {
+    reply_error(res, Error(ErrorKind::kInternal, std::string("internal error: ") + e.what()));
+  }
+}
+
+// TCP callers come through the TcpFront, which checked their token: every request here is
+// authorised.
+void install(httplib::Server& server, Agent& agent) {
   server.set_payload_max_length(kMaxBody);
-  server.set_pre_routing_handler([token](const httplib::Request& req, httplib::Response& res) {
-    if (token != nullptr && !authorized(req, *token)) {
-      res.set_header("WWW-Authenticate", "Bearer");
-      reply_error(res, Error(ErrorKind::kUsage, "missing or wrong bearer token",
-                             "send Authorization: Bearer TOKEN with the agent's token"));
-      res.status = 401;
-      return httplib::Server::HandlerResponse::Handled;
-    }
+  server.set_pre_routing_handler([](const httplib::Request& req, httplib::Response& res) {
     const auto methods = methods_of(req.path);
     if (methods.empty()) {
       reply_error(res, Error(ErrorKind::kNotFound, "no such endpoint " + req.path,
@@ -83,13 +100,14 @@ void install(httplib::Server& server, Agent& agent, const std::string* token) {
   // Every handler answers errors as the API's error object, whatever threw.
   auto guarded = [](auto handler) {
     return [handler](const httplib::Request& req, httplib::Response& res) {
-      try {
-        handler(req, res);
-      } catch (const Error& e) {
-        reply_error(res, e);
-      } catch (const std::exception& e) {
-        reply_error(res, Error(ErrorKind::kInternal, std::string("internal error: ") + e.what()));
-      }
+      answer_errors(res, [&] { handler(req, res); });
+    };
+  };
+  // The same for a handler that reads its body itself (ContentReader).
+  auto guarded_reader = [](auto handler) {
+    return [handler](const httplib::Request& req, httplib::Response& res,
+                     const httplib::ContentReader& read) {
+      answer_errors(res, [&] { handler(req, res, read); });
     };
   };
   server.Get("/v1/healthz", guarded([&agent](const httplib::Request&, httplib::Response& res) {
@@ -97,15 +115,25 @@ void install(httplib::Server& server, Agent& agent, const std::string* token) {
                      {{"ok", true}, {"version", GPUSNAP_VERSION}, {"node", agent.config().node}});
              }));
   auto post = [&agent](bool checkpoint) {
-    return [&agent, checkpoint](const httplib::Request& req, httplib::Response& res) {
-      const json body = parse_body(req.body);
+    return [&agent, checkpoint](const httplib::Request&, httplib::Response& res,
+                                const httplib::ContentReader& read) {
+      std::string text;
+      if (!read_body(read, &text)) {
+        reply_error(res, Error(ErrorKind::kUsage, "the request body is larger than 1 MiB",
+                               "send a request of the agent's API, not a file"));
+        res.status = 413;
+        // The rest of the body was not read: it must not be taken for the next request.
+        res.set_header("Connection", "close");
+        return;
+      }
+      const json body = parse_body(text);
       json op = checkpoint ? agent.submit_checkpoint(body) : agent.submit_restore(body);
       res.set_header("Location", "/v1/operations/" + op.at("id").get<std::string>());
       reply(res, 202, {{"operation", op}});
     };
   };
-  server.Post("/v1/checkpoints", guarded(post(true)));
-  server.Post("/v1/restores", guarded(post(false)));
+  server.Post("/v1/checkpoints", guarded_reader(post(true)));
+  server.Post("/v1/restores", guarded_reader(post(false)));
   server.Get("/v1/operations", guarded([&agent](const httplib::Request&, httplib::Response& res) {
                reply(res, 200, agent.operations());
              }));
@@ -189,20 +217,9 @@ Server::Server(const ListenOptions& options) : options_(options) {
   if (::chmod(path.c_str(), 0660) != 0) throw sys_error("chmod " + path, errno);
 
   if (!options_.tcp_address.empty()) {
-    tcp_ = std::make_unique<httplib::Server>();
-    if (options_.tcp_port == 0) {
-      tcp_port_ = tcp_->bind_to_any_port(options_.tcp_address);
-    } else {
-      tcp_port_ =
-          tcp_->bind_to_port(options_.tcp_address, options_.tcp_port) ? options_.tcp_port : -1;
-    }
-    if (tcp_port_ <= 0) {
-      throw Error(ErrorKind::kUsage,
-                  "cannot listen on " + options_.tcp_address + ":" +
-                      std::to_string(options_.tcp_port) + ": " +
-                      std::error_code(errno, std::generic_category()).message(),
-                  "choose a free port and an address of this host");
-    }
+    tcp_ = std::make_unique<TcpFront>(options_.tcp_address, options_.tcp_port, options_.token,
+                                      options_.socket_path);
+    tcp_port_ = tcp_->port();
   }
 }
 
@@ -213,18 +230,12 @@ Server::~Server() {
 }
 
 void Server::start(Agent& agent) {
-  install(*unix_, agent, nullptr);
+  install(*unix_, agent);
   unix_thread_ = std::jthread([this] {
     unix_->listen_after_bind();
     unix_done_ = true;
   });
-  if (tcp_) {
-    install(*tcp_, agent, &options_.token);
-    tcp_thread_ = std::jthread([this] {
-      tcp_->listen_after_bind();
-      tcp_done_ = true;
-    });
-  }
+  if (tcp_) tcp_->start();
 }
 
 void Server::stop() noexcept {
@@ -236,8 +247,8 @@ void Server::stop() noexcept {
     }
     thread.join();
   };
+  if (tcp_) tcp_->stop();  // first: it relays to unix_
   end(unix_.get(), unix_thread_, unix_done_);
-  end(tcp_.get(), tcp_thread_, tcp_done_);
 }
 
 }  // namespace gpusnap::agent

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "agent/agent.h"
+#include "agent/tcp_front.h"
 
 namespace httplib {
 class Server;
@@ -46,12 +47,13 @@ class Server {
  private:
   ListenOptions options_;
   std::unique_ptr<httplib::Server> unix_;
-  std::unique_ptr<httplib::Server> tcp_;
+  // TCP callers reach unix_ through the front, once their token is checked.
+  std::unique_ptr<TcpFront> tcp_;
   int tcp_port_ = 0;
   // Set when a listener's loop has returned: stop() repeats httplib's stop() until then, since
   // a stop() that comes before the loop has begun is not remembered.
-  std::atomic<bool> unix_done_{false}, tcp_done_{false};
-  std::jthread unix_thread_, tcp_thread_;
+  std::atomic<bool> unix_done_{false};
+  std::jthread unix_thread_;
 };
 
 }  // namespace gpusnap::agent

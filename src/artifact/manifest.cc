@@ -8,7 +8,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "artifact/validate.h"
 #include "common/fs.h"
+#include "common/json.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/error.h"
 
@@ -402,7 +404,12 @@ class ManifestReader {
 
 }  // namespace
 
-Manifest Manifest::from_json(const json& doc) { return ManifestReader().read(doc); }
+// Read field by field, then every path and bound checked once (artifact/validate.h).
+Manifest Manifest::from_json(const json& doc) {
+  Manifest m = ManifestReader().read(doc);
+  artifact::validate_manifest(m);
+  return m;
+}
 
 Artifact Artifact::open(const std::filesystem::path& root) {
   Artifact a;
@@ -417,45 +424,30 @@ Artifact Artifact::open(const std::filesystem::path& root) {
                 "point gpusnap at a directory written by `gpusnap checkpoint`");
   }
   std::string text;
-  if (!fs::try_read_file(root / kManifestName, &text)) {
+  if (!fs::try_read_regular_file(root / kManifestName, &text, artifact::kMaxManifestBytes)) {
+    if (errno == EFBIG) {
+      throw Error(ErrorKind::kBadArtifact,
+                  std::string(kManifestName) + " in " + root.string() + " is larger than " +
+                      fs::human_bytes(artifact::kMaxManifestBytes),
+                  "the artifact is damaged or forged; take a new checkpoint");
+    }
     throw Error(ErrorKind::kBadArtifact, root.string() + " has no " + kManifestName,
                 "it is not a complete gpusnap artifact; take a new checkpoint");
   }
-  json doc = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded()) {
+  auto doc = json_text::parse(text);
+  if (!doc) {
     throw Error(ErrorKind::kBadArtifact,
                 std::string(kManifestName) + " in " + root.string() + " is not valid JSON",
                 "the artifact is damaged; take a new checkpoint");
   }
-  a.manifest_ = Manifest::from_json(doc);
+  a.manifest_ = Manifest::from_json(*doc);
   // The cheap structural check that --no-verify keeps: every file there, at its size.
-  for (const auto& f : a.manifest_.files) {
-    // Only a ".." component climbs out of the artifact: "a..b" is a harmless name.
-    std::filesystem::path path(f.path);
-    bool unsafe = f.path.empty() || path.is_absolute() ||
-                  std::any_of(path.begin(), path.end(),
-                              [](const std::filesystem::path& part) { return part == ".."; });
-    if (unsafe) {
-      throw Error(ErrorKind::kBadArtifact, "manifest lists an unsafe path '" + f.path + "'",
-                  "the artifact is damaged or forged; take a new checkpoint");
-    }
-    auto size = std::filesystem::file_size(root / f.path, ec);
-    if (ec) {
-      throw Error(ErrorKind::kBadArtifact, "artifact file " + f.path + " is missing",
-                  "the artifact is incomplete; copy it again or take a new checkpoint");
-    }
-    if (size != f.size) {
-      throw Error(ErrorKind::kBadArtifact,
-                  "artifact file " + f.path + " has " + std::to_string(size) +
-                      " bytes, the manifest says " + std::to_string(f.size) + " (truncated?)",
-                  "the artifact is damaged; copy it again or take a new checkpoint");
-    }
-  }
+  artifact::check_listed_files(root, a.manifest_);
   return a;
 }
 
 std::vector<VerifyProblem> Artifact::verify(const VerifyOptions& options) const {
-  std::vector<VerifyProblem> problems;
+  auto problems = artifact::unexpected_entries(root_, manifest_);
   auto actual = checksum_tree(root_, manifest_.chunk_bytes, options);
   std::map<std::string, const FileRecord*> expected;
   for (const auto& f : manifest_.files) expected[f.path] = &f;

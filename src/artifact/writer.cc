@@ -18,13 +18,39 @@ namespace gpusnap::artifact {
 
 namespace {
 constexpr const char* kStagingTag = ".staging-";
+
+std::filesystem::path records_dir(const std::filesystem::path& run_dir) {
+  return run_dir / "staging";
+}
+// Why the staging directory cannot be made in `dir`: most often the user's -o points at a
+// place no artifact can be written (read-only, /proc, full), which is theirs to fix.
+Error output_error(const std::filesystem::path& dir, int err) {
+  if (err == ENOSPC || err == EDQUOT) {
+    return Error(ErrorKind::kEnvironment, "no space left in " + dir.string(),
+                 "free some space there, or choose another -o path");
+  }
+  if (err == EROFS) {
+    return Error(ErrorKind::kUsage, "output directory " + dir.string() + " is read-only",
+                 "choose an -o path on a writable filesystem");
+  }
+  if (err == EACCES || err == EPERM || err == ENOENT || err == ENOTDIR || err == EINVAL) {
+    return Error(ErrorKind::kUsage,
+                 "cannot create an artifact in " + dir.string() + ": " + errno_text(err),
+                 "choose an -o path in a writable directory of an ordinary filesystem");
+  }
+  return sys_error("create a staging directory in " + dir.string(), err);
 }
 
-ArtifactWriter::ArtifactWriter(std::filesystem::path final_path)
-    : final_(std::filesystem::absolute(final_path).lexically_normal()) {
+}  // namespace
+
+ArtifactWriter::ArtifactWriter(std::filesystem::path final_path, WriterOptions options)
+    : final_(std::filesystem::absolute(final_path).lexically_normal()),
+      options_(std::move(options)) {
   if (final_.filename().empty()) final_ = final_.parent_path();
   std::error_code ec;
-  if (std::filesystem::exists(final_, ec)) {
+  // symlink_status: a dangling symlink at the output is there too (the final rename would
+  // refuse it after the whole capture).
+  if (std::filesystem::exists(std::filesystem::symlink_status(final_, ec))) {
     throw Error(ErrorKind::kUsage, "output " + final_.string() + " already exists",
                 "choose another -o path or remove the old artifact first");
   }
@@ -34,11 +60,20 @@ ArtifactWriter::ArtifactWriter(std::filesystem::path final_path)
                 "create it first, or choose another -o path");
   }
   remove_stale_staging(parent);
+  if (!options_.run_dir.empty()) {
+    // Recorded before the directory exists: a gpusnap killed a moment after its mkdir leaves
+    // a record that `gpusnap recover` follows.
+    std::filesystem::create_directories(records_dir(options_.run_dir), ec);
+    record_ = records_dir(options_.run_dir) /
+              (std::to_string(::getpid()) + "-" + fs::random_id().substr(0, 8));
+    fs::write_file_durable(record_, parent.string());
+  }
   for (int attempt = 1;; ++attempt) {
     staging_ = parent / ("." + final_.filename().string() + kStagingTag +
                          std::to_string(::getpid()) + "-" + fs::random_id().substr(0, 8));
-    std::filesystem::create_directory(staging_, ec);
-    if (ec) throw sys_error("create " + staging_.string(), ec.value());
+    // 0700 from mkdir on (the umask can only take bits away): CRIU's images, written inside
+    // with its own modes, are never reachable by other users.
+    if (::mkdir(staging_.c_str(), 0700) != 0) throw output_error(parent, errno);
     // From here on the destructor does not run if we throw: remove the directory ourselves.
     if (lock_staging()) break;
     // A sweep in a PID namespace that cannot see us found it before we locked it and removed
@@ -49,10 +84,10 @@ ArtifactWriter::ArtifactWriter(std::filesystem::path final_path)
                   "is another program removing hidden directories there?");
     }
   }
-  std::filesystem::create_directory(criu_dir(), ec);
-  if (ec) {
+  if (::mkdir(criu_dir().c_str(), 0700) != 0) {
+    const int err = errno;
     fs::remove_tree_noexcept(staging_);
-    throw sys_error("create " + criu_dir().string(), ec.value());
+    throw sys_error("create " + criu_dir().string(), err);
   }
 }
 
@@ -81,6 +116,7 @@ bool ArtifactWriter::lock_staging() {
 
 ArtifactWriter::~ArtifactWriter() {
   if (!committed_) fs::remove_tree_noexcept(staging_);
+  if (!record_.empty()) fs::remove_tree_noexcept(record_);
 }
 
 void ArtifactWriter::seal(Manifest& manifest, Phases& phases,
@@ -94,6 +130,7 @@ void ArtifactWriter::seal(Manifest& manifest, Phases& phases,
 void ArtifactWriter::commit(const Manifest& manifest, Phases& phases) {
   phases.run("commit", [&] {
     fs::write_file(staging_ / kManifestName, manifest.to_json().dump(2) + "\n");
+    fs::restrict_tree(staging_, options_.group);
     fs::fsync_tree(staging_);
     // RENAME_NOREPLACE: two checkpoints racing for one name must not overwrite each other.
     if (::renameat2(AT_FDCWD, staging_.c_str(), AT_FDCWD, final_.c_str(), RENAME_NOREPLACE) != 0) {
@@ -108,6 +145,31 @@ void ArtifactWriter::commit(const Manifest& manifest, Phases& phases) {
   });
 }
 
+std::vector<std::string> ArtifactWriter::remove_abandoned_staging(
+    const std::filesystem::path& run_dir) noexcept {
+  std::vector<std::string> log;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(records_dir(run_dir), ec)) {
+    const auto name = entry.path().filename().string();
+    const auto owner = static_cast<pid_t>(std::atoi(name.c_str()));
+    if (owner <= 0 || proc::exists(owner)) continue;  // still writing
+    std::string dir;
+    if (fs::try_read_file(entry.path(), &dir) && !dir.empty()) {
+      const std::string mine = std::string(kStagingTag) + std::to_string(owner) + "-";
+      for (const auto& staged : std::filesystem::directory_iterator(dir, ec)) {
+        if (staged.path().filename().string().find(mine) == std::string::npos) continue;
+        remove_stale_staging_entry(staged.path(), owner);
+        if (!std::filesystem::exists(std::filesystem::symlink_status(staged.path(), ec))) {
+          log.push_back("removed the staging directory " + staged.path().string() +
+                        " of a killed gpusnap (pid " + std::to_string(owner) + ")");
+        }
+      }
+    }
+    fs::remove_tree_noexcept(entry.path());
+  }
+  return log;
+}
+
 void ArtifactWriter::remove_stale_staging(const std::filesystem::path& dir) noexcept {
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
@@ -117,16 +179,21 @@ void ArtifactWriter::remove_stale_staging(const std::filesystem::path& dir) noex
     auto rest = name.substr(tag + std::string(kStagingTag).size());
     pid_t owner = static_cast<pid_t>(std::atoi(rest.c_str()));
     if (owner <= 0) continue;
-    // Cheap first filter: an owner alive in our PID namespace is (as far as we can tell)
-    // still writing. An owner we cannot see is not necessarily dead: it may live in another
-    // PID namespace (a container sharing this volume). Only its lock tells.
-    if (proc::exists(owner)) continue;
-    UniqueFd fd(::open(entry.path().c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
-    if (!fd || ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) continue;
-    // Removed while holding the lock, so a writer that just created this name waits in its
-    // flock until the directory is gone, and then sees that it is.
-    fs::remove_tree_noexcept(entry.path());
+    remove_stale_staging_entry(entry.path(), owner);
   }
+}
+
+void ArtifactWriter::remove_stale_staging_entry(const std::filesystem::path& staged,
+                                                pid_t owner) noexcept {
+  // Cheap first filter: an owner alive in our PID namespace is (as far as we can tell)
+  // still writing. An owner we cannot see is not necessarily dead: it may live in another
+  // PID namespace (a container sharing this volume). Only its lock tells.
+  if (proc::exists(owner)) return;
+  UniqueFd fd(::open(staged.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (!fd || ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) return;
+  // Removed while holding the lock, so a writer that just created this name waits in its
+  // flock until the directory is gone, and then sees that it is.
+  fs::remove_tree_noexcept(staged);
 }
 
 }  // namespace gpusnap::artifact

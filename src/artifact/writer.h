@@ -3,17 +3,32 @@
 // exist; a writer destroyed without commit removes its staging directory.
 #pragma once
 
+#include <sys/types.h>
+
 #include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include "common/fd.h"
 #include "gpusnap/artifact.h"
 
 namespace gpusnap::artifact {
 
+struct WriterOptions {
+  std::optional<gid_t> group;  // may read the committed artifact (default: root only)
+  // Where the writer records its staging directory until it is committed or removed, so that
+  // `gpusnap recover` finds the staging directory of a gpusnap that was killed (empty: none).
+  std::filesystem::path run_dir;
+};
+
 class ArtifactWriter {
  public:
-  // Refuses (kUsage) when `final_path` already exists or its parent directory does not.
-  explicit ArtifactWriter(std::filesystem::path final_path);
+  // Refuses (kUsage) when `final_path` already exists or its parent directory does not. The
+  // artifact holds the workload's memory: it is root-only (0700 directories, 0600 files) from
+  // the staging directory's first instant, whatever the umask; `group`, when given, may read
+  // the committed artifact (WriterOptions::group).
+  explicit ArtifactWriter(std::filesystem::path final_path, WriterOptions options = {});
   ArtifactWriter(const ArtifactWriter&) = delete;
   ArtifactWriter& operator=(const ArtifactWriter&) = delete;
   ~ArtifactWriter();
@@ -32,11 +47,17 @@ class ArtifactWriter {
   // owner is gone (a gpusnap killed before it could clean up): those nobody holds the flock
   // of. Never throws.
   static void remove_stale_staging(const std::filesystem::path& dir) noexcept;
+  // Removes the staging directories of writers that recorded them in `run_dir` and died, and
+  // their records. Returns what was removed, one line each. Never throws.
+  static std::vector<std::string> remove_abandoned_staging(
+      const std::filesystem::path& run_dir) noexcept;
 
  private:
   // Opens and flocks staging_ into staging_lock_. False when the directory was removed before
   // the lock was taken; throws (having removed the directory) when it cannot be locked.
   bool lock_staging();
+  // Removes one staging directory whose owner is dead and whose lock nobody holds.
+  static void remove_stale_staging_entry(const std::filesystem::path& staged, pid_t owner) noexcept;
 
   std::filesystem::path final_;
   std::filesystem::path staging_;
@@ -48,6 +69,8 @@ class ArtifactWriter {
   // guardian removes the directory itself once CRIU is done, and a sweep that removes it first
   // costs nothing but a failed dump, after which CRIU resumes the tree as on any failure.
   UniqueFd staging_lock_;
+  WriterOptions options_;
+  std::filesystem::path record_;  // this writer's entry under run_dir (empty: none)
   bool committed_ = false;
 };
 

@@ -44,6 +44,8 @@ const FlagSpec kQuiet{"--quiet", "-q", "", "print no progress"};
 const FlagSpec kCriu{"--criu", "", "PATH",
                      "the criu binary (default: $GPUSNAP_CRIU, "
                      "/opt/gpusnap/criu/criu, criu on PATH)"};
+const FlagSpec kGroup{"--group", "", "GROUP",
+                      "let GROUP read the artifact (name or gid; default: root only)"};
 const FlagSpec kHelp{"--help", "-h", "", "show this help"};
 const FlagSpec kNoHostImages{"--no-host-images", "", "",
                              "store GPU memory through CRIU's pages, not as host images"};
@@ -111,8 +113,10 @@ void print_checkpoint(const Output& out, const CheckpointResult& r, bool leave_r
 // their defaults.
 CheckpointOptions capture_options(const Args& args) {
   if (!args.has("--output")) throw args.usage_error(args.command() + " needs -o ARTIFACT");
+  if (args.get("--output").empty()) throw args.usage_error("-o needs a path, not an empty one");
   CheckpointOptions o;
   o.output = args.get("--output");
+  if (args.has("--group")) o.artifact_group = args::group_id("--group", args.get("--group"));
   o.leave_running = args.has("--leave-running");
   o.criu_path = args.get("--criu");
   o.ghost_limit = static_cast<uint64_t>(args.get_int("--ghost-limit-mib", 256, 0, 1 << 20)) << 20;
@@ -140,6 +144,7 @@ std::optional<ContainerRef> container_ref(const Args& args, const std::string& f
 }
 
 int cmd_checkpoint(const Args& args) {
+  args.no_positional();
   Output out(args);
   if (args.has("--pid") == args.has("--container")) {
     throw args.usage_error("checkpoint needs either --pid PID or --container ID");
@@ -244,6 +249,7 @@ int cmd_verify(const Args& args) {
 }
 
 int cmd_run(const Args& args) {
+  args.no_positional();
   Output out(args);
   if (args.rest().empty()) throw args.usage_error("run needs a command after --");
   CheckpointOptions o = capture_options(args);
@@ -290,6 +296,7 @@ int cmd_init(const Args& args) {
 }
 
 int cmd_recover(const Args& args) {
+  args.no_positional();
   Output out(args);
   auto driver = gpu::open_nvidia_driver();
   std::vector<std::string> done =
@@ -332,6 +339,7 @@ std::vector<Command> commands() {
        {{"--pid", "-p", "PID", "root of the process tree to capture"},
         {"--output", "-o", "ARTIFACT", "artifact directory to create (must not exist)"},
         {"--leave-running", "", "", "keep the source running after the capture"},
+        kGroup,
         {"--ghost-limit-mib", "", "MIB", "largest unlinked-but-open file to store (default 256)"},
         {"--gpu-lock-timeout", "", "SECONDS",
          "how long each CUDA process may take to drain its GPU work (default 10)"},
@@ -361,6 +369,7 @@ std::vector<Command> commands() {
        "it, capture it, then stop it or, with --leave-running, resume it.",
        {{"--output", "-o", "ARTIFACT", "artifact directory to create (must not exist)"},
         {"--leave-running", "", "", "resume the workload after the capture"},
+        kGroup,
         {"--ready-timeout", "", "SECONDS", "how long it may take to say READY (default 600)"},
         {"--handshake-timeout", "", "SECONDS", "how long it may take to pause (default 60)"},
         kNoHostImages,
@@ -413,8 +422,8 @@ std::vector<Command> commands() {
       {"recover",
        "gpusnap recover [--pid PID]",
        "Return to RUNNING every CUDA process a killed gpusnap left locked or checkpointed (from\n"
-       "gpusnap's journal), or those of the tree at PID. Checkpoint and restore do this by\n"
-       "themselves when they start.",
+       "gpusnap's journal), or those of the tree at PID, and remove the staging directories a\n"
+       "killed gpusnap left. Checkpoint and restore do this by themselves when they start.",
        {{"--pid", "-p", "PID", "also return this process tree's CUDA processes to RUNNING"},
         {"--run-dir", "", "DIR", "gpusnap's state directory (default /run/gpusnap)"},
         kJson,

@@ -1,5 +1,8 @@
 #include "common/args.h"
 
+#include <grp.h>
+
+#include <cctype>
 #include <cstdlib>
 
 #include "gpusnap/error.h"
@@ -51,6 +54,12 @@ Error Args::usage_error(const std::string& what) const {
   return Error(ErrorKind::kUsage, what, "see `gpusnap " + command_ + " --help`");
 }
 
+void Args::no_positional() const {
+  if (!positional_.empty()) {
+    throw usage_error("unexpected argument '" + positional_[0] + "' for " + command_);
+  }
+}
+
 std::string Args::only_artifact() const {
   if (positional_.size() != 1) throw usage_error(command_ + " needs exactly one ARTIFACT");
   return positional_[0];
@@ -71,13 +80,28 @@ long Args::get_int(const std::string& name, long fallback, long min, long max) c
   auto text = get(name);
   char* end = nullptr;
   long v = std::strtol(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || v < min || v > max) {
+  // strtol skips leading blanks and takes a '+': " 5" is not a number a user meant to type.
+  const bool plain = !text.empty() && (std::isdigit(static_cast<unsigned char>(text[0])) ||
+                                       (text[0] == '-' && text.size() > 1));
+  if (!plain || *end != '\0' || v < min || v > max) {
     throw Error(ErrorKind::kUsage,
                 name + " must be a whole number from " + std::to_string(min) + " to " +
                     std::to_string(max) + ", not '" + text + "'",
                 "see `gpusnap " + command_ + " --help`");
   }
   return v;
+}
+
+gid_t group_id(const std::string& flag, const std::string& name) {
+  if (!name.empty() && name.find_first_not_of("0123456789") == std::string::npos) {
+    return static_cast<gid_t>(std::stoul(name));
+  }
+  const group* g = ::getgrnam(name.c_str());  // NOLINT(concurrency-mt-unsafe): see the header
+  if (g == nullptr) {
+    throw Error(ErrorKind::kUsage, "no group named '" + name + "' for " + flag,
+                "give a group of this host, by name or number");
+  }
+  return g->gr_gid;
 }
 
 std::string format_help(const std::string& usage, const std::string& summary,

@@ -2,6 +2,8 @@
 // usage error that names the flag and points at --help.
 #pragma once
 
+#include <sys/types.h>
+
 #include <map>
 #include <optional>
 #include <string>
@@ -34,6 +36,8 @@ class Args {
   const std::string& command() const { return command_; }
   // A usage error for this command: `what`, and a hint pointing at its --help.
   Error usage_error(const std::string& what) const;
+  // A usage error naming the first positional argument, for a command that takes none.
+  void no_positional() const;
   // The single positional ARTIFACT argument, or a usage error.
   std::string only_artifact() const;
 
@@ -43,6 +47,10 @@ class Args {
   std::vector<std::string> positional_;
   std::vector<std::string> rest_;
 };
+
+// A group named by name or number, for a flag; Error(kUsage) naming the flag when there is no
+// such group. Not thread-safe (getgrnam): call it before starting threads.
+gid_t group_id(const std::string& flag, const std::string& name);
 
 std::string format_help(const std::string& usage, const std::string& summary,
                         const std::vector<FlagSpec>& specs);

@@ -1,5 +1,6 @@
 #include "gpusnap/error.h"
 
+#include <cerrno>
 #include <cstring>
 #include <system_error>
 
@@ -31,6 +32,11 @@ const char* Error::kind_name(ErrorKind kind) {
 std::string errno_text(int err) { return std::error_code(err, std::generic_category()).message(); }
 
 Error sys_error(const std::string& what, int err) {
+  // A full filesystem is the host's state, not a bug: the operator frees space and retries.
+  if (err == ENOSPC || err == EDQUOT) {
+    return Error(ErrorKind::kEnvironment, what + ": " + errno_text(err),
+                 "free some space on that filesystem, or write elsewhere");
+  }
   return Error(ErrorKind::kInternal, what + ": " + errno_text(err));
 }
 

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -28,18 +29,38 @@ std::string read_file(const std::filesystem::path& path) {
   return out;
 }
 
-bool try_read_file(const std::filesystem::path& path, std::string* out) {
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd) return false;
+// The rest of fd into *out; false (errno EFBIG) once it would pass max_bytes.
+static bool read_all(int fd, std::string* out, size_t max_bytes) {
   out->clear();
   char buf[65536];
   for (;;) {
-    ssize_t n = ::read(fd.get(), buf, sizeof buf);
+    ssize_t n = ::read(fd, buf, sizeof buf);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return false;
     if (n == 0) return true;
+    if (out->size() + static_cast<size_t>(n) > max_bytes) {
+      errno = EFBIG;
+      return false;
+    }
     out->append(buf, static_cast<size_t>(n));
   }
+}
+
+bool try_read_file(const std::filesystem::path& path, std::string* out) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  return fd && read_all(fd.get(), out, SIZE_MAX);
+}
+
+bool try_read_regular_file(const std::filesystem::path& path, std::string* out, size_t max_bytes) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+  if (!fd) return false;
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) return false;
+  if (!S_ISREG(st.st_mode)) {
+    errno = EINVAL;
+    return false;
+  }
+  return read_all(fd.get(), out, max_bytes);
 }
 
 static void write_all(int fd, const std::string& data, const std::string& what) {
@@ -87,6 +108,25 @@ void fsync_tree(const std::filesystem::path& root) {
     }
   }
   for (auto it = dirs.rbegin(); it != dirs.rend(); ++it) fsync_path(*it);
+}
+
+void restrict_tree(const std::filesystem::path& root, std::optional<gid_t> group) {
+  auto restrict = [&](const std::filesystem::path& path, bool dir) {
+    const mode_t mode = dir ? (group ? 0750 : 0700) : (group ? 0640 : 0600);
+    if (group && ::lchown(path.c_str(), static_cast<uid_t>(-1), *group) != 0) {
+      throw sys_error("give " + path.string() + " to group " + std::to_string(*group), errno);
+    }
+    if (::chmod(path.c_str(), mode) != 0) throw sys_error("chmod " + path.string(), errno);
+  };
+  restrict(root, true);
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(root)) {
+    const auto status = entry.symlink_status();
+    if (std::filesystem::is_directory(status)) {
+      restrict(entry.path(), true);
+    } else if (std::filesystem::is_regular_file(status)) {
+      restrict(entry.path(), false);
+    }
+  }
 }
 
 void remove_tree_noexcept(const std::filesystem::path& path) noexcept {

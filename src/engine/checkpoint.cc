@@ -25,9 +25,11 @@
 // A process of the tree that dies after the pause and before the commit fails the capture, whatever
 // phase notices it, with the error naming the process and how it died (engine/death_watch.h).
 #include <signal.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <set>
@@ -43,6 +45,7 @@
 #include "container/runc.h"
 #include "criu/criu.h"
 #include "engine/death_watch.h"
+#include "engine/capture_lock.h"
 #include "engine/dump_guard.h"
 #include "engine/gpu_state.h"
 #include "engine/handshake.h"
@@ -168,8 +171,11 @@ class Checkpoint {
     for (const auto& line : engine::recover_abandoned(driver, options_.run_dir)) {
       phases_.reporter().note(line);
     }
-    artifact::ArtifactWriter writer(options_.output);
+    artifact::ArtifactWriter writer(options_.output, {options_.artifact_group, options_.run_dir});
     auto tree = phases_.run("resolve", [&] { return resolve(); });
+    std::vector<pid_t> pids;
+    for (const auto& p : tree) pids.push_back(p.pid);
+    const engine::CaptureLock capture_lock(options_.run_dir, pids);
     auto cuda = engine::cuda_processes(driver, tree);
     // Which CUDA processes get their GPU memory written straight into the artifact.
     std::set<pid_t> direct;
@@ -540,14 +546,20 @@ class Checkpoint {
   }
 
   [[noreturn]] void fail_dump(const ExitStatus& status, const std::filesystem::path& log) {
+    const std::string summary = criu::summarize_failure(log);
     // The staging directory goes away with the failure: keep CRIU's log beside the output.
+    // Moved, not copied: when the dump failed for lack of space, a copy has no room (it came
+    // out empty), while a rename within the filesystem needs none.
     auto kept = options_.output;
     kept += ".criu-dump.log";
-    std::error_code ec;
-    std::filesystem::copy_file(log, kept, std::filesystem::copy_options::overwrite_existing, ec);
+    std::string where = "log: " + kept.string();
+    if (::rename(log.c_str(), kept.c_str()) != 0) {
+      where = "its log could not be kept: " + errno_text(errno);
+    } else {
+      ::chmod(kept.c_str(), 0600);  // it quotes the workload's files and memory layout
+    }
     throw Error(ErrorKind::kCriu,
-                "criu dump " + status.describe() + ": " + criu::summarize_failure(log) +
-                    " (log: " + (ec ? log.string() : kept.string()) + ")",
+                "criu dump " + status.describe() + ": " + summary + " (" + where + ")",
                 "read the log; the workload was left running");
   }
 

@@ -295,7 +295,7 @@ int copy_init_main(const CopyInitSpec& spec) {
 
   pid_t root = restore_and_report(spec, [&] {
     prepare_namespaces(spec);
-    UniqueFd out(::open(spec.criu_output.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+    UniqueFd out(::open(spec.criu_output.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600));
     SpawnOptions o;
     o.argv = spec.criu_argv;
     o.stdout_fd = out.get();

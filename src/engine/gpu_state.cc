@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "artifact/writer.h"
 #include "common/fs.h"
 #include "gpusnap/error.h"
 
@@ -176,6 +177,7 @@ std::vector<std::string> recover_entries(gpu::Driver& driver, const std::filesys
       }
     }
   }
+  for (auto& line : artifact::ArtifactWriter::remove_abandoned_staging(run_dir)) log.push_back(line);
   return log;
 }
 

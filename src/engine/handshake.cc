@@ -3,6 +3,7 @@
 #include <thread>
 
 #include "common/fs.h"
+#include "common/json.h"
 #include "common/proc.h"
 #include "gpusnap/error.h"
 
@@ -20,12 +21,24 @@ void write_message(const std::filesystem::path& dir, const std::string& name, co
   std::filesystem::rename(tmp, dir / name);
 }
 
+// The workload writes these files: a message is a small JSON object in a regular file. A
+// FIFO, a symlink to /dev/zero, a huge or deeply nested file is no message, and must not block,
+// exhaust or crash gpusnap.
+constexpr size_t kMaxMessageBytes = 64 << 10;
+
 std::optional<json> read_message(const std::filesystem::path& path) {
   std::string text;
-  if (!fs::try_read_file(path, &text)) return std::nullopt;
-  auto doc = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded() || !doc.is_object()) return std::nullopt;
+  if (!fs::try_read_regular_file(path, &text, kMaxMessageBytes)) return std::nullopt;
+  auto doc = json_text::parse(text);
+  if (!doc || !doc->is_object()) return std::nullopt;
   return doc;
+}
+
+// A string member of a message, or `fallback`: a workload's "id": 7 is no match, not a crash.
+std::string text_of(const json& message, const char* key, const std::string& fallback = "") {
+  auto it = message.find(key);
+  if (it == message.end() || !it->is_string()) return fallback;
+  return it->get_ref<const std::string&>().substr(0, 500);
 }
 
 bool alive(pid_t pid) {
@@ -86,12 +99,12 @@ json Handshake::exchange(pid_t pid, const std::string& request, json body,
   write_message(dir_, request, body);
   auto deadline = std::chrono::steady_clock::now() + timeout;
   for (;;) {
-    if (auto a = read_message(dir_ / answer); a && a->value("id", "") == id) return *a;
-    if (auto f = read_message(dir_ / "failed"); f && f->value("id", "") == id) {
+    if (auto a = read_message(dir_ / answer); a && text_of(*a, "id") == id) return *a;
+    if (auto f = read_message(dir_ / "failed"); f && text_of(*f, "id") == id) {
       std::filesystem::remove(dir_ / request, ec);
       throw Error(ErrorKind::kHandshake,
                   "the workload answered FAILED to " + request + ": " +
-                      f->value("reason", std::string("no reason given")),
+                      text_of(*f, "reason", "no reason given"),
                   "see the workload's own log; it was left as it was");
     }
     if (!alive(pid)) {

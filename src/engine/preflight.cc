@@ -169,6 +169,10 @@ void refuse_bad_root(pid_t root) {
     throw Error(ErrorKind::kUsage, "pid 1 is the host's init and cannot be captured",
                 "give the pid of the workload's own root process");
   }
+  if (is_kernel_thread(root)) {
+    throw Error(ErrorKind::kUsage, "pid " + std::to_string(root) + " is a kernel thread",
+                "give the pid of the workload's own root process");
+  }
   for (pid_t p = ::getpid(); p > 1;) {
     if (p == root) {
       throw Error(ErrorKind::kUsage,
@@ -240,6 +244,20 @@ void refuse_without_room(const CaptureRoom& room) {
                     " has " + human_bytes(room.store_free) + " free",
                 "free space there, or write the artifact elsewhere (-o)");
   }
+}
+
+bool is_kernel_thread(pid_t pid) {
+  constexpr unsigned long kPfKthread = 0x00200000;  // include/linux/sched.h
+  std::string stat;
+  if (!fs::try_read_file("/proc/" + std::to_string(pid) + "/stat", &stat)) return false;
+  // The fields after the command name (which may hold spaces and parentheses): state, ppid,
+  // pgrp, session, tty_nr, tpgid, flags.
+  const auto close = stat.rfind(')');
+  if (close == std::string::npos) return false;
+  std::istringstream fields(stat.substr(close + 1));
+  std::string field;
+  for (int i = 0; i < 7; ++i) fields >> field;
+  return (std::strtoul(field.c_str(), nullptr, 10) & kPfKthread) != 0;
 }
 
 }  // namespace gpusnap::engine

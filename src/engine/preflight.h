@@ -27,8 +27,11 @@ void refuse_xla_preallocation(const std::vector<proc::Process>& tree,
 // `init`): each only where gpusnap's own environment does not set the variable, so a user's
 // choice stands.
 std::vector<std::string> capturable_environment();
-// Refuses a root that is gpusnap itself, one of its ancestors, or the host's init.
+// Refuses a root that is gpusnap itself, one of its ancestors, the host's init or a kernel
+// thread.
 void refuse_bad_root(pid_t root);
+// Whether pid is a kernel thread (PF_KTHREAD): nothing CRIU can dump.
+bool is_kernel_thread(pid_t pid);
 
 // The host memory and store space a capture needs, worked out before anything is frozen, against
 // what there is. Without a check the capture of a workload larger than the host allows runs into

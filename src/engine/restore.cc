@@ -16,6 +16,7 @@
 #include <poll.h>
 #include <sched.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -67,6 +68,10 @@ class Copy {
                 (manifest.id.substr(0, 8) + "-" + std::to_string(index) + "-" +
                  fs::random_id().substr(0, 6));
     std::filesystem::create_directories(info_.dir);
+    // Its logs quote the workload's output and files: root-only, like the artifact.
+    if (::chmod(info_.dir.c_str(), 0700) != 0) {
+      throw sys_error("chmod " + info_.dir.string(), errno);
+    }
     criu::RestoreOptions ro;
     ro.images = images;
     ro.log = info_.dir / "restore.log";
@@ -172,7 +177,7 @@ class Copy {
       s.in = container::borrow_fd(into_, STDIN_FILENO);
     } else {
       s.out.reset(::open((info_.dir / "output.log").c_str(),
-                         O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+                         O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600));
       s.in.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
     }
     if (!s.out || !s.in) throw sys_error("open the copy's output", errno);

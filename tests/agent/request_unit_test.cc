@@ -141,6 +141,18 @@ TEST(RequestBody, MustBeAJsonObject) {
   EXPECT_EQ(std::string(e.what()).rfind("the request body is not JSON: ", 0), 0u) << e.what();
 }
 
+TEST(RequestBody, NestingAndLongValuesAreBoundedInMessages) {
+  // 80000 levels crashed the agent (a stack overflow in the error's dump()).
+  const std::string deep = std::string(80000, '[') + std::string(80000, ']');
+  EXPECT_STREQ(catch_error([&] { parse_body(deep); }).what(),
+               "the request body is not JSON: nested deeper than 64 levels");
+  // A value quoted in a message is cut short, not dumped whole.
+  json settings{{"artifact", "a"}, {"settings", {{"k", json::array({std::string(500, 'x')})}}}};
+  const std::string what = catch_error([&] { parse_restore_request(settings); }).what();
+  EXPECT_EQ(what,
+            "\"settings\" must map names to strings; \"k\" is [\"" + std::string(78, 'x') + "...");
+}
+
 TEST(RequestOptions, MapOntoTheEngineInOnePlace) {
   EngineSettings s{"/snap", "/run/x", "/bin/gpusnap", "/criu"};
   auto c = checkpoint_options(

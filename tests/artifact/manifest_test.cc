@@ -59,9 +59,12 @@ Manifest full_manifest() {
   gpu.processes = {{4242, 40ull << 30, {{"GPU-0000", 40ull << 30}}}};
   m.gpu = gpu;
   m.chunk_bytes = 1 << 20;
-  m.files = {{"criu/pages-1.img", 3 << 20, {"aa", "bb", "cc"}}, {"criu/empty.img", 0, {"dd"}}};
-  m.host_images = {{4242, 0x7f00001db000, 0x7f04001db000, "host-images/4242-7f00001db000.img",
-                    0x1db000, "file[2a:1f3]", 123 << 20}};
+  m.files = {{"criu/pages-1.img", 3 << 20, {"aa", "bb", "cc"}},
+             {"criu/empty.img", 0, {"dd"}},
+             // The host image's own file: its range (2 MiB) after its offset in the file.
+             {"host-images/4242-7f00001db000.img", 0x3db000, {"e1", "e2", "e3", "e4"}}};
+  m.host_images = {{4242, 0x7f00001db000, 0x7f00003db000, "host-images/4242-7f00001db000.img",
+                    0x1db000, "file[2a:1f3]", 1 << 20}};
   m.checkpoint_phases = {{"freeze", 0.25}, {"dump", 1.5}};
   return m;
 }
@@ -125,7 +128,7 @@ TEST(ManifestTest, RoundTripsEveryField) {
   EXPECT_FALSE(back.container);
   EXPECT_EQ(back.checksum_algorithm, "xxh3-128");
   EXPECT_EQ(back.chunk_bytes, 1u << 20);
-  ASSERT_EQ(back.files.size(), 2u);
+  ASSERT_EQ(back.files.size(), 3u);
   EXPECT_EQ(back.files[0].path, "criu/pages-1.img");
   EXPECT_EQ(back.files[0].size, 3u << 20);
   EXPECT_EQ(back.files[0].chunks, (std::vector<std::string>{"aa", "bb", "cc"}));
@@ -133,7 +136,7 @@ TEST(ManifestTest, RoundTripsEveryField) {
   ASSERT_EQ(back.checkpoint_phases.size(), 2u);
   EXPECT_EQ(back.checkpoint_phases[1].name, "dump");
   EXPECT_DOUBLE_EQ(back.checkpoint_phases[1].seconds, 1.5);
-  EXPECT_EQ(back.total_bytes(), 3u << 20);
+  EXPECT_EQ(back.total_bytes(), (3u << 20) + 0x3db000);
 }
 
 TEST(ManifestTest, NullGpuMeansNoGpuState) {
@@ -390,12 +393,12 @@ TEST(ManifestTest, NegativeOrFractionalNumbersAreTheWrongType) {
 TEST(ManifestTest, NonNegativeSignedNumbersAreAccepted) {
   // A JSON integer built from a signed value is not "unsigned" to nlohmann: still a size.
   json doc = full_manifest().to_json();
-  doc["files"][0]["size"] = static_cast<int64_t>(7);
-  doc["checksum"]["chunk_bytes"] = static_cast<int>(4096);
+  doc["files"][1]["size"] = static_cast<int64_t>(7);
+  doc["checksum"]["chunk_bytes"] = static_cast<int>(1 << 20);
   doc["processes"][0]["rss_bytes"] = static_cast<int64_t>(0);
   Manifest m = Manifest::from_json(doc);
-  EXPECT_EQ(m.files[0].size, 7u);
-  EXPECT_EQ(m.chunk_bytes, 4096u);
+  EXPECT_EQ(m.files[1].size, 7u);
+  EXPECT_EQ(m.chunk_bytes, 1u << 20);
   EXPECT_EQ(m.processes[0].rss_bytes, 0u);
 }
 
