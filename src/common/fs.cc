@@ -112,7 +112,11 @@ void fsync_tree(const std::filesystem::path& root) {
 
 void restrict_tree(const std::filesystem::path& root, std::optional<gid_t> group) {
   auto restrict = [&](const std::filesystem::path& path, bool dir) {
-    const mode_t mode = dir ? (group ? 0750 : 0700) : (group ? 0640 : 0600);
+    mode_t mode = dir ? (group ? 0750 : 0700) : (group ? 0640 : 0600);
+    // A read-only file stays read-only and keeps exactly 0400: a host image is mapped by the
+    // workload, so CRIU records its mode at the dump and refuses a restore where it differs.
+    struct stat st {};
+    if (!dir && ::lstat(path.c_str(), &st) == 0 && (st.st_mode & S_IWUSR) == 0) mode = 0400;
     if (group && ::lchown(path.c_str(), static_cast<uid_t>(-1), *group) != 0) {
       throw sys_error("give " + path.string() + " to group " + std::to_string(*group), errno);
     }

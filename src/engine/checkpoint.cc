@@ -187,8 +187,10 @@ class Checkpoint {
     phases_.run("preflight", [&] {
       preflight(tree);
       engine::refuse_unsafe_nccl(tree, cuda);
-      refuse_without_room(driver, tree, cuda, direct, writer.staging());
+      // The specific cause before the general one: a preallocating JAX process also asks for
+      // more room than there is, but no room would make it capturable.
       engine::refuse_xla_preallocation(tree, cuda);
+      refuse_without_room(driver, tree, cuda, direct, writer.staging());
     });
     Manifest manifest = describe(tree, criu);
 

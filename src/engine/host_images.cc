@@ -423,7 +423,7 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ra
       std::ostringstream name;
       name << pid << "-" << std::hex << ranges[i].start << ".img";
       f.path = dir / name.str();
-      f.fd.reset(::open(f.path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0444));
+      f.fd.reset(::open(f.path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0400));
       if (!f.fd)
         throw Error(ErrorKind::kEnvironment,
                     "cannot create " + f.path.string() + ": " + errno_text(errno));
@@ -613,7 +613,8 @@ std::optional<HostImageRecord> DirectHostImage::adopt(const std::filesystem::pat
                     ": the driver's memory, written into the artifact, could not be made private",
                 "capture it with --no-direct-host-images");
   }
-  ::fchmod(f.fd.get(), 0444);
+  // Read-only and root-only: CRIU records this mode and a restore checks it (fs::restrict_tree).
+  ::fchmod(f.fd.get(), 0400);
   HostImageRecord rec;
   rec.pid = pid_;
   rec.start = range.start;

@@ -79,8 +79,13 @@ void materialise(const Layout& layout, const sfs::path& dest, const BlobSource& 
     if (::ftruncate(fd.get(), static_cast<off_t>(f.size)) != 0) {
       throw sys_error("truncate " + path.string(), errno);
     }
-    fds.push_back(std::move(fd));
     const bool host_image = f.path.starts_with("host-images/");
+    // A host image has the mode CRIU recorded at the capture (read-only, 0400): the open fd
+    // still writes it.
+    if (host_image && ::fchmod(fd.get(), 0400) != 0) {
+      throw sys_error("chmod " + path.string(), errno);
+    }
+    fds.push_back(std::move(fd));
     for (size_t e = 0; e < f.extents.size(); ++e) {
       (host_image ? later : jobs).push_back({i, e});
       total += f.extents[e].length;

@@ -3,11 +3,14 @@
 // (docs/reliability.md has the table); each trial checks the guarantees of docs/design.md:
 // the source workload keeps running and answering, no partial artifact is ever visible, and
 // nothing is left behind once `gpusnap recover` has run.
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <random>
@@ -18,6 +21,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "common/fd.h"
 #include "common/fs.h"
 #include "common/subprocess.h"
 #include "testing/harness.h"
@@ -181,13 +185,36 @@ TEST(Faults, DiskFullDuringTheDumpKeepsTheRealLog) {
   SKIP_WITHOUT_CRIU();
   constexpr int kTrials = 3;
   TempDir dir;
-  SmallFilesystem small(dir, "small", "size=12m");
+  // Room enough for the capture's own check before anything is frozen (it asks for the tree's
+  // memory, ~60 MiB); the disk fills once CRIU's dump has started, as another writer would.
+  SmallFilesystem small(dir, "small", "size=96m");
   if (!small.mounted()) GTEST_SKIP() << "skipped: cannot mount a tmpfs here";
   Workload source(dir, {"--mib", "48"});
   for (int trial = 0; trial < kTrials; ++trial) {
     const auto out = small.path() / "snap";
+    const auto filler = small.path() / "filler";
+    std::atomic<bool> done{false};
+    std::thread fill([&] {
+      // The dump has started when its log exists in the staging folder.
+      while (!done) {
+        for (const auto& e : stdfs::directory_iterator(small.path())) {
+          std::error_code ec;
+          if (!stdfs::exists(e.path() / "logs" / "criu-dump.log", ec)) continue;
+          struct statvfs v {};
+          if (::statvfs(small.path().c_str(), &v) != 0) return;
+          const off_t room = static_cast<off_t>(v.f_bavail * v.f_frsize) - (256 << 10);
+          UniqueFd fd(::open(filler.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600));
+          if (fd && room > 0) ::posix_fallocate(fd.get(), 0, room);
+          return;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    });
     auto cp = gpusnap({"checkpoint", "--pid", std::to_string(source.pid()), "-o", out.string(),
                        "--leave-running", "--no-host-images"});
+    done = true;
+    fill.join();
+    stdfs::remove(filler);
     EXPECT_EQ(cp.exit_code, 7) << cp.err;
     const auto kept = out.string() + ".criu-dump.log";
     EXPECT_NE(cp.err.find("(log: " + kept + ")"), std::string::npos) << cp.err;
