@@ -415,6 +415,29 @@ TEST(AgentAccess, TheSocketIsForRootAndItsGroupOnly) {
   EXPECT_EQ(connect_as(grouped.socket(), kNobody, kNobody - 1), EACCES);
 }
 
+// Starts gpusnap-agent on TCP with `token_file` in `dir`, for an agent that must refuse to start;
+// its exit code and what it wrote on stderr.
+std::pair<int, std::string> agent_refusing_to_start(const std::filesystem::path& dir,
+                                                    const std::filesystem::path& token_file) {
+  SpawnOptions o;
+  o.argv = {build_path("gpusnap-agent"),
+            "--socket",
+            (dir / "s").string(),
+            "--storage",
+            (dir / "snap").string(),
+            "--state-dir",
+            (dir / "state").string(),
+            "--listen",
+            "127.0.0.1:0",
+            "--token-file",
+            token_file.string()};
+  UniqueFd err(::open((dir / "err").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
+  o.stderr_fd = err.get();
+  Subprocess p(o);
+  auto status = p.wait(std::chrono::seconds(30));
+  return {status ? status->code : -1, fs::read_file(dir / "err")};
+}
+
 TEST(AgentAccess, TcpCallersNeedTheBearerToken) {
   SKIP_WITHOUT_CRIU();
   TempDir dir;
@@ -448,28 +471,12 @@ TEST(AgentAccess, TcpCallersNeedTheBearerToken) {
   // A token everybody can read protects nothing: the agent refuses to start with it.
   ASSERT_EQ(::chmod((dir / "token").c_str(), 0644), 0);
   agent.kill();
-  SpawnOptions o;
   TempDir other;
-  o.argv = {build_path("gpusnap-agent"),
-            "--socket",
-            (other / "s").string(),
-            "--storage",
-            (other / "snap").string(),
-            "--state-dir",
-            (other / "state").string(),
-            "--listen",
-            "127.0.0.1:0",
-            "--token-file",
-            (dir / "token").string()};
-  UniqueFd err(::open((other / "err").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
-  o.stderr_fd = err.get();
-  Subprocess p(o);
-  auto status = p.wait(std::chrono::seconds(30));
-  ASSERT_TRUE(status);
-  EXPECT_EQ(status->code, 2);
-  EXPECT_EQ(fs::read_file(other / "err"),
-            "gpusnap-agent: error: token file " + (dir / "token").string() +
-                " is readable by everyone (fix: chmod o-r " + (dir / "token").string() + ")\n");
+  auto [code, err] = agent_refusing_to_start(other.path(), dir / "token");
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(err, "gpusnap-agent: error: token file " + (dir / "token").string() +
+                     " is readable by everyone (fix: chmod o-r " + (dir / "token").string() +
+                     ")\n");
 }
 
 // The handshake worker's counter after an INCR; -1 while it answers anything else (paused).
@@ -819,28 +826,11 @@ TEST(AgentBadInput, DISABLED_SlowUnauthenticatedPeersDoNotStallTcpCallers) {
 TEST(AgentBadInput, MissingTokenFileIsAUsageError) {
   SKIP_WITHOUT_CRIU();
   TempDir dir;
-  SpawnOptions o;
-  o.argv = {build_path("gpusnap-agent"),
-            "--socket",
-            (dir / "s").string(),
-            "--storage",
-            (dir / "snap").string(),
-            "--state-dir",
-            (dir / "state").string(),
-            "--listen",
-            "127.0.0.1:0",
-            "--token-file",
-            (dir / "no-token").string()};
-  UniqueFd err(::open((dir / "err").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
-  o.stderr_fd = err.get();
-  Subprocess p(o);
-  auto status = p.wait(std::chrono::seconds(30));
-  ASSERT_TRUE(status);
-  EXPECT_EQ(status->code, 2);
-  EXPECT_EQ(fs::read_file(dir / "err"),
-            "gpusnap-agent: error: token file " + (dir / "no-token").string() +
-                " does not exist (fix: write the token there first (`openssl rand -hex 32 > "
-                "FILE; chmod 600 FILE`), or give the right --token-file)\n");
+  auto [code, err] = agent_refusing_to_start(dir.path(), dir / "no-token");
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(err, "gpusnap-agent: error: token file " + (dir / "no-token").string() +
+                     " does not exist (fix: write the token there first (`openssl rand -hex 32 "
+                     "> FILE; chmod 600 FILE`), or give the right --token-file)\n");
 }
 
 }  // namespace
