@@ -103,7 +103,7 @@ std::vector<pid_t> orphaned_dump_guardians(const std::filesystem::path& storage)
           json::parse(p.cmdline[2]).at("staging").get<std::string>();
       if (staging.parent_path() != storage) continue;
       // The writer holds the staging directory's lock while it lives (artifact/writer.h).
-      UniqueFd fd(::open(staging.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+      common::UniqueFd fd(::open(staging.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
       if (fd && ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) continue;
       out.push_back(p.pid);
     } catch (const std::exception&) {
@@ -122,7 +122,7 @@ void remove_own_pid_staging(const std::filesystem::path& storage) noexcept {
   for (const auto& e : std::filesystem::directory_iterator(storage, ec)) {
     const auto name = e.path().filename().string();
     if (name.empty() || name[0] != '.' || name.find(tag) == std::string::npos) continue;
-    UniqueFd fd(::open(e.path().c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    common::UniqueFd fd(::open(e.path().c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
     if (!fd || ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) continue;
     fs::remove_tree_noexcept(e.path());
   }

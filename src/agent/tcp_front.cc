@@ -100,7 +100,7 @@ TcpFront::TcpFront(const std::string& address, int port, std::string token, std:
   } else {
     throw refuse(EINVAL);
   }
-  listener_ = UniqueFd(::socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  listener_ = common::UniqueFd(::socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!listener_) throw refuse(errno);
   const int one = 1;
   ::setsockopt(listener_.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
@@ -132,68 +132,82 @@ void TcpFront::accept_loop() {
   while (!stopping_) {
     pollfd p{listener_.get(), POLLIN, 0};
     if (::poll(&p, 1, static_cast<int>(kPollStep.count())) <= 0) continue;
-    UniqueFd client(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    common::UniqueFd client(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
     if (!client) continue;
     std::lock_guard lock(connections_mutex_);
     threads_.remove_if([](const Connection& c) { return c.done.load(); });
-    if (unauthenticated_ >= limits_.max_unauthenticated ||
-        connections_ >= limits_.max_connections) {
+    if (!make_room()) {
       answer(client.get(), 503, "Service Unavailable",
              Error(ErrorKind::kEnvironment, "the agent has too many connections open",
                    "try again in a few seconds"));
       continue;
     }
-    ++unauthenticated_;
-    ++connections_;
     auto& c = threads_.emplace_back();
-    c.thread = std::jthread([this, &c, fd = std::move(client)]() mutable {
-      serve(std::move(fd));
-      --connections_;
+    c.fd = std::move(client);
+    c.since = Clock::now();
+    c.thread = std::jthread([this, &c] {
+      serve(c);
+      // Closed now, not when pruned: a peer cut off must see its connection end.
+      std::lock_guard done(c.mutex);
+      c.fd.reset();
       c.done = true;
     });
   }
 }
 
-void TcpFront::serve(UniqueFd client) {
+bool TcpFront::make_room() {
+  int open = 0;
+  int unauthenticated = 0;
+  Connection* oldest = nullptr;
+  for (auto& c : threads_) {
+    if (c.done || c.evicted) continue;
+    ++open;
+    if (c.authenticated) continue;
+    ++unauthenticated;
+    if (oldest == nullptr || c.since < oldest->since) oldest = &c;
+  }
+  if (unauthenticated < limits_.max_unauthenticated && open < limits_.max_connections) {
+    return true;
+  }
+  if (oldest == nullptr) return false;  // every slot relays an authorised request
+  // Its thread wakes on the shutdown, reads end-of-file and leaves.
+  oldest->evicted = true;
+  std::lock_guard evict(oldest->mutex);
+  if (!oldest->done) ::shutdown(oldest->fd.get(), SHUT_RDWR);
+  return true;
+}
+
+void TcpFront::serve(Connection& connection) {
+  const int client = connection.fd.get();
   // 1. The request head, whole, within the deadline and the size bound.
   std::string data;
   size_t head_end = std::string::npos;
-  const auto deadline = Clock::now() + limits_.head_deadline;
-  bool authenticated = false;
-  auto leave_unauthenticated = [&] {
-    if (!authenticated) --unauthenticated_;
-    authenticated = true;
-  };
+  const auto deadline = connection.since + limits_.head_deadline;
   while (head_end == std::string::npos) {
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (stopping_ || left.count() <= 0) {
-      answer(client.get(), 408, "Request Timeout",
+      answer(client, 408, "Request Timeout",
              Error(ErrorKind::kTimeout, "the request head did not arrive in time",
                    "send the whole request at once"));
-      leave_unauthenticated();
       return;
     }
-    pollfd p{client.get(), POLLIN, 0};
+    pollfd p{client, POLLIN, 0};
     if (::poll(&p, 1,
                static_cast<int>(std::min(left, std::chrono::milliseconds(kPollStep)).count())) <=
         0) {
       continue;
     }
     char buf[4096];
-    ssize_t n = ::recv(client.get(), buf, sizeof buf, 0);
+    ssize_t n = ::recv(client, buf, sizeof buf, 0);
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      leave_unauthenticated();
-      return;
-    }
+    if (n <= 0) return;  // the caller left, or the acceptor evicted us
     data.append(buf, static_cast<size_t>(n));
     head_end = data.find("\r\n\r\n");
     if (head_end == std::string::npos && data.size() > limits_.max_head_bytes) {
-      answer(client.get(), 431, "Request Header Fields Too Large",
+      answer(client, 431, "Request Header Fields Too Large",
              Error(ErrorKind::kUsage, "the request head is larger than 16 KiB",
                    "send a request of the agent's API"));
-      leave_unauthenticated();
       return;
     }
   }
@@ -213,16 +227,15 @@ void TcpFront::serve(UniqueFd client) {
     first = false;
   }
   if (!bearer_matches(authorization, token_)) {
-    answer(client.get(), 401, "Unauthorized",
+    answer(client, 401, "Unauthorized",
            Error(ErrorKind::kUsage, "missing or wrong bearer token",
                  "send Authorization: Bearer TOKEN with the agent's token"),
            /*bearer=*/true);
-    leave_unauthenticated();
     return;
   }
-  leave_unauthenticated();
+  connection.authenticated = true;
   head += "Connection: close\r\n\r\n";
-  relay(client.get(), head, data.substr(head_end + 4));
+  relay(client, head, data.substr(head_end + 4));
 }
 
 void TcpFront::relay(int client, const std::string& head, const std::string& rest) {
@@ -230,7 +243,7 @@ void TcpFront::relay(int client, const std::string& head, const std::string& res
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, unix_socket_.c_str(),
               std::min(unix_socket_.size() + 1, sizeof addr.sun_path - 1));
-  UniqueFd server(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  common::UniqueFd server(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!server || ::connect(server.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
       !send_all(server.get(), head.data(), head.size()) ||
       !send_all(server.get(), rest.data(), rest.size())) {

@@ -4,10 +4,13 @@
 // it keeps coming, so 40 peers sending one header line a second stalled an authorised request
 // for 20 s.
 //
-// Here each connection gets its request head read within a deadline and a size bound, with a
-// bound on how many connections may be in that state at once; the bearer token is checked on
-// that head, before any HTTP processing; an authorised request is then relayed, with
-// "Connection: close", to the agent's own Unix socket, whose server does the rest.
+// Here each connection gets its request head read within a deadline and a size bound; the
+// bearer token is checked on that head, before any HTTP processing; an authorised request is
+// then relayed, with "Connection: close", to the agent's own Unix socket, whose server does the
+// rest. At most max_unauthenticated connections may be sending their head at once, and a new
+// connection beyond that bound evicts the oldest of them rather than being refused: a caller
+// with the token sends its head at once and is through in a round trip, so peers that trickle
+// header lines only ever push each other out, never an authorised caller.
 #pragma once
 
 #include <atomic>
@@ -24,8 +27,8 @@ namespace gpusnap::agent {
 struct TcpFrontLimits {
   std::chrono::milliseconds head_deadline{5000};  // the whole head, first byte to blank line
   size_t max_head_bytes = 16 << 10;
-  int max_unauthenticated = 16;  // connections still sending their head; more are refused
-  int max_connections = 64;      // all connections, authorised ones relaying included
+  int max_unauthenticated = 16;  // connections still sending their head; more evict the oldest
+  int max_connections = 64;      // all connections; beyond it, refused when none can be evicted
   std::chrono::milliseconds idle_timeout{60000};  // an authorised relay with no traffic
 };
 
@@ -45,22 +48,31 @@ class TcpFront {
   void stop() noexcept;
 
  private:
+  struct Connection {
+    // Closed by its thread when it is done, under `mutex`: the acceptor shuts down an evicted
+    // connection's socket under the same mutex, after checking `done`, so it never hits a
+    // number that was closed and reused.
+    std::mutex mutex;
+    common::UniqueFd fd;
+    std::chrono::steady_clock::time_point since;
+    std::atomic<bool> authenticated{false};
+    std::atomic<bool> evicted{false};
+    std::atomic<bool> done{false};
+    std::jthread thread;
+  };
+
   void accept_loop();
-  void serve(UniqueFd client);
+  // Under connections_mutex_: makes room for one more connection; false when there is none.
+  bool make_room();
+  void serve(Connection& connection);
   void relay(int client, const std::string& head, const std::string& rest);
 
   std::string token_;
   std::string unix_socket_;
   TcpFrontLimits limits_;
-  UniqueFd listener_;
+  common::UniqueFd listener_;
   int port_ = 0;
   std::atomic<bool> stopping_{false};
-  std::atomic<int> unauthenticated_{0};
-  std::atomic<int> connections_{0};
-  struct Connection {
-    std::atomic<bool> done{false};
-    std::jthread thread;
-  };
   std::mutex connections_mutex_;
   // One thread per connection; finished ones are joined and pruned on the next accept.
   std::list<Connection> threads_;

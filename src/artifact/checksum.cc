@@ -101,7 +101,7 @@ std::vector<FileRecord> checksum_tree(const std::filesystem::path& root, uint64_
       uint64_t begin = tasks[i].chunk * chunk_bytes;
       uint64_t end = std::min(rec.size, begin + chunk_bytes);
       try {
-        UniqueFd fd(::open((root / rec.path).c_str(), O_RDONLY | O_CLOEXEC));
+        common::UniqueFd fd(::open((root / rec.path).c_str(), O_RDONLY | O_CLOEXEC));
         if (!fd) throw sys_error("open " + rec.path, errno);
         XXH3_128bits_reset(state.get());
         for (uint64_t off = begin; off < end;) {

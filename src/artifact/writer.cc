@@ -92,7 +92,7 @@ ArtifactWriter::ArtifactWriter(std::filesystem::path final_path, WriterOptions o
 }
 
 bool ArtifactWriter::lock_staging() {
-  UniqueFd fd(::open(staging_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  common::UniqueFd fd(::open(staging_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   int err = errno;
   if (fd && ::flock(fd.get(), LOCK_EX) != 0) {
     err = errno;
@@ -189,7 +189,7 @@ void ArtifactWriter::remove_stale_staging_entry(const std::filesystem::path& sta
   // still writing. An owner we cannot see is not necessarily dead: it may live in another
   // PID namespace (a container sharing this volume). Only its lock tells.
   if (proc::exists(owner)) return;
-  UniqueFd fd(::open(staged.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  common::UniqueFd fd(::open(staged.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
   if (!fd || ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) return;
   // Removed while holding the lock, so a writer that just created this name waits in its
   // flock until the directory is gone, and then sees that it is.

@@ -68,7 +68,7 @@ class ArtifactWriter {
   // the directory without holding the lock. That is acceptable: such a dump is abandoned, the
   // guardian removes the directory itself once CRIU is done, and a sweep that removes it first
   // costs nothing but a failed dump, after which CRIU resumes the tree as on any failure.
-  UniqueFd staging_lock_;
+  common::UniqueFd staging_lock_;
   WriterOptions options_;
   std::filesystem::path record_;  // this writer's entry under run_dir (empty: none)
   bool committed_ = false;

@@ -118,8 +118,9 @@ void refuse_local_flags(const args::Args& args, const std::vector<std::string>& 
 }
 
 json checkpoint_request(const args::Args& args) {
-  refuse_local_flags(args, {"--ghost-limit-mib", "--gpu-lock-timeout", "--no-handshake",
-                            "--no-host-images", "--no-direct-host-images", "--io-threads", "--host-image-file-mib", "--criu"});
+  refuse_local_flags(
+      args, {"--ghost-limit-mib", "--gpu-lock-timeout", "--no-handshake", "--no-host-images",
+             "--no-direct-host-images", "--io-threads", "--host-image-file-mib", "--criu"});
   if (!args.has("--pid")) throw args.usage_error("checkpoint needs --pid PID");
   if (!args.has("--output")) throw args.usage_error("checkpoint needs -o ARTIFACT");
   json body{{"artifact", args.get("--output")},
@@ -246,7 +247,7 @@ AgentReply agent_request(const std::string& socket, const std::string& method,
                 "use a path shorter than 108 bytes");
   }
   std::memcpy(addr.sun_path, socket.c_str(), socket.size() + 1);
-  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  common::UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd) throw sys_error("socket", errno);
   if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
     throw unreachable(socket, "connect", errno);

@@ -5,7 +5,7 @@
 
 #include <utility>
 
-namespace gpusnap {
+namespace gpusnap::common {
 
 class UniqueFd {
  public:
@@ -40,4 +40,4 @@ struct Pipe {
   static Pipe make();
 };
 
-}  // namespace gpusnap
+}  // namespace gpusnap::common

@@ -15,11 +15,15 @@
 
 namespace gpusnap {
 
+namespace common {
+
 Pipe Pipe::make() {
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) throw sys_error("pipe2", errno);
   return Pipe{UniqueFd(fds[0]), UniqueFd(fds[1])};
 }
+
+}  // namespace common
 
 namespace fs {
 
@@ -47,12 +51,12 @@ static bool read_all(int fd, std::string* out, size_t max_bytes) {
 }
 
 bool try_read_file(const std::filesystem::path& path, std::string* out) {
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  common::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   return fd && read_all(fd.get(), out, SIZE_MAX);
 }
 
 bool try_read_regular_file(const std::filesystem::path& path, std::string* out, size_t max_bytes) {
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+  common::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
   if (!fd) return false;
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) return false;
@@ -74,13 +78,13 @@ static void write_all(int fd, const std::string& data, const std::string& what) 
 }
 
 void write_file(const std::filesystem::path& path, const std::string& data) {
-  UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  common::UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
   if (!fd) throw sys_error("create " + path.string(), errno);
   write_all(fd.get(), data, path.string());
 }
 
 void fsync_path(const std::filesystem::path& path) {
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  common::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (!fd) throw sys_error("open " + path.string(), errno);
   if (::fsync(fd.get()) != 0) throw sys_error("fsync " + path.string(), errno);
 }
@@ -89,7 +93,7 @@ void write_file_durable(const std::filesystem::path& path, const std::string& da
   auto tmp = path;
   tmp += ".tmp";
   {
-    UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    common::UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
     if (!fd) throw sys_error("create " + tmp.string(), errno);
     write_all(fd.get(), data, tmp.string());
     if (::fsync(fd.get()) != 0) throw sys_error("fsync " + tmp.string(), errno);
@@ -140,7 +144,7 @@ void remove_tree_noexcept(const std::filesystem::path& path) noexcept {
 
 std::string random_id() {
   unsigned char bytes[16];
-  UniqueFd fd(::open("/dev/urandom", O_RDONLY | O_CLOEXEC));
+  common::UniqueFd fd(::open("/dev/urandom", O_RDONLY | O_CLOEXEC));
   if (!fd || ::read(fd.get(), bytes, sizeof bytes) != static_cast<ssize_t>(sizeof bytes)) {
     throw sys_error("read /dev/urandom", errno);
   }

@@ -18,7 +18,7 @@
 #include "common/fs.h"
 #include "gpusnap/error.h"
 
-namespace gpusnap {
+namespace gpusnap::common {
 
 namespace {
 
@@ -221,4 +221,4 @@ void RemoteThread::write_memory(uint64_t address, const void* data, size_t size)
   }
 }
 
-}  // namespace gpusnap
+}  // namespace gpusnap::common

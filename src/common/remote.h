@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-namespace gpusnap {
+namespace gpusnap::common {
 
 class RemoteThread {
  public:
@@ -61,4 +61,4 @@ struct Mapping {
 // Throws Error(kNotFound) when the process is gone.
 std::vector<Mapping> read_mappings(pid_t pid);
 
-}  // namespace gpusnap
+}  // namespace gpusnap::common

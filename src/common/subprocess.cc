@@ -24,7 +24,7 @@
 
 extern char** environ;
 
-namespace gpusnap {
+namespace gpusnap::common {
 
 std::string ExitStatus::describe() const {
   if (exited) return "exited with code " + std::to_string(code);
@@ -293,4 +293,4 @@ RunResult run_capture(const std::vector<std::string>& argv, std::chrono::millise
   return result;
 }
 
-}  // namespace gpusnap
+}  // namespace gpusnap::common

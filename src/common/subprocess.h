@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-namespace gpusnap {
+namespace gpusnap::common {
 
 struct SpawnOptions {
   std::vector<std::string> argv;
@@ -67,4 +67,4 @@ struct RunResult {
 RunResult run_capture(const std::vector<std::string>& argv,
                       std::chrono::milliseconds timeout = std::chrono::minutes(1));
 
-}  // namespace gpusnap
+}  // namespace gpusnap::common

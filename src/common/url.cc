@@ -2,7 +2,7 @@
 
 #include <cctype>
 
-namespace gpusnap {
+namespace gpusnap::common {
 
 std::string url_encode(std::string_view value) {
   static const char* hex = "0123456789ABCDEF";
@@ -19,4 +19,4 @@ std::string url_encode(std::string_view value) {
   return out;
 }
 
-}  // namespace gpusnap
+}  // namespace gpusnap::common

@@ -5,9 +5,9 @@
 #include <string>
 #include <string_view>
 
-namespace gpusnap {
+namespace gpusnap::common {
 
 // Every byte but RFC 3986's unreserved characters (A-Z a-z 0-9 - _ . ~) as %XX.
 std::string url_encode(std::string_view value);
 
-}  // namespace gpusnap
+}  // namespace gpusnap::common

@@ -52,9 +52,9 @@ constexpr Namespace kBeforeFork[] = {
 // host's cgroup filesystem).
 constexpr Namespace kAfterFork[] = {{"cgroup", CLONE_NEWCGROUP}, {"mnt", CLONE_NEWNS}};
 
-UniqueFd open_namespace(pid_t pid, const char* name) {
+common::UniqueFd open_namespace(pid_t pid, const char* name) {
   auto path = "/proc/" + std::to_string(pid) + "/ns/" + name;
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  common::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (!fd) throw sys_error("open " + path, errno);
   return fd;
 }
@@ -149,10 +149,10 @@ pid_t criu_pid_inside() {
   return static_cast<pid_t>(pid_max > 1000 ? pid_max - 1 : 32767);
 }
 
-UniqueFd borrow_fd(pid_t pid, int fd) {
-  UniqueFd pidfd(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
+common::UniqueFd borrow_fd(pid_t pid, int fd) {
+  common::UniqueFd pidfd(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
   if (!pidfd) throw sys_error("pidfd_open " + std::to_string(pid), errno);
-  UniqueFd copy(static_cast<int>(::syscall(SYS_pidfd_getfd, pidfd.get(), fd, 0)));
+  common::UniqueFd copy(static_cast<int>(::syscall(SYS_pidfd_getfd, pidfd.get(), fd, 0)));
   if (!copy) {
     throw sys_error("take descriptor " + std::to_string(fd) + " of pid " + std::to_string(pid),
                     errno);
@@ -160,20 +160,22 @@ UniqueFd borrow_fd(pid_t pid, int fd) {
   return copy;
 }
 
-ExitStatus run_inside(const EnterSpec& spec) {
+common::ExitStatus run_inside(const EnterSpec& spec) {
   // Everything that can fail is opened and prepared before the fork.
-  std::vector<std::pair<int, UniqueFd>> before, after;
+  std::vector<std::pair<int, common::UniqueFd>> before, after;
   for (const auto& ns : kBeforeFork)
     before.emplace_back(ns.flag, open_namespace(spec.target, ns.name));
   for (const auto& ns : kAfterFork)
     after.emplace_back(ns.flag, open_namespace(spec.target, ns.name));
   std::vector<std::string> cgroups;
   if (spec.join_cgroups) cgroups = cgroup_procs_files(spec.target);
-  UniqueFd root(::open("/", O_PATH | O_DIRECTORY | O_CLOEXEC));
-  UniqueFd null_in(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-  UniqueFd out(::open(spec.output.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+  common::UniqueFd root(::open("/", O_PATH | O_DIRECTORY | O_CLOEXEC));
+  common::UniqueFd null_in(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  common::UniqueFd out(
+      ::open(spec.output.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
   if (!root || !null_in || !out) throw sys_error("open the program's root and output", errno);
-  Pipe report = Pipe::make();  // the child's reason if it fails before exec; EOF at exec
+  common::Pipe report =
+      common::Pipe::make();  // the child's reason if it fails before exec; EOF at exec
   std::vector<char*> argv;
   for (const auto& a : spec.argv) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
@@ -253,7 +255,7 @@ int exec_main(const std::string& spec_json) {
   spec.inherit_fds = doc.at("inherit_fds").get<std::vector<int>>();
   spec.pid = doc.at("pid").get<pid_t>();
   spec.join_cgroups = doc.at("join_cgroups").get<bool>();
-  ExitStatus status = run_inside(spec);
+  common::ExitStatus status = run_inside(spec);
   return status.exited ? status.code : 128 + status.code;
 }
 

@@ -38,7 +38,7 @@ std::vector<std::string> criu_argv_inside(const criu::Binary& criu,
 pid_t criu_pid_inside();
 
 // A duplicate of descriptor `fd` of process `pid` (pidfd_getfd), close-on-exec.
-UniqueFd borrow_fd(pid_t pid, int fd);
+common::UniqueFd borrow_fd(pid_t pid, int fd);
 
 struct EnterSpec {
   pid_t target = 0;               // a process of the container (its init): whose namespaces
@@ -54,7 +54,7 @@ struct EnterSpec {
 // Runs spec.argv inside the target's namespaces and waits for it. Must be called by a
 // single-threaded process (a gpusnap helper): joining a PID or mount namespace is refused to
 // threaded ones. Throws Error naming the namespace or step that failed.
-ExitStatus run_inside(const EnterSpec& spec);
+common::ExitStatus run_inside(const EnterSpec& spec);
 
 // `gpusnap __container-exec SPEC`: run_inside() as a helper program, for the dump guardian,
 // which runs CRIU's dump as a program. Returns the program's exit code (128+signal if killed).

@@ -99,7 +99,7 @@ struct FileIdentity {
 
 // Size and content checksum of a file, or nullopt when it cannot be read.
 std::optional<FileIdentity> identify(const std::string& path) {
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  common::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   struct stat st {};
   if (!fd || ::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) return std::nullopt;
   std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(),
@@ -153,8 +153,8 @@ State read_state(const ContainerRef& given) {
   ContainerRef ref = given;
   if (ref.runtime_root.empty()) ref.runtime_root = find_runtime_root(ref.id);
   auto runc = find_runc();
-  auto r = run_capture({runc, "--root", ref.runtime_root.string(), "state", ref.id},
-                       std::chrono::seconds(30));
+  auto r = common::run_capture({runc, "--root", ref.runtime_root.string(), "state", ref.id},
+                               std::chrono::seconds(30));
   if (!r.status.ok()) {
     if (r.output.find("does not exist") != std::string::npos ||
         r.output.find("no such file") != std::string::npos) {

@@ -19,9 +19,9 @@ constexpr int kMinMajor = 4;
 constexpr int kMinMinor = 2;
 
 std::string probe_version(const std::string& path) {
-  RunResult r;
+  common::RunResult r;
   try {
-    r = run_capture({path, "--version"}, std::chrono::seconds(20));
+    r = common::run_capture({path, "--version"}, std::chrono::seconds(20));
   } catch (const Error&) {
     return {};
   }

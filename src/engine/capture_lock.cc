@@ -14,7 +14,7 @@ CaptureLock::CaptureLock(const std::filesystem::path& run_dir, const std::vector
   std::error_code ec;
   std::filesystem::create_directories(run_dir, ec);
   const auto path = run_dir / "captures.lock";
-  fd_ = UniqueFd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+  fd_ = common::UniqueFd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
   if (!fd_) throw sys_error("open " + path.string(), errno);
   for (pid_t pid : pids) {
     struct flock lock {};

@@ -14,8 +14,10 @@
 namespace gpusnap::engine {
 
 // Holds, for its lifetime, an open-file-description lock on byte PID of run_dir/captures.lock
-// for every pid given: one file however many captures, released by the kernel when the holder
-// dies, whatever killed it.
+// for every pid given: one file however many captures, released by the kernel when the last
+// holder of the descriptor dies, whatever killed it. The capture's guardian (dump_guard.h) holds
+// it too, so that a gpusnap killed while CRIU dumps keeps the process locked until the
+// guardian has finished the dump and put everything back.
 class CaptureLock {
  public:
   // Throws Error(kUsage) naming the pid when another capture holds one of `pids`.
@@ -23,8 +25,11 @@ class CaptureLock {
   CaptureLock(const CaptureLock&) = delete;
   CaptureLock& operator=(const CaptureLock&) = delete;
 
+  // The descriptor whose open file description holds the locks, for the guardian to share.
+  int fd() const { return fd_.get(); }
+
  private:
-  UniqueFd fd_;
+  common::UniqueFd fd_;
 };
 
 }  // namespace gpusnap::engine

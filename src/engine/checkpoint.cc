@@ -44,8 +44,8 @@
 #include "container/enter.h"
 #include "container/runc.h"
 #include "criu/criu.h"
-#include "engine/death_watch.h"
 #include "engine/capture_lock.h"
+#include "engine/death_watch.h"
 #include "engine/dump_guard.h"
 #include "engine/gpu_state.h"
 #include "engine/handshake.h"
@@ -181,7 +181,7 @@ class Checkpoint {
     std::set<pid_t> direct;
     if (options_.host_images && options_.direct_host_images) {
       for (pid_t pid : cuda) {
-        if (engine::direct_capture_possible(pid, read_mappings(pid))) direct.insert(pid);
+        if (engine::direct_capture_possible(pid, common::read_mappings(pid))) direct.insert(pid);
       }
     }
     phases_.run("preflight", [&] {
@@ -208,7 +208,7 @@ class Checkpoint {
     for (pid_t pid : direct) requests.push_back(engine::preload_request_path(requests_dir, pid));
     guard.emplace(options_.helper_binary.empty() ? "/proc/self/exe" : options_.helper_binary,
                   writer.staging(), cuda, handshake ? handshake->dir() : std::filesystem::path(),
-                  requests);
+                  requests, capture_lock.fd());
     // A death during the pause is the handshake's to report: it names it already.
     if (handshake) {
       phases_.run("pause", [&] {
@@ -225,14 +225,14 @@ class Checkpoint {
       phases_.reporter().note("capturing pid " + std::to_string(options_.pid) +
                               " as it runs: it does not speak the workload handshake");
     }
-    std::map<pid_t, std::vector<Mapping>> maps_before;
+    std::map<pid_t, std::vector<common::Mapping>> maps_before;
     std::vector<std::unique_ptr<engine::DirectHostImage>> direct_images;
     std::optional<engine::HashedFiles> hashing;
     try {
       if (!cuda.empty()) {
         phases_.run("gpu-facts", [&] {
           describe_gpu(driver, cuda, manifest);
-          for (pid_t pid : cuda) maps_before[pid] = read_mappings(pid);
+          for (pid_t pid : cuda) maps_before[pid] = common::read_mappings(pid);
         });
         note_processes_without_preload(maps_before);
         gpu.emplace(driver, cuda, options_.gpu_lock_timeout, options_.run_dir, phases_.reporter());
@@ -458,15 +458,15 @@ class Checkpoint {
 
   // Each CUDA process's new host memory into files of the artifact, one process at a time,
   // each with every I/O thread.
-  void store_host_images(const std::map<pid_t, std::vector<Mapping>>& before,
+  void store_host_images(const std::map<pid_t, std::vector<common::Mapping>>& before,
                          const artifact::ArtifactWriter& writer, Manifest& manifest) {
     engine::HostImageOptions o;
     o.threads = io_threads();
     o.chunk_bytes = manifest.chunk_bytes;
     o.file_bytes = options_.host_image_file_bytes;
     for (const auto& [pid, maps] : before) {
-      auto ranges =
-          engine::new_anonymous_ranges(maps, read_mappings(pid), engine::kMinHostImageBytes);
+      auto ranges = engine::new_anonymous_ranges(maps, common::read_mappings(pid),
+                                                 engine::kMinHostImageBytes);
       auto stored = engine::store_host_images(pid, ranges, writer.staging(), o, phases_.reporter());
       manifest.host_images.insert(manifest.host_images.end(), stored.images.begin(),
                                   stored.images.end());
@@ -482,7 +482,7 @@ class Checkpoint {
 
   // The driver's checkpoint of a process started without libgpusnap-preload.so populates its
   // host memory in one thread: said once, with the way out.
-  void note_processes_without_preload(const std::map<pid_t, std::vector<Mapping>>& maps) {
+  void note_processes_without_preload(const std::map<pid_t, std::vector<common::Mapping>>& maps) {
     std::string pids;
     for (const auto& [pid, m] : maps) {
       if (!engine::maps_preload_library(m))
@@ -547,7 +547,7 @@ class Checkpoint {
             "__container-exec", container::to_json(enter)};
   }
 
-  [[noreturn]] void fail_dump(const ExitStatus& status, const std::filesystem::path& log) {
+  [[noreturn]] void fail_dump(const common::ExitStatus& status, const std::filesystem::path& log) {
     const std::string summary = criu::summarize_failure(log);
     // The staging directory goes away with the failure: keep CRIU's log beside the output.
     // Moved, not copied: when the dump failed for lack of space, a copy has no room (it came

@@ -43,7 +43,7 @@ int shim_main(const std::vector<std::string>& command) {
                 "use `gpusnap init -- CMD ARGS...` or `gpusnap init --placeholder`");
   }
   become_init();
-  SpawnOptions o;
+  common::SpawnOptions o;
   o.argv = command;
   o.stdin_fd = STDIN_FILENO;
   o.stdout_fd = STDOUT_FILENO;
@@ -54,7 +54,7 @@ int shim_main(const std::vector<std::string>& command) {
   // driver's checkpoint of CMD then populates its host memory in parallel.
   if (auto preload = preload_environment()) o.env_add.push_back(*preload);
   for (auto& setting : capturable_environment()) o.env_add.push_back(std::move(setting));
-  Subprocess child(o);
+  common::Subprocess child(o);
   pid_t pid = child.release();  // supervise() reaps it, with every orphan
   return supervise(pid, {});
 }
@@ -66,7 +66,7 @@ int placeholder_main() {
   for (int sig : {SIGCHLD, SIGTERM, SIGINT, SIGHUP, adopt_signal()}) sigaddset(&mask, sig);
   // Single-threaded: a helper program's PID 1, so the process-wide mask is ours to set.
   ::sigprocmask(SIG_BLOCK, &mask, nullptr);  // NOLINT(concurrency-mt-unsafe)
-  UniqueFd sfd(::signalfd(-1, &mask, SFD_CLOEXEC));
+  common::UniqueFd sfd(::signalfd(-1, &mask, SFD_CLOEXEC));
   if (!sfd) throw sys_error("signalfd", errno);
   // Children reaped before the hand-over: what a failed restore left, or a root that exited
   // between the hand-over and our reading of it.

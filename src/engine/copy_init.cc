@@ -47,7 +47,7 @@ void prepare_namespaces(const CopyInitSpec& spec) {
     throw sys_error("mount /proc", errno);
   }
   // A fresh network namespace starts with loopback down; CRIU's TCP checks need it up.
-  UniqueFd sock(::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  common::UniqueFd sock(::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
   struct ifreq ifr {};
   std::strncpy(ifr.ifr_name, "lo", IFNAMSIZ - 1);
   if (!sock || ::ioctl(sock.get(), SIOCGIFFLAGS, &ifr) != 0) throw sys_error("query lo", errno);
@@ -67,8 +67,8 @@ void prepare_namespaces(const CopyInitSpec& spec) {
 
 // One forwarded connection: bytes both ways between a host client and the copy's port.
 struct Relay {
-  UniqueFd outside;
-  UniqueFd inside;
+  common::UniqueFd outside;
+  common::UniqueFd inside;
   std::string to_inside;
   std::string to_outside;
   bool outside_eof = false;
@@ -94,8 +94,8 @@ bool drain(int to, std::string& buffer) {
   return n >= 0 || errno == EAGAIN || errno == EINTR;
 }
 
-UniqueFd connect_inside(uint16_t port) {
-  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+common::UniqueFd connect_inside(uint16_t port) {
+  common::UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   struct sockaddr_in addr {};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(port);
@@ -113,7 +113,7 @@ int supervise(pid_t root, const std::vector<ForwardSpec>& forwards) {
   sigset_t mask;
   sigemptyset(&mask);
   for (int sig : {SIGCHLD, SIGTERM, SIGINT, SIGHUP}) sigaddset(&mask, sig);
-  UniqueFd sfd(::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK));
+  common::UniqueFd sfd(::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK));
   std::list<Relay> relays;
   for (;;) {
     std::vector<pollfd> fds;
@@ -144,10 +144,10 @@ int supervise(pid_t root, const std::vector<ForwardSpec>& forwards) {
     const size_t polled = relays.size();
     for (size_t i = 0; i < forwards.size(); ++i) {
       if (!(fds[1 + i].revents & POLLIN)) continue;
-      UniqueFd client(
+      common::UniqueFd client(
           ::accept4(forwards[i].listen_fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
       if (!client) continue;
-      UniqueFd inside = connect_inside(forwards[i].port);
+      common::UniqueFd inside = connect_inside(forwards[i].port);
       if (!inside) continue;  // closing the client tells it the copy does not listen
       Relay relay;
       relay.outside = std::move(client);
@@ -188,10 +188,10 @@ namespace {
 
 // Runs CRIU's restore through `run`, then tells gpusnap how it went: "R <root>" (the restored
 // root's pid in the copy's namespace) or "F <reason>". Returns the root, or 0 after a failure.
-pid_t restore_and_report(const CopyInitSpec& spec, const std::function<ExitStatus()>& run) {
+pid_t restore_and_report(const CopyInitSpec& spec, const std::function<common::ExitStatus()>& run) {
   pid_t root = 0;
   try {
-    ExitStatus status = run();
+    common::ExitStatus status = run();
     if (!status.ok()) {
       send_line(spec.control_fd, "F criu restore " + status.describe());
       return 0;
@@ -295,13 +295,14 @@ int copy_init_main(const CopyInitSpec& spec) {
 
   pid_t root = restore_and_report(spec, [&] {
     prepare_namespaces(spec);
-    UniqueFd out(::open(spec.criu_output.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600));
-    SpawnOptions o;
+    common::UniqueFd out(
+        ::open(spec.criu_output.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600));
+    common::SpawnOptions o;
     o.argv = spec.criu_argv;
     o.stdout_fd = out.get();
     o.stderr_fd = out.get();
     for (int fd : spec.inherit_fds) o.keep_fds.push_back({fd, fd});
-    return *Subprocess(o).wait();
+    return *common::Subprocess(o).wait();
   });
   if (root == 0) return 1;
   char go = 0;

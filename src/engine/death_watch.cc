@@ -81,7 +81,7 @@ DeathWatch::DeathWatch(const std::vector<proc::Process>& tree) {
   }
   // Only what the kernel logs from now on matters. Unreadable (no CAP_SYSLOG, no /dev/kmsg in
   // a container): deaths are then told from /proc alone.
-  kmsg_ = UniqueFd(::open("/dev/kmsg", O_RDONLY | O_NONBLOCK | O_CLOEXEC));
+  kmsg_ = common::UniqueFd(::open("/dev/kmsg", O_RDONLY | O_NONBLOCK | O_CLOEXEC));
   if (kmsg_ && ::lseek(kmsg_.get(), 0, SEEK_END) < 0) kmsg_.reset();
 }
 

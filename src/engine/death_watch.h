@@ -56,7 +56,7 @@ class DeathWatch {
   std::string kernel_says(const Watched& w) const;
 
   std::vector<Watched> watched_;
-  UniqueFd kmsg_;  // /dev/kmsg positioned at the capture's start; closed where unreadable
+  common::UniqueFd kmsg_;  // /dev/kmsg positioned at the capture's start; closed where unreadable
   std::vector<std::string> kernel_lines_;
 };
 

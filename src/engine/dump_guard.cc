@@ -25,6 +25,9 @@ namespace {
 
 constexpr int kControlFd = 3;
 constexpr int kStatusFd = 4;
+// The capture lock, held open (never read) until the guardian exits: its dump and its rollback
+// are part of the capture, and another capture of the tree must wait for them.
+constexpr int kCaptureLockFd = 5;
 
 // Reads exactly `size` bytes; false on EOF or an error (the other side is gone).
 bool read_exact(int fd, void* data, size_t size) {
@@ -70,15 +73,15 @@ bool tier_dir_in_use(const std::filesystem::path& dir) {
 }
 
 // CRIU as the guardian's child, to the end whatever happens to gpusnap.
-ExitStatus run_dump(const nlohmann::json& request) {
+common::ExitStatus run_dump(const nlohmann::json& request) {
   const auto output = request.at("output").get<std::string>();
-  UniqueFd out(::open(output.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
-  SpawnOptions o;
+  common::UniqueFd out(::open(output.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+  common::SpawnOptions o;
   o.argv = request.at("argv").get<std::vector<std::string>>();
   o.stdout_fd = out.get();
   o.stderr_fd = out.get();
   o.kill_with_parent = false;  // CRIU must finish even if we are killed
-  Subprocess criu(o);
+  common::Subprocess criu(o);
   return *criu.wait();
 }
 
@@ -97,7 +100,7 @@ int dump_guard_main(const std::string& spec_json) {
     if (word != 'D' || !read_exact(kControlFd, &size, sizeof size)) break;
     std::string request(size, '\0');
     if (!read_exact(kControlFd, request.data(), size)) break;
-    ExitStatus status = run_dump(nlohmann::json::parse(request));
+    common::ExitStatus status = run_dump(nlohmann::json::parse(request));
     int encoded[2] = {status.exited ? 1 : 0, status.code};
     (void)write_exact(kStatusFd, encoded, sizeof encoded);
   }
@@ -133,10 +136,11 @@ int dump_guard_main(const std::string& spec_json) {
 CaptureGuard::CaptureGuard(const std::string& helper, const std::filesystem::path& staging,
                            const std::vector<pid_t>& gpu_pids,
                            const std::filesystem::path& control_dir,
-                           const std::vector<std::filesystem::path>& preload_requests) {
-  Pipe control = Pipe::make();
-  Pipe status = Pipe::make();
-  SpawnOptions o;
+                           const std::vector<std::filesystem::path>& preload_requests,
+                           int capture_lock_fd) {
+  common::Pipe control = common::Pipe::make();
+  common::Pipe status = common::Pipe::make();
+  common::SpawnOptions o;
   // A separate program rather than a forked function: gpusnap may have driver threads by now.
   std::vector<std::string> requests;
   requests.reserve(preload_requests.size());
@@ -147,6 +151,7 @@ CaptureGuard::CaptureGuard(const std::string& helper, const std::filesystem::pat
                       {"preload_requests", requests}};
   o.argv = {helper, "__dump-guard", spec.dump()};
   o.keep_fds = {{control.read.get(), kControlFd}, {status.write.get(), kStatusFd}};
+  if (capture_lock_fd >= 0) o.keep_fds.push_back({capture_lock_fd, kCaptureLockFd});
   o.kill_with_parent = false;
   o.new_session = true;  // a Ctrl-C meant for gpusnap must not reach CRIU
   guardian_.emplace(o);
@@ -160,8 +165,8 @@ CaptureGuard::~CaptureGuard() {
   guardian_->release();
 }
 
-ExitStatus CaptureGuard::dump(const std::vector<std::string>& criu_argv,
-                              const std::filesystem::path& criu_output) {
+common::ExitStatus CaptureGuard::dump(const std::vector<std::string>& criu_argv,
+                                      const std::filesystem::path& criu_output) {
   const std::string request =
       nlohmann::json{{"argv", criu_argv}, {"output", criu_output.string()}}.dump();
   const auto size = static_cast<uint32_t>(request.size());
@@ -174,7 +179,7 @@ ExitStatus CaptureGuard::dump(const std::vector<std::string>& criu_argv,
   if (!read_exact(status_.get(), encoded, sizeof encoded)) {
     throw Error(ErrorKind::kCriu, "the process running CRIU's dump died");
   }
-  return ExitStatus{encoded[0] == 1, encoded[1]};
+  return common::ExitStatus{encoded[0] == 1, encoded[1]};
 }
 
 void CaptureGuard::commit() {

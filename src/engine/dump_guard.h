@@ -31,9 +31,12 @@ class CaptureGuard {
   // `helper` is the gpusnap binary, which runs the guardian as `gpusnap __dump-guard SPEC`.
   // `control_dir`: the workload's handshake directory (empty: it does not speak it).
   // `preload_requests`: the requests this capture may leave the preload library.
+  // `capture_lock_fd`: the capture lock's descriptor (capture_lock.h), held by the guardian
+  // until it exits, so that no other capture of the tree starts while its dump still runs.
   CaptureGuard(const std::string& helper, const std::filesystem::path& staging,
                const std::vector<pid_t>& gpu_pids, const std::filesystem::path& control_dir,
-               const std::vector<std::filesystem::path>& preload_requests = {});
+               const std::vector<std::filesystem::path>& preload_requests = {},
+               int capture_lock_fd = -1);
   CaptureGuard(const CaptureGuard&) = delete;
   CaptureGuard& operator=(const CaptureGuard&) = delete;
   // Without commit(): the guardian puts everything back (see above) and exits; waits for it.
@@ -41,15 +44,15 @@ class CaptureGuard {
 
   // Runs CRIU (`criu_argv`, output appended to `criu_output`) in the guardian; blocks until CRIU
   // exits and returns its status.
-  ExitStatus dump(const std::vector<std::string>& criu_argv,
-                  const std::filesystem::path& criu_output);
+  common::ExitStatus dump(const std::vector<std::string>& criu_argv,
+                          const std::filesystem::path& criu_output);
   // Tells the guardian the capture is over: it must not touch anything.
   void commit();
 
  private:
-  UniqueFd control_;  // write end: 'D' + a dump request, 'C' = committed; EOF = abandoned
-  UniqueFd status_;   // read end: CRIU's exit status from the guardian
-  std::optional<Subprocess> guardian_;
+  common::UniqueFd control_;  // write end: 'D' + a dump request, 'C' = committed; EOF = abandoned
+  common::UniqueFd status_;   // read end: CRIU's exit status from the guardian
+  std::optional<common::Subprocess> guardian_;
 };
 
 // The guardian's own main (`gpusnap __dump-guard SPEC`).

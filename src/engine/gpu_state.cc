@@ -177,7 +177,8 @@ std::vector<std::string> recover_entries(gpu::Driver& driver, const std::filesys
       }
     }
   }
-  for (auto& line : artifact::ArtifactWriter::remove_abandoned_staging(run_dir)) log.push_back(line);
+  for (auto& line : artifact::ArtifactWriter::remove_abandoned_staging(run_dir))
+    log.push_back(line);
   return log;
 }
 

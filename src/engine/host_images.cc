@@ -39,7 +39,7 @@ constexpr uint64_t kHoleBlock = 64ull << 10;  // zero blocks of this size become
 // starts with a hole that makes them agree.
 constexpr uint64_t kHugePage = 2ull << 20;
 
-bool private_anonymous_rw(const Mapping& m) {
+bool private_anonymous_rw(const common::Mapping& m) {
   return m.path.empty() && m.perms.size() == 4 && m.perms[0] == 'r' && m.perms[1] == 'w' &&
          m.perms[3] == 'p';
 }
@@ -107,7 +107,7 @@ struct ImageFile {
   Range range;
   uint64_t pad = 0;  // the hole before the range's first byte in the file
   std::filesystem::path path;
-  UniqueFd fd;
+  common::UniqueFd fd;
   unsigned char* map = nullptr;  // the file, mapped shared for writing
   std::atomic<uint64_t> stored{0};
   std::vector<std::string> chunks;  // checksum of each chunk, written by the copying threads
@@ -203,20 +203,20 @@ void copy_out(pid_t pid, std::vector<ImageFile>& files, int threads, uint64_t ch
 
 // Replaces each range of `pid` by a private mapping of its file, with the range's protection
 // and madvise flags. Ranges whose flags gpusnap cannot carry over are left alone.
-void remap(pid_t pid, std::vector<ImageFile>& files, const std::vector<Mapping>& maps,
+void remap(pid_t pid, std::vector<ImageFile>& files, const std::vector<common::Mapping>& maps,
            Reporter& reporter) {
   // Each range's madvise flags, read before the thread is stopped: /proc/PID/smaps walks the
   // page tables, slow for tens of GiB, and the time the thread is held is the time a gpusnap
   // killed would leave it broken (docs/design.md, "Host images").
   std::vector<std::vector<std::string>> range_flags;
   for (const auto& f : files) {
-    auto mapping = std::find_if(maps.begin(), maps.end(), [&](const Mapping& m) {
+    auto mapping = std::find_if(maps.begin(), maps.end(), [&](const common::Mapping& m) {
       return m.start <= f.range.start && f.range.start < m.end;
     });
     range_flags.push_back(mapping == maps.end() ? std::vector<std::string>{}
                                                 : vm_flags(pid, mapping->start));
   }
-  RemoteThread thread(pid);
+  common::RemoteThread thread(pid);
   long scratch = thread.syscall(SYS_mmap, 0, 4096, PROT_READ | PROT_WRITE,
                                 MAP_PRIVATE | MAP_ANONYMOUS, static_cast<uint64_t>(-1), 0);
   if (scratch < 0 && scratch > -4096) {
@@ -226,7 +226,7 @@ void remap(pid_t pid, std::vector<ImageFile>& files, const std::vector<Mapping>&
   }
   for (size_t i = 0; i < files.size(); ++i) {
     auto& f = files[i];
-    auto mapping = std::find_if(maps.begin(), maps.end(), [&](const Mapping& m) {
+    auto mapping = std::find_if(maps.begin(), maps.end(), [&](const common::Mapping& m) {
       return m.start <= f.range.start && f.range.start < m.end;
     });
     if (mapping == maps.end()) continue;
@@ -265,7 +265,7 @@ void remap(pid_t pid, std::vector<ImageFile>& files, const std::vector<Mapping>&
 
 // Whether [range) of `pid` is now mapped privately from `file` only, the range's first byte at
 // `offset`.
-bool mapped_from(const std::vector<Mapping>& maps, const Range& range,
+bool mapped_from(const std::vector<common::Mapping>& maps, const Range& range,
                  const std::filesystem::path& file, uint64_t offset) {
   auto want = std::filesystem::absolute(file).string();
   uint64_t covered = range.start;
@@ -361,8 +361,9 @@ bool on_tmpfs_without_huge_pages(const std::filesystem::path& dir) {
   return !tmpfs_gives_huge_pages(mount_options_of(canonical, mountinfo));
 }
 
-std::vector<Range> new_anonymous_ranges(const std::vector<Mapping>& before,
-                                        const std::vector<Mapping>& after, uint64_t min_bytes) {
+std::vector<Range> new_anonymous_ranges(const std::vector<common::Mapping>& before,
+                                        const std::vector<common::Mapping>& after,
+                                        uint64_t min_bytes) {
   std::vector<Range> out;
   for (const auto& m : after) {
     if (!private_anonymous_rw(m)) continue;
@@ -444,7 +445,7 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ra
     }
     copy_out(pid, files, options.threads, chunk_bytes);
     for (auto& f : files) f.unmap();
-    remap(pid, files, read_mappings(pid), reporter);
+    remap(pid, files, common::read_mappings(pid), reporter);
   } catch (const Error& e) {
     // Before the remap nothing of the process changed; a remap that failed part-way is
     // sorted out below from what the process maps now.
@@ -453,7 +454,7 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ra
   }
   StoredHostImages out;
   uint64_t total = 0, stored = 0;
-  auto maps = read_mappings(pid);
+  auto maps = common::read_mappings(pid);
   for (auto& f : files) {
     if (f.path.empty()) continue;
     if (!f.fd || !mapped_from(maps, f.range, f.path, f.pad)) {
@@ -483,7 +484,7 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ra
   return out;
 }
 
-bool direct_capture_possible(pid_t pid, const std::vector<Mapping>& maps) {
+bool direct_capture_possible(pid_t pid, const std::vector<common::Mapping>& maps) {
 #if defined(__x86_64__)
   std::string status;
   if (!maps_preload_library(maps) || ns_of(std::to_string(pid), "mnt") != ns_of("self", "mnt") ||
@@ -519,7 +520,7 @@ DirectHostImage::DirectHostImage(pid_t pid, const std::filesystem::path& artifac
     auto dir = artifact_root / kHostImageDir;
     std::filesystem::create_directories(dir);
     auto file = std::filesystem::absolute(dir / (std::to_string(pid) + ".img"));
-    UniqueFd fd(::open(file.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+    common::UniqueFd fd(::open(file.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
     if (!fd) throw sys_error("create " + file.string(), errno);
     // As /proc/PID/maps will name it.
     file_ = std::filesystem::canonical(file);
@@ -531,7 +532,7 @@ DirectHostImage::DirectHostImage(pid_t pid, const std::filesystem::path& artifac
     auto temp = request;
     temp += ".tmp";
     {
-      UniqueFd out(::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+      common::UniqueFd out(::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
       const std::string text = file_.string() + "\n";
       if (!out ||
           ::write(out.get(), text.data(), text.size()) != static_cast<ssize_t>(text.size())) {
@@ -558,8 +559,8 @@ std::optional<HostImageRecord> DirectHostImage::adopt(const std::filesystem::pat
                                                       Reporter& reporter) {
   withdraw();
   if (file_.empty()) return std::nullopt;
-  auto maps = read_mappings(pid_);
-  std::vector<const Mapping*> pieces;
+  auto maps = common::read_mappings(pid_);
+  std::vector<const common::Mapping*> pieces;
   for (const auto& m : maps) {
     if (m.path == file_.string()) pieces.push_back(&m);
   }
@@ -606,8 +607,8 @@ std::optional<HostImageRecord> DirectHostImage::adopt(const std::filesystem::pat
   }
   // A copy restored later, or the source, must never write into the artifact: private, or the
   // capture fails (and the source's GPU state goes back from the shared mapping as it is).
-  remap(pid_, files, read_mappings(pid_), reporter);
-  if (!mapped_from(read_mappings(pid_), range, file_, offset)) {
+  remap(pid_, files, common::read_mappings(pid_), reporter);
+  if (!mapped_from(common::read_mappings(pid_), range, file_, offset)) {
     throw Error(ErrorKind::kEnvironment,
                 "process " + std::to_string(pid_) +
                     ": the driver's memory, written into the artifact, could not be made private",
@@ -652,7 +653,7 @@ HashedFiles::HashedFiles(const std::filesystem::path& artifact_root,
     f->path = artifact_root / image.file;
     f->size = image.file_offset + (image.end - image.start);
     f->chunks.resize((f->size + chunk_bytes - 1) / chunk_bytes);
-    UniqueFd fd(::open(f->path.c_str(), O_RDONLY | O_CLOEXEC));
+    common::UniqueFd fd(::open(f->path.c_str(), O_RDONLY | O_CLOEXEC));
     void* map = fd ? ::mmap(nullptr, f->size, PROT_READ, MAP_SHARED, fd.get(), 0) : MAP_FAILED;
     if (map == MAP_FAILED) {
       failure_ = "cannot read " + f->path.string() + ": " + errno_text(errno);

@@ -52,8 +52,9 @@ struct Range {
 
 // Private anonymous read-write memory in `after` not mapped at all in `before`, in ranges of
 // at least `min_bytes`, in address order.
-std::vector<Range> new_anonymous_ranges(const std::vector<Mapping>& before,
-                                        const std::vector<Mapping>& after, uint64_t min_bytes);
+std::vector<Range> new_anonymous_ranges(const std::vector<common::Mapping>& before,
+                                        const std::vector<common::Mapping>& after,
+                                        uint64_t min_bytes);
 
 struct StoredHostImages {
   std::vector<HostImageRecord> images;
@@ -113,7 +114,7 @@ inline constexpr const char* kPreloadRequestsDir = "preload";
 // Whether the driver's region of `pid` can go straight into the artifact: the process maps the
 // library, lives in gpusnap's mount namespace (it opens the file by path), has no tracer (the
 // remap stops a thread with ptrace), and the machine is x86-64 (the remap's injection).
-bool direct_capture_possible(pid_t pid, const std::vector<Mapping>& maps);
+bool direct_capture_possible(pid_t pid, const std::vector<common::Mapping>& maps);
 
 // The request's path for `pid`: "REQUESTS/PIDNS-PID", the process's PID namespace inode and its
 // pid there, which is what the library knows of itself.

@@ -26,9 +26,9 @@ LaunchedWorkload::LaunchedWorkload(const std::vector<std::string>& argv,
   control_dir_ = dir / "control";
   log_ = dir / "output.log";
   std::filesystem::create_directories(control_dir_);
-  UniqueFd log(::open(log_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+  common::UniqueFd log(::open(log_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
   if (!log) throw sys_error("create " + log_.string(), errno);
-  SpawnOptions o;
+  common::SpawnOptions o;
   o.argv = argv;
   o.env_add = {std::string(kControlDirEnv) + "=" + control_dir_.string()};
   // The driver's checkpoint of this workload then populates its host memory in parallel.

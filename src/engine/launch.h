@@ -33,7 +33,7 @@ class LaunchedWorkload {
  private:
   std::filesystem::path control_dir_;
   std::filesystem::path log_;
-  std::optional<Subprocess> process_;
+  std::optional<common::Subprocess> process_;
   pid_t pid_ = 0;
 };
 

@@ -45,7 +45,7 @@ std::optional<std::string> preload_environment() {
   return "LD_PRELOAD=" + value;
 }
 
-bool maps_preload_library(const std::vector<Mapping>& maps) {
+bool maps_preload_library(const std::vector<common::Mapping>& maps) {
   for (const auto& m : maps) {
     if (std::filesystem::path(m.path).filename() == kPreloadFileName) return true;
   }

@@ -29,7 +29,7 @@ std::optional<std::filesystem::path> find_preload_library();
 std::optional<std::string> preload_environment();
 
 // Whether a process's mappings include the library (it was started with it).
-bool maps_preload_library(const std::vector<Mapping>& maps);
+bool maps_preload_library(const std::vector<common::Mapping>& maps);
 
 // The thread name of the library's helpers, which may still be populating the driver's region
 // when the driver's checkpoint call returns (they work ahead of its copy).

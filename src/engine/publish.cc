@@ -43,8 +43,8 @@ PortPublish PortPublish::parse(const std::string& text) {
 
 namespace engine {
 
-UniqueFd listen_on(const std::string& address, uint16_t port, uint16_t* bound) {
-  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+common::UniqueFd listen_on(const std::string& address, uint16_t port, uint16_t* bound) {
+  common::UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   int one = 1;
   ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
   struct sockaddr_in addr {};

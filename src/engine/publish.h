@@ -11,6 +11,6 @@ namespace gpusnap::engine {
 
 // A listening TCP socket on address:port (port 0: any free one); `*bound` gets the port it
 // took. Throws Error(kUsage) naming the address when it is not IPv4 or the port is taken.
-UniqueFd listen_on(const std::string& address, uint16_t port, uint16_t* bound);
+common::UniqueFd listen_on(const std::string& address, uint16_t port, uint16_t* bound);
 
 }  // namespace gpusnap::engine

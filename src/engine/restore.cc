@@ -167,8 +167,8 @@ class Copy {
   // log file, a pipe to its launcher, a terminal). A copy gets stdin from /dev/null and its
   // output into the copy's output.log; in a placeholder, the container's own (its log).
   struct Stdio {
-    UniqueFd in;
-    UniqueFd out;
+    common::UniqueFd in;
+    common::UniqueFd out;
   };
   Stdio open_stdio() const {
     Stdio s;
@@ -209,12 +209,13 @@ class Copy {
   // Host images: CRIU maps each one back from the artifact, given to it as a descriptor under
   // the key it recorded. Read-only: the copy's mapping is private. Returns the descriptors,
   // to hold until the init starts.
-  std::vector<UniqueFd> plan_host_images(const Manifest& manifest,
-                                         const std::filesystem::path& images,
-                                         criu::RestoreOptions& ro) {
-    std::vector<UniqueFd> fds;
+  std::vector<common::UniqueFd> plan_host_images(const Manifest& manifest,
+                                                 const std::filesystem::path& images,
+                                                 criu::RestoreOptions& ro) {
+    std::vector<common::UniqueFd> fds;
     for (const auto& image : manifest.host_images) {
-      UniqueFd fd(::open((images.parent_path() / image.file).c_str(), O_RDONLY | O_CLOEXEC));
+      common::UniqueFd fd(
+          ::open((images.parent_path() / image.file).c_str(), O_RDONLY | O_CLOEXEC));
       if (!fd) throw sys_error("open host image " + image.file, errno);
       if (kFirstInheritFd + static_cast<int>(inherit_.size()) >= kFirstListenFd) {
         throw Error(ErrorKind::kBadArtifact, "the artifact names too many files to hand to CRIU",
@@ -277,9 +278,9 @@ class Copy {
       throw sys_error("socketpair", errno);
     }
     control_.reset(sv[0]);
-    UniqueFd child_end(sv[1]);
+    common::UniqueFd child_end(sv[1]);
     spec.control_fd = kControlFd;
-    SpawnOptions o;
+    common::SpawnOptions o;
     o.keep_fds.push_back({child_end.get(), kControlFd});
     for (const auto& [src, dst] : inherit_) {
       o.keep_fds.push_back({src, dst});
@@ -307,11 +308,11 @@ class Copy {
   int index_;
   pid_t into_ = 0;
   CopyInfo info_;
-  UniqueFd control_;
+  common::UniqueFd control_;
   std::vector<std::pair<int, int>> inherit_;  // {fd here, fd in the init}, until the init starts
-  std::vector<UniqueFd> listeners_;           // until the init starts
+  std::vector<common::UniqueFd> listeners_;   // until the init starts
   std::vector<uint16_t> forwarded_ports_;     // the copy's port of each listener
-  std::optional<Subprocess> init_;
+  std::optional<common::Subprocess> init_;
 };
 
 // Waits for a background task when its owner's scope ends, however it ends: the task uses

@@ -100,6 +100,6 @@ class ApiClient {
 std::string transport_error_text(httplib::Error error);
 
 // Percent-encodes a query value ("spec.nodeName=node-1" → "spec.nodeName%3Dnode-1").
-using gpusnap::url_encode;
+using gpusnap::common::url_encode;
 
 }  // namespace gpusnap::kube

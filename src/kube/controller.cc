@@ -94,7 +94,7 @@ Controller::Controller(const ApiConfig& api, AgentClient& agent, ControllerOptio
       api, s, [this](const std::string& key) { on_snapshot_changed(key); });
   InformerOptions p = s;
   p.path = pods_path(options_.namespace_);
-  p.selector = "fieldSelector=" + url_encode("spec.nodeName=" + options_.node);
+  p.selector = "fieldSelector=" + common::url_encode("spec.nodeName=" + options_.node);
   pods_ =
       std::make_unique<Informer>(api, p, [this](const std::string& key) { on_pod_changed(key); });
 }

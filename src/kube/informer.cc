@@ -143,8 +143,8 @@ void Informer::watch_once() {
     version = stats_.resource_version;
     ++stats_.watches;
   }
-  std::string path = options_.path +
-                     "?watch=1&allowWatchBookmarks=true&resourceVersion=" + url_encode(version) +
+  std::string path = options_.path + "?watch=1&allowWatchBookmarks=true&resourceVersion=" +
+                     common::url_encode(version) +
                      "&timeoutSeconds=" + std::to_string(options_.watch_timeout.count());
   if (!options_.selector.empty()) path += "&" + options_.selector;
   // The server ends the stream after timeoutSeconds; a read that waits longer than that (and

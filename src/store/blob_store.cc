@@ -79,7 +79,7 @@ void BlobStore::put(std::string_view digest, std::string_view data) const {
   const auto final_path = blob_path(digest);
   if (::access(final_path.c_str(), F_OK) == 0) return;
   const auto tmp = root_ / "tmp" / (digest_hex(digest) + "." + fs::random_id());
-  UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  common::UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
   if (!fd) throw sys_error("create " + tmp.string(), errno);
   try {
     write_all(fd.get(), data, tmp.string());
@@ -96,7 +96,7 @@ void BlobStore::put(std::string_view digest, std::string_view data) const {
 
 std::string BlobStore::get(std::string_view digest, uint64_t max) const {
   const auto path = blob_path(digest);
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  common::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (!fd) throw sys_error("open " + path.string(), errno);
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) throw sys_error("stat " + path.string(), errno);

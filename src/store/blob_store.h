@@ -77,7 +77,7 @@ class BlobStore {
  private:
   std::filesystem::path blob_path(std::string_view digest) const;
   std::filesystem::path root_;
-  UniqueFd lock_;
+  common::UniqueFd lock_;
 };
 
 }  // namespace gpusnap::store

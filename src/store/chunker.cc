@@ -33,8 +33,8 @@ struct Task {
   bool compress = false;
 };
 
-UniqueFd open_read(const std::filesystem::path& path) {
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+common::UniqueFd open_read(const std::filesystem::path& path) {
+  common::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (!fd) throw sys_error("open " + path.string(), errno);
   return fd;
 }
@@ -147,7 +147,7 @@ Layout chunk_artifact(const Artifact& artifact, const ChunkingOptions& o, const 
     throw Error(ErrorKind::kBadArtifact,
                 (artifact.root() / kManifestName).string() + " is not JSON");
   }
-  std::vector<UniqueFd> fds;
+  std::vector<common::UniqueFd> fds;
   std::vector<Task> tasks;
   for (size_t i = 0; i < m.files.size(); ++i) {
     const auto& f = m.files[i];

@@ -63,7 +63,7 @@ void materialise(const Layout& layout, const sfs::path& dest, const BlobSource& 
     size_t file;
     size_t extent;
   };
-  std::vector<UniqueFd> fds;
+  std::vector<common::UniqueFd> fds;
   std::vector<Job> jobs;
   std::vector<Job> later;  // host images: after CRIU's images
   uint64_t total = 0;
@@ -74,7 +74,7 @@ void materialise(const Layout& layout, const sfs::path& dest, const BlobSource& 
     for (auto dir = path.parent_path(); dir != writer.staging(); dir = dir.parent_path()) {
       sfs::permissions(dir, sfs::perms::owner_all, sfs::perm_options::replace);
     }
-    UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+    common::UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
     if (!fd) throw sys_error("create " + path.string(), errno);
     if (::ftruncate(fd.get(), static_cast<off_t>(f.size)) != 0) {
       throw sys_error("truncate " + path.string(), errno);

@@ -320,7 +320,7 @@ void Registry::upload_blob(const std::string& digest, std::string_view data) {
       location = path == std::string::npos ? "/" : location.substr(path);
     }
     location += (location.find('?') == std::string::npos ? "?" : "&");
-    location += "digest=" + url_encode(digest);
+    location += "digest=" + common::url_encode(digest);
     limiter_.consume(data.size());
     auto put =
         c->Put(location, httplib::Headers{}, data.data(), data.size(), "application/octet-stream");

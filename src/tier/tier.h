@@ -55,6 +55,10 @@ struct TransferReport {
   std::size_t pieces = 0;
   std::size_t files = 0;
   double seconds = 0;
+  // Where the time went, for the log line and the benchmarks: the slowest worker's allocation
+  // of its pinned buffers; creating and mapping (fill) or releasing (drain) physical memory.
+  double buffer_seconds = 0;
+  double map_seconds = 0;
 };
 
 class Tier {
@@ -132,15 +136,18 @@ class Tier {
   void synchronize_devices();
   std::vector<Piece> live_pieces() const;
   // The workers of a drain (to_files) or fill; the first error is rethrown after all finished.
-  void run_drain_workers(std::vector<Piece>& pieces, const std::filesystem::path& dir,
+  // Both return the slowest worker's time to allocate its pinned buffers.
+  double run_drain_workers(std::vector<Piece>& pieces, const std::filesystem::path& dir,
                          std::vector<std::string>& files);
-  void run_fill_workers(const std::vector<Piece>& pieces, const std::filesystem::path& dir);
+  double run_fill_workers(const std::vector<Piece>& pieces, const std::filesystem::path& dir);
   void write_index(const std::filesystem::path& dir, const std::vector<std::string>& files,
                    const std::vector<Piece>& pieces, std::size_t bytes) const;
   void check_gpu_map(const std::map<std::string, std::string>& gpu_map);
   // Maps the listed segments and fills the pieces that fall in them; on failure unmaps what it
   // mapped and rethrows.
-  void refill(const std::vector<DevicePtr>& todo, const std::filesystem::path& dir);
+  // Adds its times to `report`.
+  void refill(const std::vector<DevicePtr>& todo, const std::filesystem::path& dir,
+              TransferReport& report);
 
   TierDriver& driver_;
   const TierSettings settings_;

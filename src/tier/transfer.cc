@@ -95,6 +95,14 @@ class WorkerResources {
     if (it == streams_.end()) it = streams_.emplace(device, driver_.stream_create()).first;
     return it->second;
   }
+  // Allocates both pinned buffers now, on `device`'s context, and returns how long it took:
+  // pinning is the fixed cost of every drain and fill, and the benchmarks want it apart.
+  double prepare(int device) {
+    const auto t0 = std::chrono::steady_clock::now();
+    (void)on(device);
+    (void)buffer(1);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
   // Pinned buffer 0 or 1 (allocated at first use, with a context current).
   void* buffer(int i) {
     while (buffers_.size() <= static_cast<std::size_t>(i)) {
@@ -192,9 +200,13 @@ double seconds_since(Clock::time_point t0) {
 }
 
 void log_line(const char* what, const TransferReport& r) {
-  std::fprintf(stderr, "gpusnap-tier: %s %zu bytes, %zu pieces, %zu files in %.3f s (%.1f GB/s)\n",
+  std::fprintf(stderr,
+               "gpusnap-tier: %s %zu bytes, %zu pieces, %zu files in %.3f s (%.1f GB/s; pinned "
+               "buffers %.3f s, %s %.3f s)\n",
                what, r.bytes, r.pieces, r.files, r.seconds,
-               r.seconds > 0 ? static_cast<double>(r.bytes) / r.seconds / 1e9 : 0.0);
+               r.seconds > 0 ? static_cast<double>(r.bytes) / r.seconds / 1e9 : 0.0,
+               r.buffer_seconds, std::strcmp(what, "drained") == 0 ? "release" : "map",
+               r.map_seconds);
 }
 
 }  // namespace
@@ -247,7 +259,7 @@ TransferReport Tier::drain(const std::filesystem::path& dir) {
   std::vector<std::string> files;
   TransferReport report;
   try {
-    run_drain_workers(pieces, dir, files);
+    report.buffer_seconds = run_drain_workers(pieces, dir, files);
     for (const Piece& p : pieces) report.bytes += p.size;
     write_index(dir, files, pieces, report.bytes);
   } catch (...) {
@@ -262,6 +274,7 @@ TransferReport Tier::drain(const std::filesystem::path& dir) {
 
   // Only now, with every byte in a closed file, is the physical memory released.
   std::vector<DevicePtr> released;
+  const auto release_started = Clock::now();
   try {
     for (auto& [va, s] : segments_) {
       unmap_segment(s);
@@ -270,7 +283,8 @@ TransferReport Tier::drain(const std::filesystem::path& dir) {
   } catch (const Error& e) {
     // Put back what was released, from the files just written, and keep serving.
     try {
-      refill(released, dir);
+      TransferReport ignored;
+      refill(released, dir, ignored);
     } catch (const Error& again) {
       // Some memory is only in the files now: stay drained, so that a fill can retry.
       state_ = TierState::kReleased;
@@ -286,6 +300,7 @@ TransferReport Tier::drain(const std::filesystem::path& dir) {
                 "the workload keeps its memory and serves; see the driver's error");
   }
   state_ = TierState::kReleased;
+  report.map_seconds = seconds_since(release_started);
   report.pieces = pieces.size();
   report.files = files.size();
   report.seconds = seconds_since(t0);
@@ -293,8 +308,8 @@ TransferReport Tier::drain(const std::filesystem::path& dir) {
   return report;
 }
 
-void Tier::run_drain_workers(std::vector<Piece>& pieces, const std::filesystem::path& dir,
-                             std::vector<std::string>& files) {
+double Tier::run_drain_workers(std::vector<Piece>& pieces, const std::filesystem::path& dir,
+                               std::vector<std::string>& files) {
   const std::size_t n =
       std::min(pieces.size(), static_cast<std::size_t>(std::max(1, settings_.streams)));
   // The files are created here, one by one, so that the caller knows every name to remove on
@@ -310,8 +325,10 @@ void Tier::run_drain_workers(std::vector<Piece>& pieces, const std::filesystem::
   }
   std::atomic<std::size_t> next{0};
   std::atomic<bool> stop{false};
+  std::vector<double> buffer_seconds(n, 0.0);
   run_workers(n, stop, [&](std::size_t k) {
     WorkerResources r(driver_, settings_.buffer_bytes);
+    buffer_seconds[k] = r.prepare(pieces[k].device);
     const auto path = dir / files[k];
     std::uint64_t offset = 0;
     Piece* prev = nullptr;
@@ -352,6 +369,8 @@ void Tier::run_drain_workers(std::vector<Piece>& pieces, const std::filesystem::
     if (const int err = fds[k].close_checked(); err != 0)
       throw file_error("cannot write", path, err);
   }
+  return buffer_seconds.empty() ? 0.0
+                                : *std::max_element(buffer_seconds.begin(), buffer_seconds.end());
 }
 
 void Tier::write_index(const std::filesystem::path& dir, const std::vector<std::string>& files,
@@ -424,13 +443,13 @@ TransferReport Tier::fill(const std::filesystem::path& dir,
   for (const auto& [va, s] : segments_) {
     if (!s.mapped) todo.push_back(va);
   }
-  refill(todo, from);
+  TransferReport report;
+  refill(todo, from, report);
   // The next capture records the GPUs the memory is on now.
   for (auto& [device, uuid] : device_uuids_) {
     if (auto m = gpu_map.find(uuid); m != gpu_map.end()) uuid = m->second;
   }
   state_ = TierState::kServing;
-  TransferReport report;
   for (const Piece& p : pieces_) report.bytes += p.size;
   report.pieces = pieces_.size();
   report.files = files_.size();
@@ -457,19 +476,22 @@ void Tier::check_gpu_map(const std::map<std::string, std::string>& gpu_map) {
   }
 }
 
-void Tier::refill(const std::vector<DevicePtr>& todo, const std::filesystem::path& dir) {
+void Tier::refill(const std::vector<DevicePtr>& todo, const std::filesystem::path& dir,
+                  TransferReport& report) {
   std::vector<DevicePtr> mapped;
   try {
+    const auto map_started = Clock::now();
     for (DevicePtr va : todo) {
       map_segment(segments_.at(va));
       mapped.push_back(va);
     }
+    report.map_seconds = seconds_since(map_started);
     const std::set<DevicePtr> wanted(todo.begin(), todo.end());
     std::vector<Piece> pieces;
     for (const Piece& p : pieces_) {
       if (wanted.count(std::prev(segments_.upper_bound(p.va))->first) != 0) pieces.push_back(p);
     }
-    run_fill_workers(pieces, dir);
+    report.buffer_seconds = run_fill_workers(pieces, dir);
   } catch (...) {
     // A copy must never serve with memory it did not fill: give back what this fill mapped.
     for (DevicePtr va : mapped) {
@@ -482,7 +504,7 @@ void Tier::refill(const std::vector<DevicePtr>& todo, const std::filesystem::pat
   }
 }
 
-void Tier::run_fill_workers(const std::vector<Piece>& pieces, const std::filesystem::path& dir) {
+double Tier::run_fill_workers(const std::vector<Piece>& pieces, const std::filesystem::path& dir) {
   std::vector<Fd> fds;
   for (const auto& name : files_) {
     const auto path = dir / name;
@@ -494,8 +516,10 @@ void Tier::run_fill_workers(const std::vector<Piece>& pieces, const std::filesys
       std::min(pieces.size(), static_cast<std::size_t>(std::max(1, settings_.streams)));
   std::atomic<std::size_t> next{0};
   std::atomic<bool> stop{false};
-  run_workers(n, stop, [&](std::size_t) {
+  std::vector<double> buffer_seconds(n, 0.0);
+  run_workers(n, stop, [&](std::size_t k) {
     WorkerResources r(driver_, settings_.buffer_bytes);
+    buffer_seconds[k] = r.prepare(pieces[k].device);
     Stream in_flight = nullptr;  // the stream of the copy issued last, not yet waited for
     int b = 0;
     for (;;) {
@@ -516,6 +540,8 @@ void Tier::run_fill_workers(const std::vector<Piece>& pieces, const std::filesys
     }
   });
   // Each worker waited for its own last copy; nothing of the fill is in flight.
+  return buffer_seconds.empty() ? 0.0
+                                : *std::max_element(buffer_seconds.begin(), buffer_seconds.end());
 }
 
 }  // namespace gpusnap::tier

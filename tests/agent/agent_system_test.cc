@@ -63,8 +63,8 @@ class Agent {
   ~Agent() { kill(); }
 
   void start() {
-    UniqueFd out(::open(log_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
-    SpawnOptions o;
+    common::UniqueFd out(::open(log_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+    common::SpawnOptions o;
     o.argv = {build_path("gpusnap-agent"),
               "--socket",
               socket_,
@@ -94,7 +94,9 @@ class Agent {
     process_.reset();
   }
 
-  std::optional<ExitStatus> wait_exit(std::chrono::seconds limit) { return process_->wait(limit); }
+  std::optional<common::ExitStatus> wait_exit(std::chrono::seconds limit) {
+    return process_->wait(limit);
+  }
 
   Answer request(const std::string& method, const std::string& path, const json& body = nullptr,
                  const std::string& raw = {}) const {
@@ -150,7 +152,7 @@ class Agent {
   std::string socket_;
   std::filesystem::path storage_, state_, run_, log_;
   std::vector<std::string> extra_;
-  std::optional<Subprocess> process_;
+  std::optional<common::Subprocess> process_;
 };
 
 // The value of one sample line of /metrics; -1 when the line is missing.
@@ -419,7 +421,7 @@ TEST(AgentAccess, TheSocketIsForRootAndItsGroupOnly) {
 // its exit code and what it wrote on stderr.
 std::pair<int, std::string> agent_refusing_to_start(const std::filesystem::path& dir,
                                                     const std::filesystem::path& token_file) {
-  SpawnOptions o;
+  common::SpawnOptions o;
   o.argv = {build_path("gpusnap-agent"),
             "--socket",
             (dir / "s").string(),
@@ -431,9 +433,9 @@ std::pair<int, std::string> agent_refusing_to_start(const std::filesystem::path&
             "127.0.0.1:0",
             "--token-file",
             token_file.string()};
-  UniqueFd err(::open((dir / "err").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
+  common::UniqueFd err(::open((dir / "err").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
   o.stderr_fd = err.get();
-  Subprocess p(o);
+  common::Subprocess p(o);
   auto status = p.wait(std::chrono::seconds(30));
   return {status ? status->code : -1, fs::read_file(dir / "err")};
 }
@@ -704,7 +706,7 @@ TEST(AgentCli, ThroughTheAgentTheCliPrintsAndExitsAsDirect) {
 
 // Raw bytes to the agent's Unix socket; the status of its answer (0: none).
 int raw_status(const std::string& socket, const std::string& request) {
-  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  common::UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   std::strncpy(addr.sun_path, socket.c_str(), sizeof addr.sun_path - 1);
@@ -774,7 +776,7 @@ TEST(AgentBadInput, ChunkedBodiesAreBoundedLikeOthers) {
 // Disabled: it fails today. With 16 slow peers holding every unauthenticated slot, an
 // authorised request waits for the first of them to reach the 5 s head deadline (3.2 s measured;
 // 20 s before the TCP front). The token must be read ahead of the slot bound to pass it.
-TEST(AgentBadInput, DISABLED_SlowUnauthenticatedPeersDoNotStallTcpCallers) {
+TEST(AgentBadInput, SlowUnauthenticatedPeersDoNotStallTcpCallers) {
   SKIP_WITHOUT_CRIU();
   TempDir dir;
   const std::string token = "s3cret-token-0123456789abcdef";
@@ -792,7 +794,7 @@ TEST(AgentBadInput, DISABLED_SlowUnauthenticatedPeersDoNotStallTcpCallers) {
   std::atomic<int> cut_off{0};
   for (int i = 0; i < 40; ++i) {
     slow.emplace_back([&] {
-      UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+      common::UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
       sockaddr_in addr{};
       addr.sin_family = AF_INET;
       addr.sin_port = htons(static_cast<uint16_t>(port));
@@ -817,6 +819,9 @@ TEST(AgentBadInput, DISABLED_SlowUnauthenticatedPeersDoNotStallTcpCallers) {
   ASSERT_TRUE(right);
   EXPECT_EQ(right->status, 200);
   EXPECT_LT(took, std::chrono::seconds(2)) << "an authorised request waited behind slow peers";
+  std::printf("tcp front: authorised request answered in %lld ms behind 40 slow peers\n",
+              static_cast<long long>(
+                  std::chrono::duration_cast<std::chrono::milliseconds>(took).count()));
   // Each slow peer is cut off at the head deadline (5 s), not served for ever.
   EXPECT_TRUE(eventually([&] { return cut_off == 40; }, std::chrono::seconds(15)))
       << cut_off << " of 40 slow peers were cut off";

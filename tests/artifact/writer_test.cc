@@ -183,7 +183,7 @@ TEST_F(WriterTest, RemoveStaleStagingRemovesOnlyDeadWritersDirectories) {
 // Takes LOCK_EX|LOCK_NB on a directory through a new open file description, as a writer in
 // another process (or PID namespace) would see it.
 bool lockable(const stdfs::path& path) {
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  common::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   return fd && ::flock(fd.get(), LOCK_EX | LOCK_NB) == 0;
 }
 
@@ -214,7 +214,7 @@ TEST_F(WriterTest, RemoveStaleStagingSparesLockedDirectoryOfAnOwnerItCannotSee) 
   const auto staging = dir.path() / (".snap.staging-" + std::to_string(dead_pid()) + "-beef");
   stdfs::create_directories(staging / "criu");
   {
-    UniqueFd held(::open(staging.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    common::UniqueFd held(::open(staging.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
     ASSERT_TRUE(held);
     ASSERT_EQ(::flock(held.get(), LOCK_EX), 0);
     ArtifactWriter::remove_stale_staging(dir.path());

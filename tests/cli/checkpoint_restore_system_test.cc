@@ -339,10 +339,10 @@ TEST(Faults, KilledMidCheckpointLeavesSourceRunningAndNoArtifact) {
   TempDir dir;
   Workload source(dir, {"--mib", "1024", "--threads", "2"});
   auto snap = dir / "snap";
-  SpawnOptions o;
+  common::SpawnOptions o;
   o.argv = {gpusnap_bin(), "checkpoint",  "-p",     std::to_string(source.pid()),
             "-o",          snap.string(), "--quiet"};
-  Subprocess cp(o);
+  common::Subprocess cp(o);
   // Kill gpusnap while CRIU is dumping (and so has the source frozen).
   ASSERT_TRUE(eventually([&] { return !criu_processes(snap.filename().string()).empty(); },
                          std::chrono::seconds(30)));
@@ -393,9 +393,9 @@ TEST(Faults, KilledMidRestoreLeavesNoProcessOrNamespace) {
                 .exit_code,
             0);
   auto before = pid_namespaces();
-  SpawnOptions o;
+  common::SpawnOptions o;
   o.argv = {gpusnap_bin(), "restore", snap.string(), "--replicas", "2", "--no-verify", "--quiet"};
-  Subprocess rs(o);
+  common::Subprocess rs(o);
   // CRIU's restore command line names the artifact's image directory.
   auto mine = (snap / "criu").string();
   ASSERT_TRUE(eventually([&] { return !criu_processes(mine).empty(); }, std::chrono::seconds(30)));

@@ -148,11 +148,11 @@ TEST(Faults, KilledAtRandomPointsOfACapture) {
     const auto out = dir / "out";
     stdfs::create_directories(out);
     const int delay = trial == 0 ? 5 : when(rng);  // one within the first ~10 ms, always
-    SpawnOptions o;
+    common::SpawnOptions o;
     o.argv = {
         gpusnap_bin(),           "checkpoint",      "--pid",  std::to_string(source.pid()), "-o",
         (out / "snap").string(), "--leave-running", "--quiet"};
-    Subprocess capture(o);
+    common::Subprocess capture(o);
     std::this_thread::sleep_for(std::chrono::milliseconds(delay));
     capture.kill(SIGKILL);
     capture.wait();
@@ -203,7 +203,7 @@ TEST(Faults, DiskFullDuringTheDumpKeepsTheRealLog) {
           struct statvfs v {};
           if (::statvfs(small.path().c_str(), &v) != 0) return;
           const off_t room = static_cast<off_t>(v.f_bavail * v.f_frsize) - (256 << 10);
-          UniqueFd fd(::open(filler.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600));
+          common::UniqueFd fd(::open(filler.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600));
           if (fd && room > 0) ::posix_fallocate(fd.get(), 0, room);
           return;
         }
@@ -228,6 +228,67 @@ TEST(Faults, DiskFullDuringTheDumpKeepsTheRealLog) {
         << "no staging, no partial artifact";
     EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
     stdfs::remove(kept);
+  }
+}
+
+// Whether another capture holds the capture lock of `pid` (engine/capture_lock.h) now.
+bool capture_lock_held(pid_t pid) {
+  common::UniqueFd fd(::open("/run/gpusnap/captures.lock", O_RDWR | O_CLOEXEC));
+  if (!fd) return false;
+  struct flock probe {};
+  probe.l_type = F_WRLCK;
+  probe.l_whence = SEEK_SET;
+  probe.l_start = pid;
+  probe.l_len = 1;
+  if (::fcntl(fd.get(), F_OFD_GETLK, &probe) != 0) return false;
+  return probe.l_type != F_UNLCK;
+}
+
+// A gpusnap killed while CRIU dumps, `kTrials` times: the guardian finishes the dump, and the
+// process stays locked against a new capture until it has (the lock used to die with gpusnap,
+// and a capture started then ran into the orphaned dump inside CRIU).
+TEST(Faults, KilledCaptureKeepsTheLockUntilItsGuardianEnds) {
+  SKIP_WITHOUT_CRIU();
+  constexpr int kTrials = 3;
+  TempDir dir;
+  Workload source(dir, {"--mib", "512"});
+  for (int trial = 0; trial < kTrials; ++trial) {
+    const auto out = dir / "out";
+    stdfs::create_directories(out);
+    common::SpawnOptions o;
+    o.argv = {gpusnap_bin(),
+              "checkpoint",
+              "--pid",
+              std::to_string(source.pid()),
+              "-o",
+              (out / "snap").string(),
+              "--leave-running",
+              "--no-host-images",
+              "--quiet"};
+    common::Subprocess capture(o);
+    // The dump has started when its log exists in the staging folder.
+    ASSERT_TRUE(eventually(
+        [&] {
+          for (const auto& e : stdfs::directory_iterator(out)) {
+            std::error_code ec;
+            if (stdfs::exists(e.path() / "logs" / "criu-dump.log", ec)) return true;
+          }
+          return false;
+        },
+        std::chrono::seconds(30)))
+        << "trial " << trial;
+    capture.kill(SIGKILL);
+    capture.wait();
+    EXPECT_TRUE(capture_lock_held(source.pid()))
+        << "trial " << trial << ": the process was unlocked while its dump still ran";
+    // Released once the guardian is done; then recover leaves nothing, the source answers.
+    EXPECT_TRUE(
+        eventually([&] { return !capture_lock_held(source.pid()); }, std::chrono::seconds(60)))
+        << "trial " << trial;
+    gpusnap({"recover", "--json"});
+    EXPECT_TRUE(names_in(out).empty() || names_in(out) == std::vector<std::string>{"snap"});
+    EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK") << "trial " << trial;
+    stdfs::remove_all(out);
   }
 }
 

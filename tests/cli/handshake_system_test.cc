@@ -174,11 +174,11 @@ TEST(Handshake, GpusnapKilledDuringThePauseLeavesTheWorkloadServing) {
   HandshakeWorker worker(dir, "slow");  // 3 s to pause
   const uint16_t port = worker.process->port();
   ASSERT_EQ(ask(port, "INCR"), "1");
-  SpawnOptions o;
+  common::SpawnOptions o;
   o.argv = {
       gpusnap_bin(),           "checkpoint", "-p", std::to_string(worker.process->pid()), "-o",
       (dir / "snap").string(), "--quiet"};
-  Subprocess cp(o);
+  common::Subprocess cp(o);
   ASSERT_TRUE(eventually([&] { return std::filesystem::exists(worker.control / "pause"); }));
   // The workload polls every 20-50 ms: by now it is in its 3 s pause.
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
@@ -286,7 +286,7 @@ TEST(MemoryTierPlumbing, ADamagedTierFileRefusesTheRestore) {
   ASSERT_EQ(files.size(), 2u);
   const auto image = snap / files.begin()->first;
   {
-    UniqueFd fd(::open(image.c_str(), O_WRONLY | O_CLOEXEC));
+    common::UniqueFd fd(::open(image.c_str(), O_WRONLY | O_CLOEXEC));
     ASSERT_GE(fd.get(), 0);
     ASSERT_EQ(::pwrite(fd.get(), "x", 1, 4096), 1);
   }
@@ -308,10 +308,10 @@ TEST(MemoryTierPlumbing, GpusnapKilledDuringTheDrainLeavesTheWorkloadWithItsMemo
   Workload worker(dir, argv, std::chrono::seconds(30));
   ASSERT_TRUE(eventually([&] { return std::filesystem::exists(control / "ready"); }));
   ASSERT_EQ(ask(worker.port(), "CHECK"), "OK");
-  SpawnOptions o;
+  common::SpawnOptions o;
   o.argv = {gpusnap_bin(),           "checkpoint", "-p", std::to_string(worker.pid()), "-o",
             (dir / "snap").string(), "--quiet"};
-  Subprocess cp(o);
+  common::Subprocess cp(o);
   // Killed once the drain's files are there: from then on they may be the only copy.
   ASSERT_TRUE(eventually([&] {
     for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
@@ -374,9 +374,9 @@ TEST(Handshake, RunRefusesAPreloadLibraryThatIsNotThere) {
     return n;
   };
   size_t before = launched();
-  auto r =
-      run_capture({"/usr/bin/env", "GPUSNAP_PRELOAD_LIBRARY=/nonexistent/libgpusnap-preload.so",
-                   gpusnap_bin(), "run", "-o", snap.string(), "--", cxx_worker()});
+  auto r = common::run_capture({"/usr/bin/env",
+                                "GPUSNAP_PRELOAD_LIBRARY=/nonexistent/libgpusnap-preload.so",
+                                gpusnap_bin(), "run", "-o", snap.string(), "--", cxx_worker()});
   EXPECT_FALSE(r.status.ok());
   EXPECT_EQ(r.status.code, 2) << r.output;  // a usage error, before anything starts
   EXPECT_NE(r.output.find("GPUSNAP_PRELOAD_LIBRARY names /nonexistent/libgpusnap-preload.so, "

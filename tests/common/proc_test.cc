@@ -48,7 +48,7 @@ const OpenFile* find_fd(const Process& p, int fd) {
 class ForkedTree {
  public:
   ForkedTree() {
-    Pipe report = Pipe::make();
+    common::Pipe report = common::Pipe::make();
     child_ = ::fork();
     if (child_ < 0) throw std::runtime_error("fork failed");
     if (child_ == 0) {
@@ -85,7 +85,7 @@ class ForkedTree {
 };
 
 TEST(ProcTest, ReadsThisProcess) {
-  Pipe pipe = Pipe::make();
+  common::Pipe pipe = common::Pipe::make();
   Process p = read_process(::getpid());
   EXPECT_EQ(p.pid, ::getpid());
   EXPECT_EQ(p.ppid, ::getppid());

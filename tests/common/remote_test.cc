@@ -76,14 +76,14 @@ class EchoChild {
 
  private:
   pid_t pid_ = 0;
-  UniqueFd to_, from_;
+  common::UniqueFd to_, from_;
 };
 
 TEST(RemoteThread, RunsSystemCallsInTheTargetAndLeavesItAsItWas) {
   EchoChild child;
   uint64_t page = 0;
   {
-    RemoteThread thread(child.pid());
+    common::RemoteThread thread(child.pid());
     EXPECT_EQ(thread.syscall(SYS_getpid), child.pid());
     long mapped = thread.syscall(SYS_mmap, 0, 4096, PROT_READ | PROT_WRITE,
                                  MAP_PRIVATE | MAP_ANONYMOUS, static_cast<uint64_t>(-1), 0);
@@ -102,7 +102,7 @@ TEST(RemoteThread, RunsSystemCallsInTheTargetAndLeavesItAsItWas) {
   }
   // The mapping persists in the child after the detach.
   bool found = false;
-  for (const auto& m : read_mappings(child.pid())) found |= m.start == page;
+  for (const auto& m : common::read_mappings(child.pid())) found |= m.start == page;
   EXPECT_TRUE(found);
   // The child's interrupted read() restarted: it still echoes and exits normally.
   auto [echo, code] = child.echo("ping");
@@ -110,7 +110,9 @@ TEST(RemoteThread, RunsSystemCallsInTheTargetAndLeavesItAsItWas) {
   EXPECT_EQ(code, 0);
 }
 
-TEST(RemoteThread, RefusesAProcessThatDoesNotExist) { EXPECT_ANY_THROW(RemoteThread(999999999)); }
+TEST(RemoteThread, RefusesAProcessThatDoesNotExist) {
+  EXPECT_ANY_THROW(common::RemoteThread(999999999));
+}
 
 }  // namespace
 }  // namespace gpusnap

@@ -41,8 +41,8 @@ std::string read_all(int fd) {
   }
 }
 
-SpawnOptions command(std::vector<std::string> argv) {
-  SpawnOptions o;
+common::SpawnOptions command(std::vector<std::string> argv) {
+  common::SpawnOptions o;
   o.argv = std::move(argv);
   return o;
 }
@@ -57,7 +57,7 @@ std::string built(const std::string& relative) {
 bool pid_exists(pid_t pid) { return ::kill(pid, 0) == 0 || errno != ESRCH; }
 
 TEST(RunCaptureTest, CapturesOutputAndExitCode) {
-  RunResult r = run_capture({"/bin/echo", "hello", "world"});
+  common::RunResult r = common::run_capture({"/bin/echo", "hello", "world"});
   EXPECT_TRUE(r.status.exited);
   EXPECT_EQ(r.status.code, 0);
   EXPECT_TRUE(r.status.ok());
@@ -66,7 +66,7 @@ TEST(RunCaptureTest, CapturesOutputAndExitCode) {
 }
 
 TEST(RunCaptureTest, CapturesStdoutAndStderrTogether) {
-  RunResult r = run_capture({"/bin/sh", "-c", "echo out; echo err >&2; exit 3"});
+  common::RunResult r = common::run_capture({"/bin/sh", "-c", "echo out; echo err >&2; exit 3"});
   EXPECT_EQ(r.output, "out\nerr\n");
   EXPECT_TRUE(r.status.exited);
   EXPECT_EQ(r.status.code, 3);
@@ -74,13 +74,13 @@ TEST(RunCaptureTest, CapturesStdoutAndStderrTogether) {
 }
 
 TEST(RunCaptureTest, CapturesMoreThanAPipeBuffer) {
-  RunResult r = run_capture({"/bin/sh", "-c", "head -c 200000 /dev/zero"});
+  common::RunResult r = common::run_capture({"/bin/sh", "-c", "head -c 200000 /dev/zero"});
   EXPECT_TRUE(r.status.ok());
   EXPECT_EQ(r.output, std::string(200000, '\0'));
 }
 
 TEST(RunCaptureTest, FalseExitsWithOne) {
-  RunResult r = run_capture({"/bin/false"});
+  common::RunResult r = common::run_capture({"/bin/false"});
   EXPECT_TRUE(r.status.exited);
   EXPECT_EQ(r.status.code, 1);
   EXPECT_FALSE(r.status.ok());
@@ -89,19 +89,19 @@ TEST(RunCaptureTest, FalseExitsWithOne) {
 }
 
 TEST(RunCaptureTest, MissingProgramExitsWith127) {
-  RunResult r = run_capture({"/nonexistent/program", "--version"});
+  common::RunResult r = common::run_capture({"/nonexistent/program", "--version"});
   EXPECT_TRUE(r.status.exited);
   EXPECT_EQ(r.status.code, 127);
 }
 
 TEST(RunCaptureTest, ProgramWithoutSlashIsLookedUpOnPath) {
-  RunResult r = run_capture({"echo", "found"});
+  common::RunResult r = common::run_capture({"echo", "found"});
   EXPECT_TRUE(r.status.ok());
   EXPECT_EQ(r.output, "found\n");
 }
 
 TEST(RunCaptureTest, ReportsDeathBySignal) {
-  RunResult r = run_capture({"/bin/sh", "-c", "kill -TERM $$"});
+  common::RunResult r = common::run_capture({"/bin/sh", "-c", "kill -TERM $$"});
   EXPECT_FALSE(r.status.exited);
   EXPECT_EQ(r.status.code, SIGTERM);
   EXPECT_FALSE(r.status.ok());
@@ -110,7 +110,7 @@ TEST(RunCaptureTest, ReportsDeathBySignal) {
 
 TEST(RunCaptureTest, TimeoutKillsTheCommand) {
   auto start = Clock::now();
-  Error e = catch_error([] { run_capture({"/bin/sleep", "10"}, 100ms); });
+  Error e = catch_error([] { common::run_capture({"/bin/sleep", "10"}, 100ms); });
   auto elapsed = Clock::now() - start;
   EXPECT_EQ(e.kind(), ErrorKind::kTimeout);
   EXPECT_STREQ(e.what(), "/bin/sleep did not finish within 100 ms");
@@ -121,7 +121,9 @@ TEST(RunCaptureTest, TimeoutKillsTheCommand) {
 TEST(RunCaptureTest, TimeoutAppliesAfterTheCommandClosesItsOutput) {
   // EOF comes at once, but the command runs on: the timeout must still hold.
   auto start = Clock::now();
-  Error e = catch_error([] { run_capture({"/bin/sh", "-c", "exec >&- 2>&-; sleep 10"}, 200ms); });
+  Error e = catch_error([] {
+    common::run_capture({"/bin/sh", "-c", "exec >&- 2>&-; sleep 10"}, 200ms);
+  });
   auto elapsed = Clock::now() - start;
   EXPECT_EQ(e.kind(), ErrorKind::kTimeout);
   EXPECT_STREQ(e.what(), "/bin/sh did not finish within 200 ms");
@@ -130,7 +132,8 @@ TEST(RunCaptureTest, TimeoutAppliesAfterTheCommandClosesItsOutput) {
 }
 
 TEST(RunCaptureTest, CommandThatClosesItsOutputAndExitsIsNotATimeout) {
-  RunResult r = run_capture({"/bin/sh", "-c", "echo early; exec >&- 2>&-; sleep 0.2; exit 5"}, 5s);
+  common::RunResult r =
+      common::run_capture({"/bin/sh", "-c", "echo early; exec >&- 2>&-; sleep 0.2; exit 5"}, 5s);
   EXPECT_TRUE(r.status.exited);
   EXPECT_EQ(r.status.code, 5);
   EXPECT_EQ(r.output, "early\n");
@@ -140,7 +143,7 @@ TEST(RunCaptureTest, GrandchildHoldingTheOutputOpenDoesNotDelayTheResult) {
   // The command exits at once but leaves a background process with its stdout: EOF would come
   // only when that one ends, after the timeout. The command finished, so that is no timeout.
   auto start = Clock::now();
-  RunResult r = run_capture(
+  common::RunResult r = common::run_capture(
       {"/bin/sh", "-c", "head -c 100000 /dev/zero | tr '\\0' x; sleep 5 & echo $!; exit 3"}, 2s);
   auto elapsed = Clock::now() - start;
   EXPECT_LT(elapsed, 1500ms);
@@ -158,7 +161,7 @@ TEST(SubprocessTest, DestructionKillsAndReapsARunningChild) {
   pid_t pid = 0;
   auto start = Clock::now();
   {
-    Subprocess child(command({"/bin/sleep", "10"}));
+    common::Subprocess child(command({"/bin/sleep", "10"}));
     pid = child.pid();
     ASSERT_GT(pid, 0);
     EXPECT_TRUE(child.running());
@@ -171,13 +174,13 @@ TEST(SubprocessTest, DestructionKillsAndReapsARunningChild) {
 }
 
 TEST(SubprocessTest, WaitWithTimeoutLeavesTheChildRunning) {
-  Subprocess child(command({"/bin/sleep", "10"}));
+  common::Subprocess child(command({"/bin/sleep", "10"}));
   auto start = Clock::now();
   EXPECT_EQ(child.wait(50ms), std::nullopt);
   EXPECT_GE(Clock::now() - start, 50ms);
   EXPECT_TRUE(child.running());
   child.kill(SIGTERM);
-  std::optional<ExitStatus> status = child.wait(2s);
+  std::optional<common::ExitStatus> status = child.wait(2s);
   ASSERT_TRUE(status.has_value());
   EXPECT_FALSE(status->exited);
   EXPECT_EQ(status->code, SIGTERM);
@@ -186,7 +189,7 @@ TEST(SubprocessTest, WaitWithTimeoutLeavesTheChildRunning) {
 }
 
 TEST(SubprocessTest, WaitWithTimeoutNeverReturnsEarly) {
-  Subprocess child(command({"/bin/sleep", "10"}));
+  common::Subprocess child(command({"/bin/sleep", "10"}));
   for (auto timeout : {1ms, 2ms, 3ms, 5ms, 7ms, 10ms, 13ms}) {
     for (int i = 0; i < 5; ++i) {
       auto start = Clock::now();
@@ -199,7 +202,7 @@ TEST(SubprocessTest, WaitWithTimeoutNeverReturnsEarly) {
 TEST(SubprocessTest, ReleasedChildOutlivesItsSubprocess) {
   pid_t pid = 0;
   {
-    Subprocess child(command({"/bin/sleep", "10"}));
+    common::Subprocess child(command({"/bin/sleep", "10"}));
     pid = child.release();
     EXPECT_FALSE(child.running());
   }
@@ -212,45 +215,45 @@ TEST(SubprocessTest, ReleasedChildOutlivesItsSubprocess) {
 }
 
 TEST(SubprocessTest, MovedFromSubprocessDoesNotKill) {
-  Subprocess a(command({"/bin/sh", "-c", "exit 4"}));
+  common::Subprocess a(command({"/bin/sh", "-c", "exit 4"}));
   pid_t pid = a.pid();
-  Subprocess b(std::move(a));
+  common::Subprocess b(std::move(a));
   EXPECT_EQ(b.pid(), pid);
   EXPECT_FALSE(a.running());  // NOLINT(bugprone-use-after-move): moved-from is defined here
-  std::optional<ExitStatus> status = b.wait();
+  std::optional<common::ExitStatus> status = b.wait();
   ASSERT_TRUE(status.has_value());
   EXPECT_TRUE(status->exited);
   EXPECT_EQ(status->code, 4);
 }
 
 TEST(SubprocessTest, RefusesEmptyCommand) {
-  Error e = catch_error([] { Subprocess child(SpawnOptions{}); });
+  Error e = catch_error([] { common::Subprocess child(common::SpawnOptions{}); });
   EXPECT_EQ(e.kind(), ErrorKind::kInternal);
   EXPECT_STREQ(e.what(), "spawn: empty command");
 }
 
 TEST(SubprocessTest, KeptFdArrivesAtTheRequestedNumber) {
-  Pipe pipe = Pipe::make();
-  SpawnOptions o = command({"/bin/sh", "-c", "printf 'via fd 5' >&5"});
+  common::Pipe pipe = common::Pipe::make();
+  common::SpawnOptions o = command({"/bin/sh", "-c", "printf 'via fd 5' >&5"});
   o.keep_fds = {{pipe.write.get(), 5}};
-  Subprocess child(o);
+  common::Subprocess child(o);
   pipe.write.reset();
   EXPECT_EQ(read_all(pipe.read.get()), "via fd 5");
-  std::optional<ExitStatus> status = child.wait();
+  std::optional<common::ExitStatus> status = child.wait();
   ASSERT_TRUE(status.has_value());
   EXPECT_TRUE(status->ok()) << status->describe();
 }
 
 TEST(SubprocessTest, KeptFdsSurviveExecAndMayCrossNumbers) {
   // Two pipes delivered at each other's numbers: the moves must not clobber one another.
-  Pipe a = Pipe::make();
-  Pipe b = Pipe::make();
+  common::Pipe a = common::Pipe::make();
+  common::Pipe b = common::Pipe::make();
   const int fa = a.write.get();
   const int fb = b.write.get();
-  SpawnOptions o;
+  common::SpawnOptions o;
   o.argv = {"/bin/sh", "-c", "echo A >&" + std::to_string(fb) + "; echo B >&" + std::to_string(fa)};
   o.keep_fds = {{fa, fb}, {fb, fa}};
-  Subprocess child(o);
+  common::Subprocess child(o);
   a.write.reset();
   b.write.reset();
   EXPECT_EQ(read_all(a.read.get()), "A\n");
@@ -259,16 +262,17 @@ TEST(SubprocessTest, KeptFdsSurviveExecAndMayCrossNumbers) {
 }
 
 TEST(SubprocessTest, ChildHasOnlyKeptFds) {
-  Pipe parent_pipe = Pipe::make();                      // O_CLOEXEC: closed by the exec
-  UniqueFd inheritable(::dup(parent_pipe.read.get()));  // no O_CLOEXEC: closed by Subprocess
+  common::Pipe parent_pipe = common::Pipe::make();  // O_CLOEXEC: closed by the exec
+  common::UniqueFd inheritable(
+      ::dup(parent_pipe.read.get()));  // no O_CLOEXEC: closed by Subprocess
   ASSERT_TRUE(inheritable);
-  Pipe kept = Pipe::make();
-  SpawnOptions o = command(
+  common::Pipe kept = common::Pipe::make();
+  common::SpawnOptions o = command(
       {built("tests/fd_probe"), "closed", std::to_string(parent_pipe.write.get()), "closed",
        std::to_string(inheritable.get()), "open", "100", "open", "0", "open", "1", "open", "2"});
   o.keep_fds = {{kept.write.get(), 100}};
-  Subprocess child(o);
-  std::optional<ExitStatus> status = child.wait();
+  common::Subprocess child(o);
+  std::optional<common::ExitStatus> status = child.wait();
   ASSERT_TRUE(status.has_value());
   EXPECT_TRUE(status->exited);
   EXPECT_EQ(status->code, 0) << "10: CLOEXEC fd open, 11: plain fd open, 12: kept fd closed, "
@@ -276,21 +280,21 @@ TEST(SubprocessTest, ChildHasOnlyKeptFds) {
 }
 
 TEST(SubprocessTest, ForkFailureNamesTheProgram) {
-  SpawnOptions c = command({"/bin/true"});
+  common::SpawnOptions c = command({"/bin/true"});
   c.clone_flags = CLONE_SIGHAND;  // without CLONE_VM: clone fails with EINVAL
-  Error e = catch_error([&] { Subprocess child(c); });
+  Error e = catch_error([&] { common::Subprocess child(c); });
   EXPECT_EQ(e.kind(), ErrorKind::kInternal);
   EXPECT_EQ(std::string(e.what()), std::string("fork /bin/true: ") + std::strerror(EINVAL));
 }
 
 TEST(SubprocessTest, StdioGoesWhereAsked) {
-  Pipe in = Pipe::make();
-  Pipe out = Pipe::make();
-  SpawnOptions o;
+  common::Pipe in = common::Pipe::make();
+  common::Pipe out = common::Pipe::make();
+  common::SpawnOptions o;
   o.argv = {"/bin/sh", "-c", "read line; echo \"got $line\"; echo nothing >&2"};
   o.stdin_fd = in.read.get();
   o.stdout_fd = out.write.get();  // stderr: /dev/null
-  Subprocess child(o);
+  common::Subprocess child(o);
   in.read.reset();
   out.write.reset();
   ASSERT_EQ(::write(in.write.get(), "ping\n", 5), 5);
@@ -301,12 +305,12 @@ TEST(SubprocessTest, StdioGoesWhereAsked) {
 
 TEST(SubprocessTest, EnvAddReachesTheChildAndReplaces) {
   ::setenv("GPUSNAP_TEST_REPLACED", "old", 1);
-  Pipe out = Pipe::make();
-  SpawnOptions o;
+  common::Pipe out = common::Pipe::make();
+  common::SpawnOptions o;
   o.argv = {"/usr/bin/env"};
   o.env_add = {"GPUSNAP_TEST_ADDED=hello there", "GPUSNAP_TEST_REPLACED=new"};
   o.stdout_fd = out.write.get();
-  Subprocess child(o);
+  common::Subprocess child(o);
   out.write.reset();
   const std::string env = "\n" + read_all(out.read.get());
   ::unsetenv("GPUSNAP_TEST_REPLACED");

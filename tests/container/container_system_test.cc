@@ -234,7 +234,7 @@ TEST_F(ContainerTest, HandshakeWorkloadPausesAndResumesInThePlaceholderWithItsCo
 
 TEST(ContainerInit, RunsTheCommandAndExitsWithItsStatus) {
   // The shim outside a container too: CMD's exit status is the shim's.
-  auto ok = run_capture({gpusnap_bin(), "init", "--", "/bin/sh", "-c", "exit 7"});
+  auto ok = common::run_capture({gpusnap_bin(), "init", "--", "/bin/sh", "-c", "exit 7"});
   EXPECT_EQ(ok.status.code, 7) << ok.output;
   auto usage = gpusnap({"init", "--placeholder", "--", "/bin/true"});
   EXPECT_EQ(usage.exit_code, 2);

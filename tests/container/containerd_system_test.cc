@@ -179,13 +179,13 @@ TEST_F(ContainerdTest, ContainerdRestartedDuringACaptureLosesNothing) {
 
   auto snap = dir_ / "snap";
   auto log = dir_ / "checkpoint.out";
-  UniqueFd out(::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
-  SpawnOptions o;
+  common::UniqueFd out(::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  common::SpawnOptions o;
   o.argv = {gpusnap_bin(), "checkpoint",  "--container",     source->id(),
             "-o",          snap.string(), "--leave-running", "--json"};
   o.stdout_fd = out.get();
   o.stderr_fd = out.get();
-  Subprocess capture(o);
+  common::Subprocess capture(o);
   ASSERT_TRUE(eventually([] { return criu_dump() != 0; }, std::chrono::seconds(60)))
       << fs::read_file(log);
   containerd_->kill(/*start_again=*/false);

@@ -880,10 +880,10 @@ TEST_F(GpuEngine, GpuMapOnACpuOnlyArtifactIsAUsageError) {
 // --- 7. Journal recovery
 // --------------------------------------------------------------------------
 
-Subprocess sleeper() {
-  SpawnOptions o;
+common::Subprocess sleeper() {
+  common::SpawnOptions o;
   o.argv = {"/bin/sleep", "120"};
-  return Subprocess(o);
+  return common::Subprocess(o);
 }
 
 void write_journal(const std::filesystem::path& run_dir, pid_t owner,
@@ -895,7 +895,7 @@ void write_journal(const std::filesystem::path& run_dir, pid_t owner,
 
 TEST_F(GpuEngine, JournalOfAKilledGpusnapIsRecoveredAndALiveOnesIsLeftAlone) {
   auto run_dir = dir / "run";
-  Subprocess locked = sleeper(), checkpointed = sleeper(), busy = sleeper();
+  common::Subprocess locked = sleeper(), checkpointed = sleeper(), busy = sleeper();
   pid_t gone = dead_pid();  // a process of the journal that exited meanwhile
   fake.add_process(locked.pid(), ProcessState::kLocked);
   fake.add_process(checkpointed.pid(), ProcessState::kCheckpointed);

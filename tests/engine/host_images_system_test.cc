@@ -87,7 +87,7 @@ class StagingDriver final : public gpu::Driver {
       region_ = std::stoull(reply.substr(5), nullptr, 16);
       return;
     }
-    RemoteThread thread(pid);
+    common::RemoteThread thread(pid);
     // A region that starts kRegionSkew past a 2 MiB boundary, as the driver's did.
     long room = thread.syscall(SYS_mmap, 0, kRegion + 2 * kHugePage, PROT_READ | PROT_WRITE,
                                MAP_PRIVATE | MAP_ANONYMOUS, static_cast<uint64_t>(-1), 0);
@@ -115,7 +115,7 @@ class StagingDriver final : public gpu::Driver {
     const uint64_t bytes = port_ != 0 ? kLibraryRegion : kRegion;
     std::string outcome = check_region(pid, region, bytes);
     {
-      RemoteThread thread(pid);
+      common::RemoteThread thread(pid);
       thread.syscall(SYS_munmap, region, bytes);
     }
     std::lock_guard<std::mutex> g(mutex_);
@@ -472,8 +472,8 @@ TEST(HostImages, ACaptureKilledOnTheDirectPathLeavesTheWorkloadItsMemoryAndNoArt
                 std::filesystem::is_empty(dir / "run" / "preload", ec));
     // The workload keeps the driver's bytes (what the driver's restore reads back), now from a
     // file that is in no artifact, and works on.
-    const Mapping* region = nullptr;
-    auto maps = read_mappings(source.pid());
+    const common::Mapping* region = nullptr;
+    auto maps = common::read_mappings(source.pid());
     for (const auto& m : maps) {
       if (m.path.find("/host-images/") != std::string::npos) region = &m;
     }

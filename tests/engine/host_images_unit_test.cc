@@ -10,13 +10,14 @@ namespace {
 
 constexpr uint64_t kMiB = 1ull << 20;
 
-Mapping anon(uint64_t start, uint64_t end, std::string perms = "rw-p") {
+common::Mapping anon(uint64_t start, uint64_t end, std::string perms = "rw-p") {
   return {start, end, std::move(perms), 0, ""};
 }
 
 TEST(HostImageRanges, ANewRegionIsFound) {
-  std::vector<Mapping> before = {anon(0x1000, 0x2000), {0x400000, 0x500000, "r-xp", 0, "/bin/x"}};
-  std::vector<Mapping> after = before;
+  std::vector<common::Mapping> before = {anon(0x1000, 0x2000),
+                                         {0x400000, 0x500000, "r-xp", 0, "/bin/x"}};
+  std::vector<common::Mapping> after = before;
   after.push_back(anon(0x7f0000000000, 0x7f0000000000 + 256 * kMiB));
   auto ranges = new_anonymous_ranges(before, after, 64 * kMiB);
   ASSERT_EQ(ranges.size(), 1u);
@@ -26,8 +27,8 @@ TEST(HostImageRanges, ANewRegionIsFound) {
 TEST(HostImageRanges, OnlyTheGrowthOfAMergedRegionIsFound) {
   // The kernel merges a new anonymous region with an adjacent one of the same flags.
   const uint64_t base = 0x7f0000000000;
-  std::vector<Mapping> before = {anon(base, base + 4 * kMiB)};
-  std::vector<Mapping> after = {anon(base - 128 * kMiB, base + 4 * kMiB + 128 * kMiB)};
+  std::vector<common::Mapping> before = {anon(base, base + 4 * kMiB)};
+  std::vector<common::Mapping> after = {anon(base - 128 * kMiB, base + 4 * kMiB + 128 * kMiB)};
   auto ranges = new_anonymous_ranges(before, after, 64 * kMiB);
   ASSERT_EQ(ranges.size(), 2u);
   EXPECT_EQ(ranges[0], (Range{base - 128 * kMiB, base}));
@@ -36,7 +37,7 @@ TEST(HostImageRanges, OnlyTheGrowthOfAMergedRegionIsFound) {
 
 TEST(HostImageRanges, SmallSharedFileAndReadOnlyMemoryIsLeftToCriu) {
   const uint64_t base = 0x7f0000000000;
-  std::vector<Mapping> after = {
+  std::vector<common::Mapping> after = {
       anon(base, base + 16 * kMiB),                                          // too small
       anon(base + 1024 * kMiB, base + 1280 * kMiB, "rw-s"),                  // shared
       {base + 2048 * kMiB, base + 2304 * kMiB, "rw-p", 0, "/data/weights"},  // a file
@@ -46,7 +47,7 @@ TEST(HostImageRanges, SmallSharedFileAndReadOnlyMemoryIsLeftToCriu) {
 }
 
 TEST(HostImageRanges, NothingNewMeansNothing) {
-  std::vector<Mapping> maps = {anon(0x7f0000000000, 0x7f0000000000 + 512 * kMiB)};
+  std::vector<common::Mapping> maps = {anon(0x7f0000000000, 0x7f0000000000 + 512 * kMiB)};
   EXPECT_TRUE(new_anonymous_ranges(maps, maps, 64 * kMiB).empty());
 }
 

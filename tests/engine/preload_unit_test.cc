@@ -51,7 +51,7 @@ TEST(PreloadLibrary, FoundBesideTheRunningBinaryOrNamedOrNone) {
 }
 
 TEST(PreloadLibrary, SeenInAProcesssMappings) {
-  std::vector<Mapping> maps(2);
+  std::vector<common::Mapping> maps(2);
   maps[0].path = "/usr/lib/x86_64-linux-gnu/libc.so.6";
   EXPECT_FALSE(maps_preload_library(maps));
   maps[1].path = "/opt/gpusnap/bin/libgpusnap-preload.so";

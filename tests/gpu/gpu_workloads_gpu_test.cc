@@ -163,8 +163,8 @@ TEST(CudaWorkload, CheckpointAndRestoreThroughTheAgent) {
   SKIP_WITHOUT_GPU(1);
   TempDir dir;
   const std::string socket = (dir / "agent.sock").string();
-  UniqueFd log(::open((dir / "agent.log").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
-  SpawnOptions o;
+  common::UniqueFd log(::open((dir / "agent.log").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
+  common::SpawnOptions o;
   o.argv = {build_path("gpusnap-agent"),
             "--socket",
             socket,
@@ -176,7 +176,7 @@ TEST(CudaWorkload, CheckpointAndRestoreThroughTheAgent) {
             (dir / "run").string()};
   o.stdout_fd = log.get();
   o.stderr_fd = log.get();
-  Subprocess agent(o);
+  common::Subprocess agent(o);
   ASSERT_TRUE(eventually(
       [&] {
         return gpusnap({"--agent", socket, "list"}).exit_code == 0;
@@ -207,8 +207,8 @@ TEST(CudaWorkload, CheckpointAndRestoreThroughTheAgent) {
 
 // Kills the capture `cp`; the guardian must then give the workload its GPU state back (it answers
 // as `before`), with nothing written at `output`.
-void expect_killed_capture_undone(Subprocess& cp, Workload& source, const std::string& before,
-                                  const std::filesystem::path& output) {
+void expect_killed_capture_undone(common::Subprocess& cp, Workload& source,
+                                  const std::string& before, const std::filesystem::path& output) {
   cp.kill(SIGKILL);
   cp.wait();
   EXPECT_TRUE(
@@ -235,10 +235,10 @@ TEST(CudaWorkload, GpusnapKilledDuringTheGpuCheckpointLeavesTheWorkloadWorking) 
     return names;
   };
   const auto old_entries = entries();
-  SpawnOptions o;
+  common::SpawnOptions o;
   o.argv = {gpusnap_bin(),           "checkpoint", "-p", std::to_string(source.pid()), "-o",
             (dir / "snap").string(), "--quiet"};
-  Subprocess cp(o);
+  common::Subprocess cp(o);
   // The journal entry appears before the lock; the checkpoint of 4 GiB then takes ~2.7 s.
   ASSERT_TRUE(eventually([&] { return entries() != old_entries; }, std::chrono::seconds(30)));
   std::this_thread::sleep_for(std::chrono::milliseconds(800));
@@ -275,7 +275,7 @@ void kill_direct_capture(const std::string& name, bool after_the_drivers_call) {
   // "PID-ADDR.img".
   // Whether the workload maps its host image privately (the remap is over).
   auto private_image = [&] {
-    for (const auto& m : read_mappings(source.pid())) {
+    for (const auto& m : common::read_mappings(source.pid())) {
       if (m.path.find("/host-images/" + std::to_string(source.pid()) + "-") != std::string::npos &&
           m.perms.size() == 4 && m.perms[3] == 'p') {
         return true;
@@ -294,13 +294,14 @@ void kill_direct_capture(const std::string& name, bool after_the_drivers_call) {
     }
     return false;
   };
-  SpawnOptions o;
+  common::SpawnOptions o;
   o.argv = {gpusnap_bin(),           "checkpoint", "-p", std::to_string(source.pid()), "-o",
             (dir / "snap").string(), "--json"};
-  UniqueFd output(::open((dir / "gpusnap.out").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600));
+  common::UniqueFd output(
+      ::open((dir / "gpusnap.out").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600));
   o.stdout_fd = output.get();
   o.stderr_fd = output.get();
-  Subprocess cp(o);
+  common::Subprocess cp(o);
   if (after_the_drivers_call) {
     ASSERT_TRUE(eventually([&] { return private_image(); }, std::chrono::seconds(30)))
         << fs::read_file(dir / "gpusnap.out");

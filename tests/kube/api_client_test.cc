@@ -66,11 +66,11 @@ TEST_F(ApiClientTest, WritesCarryVersionsAndStaleOnesConflict) {
   EXPECT_EQ(stale.status, 409);
   EXPECT_EQ(stale.reason(), "Conflict");
 
-  Response list = api.get(pods_path() + "?fieldSelector=" + url_encode("spec.nodeName=n1"));
+  Response list = api.get(pods_path() + "?fieldSelector=" + common::url_encode("spec.nodeName=n1"));
   ASSERT_EQ(list.status, 200);
   EXPECT_EQ(list.body["metadata"]["resourceVersion"], std::to_string(server_.resource_version()));
   ASSERT_EQ(list.body["items"].size(), 1U);
-  EXPECT_EQ(api.get(pods_path() + "?fieldSelector=" + url_encode("spec.nodeName=n2"))
+  EXPECT_EQ(api.get(pods_path() + "?fieldSelector=" + common::url_encode("spec.nodeName=n2"))
                 .body["items"]
                 .size(),
             0U);
@@ -127,7 +127,7 @@ TEST_F(ApiClientTest, InformerFollowsTheCollection) {
   std::vector<std::string> changed;
   InformerOptions o;
   o.path = pods_path();
-  o.selector = "fieldSelector=" + url_encode("spec.nodeName=n1");
+  o.selector = "fieldSelector=" + common::url_encode("spec.nodeName=n1");
   Informer informer(config(), o, [&](const std::string& key) {
     std::lock_guard lock(mu);
     changed.push_back(key);
@@ -156,7 +156,7 @@ TEST_F(ApiClientTest, InformerFollowsTheCollection) {
 TEST_F(ApiClientTest, BookmarkKeepsTheResumeVersionCurrent) {
   InformerOptions o;
   o.path = pods_path();
-  o.selector = "fieldSelector=" + url_encode("spec.nodeName=n1");
+  o.selector = "fieldSelector=" + common::url_encode("spec.nodeName=n1");
   Informer informer(config(), o, [](const std::string&) {});
   informer.start();
   ASSERT_TRUE(informer.wait_synced(5s));

@@ -49,7 +49,7 @@ bool answers(const std::string& path) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, path.c_str(), std::min(path.size() + 1, sizeof addr.sun_path));
-  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  common::UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   return fd && ::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
 }
 
@@ -58,8 +58,8 @@ bool answers(const std::string& path) {
 class Program {
  public:
   Program(std::vector<std::string> argv, const stdfs::path& log) : log_(log) {
-    UniqueFd out(::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
-    SpawnOptions o;
+    common::UniqueFd out(::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+    common::SpawnOptions o;
     o.argv = std::move(argv);
     o.stdout_fd = out.get();
     o.stderr_fd = out.get();
@@ -67,7 +67,7 @@ class Program {
   }
   bool running() { return !process_->poll().has_value(); }
   // SIGTERM, as the kubelet stops a container; the exit status.
-  std::optional<ExitStatus> stop() {
+  std::optional<common::ExitStatus> stop() {
     process_->kill(SIGTERM);
     return process_->wait(30s);
   }
@@ -75,7 +75,7 @@ class Program {
 
  private:
   stdfs::path log_;
-  std::optional<Subprocess> process_;
+  std::optional<common::Subprocess> process_;
 };
 
 class ControllerAndRealAgent : public ::testing::Test {

@@ -523,7 +523,7 @@ namespace {
 // agent by socket; SIGTERM stops it cleanly.
 TEST_F(ControllerTest, TheProgramCapturesAndStopsOnSigterm) {
   running_pod("web", kNode, "c0ffee");
-  SpawnOptions o;
+  common::SpawnOptions o;
   o.argv = {GPUSNAP_CONTROLLER_BIN,
             "--node",
             kNode,
@@ -537,7 +537,7 @@ TEST_F(ControllerTest, TheProgramCapturesAndStopsOnSigterm) {
             kRuntimeRoot,
             "--poll-ms",
             "30"};
-  Subprocess program(o);
+  common::Subprocess program(o);
   snapshot("web-snap", {{"source", {{"podName", "web"}}}});
   ASSERT_TRUE(eventually([&] { return phase("web-snap") == "Succeeded"; }))
       << snap_status("web-snap");
@@ -549,13 +549,13 @@ TEST_F(ControllerTest, TheProgramCapturesAndStopsOnSigterm) {
 }
 
 TEST_F(ControllerTest, TheProgramRefusesToRunWithoutANode) {
-  auto r = run_capture(
+  auto r = common::run_capture(
       {"/usr/bin/env", "-u", "NODE_NAME", GPUSNAP_CONTROLLER_BIN, "--api-server", server_.url()});
   EXPECT_EQ(r.status.code, 2);
   EXPECT_EQ(r.output,
             "gpusnap-controller: error: no node name (fix: give --node NAME, or NODE_NAME from "
             "the downward API (spec.nodeName))\n");
-  auto j = run_capture({GPUSNAP_CONTROLLER_BIN, "--json", "--node", kNode, "--bogus"});
+  auto j = common::run_capture({GPUSNAP_CONTROLLER_BIN, "--json", "--node", kNode, "--bogus"});
   EXPECT_EQ(j.status.code, 2);
   EXPECT_EQ(json::parse(j.output)["error"]["message"], "unknown option --bogus");
 }

@@ -35,7 +35,7 @@ Probe probe(const std::vector<std::string>& args, const std::vector<std::string>
   argv.insert(argv.end(), env.begin(), env.end());
   argv.push_back(built("tests/populate_probe"));
   argv.insert(argv.end(), args.begin(), args.end());
-  auto r = run_capture(argv, std::chrono::seconds(60));
+  auto r = common::run_capture(argv, std::chrono::seconds(60));
   Probe p;
   p.status = r.status.ok() ? 0 : 1;
   std::istringstream lines(r.output);

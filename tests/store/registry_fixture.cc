@@ -28,7 +28,7 @@ bool on_path(const std::string& program) {
 
 // A port nobody listens on now (the kernel's pick for an ephemeral bind).
 uint16_t free_port() {
-  UniqueFd s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  common::UniqueFd s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -41,12 +41,12 @@ uint16_t free_port() {
 }
 
 void run(const std::vector<std::string>& argv, const sfs::path& out) {
-  UniqueFd fd(::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
-  SpawnOptions o;
+  common::UniqueFd fd(::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  common::SpawnOptions o;
   o.argv = argv;
   o.stdout_fd = fd.get();
   o.stderr_fd = fd.get();
-  Subprocess p(o);
+  common::Subprocess p(o);
   auto st = p.wait(std::chrono::seconds(60));
   if (!st || !st->ok()) {
     std::string log;
@@ -56,7 +56,7 @@ void run(const std::vector<std::string>& argv, const sfs::path& out) {
 }
 
 bool answers(uint16_t port) {
-  UniqueFd s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  common::UniqueFd s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_port = htons(port);
@@ -114,8 +114,8 @@ LocalRegistry::LocalRegistry(const TempDir& dir, Options o) {
         "\n";
   }
   fs::write_file(base / "config.yml", config);
-  UniqueFd logfd(::open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
-  SpawnOptions so;
+  common::UniqueFd logfd(::open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  common::SpawnOptions so;
   so.argv = {"docker-registry", "serve", (base / "config.yml").string()};
   so.stdout_fd = logfd.get();
   so.stderr_fd = logfd.get();

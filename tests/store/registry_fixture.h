@@ -47,7 +47,7 @@ class LocalRegistry {
   std::filesystem::path storage_;
   std::filesystem::path ca_;
   std::filesystem::path log_;
-  std::optional<Subprocess> process_;
+  std::optional<common::Subprocess> process_;
 };
 
 }  // namespace gpusnap::testing

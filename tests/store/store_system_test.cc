@@ -103,8 +103,8 @@ TEST(StoreRegistry, PushPullRestoreOverPlainHttp) {
   EXPECT_EQ(json::parse(again.out).at("digest"), digest);
 
   // What skopeo, another OCI client, sees.
-  auto raw = run_capture({"skopeo", "inspect", "--tls-verify=false", "--raw",
-                          "docker://" + registry.host() + "/team/worker:v1"});
+  auto raw = common::run_capture({"skopeo", "inspect", "--tls-verify=false", "--raw",
+                                  "docker://" + registry.host() + "/team/worker:v1"});
   ASSERT_TRUE(raw.status.ok()) << raw.output;
   auto manifest = json::parse(raw.output);
   EXPECT_EQ(manifest.at("config").at("mediaType"),
@@ -214,8 +214,8 @@ TEST(StoreRegistry, CorruptBlobInTheRegistryIsRefusedAndNothingRestored) {
   push(registry, capture(dir, "snap", "32"), "r/s:v1");
 
   // Flip one byte of the largest chunk in the registry's own storage.
-  auto raw = run_capture({"skopeo", "inspect", "--tls-verify=false", "--raw",
-                          "docker://" + registry.host() + "/r/s:v1"});
+  auto raw = common::run_capture({"skopeo", "inspect", "--tls-verify=false", "--raw",
+                                  "docker://" + registry.host() + "/r/s:v1"});
   ASSERT_TRUE(raw.status.ok()) << raw.output;
   std::string victim;
   uint64_t largest = 0;
@@ -271,13 +271,13 @@ TEST(StoreRegistry, KilledPullResumesWithoutFetchingCompleteChunksAgain) {
   const auto blobs = cache / "blobs" / "sha256";
   {
     // One chunk at a time at 16 MiB/s: killed once a few chunks are complete.
-    SpawnOptions o;
+    common::SpawnOptions o;
     o.argv = {gpusnap_bin(), "pull",           registry.ref("r/s:v1"),
               "-o",          out.string(),     "--plain-http",
               "--cache",     cache.string(),   "--jobs",
               "1",           "--max-rate-mib", "16",
               "-q"};
-    Subprocess slow(o);
+    common::Subprocess slow(o);
     ASSERT_TRUE(eventually([&] { return files_in(blobs) >= 3; }, std::chrono::seconds(30)));
     slow.kill(SIGKILL);
     slow.wait();
@@ -385,8 +385,8 @@ TEST(StoreRegistry, AnotherGpuRefusesAfterTheManifestAlone) {
   fs::write_file(snap.path / "manifest.json", doc.dump(2));
   auto push = gpusnap({"push", snap.path.string(), registry.ref("r/gpu:v1"), "--plain-http"});
   ASSERT_EQ(push.exit_code, 0) << push.err;
-  auto raw = run_capture({"skopeo", "inspect", "--tls-verify=false", "--raw",
-                          "docker://" + registry.host() + "/r/gpu:v1"});
+  auto raw = common::run_capture({"skopeo", "inspect", "--tls-verify=false", "--raw",
+                                  "docker://" + registry.host() + "/r/gpu:v1"});
   EXPECT_EQ(json::parse(raw.output).at("annotations").at("org.gpusnap.gpu.model"), "NVIDIA H200");
   EXPECT_EQ(json::parse(raw.output).at("annotations").at("org.gpusnap.gpu.driver"), "580.95.05");
 

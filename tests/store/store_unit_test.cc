@@ -103,7 +103,7 @@ sfs::path make_artifact(const sfs::path& root, uint64_t file_offset, uint32_t se
   }
   std::string b(100 << 10, 'x');
   const auto image = root / "host-images" / "1-7f0000000000.img";
-  UniqueFd fd(::open(image.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  common::UniqueFd fd(::open(image.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
   EXPECT_EQ(::pwrite(fd.get(), a.data(), a.size(), static_cast<off_t>(file_offset)),
             static_cast<ssize_t>(a.size()));
   EXPECT_EQ(::pwrite(fd.get(), b.data(), b.size(), static_cast<off_t>(file_offset + (12 << 20))),
@@ -132,7 +132,7 @@ sfs::path make_artifact(const sfs::path& root, uint64_t file_offset, uint32_t se
 
 // [data start, data end) ranges of a file, from SEEK_DATA/SEEK_HOLE.
 std::vector<std::pair<off_t, off_t>> data_map(const sfs::path& p) {
-  UniqueFd fd(::open(p.c_str(), O_RDONLY | O_CLOEXEC));
+  common::UniqueFd fd(::open(p.c_str(), O_RDONLY | O_CLOEXEC));
   std::vector<std::pair<off_t, off_t>> out;
   const off_t size = ::lseek(fd.get(), 0, SEEK_END);
   for (off_t pos = 0; pos < size;) {

@@ -57,9 +57,9 @@ Containerd::Containerd(const stdfs::path& dir) : dir_(dir) {
 }
 
 void Containerd::start() {
-  UniqueFd log(
+  common::UniqueFd log(
       ::open((dir_ / "containerd.log").c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600));
-  SpawnOptions o;
+  common::SpawnOptions o;
   o.argv = {"/usr/bin/containerd", "--config", (dir_ / "config.toml").string()};
   o.stdout_fd = log.get();
   o.stderr_fd = log.get();
@@ -87,11 +87,11 @@ Containerd::~Containerd() {
   }
 }
 
-RunResult Containerd::ctr(const std::vector<std::string>& args) const {
+common::RunResult Containerd::ctr(const std::vector<std::string>& args) const {
   std::vector<std::string> argv = {"/usr/bin/ctr", "-a", (dir_ / "containerd.sock").string(), "-n",
                                    kNamespace};
   argv.insert(argv.end(), args.begin(), args.end());
-  return run_capture(argv, std::chrono::seconds(60));
+  return common::run_capture(argv, std::chrono::seconds(60));
 }
 
 const std::string& Containerd::image() {
@@ -100,9 +100,9 @@ const std::string& Containerd::image() {
   make_rootfs(rootfs);
   const std::string name = "gpusnap.test/workload";
   const std::string tag = "t" + fs::random_id().substr(0, 8);
-  auto built = run_capture({"python3", std::string(GPUSNAP_SOURCE_DIR) + "/scripts/build-image",
-                            "--rootfs", rootfs.string(), "--output", (dir_ / "image").string(),
-                            "--name", name, "--tag", tag});
+  auto built = common::run_capture(
+      {"python3", std::string(GPUSNAP_SOURCE_DIR) + "/scripts/build-image", "--rootfs",
+       rootfs.string(), "--output", (dir_ / "image").string(), "--name", name, "--tag", tag});
   EXPECT_TRUE(built.status.ok()) << built.output;
   auto imported = ctr({"images", "import", (dir_ / "image/gpusnap-image.tar").string()});
   EXPECT_TRUE(imported.status.ok()) << imported.output;

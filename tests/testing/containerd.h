@@ -32,7 +32,7 @@ class Containerd {
   // Why it did not start (its log's last lines); nullopt when it serves.
   const std::optional<std::string>& failure() const { return failure_; }
   // `ctr -a SOCKET -n k8s.io ARGS...`, its output and status.
-  RunResult ctr(const std::vector<std::string>& args) const;
+  common::RunResult ctr(const std::vector<std::string>& args) const;
   // The test image, built from make_rootfs() and imported once; its reference.
   const std::string& image();
   // Stops containerd with SIGKILL (its shims and containers go on, as on a node) and, when
@@ -45,7 +45,7 @@ class Containerd {
   void start();
 
   std::filesystem::path dir_;
-  std::optional<Subprocess> daemon_;
+  std::optional<common::Subprocess> daemon_;
   std::optional<std::string> failure_;
   std::string image_;
 };

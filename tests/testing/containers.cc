@@ -29,7 +29,7 @@ std::optional<std::string> runc_blocker() {
 
 void install_binary(const stdfs::path& rootfs, const stdfs::path& binary, const std::string& as) {
   stdfs::copy_file(binary, rootfs / as.substr(1), stdfs::copy_options::overwrite_existing);
-  auto ldd = run_capture({"/usr/bin/ldd", binary.string()});
+  auto ldd = common::run_capture({"/usr/bin/ldd", binary.string()});
   ASSERT_TRUE(ldd.status.ok()) << ldd.output;
   static const std::regex kLib(R"((/[^ \t\n]+) \(0x)");
   for (std::sregex_iterator it(ldd.output.begin(), ldd.output.end(), kLib), end; it != end; ++it) {
@@ -57,7 +57,7 @@ void make_rootfs(const stdfs::path& rootfs) {
 stdfs::path make_bundle(const stdfs::path& dir, const std::vector<std::string>& args) {
   auto rootfs = dir / "rootfs";
   make_rootfs(rootfs);
-  auto spec = run_capture({"runc", "spec", "--bundle", dir.string()});
+  auto spec = common::run_capture({"runc", "spec", "--bundle", dir.string()});
   EXPECT_TRUE(spec.status.ok()) << spec.output;
   auto config = json::parse(fs::read_file(dir / "config.json"));
   config["process"]["terminal"] = false;
@@ -88,8 +88,8 @@ stdfs::path make_bundle(const stdfs::path& dir, const std::vector<std::string>& 
 
 Container::Container(const stdfs::path& runtime_root, std::string id, const stdfs::path& bundle)
     : root_(runtime_root), id_(std::move(id)) {
-  Pipe out = Pipe::make();
-  SpawnOptions o;
+  common::Pipe out = common::Pipe::make();
+  common::SpawnOptions o;
   o.argv = {"runc",
             "--root",
             root_.string(),
@@ -102,16 +102,18 @@ Container::Container(const stdfs::path& runtime_root, std::string id, const stdf
             id_};
   o.stdout_fd = out.write.get();
   o.stderr_fd = out.write.get();
-  auto status = *Subprocess(o).wait();
+  auto status = *common::Subprocess(o).wait();
   output_ = std::move(out.read);
   started_ = status.ok();
   if (started_) pid_ = std::stoi(fs::read_file(bundle / "init.pid"));
 }
 
-Container::~Container() { run_capture({"runc", "--root", root_.string(), "delete", "-f", id_}); }
+Container::~Container() {
+  common::run_capture({"runc", "--root", root_.string(), "delete", "-f", id_});
+}
 
 json Container::state() const {
-  auto r = run_capture({"runc", "--root", root_.string(), "state", id_});
+  auto r = common::run_capture({"runc", "--root", root_.string(), "state", id_});
   return r.status.ok() ? json::parse(r.output) : json();
 }
 
@@ -119,7 +121,8 @@ std::string ask_in(pid_t pid, const std::string& line) {
   std::string reply;
   // setns applies to the calling thread: a thread of its own joins the namespace and asks.
   std::thread([&] {
-    UniqueFd ns(::open(("/proc/" + std::to_string(pid) + "/ns/net").c_str(), O_RDONLY | O_CLOEXEC));
+    common::UniqueFd ns(
+        ::open(("/proc/" + std::to_string(pid) + "/ns/net").c_str(), O_RDONLY | O_CLOEXEC));
     if (ns && ::setns(ns.get(), CLONE_NEWNET) == 0) reply = ask(kContainerPort, line);
   }).join();
   return reply;

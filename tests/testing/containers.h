@@ -62,7 +62,7 @@ class Container {
  private:
   std::filesystem::path root_;
   std::string id_;
-  UniqueFd output_;
+  common::UniqueFd output_;
   bool started_ = false;
   pid_t pid_ = 0;
 };

@@ -55,9 +55,9 @@ Workload::Workload(const TempDir& dir, std::vector<std::string> extra_args)
 Workload::Workload(const TempDir& dir, std::vector<std::string> argv,
                    std::chrono::seconds ready_within) {
   auto ready = dir / ("ready-" + fs::random_id().substr(0, 6));
-  UniqueFd log(
+  common::UniqueFd log(
       ::open((dir / "workload.log").c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
-  SpawnOptions o;
+  common::SpawnOptions o;
   o.argv = std::move(argv);
   o.argv.push_back("--ready-file");
   o.argv.push_back(ready.string());
@@ -91,7 +91,7 @@ void Workload::kill_tree() {
 }
 
 std::string ask(uint16_t port, const std::string& line, std::chrono::milliseconds timeout) {
-  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  common::UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   struct sockaddr_in addr {};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(port);
@@ -121,14 +121,14 @@ std::string ask(uint16_t port, const std::string& line, std::chrono::millisecond
 
 CliResult gpusnap(const std::vector<std::string>& args, std::chrono::milliseconds timeout) {
   TempDir dir;
-  UniqueFd out(::open((dir / "out").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
-  UniqueFd err(::open((dir / "err").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
-  SpawnOptions o;
+  common::UniqueFd out(::open((dir / "out").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
+  common::UniqueFd err(::open((dir / "err").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
+  common::SpawnOptions o;
   o.argv = {gpusnap_bin()};
   o.argv.insert(o.argv.end(), args.begin(), args.end());
   o.stdout_fd = out.get();
   o.stderr_fd = err.get();
-  Subprocess p(o);
+  common::Subprocess p(o);
   auto status = p.wait(timeout);
   CliResult r;
   if (!status) {

@@ -52,7 +52,7 @@ class Workload {
   void kill_tree();
 
  private:
-  std::optional<Subprocess> process_;
+  std::optional<common::Subprocess> process_;
   pid_t pid_ = 0;
   uint16_t port_ = 0;
 };
