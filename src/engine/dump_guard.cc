@@ -15,6 +15,7 @@
 #include "common/fs.h"
 #include "engine/gpu_state.h"
 #include "engine/handshake.h"
+#include "engine/preload.h"
 #include "engine/tier.h"
 #include "gpu/driver.h"
 #include "gpusnap/error.h"
@@ -56,6 +57,8 @@ bool write_exact(int fd, const void* data, size_t size) {
 // directory before removing it: a fill runs at tens of GB/s, so this bounds only a workload that
 // died or hangs.
 constexpr std::chrono::milliseconds kTierFillWait{120000};
+// How long the guardian waits for the preload library's remap watchers to leave.
+constexpr std::chrono::milliseconds kRemapCancelWait{2000};
 
 // Whether the tier's folder holds anything: a drain started (it may still be writing). The
 // folder is renamed away while it is looked at, so that no drain can create its files in it
@@ -106,9 +109,13 @@ int dump_guard_main(const std::string& spec_json) {
   }
   // A request nobody took must not send a later mapping into a removed artifact (the library
   // would only fail to open the file, but the request is ours to take back).
-  for (const auto& request : spec.value("preload_requests", std::vector<std::string>{})) {
-    ::unlink(request.c_str());
-  }
+  const auto preload_requests = spec.value("preload_requests", std::vector<std::string>{});
+  for (const auto& request : preload_requests) ::unlink(request.c_str());
+  // A remap watcher the library started for this capture leaves now, whether or not gpusnap
+  // asked it to act: it must not wait in the process for a request nobody will send.
+  const auto gpu_pids = spec.at("gpu_pids").get<std::vector<pid_t>>();
+  cancel_remap_watchers(gpu_pids, {preload_requests.begin(), preload_requests.end()},
+                        kRemapCancelWait);
   const auto staging = spec.at("staging").get<std::string>();
   // A memory tier that drained into the staging directory has its contents only there: the
   // workload must fill them back before the directory goes (docs/design.md, "The memory tier").
@@ -117,7 +124,6 @@ int dump_guard_main(const std::string& spec_json) {
   // The workload's GPU state back first, then its own resume: the order gpusnap itself keeps.
   // Rather now than leave the workload blocked in its next CUDA call, or paused, until someone
   // runs gpusnap again.
-  auto gpu_pids = spec.at("gpu_pids").get<std::vector<pid_t>>();
   if (!gpu_pids.empty()) {
     auto driver = gpu::open_nvidia_driver();
     if (driver->available()) return_to_running(*driver, gpu_pids);

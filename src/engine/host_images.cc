@@ -529,20 +529,9 @@ DirectHostImage::DirectHostImage(pid_t pid, const std::filesystem::path& artifac
       throw sys_error("create " + requests_dir.string(), errno);
     }
     auto request = preload_request_path(requests_dir, pid);
-    auto temp = request;
-    temp += ".tmp";
-    {
-      common::UniqueFd out(::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
-      const std::string text = file_.string() + "\n";
-      if (!out ||
-          ::write(out.get(), text.data(), text.size()) != static_cast<ssize_t>(text.size())) {
-        throw sys_error("write " + temp.string(), errno);
-      }
-    }
-    // Renamed into place whole: the library never reads half a request.
-    if (::rename(temp.c_str(), request.c_str()) != 0)
-      throw sys_error("rename " + temp.string(), errno);
+    write_preload_request(request, file_.string() + "\n");
     request_ = request;
+    remap_request_base_ = request;
   } catch (const std::exception& e) {
     reporter.note("process " + std::to_string(pid) + ": " + e.what() +
                   "; its GPU memory is copied into the artifact after the driver's checkpoint");
@@ -606,8 +595,13 @@ std::optional<HostImageRecord> DirectHostImage::adopt(const std::filesystem::pat
     throw sys_error("size " + file_.string(), errno);
   }
   // A copy restored later, or the source, must never write into the artifact: private, or the
-  // capture fails (and the source's GPU state goes back from the shared mapping as it is).
-  remap(pid_, files, common::read_mappings(pid_), reporter);
+  // capture fails (and the source's GPU state goes back from the shared mapping as it is). The
+  // library's watcher does it from inside the process; a library without one, through ptrace.
+  if (has_thread_named(pid_, kRemapThreadName)) {
+    remap_from_inside(range, offset);
+  } else {
+    remap(pid_, files, common::read_mappings(pid_), reporter);
+  }
   if (!mapped_from(common::read_mappings(pid_), range, file_, offset)) {
     throw Error(ErrorKind::kEnvironment,
                 "process " + std::to_string(pid_) +
@@ -626,6 +620,42 @@ std::optional<HostImageRecord> DirectHostImage::adopt(const std::filesystem::pat
   reporter.note("process " + std::to_string(pid_) + ": " + fs::human_bytes(range.size()) +
                 " of host memory written into the artifact by the driver's checkpoint itself");
   return rec;
+}
+
+void DirectHostImage::remap_from_inside(const Range& range, uint64_t offset) {
+  const auto maps = common::read_mappings(pid_);
+  auto mapping = std::find_if(maps.begin(), maps.end(), [&](const common::Mapping& m) {
+    return m.start <= range.start && range.start < m.end;
+  });
+  if (mapping == maps.end()) return;  // found out by the check that follows
+  RemapRequest request{range.start, range.end, offset, prot_of(mapping->perms), 0};
+  const auto flags = vm_flags(pid_, mapping->start);
+  const auto has = [&](const char* flag) {
+    return std::find(flags.begin(), flags.end(), flag) != flags.end();
+  };
+  // mlock on a private file mapping would copy every page; the check that follows refuses it.
+  if (has("lo")) return;
+  for (const auto& [flag, bit] :
+       {std::pair{"dc", kAdviceDontFork}, std::pair{"dd", kAdviceDontDump},
+        std::pair{"hg", kAdviceHugePage}, std::pair{"nh", kAdviceNoHugePage}}) {
+    if (has(flag)) request.advice |= bit;
+  }
+  if (!remap_in_process(pid_, remap_request_base_, request, kRemapLimit)) {
+    throw Error(ErrorKind::kTimeout,
+                "process " + std::to_string(pid_) + ": " + kPreloadFileName +
+                    " did not make the driver's memory private within " +
+                    std::to_string(kRemapLimit.count()) + " ms",
+                "try again on a less loaded machine, or with --no-direct-host-images");
+  }
+  remapped_ = true;
+}
+
+DirectHostImage::~DirectHostImage() {
+  withdraw();
+  // A watcher left waiting would be dumped with the process by a later capture.
+  if (!remapped_ && !remap_request_base_.empty()) {
+    cancel_remap_watchers({pid_}, {remap_request_base_}, kRemapLimit);
+  }
 }
 
 struct HashedFiles::File {

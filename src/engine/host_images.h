@@ -26,6 +26,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -130,7 +131,8 @@ class DirectHostImage {
                   const std::filesystem::path& requests_dir, Reporter& reporter);
   DirectHostImage(const DirectHostImage&) = delete;
   DirectHostImage& operator=(const DirectHostImage&) = delete;
-  ~DirectHostImage() { withdraw(); }
+  // Withdraws the request, and tells the library's remap watcher to leave if it never acted.
+  ~DirectHostImage();
 
   pid_t pid() const { return pid_; }
   // Removes the request whether or not the library took it (after the driver's call).
@@ -145,9 +147,15 @@ class DirectHostImage {
                                        Reporter& reporter);
 
  private:
+  // How long the library's watcher may take to make the region private (one mmap).
+  static constexpr std::chrono::milliseconds kRemapLimit{10000};
+  void remap_from_inside(const Range& range, uint64_t offset);
+
   pid_t pid_;
   std::filesystem::path file_;
   std::filesystem::path request_;
+  std::filesystem::path remap_request_base_;  // the preload request's path, kept after withdraw()
+  bool remapped_ = false;
 };
 
 // Host image files hashed chunk by chunk in the background, on `threads` threads, while the

@@ -1,12 +1,18 @@
 #include "engine/preload.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdlib>
 #include <fstream>
+#include <sstream>
 #include <system_error>
 #include <thread>
 
+#include "common/fd.h"
 #include "gpusnap/error.h"
 
 namespace gpusnap::engine {
@@ -54,28 +60,99 @@ bool maps_preload_library(const std::vector<common::Mapping>& maps) {
 
 namespace {
 
-bool has_fill_thread(pid_t pid) {
-  std::error_code ec;
-  for (std::filesystem::directory_iterator it("/proc/" + std::to_string(pid) + "/task", ec), end;
-       !ec && it != end; it.increment(ec)) {
-    std::ifstream comm(it->path() / "comm");
-    std::string name;
-    if (std::getline(comm, name) && name == kFillThreadName) return true;
+// Waits up to `limit` until `done()`, asking every 2 ms; false when it never was.
+template <typename Done>
+bool wait_until(Done done, std::chrono::milliseconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
-  return false;  // none, or the process is gone: nothing of it is being populated
+  return true;
 }
 
 }  // namespace
 
+bool has_thread_named(pid_t pid, const char* name) {
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it("/proc/" + std::to_string(pid) + "/task", ec), end;
+       !ec && it != end; it.increment(ec)) {
+    std::ifstream comm(it->path() / "comm");
+    std::string comm_name;
+    if (std::getline(comm, comm_name) && comm_name == name) return true;
+  }
+  return false;  // none, or the process is gone
+}
+
+void write_preload_request(const std::filesystem::path& path, const std::string& text) {
+  auto temp = path;
+  temp += ".tmp";
+  {
+    common::UniqueFd out(::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+    if (!out || ::fchmod(out.get(), 0600) != 0 ||
+        ::write(out.get(), text.data(), text.size()) != static_cast<ssize_t>(text.size())) {
+      const int err = errno;
+      ::unlink(temp.c_str());
+      throw sys_error("write " + temp.string(), err);
+    }
+  }
+  // Renamed into place whole: the library never reads half a request.
+  if (::rename(temp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(temp.c_str());
+    throw sys_error("rename " + temp.string(), err);
+  }
+}
+
+std::filesystem::path remap_request_path(const std::filesystem::path& preload_request) {
+  auto path = preload_request;
+  path += ".remap";
+  return path;
+}
+
+bool remap_in_process(pid_t pid, const std::filesystem::path& preload_request,
+                      const RemapRequest& range, std::chrono::milliseconds limit) {
+  std::ostringstream text;
+  text << std::hex << range.start << " " << range.end << " " << std::dec << range.offset << " "
+       << range.prot << " " << range.advice << "\n";
+  const auto request = remap_request_path(preload_request);
+  write_preload_request(request, text.str());
+  if (wait_until([&] { return !has_thread_named(pid, kRemapThreadName); }, limit)) return true;
+  cancel_remap_watchers({pid}, {preload_request}, limit);
+  return false;
+}
+
+void cancel_remap_watchers(const std::vector<pid_t>& pids,
+                           const std::vector<std::filesystem::path>& requests,
+                           std::chrono::milliseconds limit) noexcept {
+  const auto watching = [&] {
+    return std::any_of(pids.begin(), pids.end(),
+                       [](pid_t pid) { return has_thread_named(pid, kRemapThreadName); });
+  };
+  if (!watching()) return;
+  for (const auto& r : requests) {
+    try {
+      // A request already there (a remap asked for) is left to be taken as it is.
+      if (!std::filesystem::exists(remap_request_path(r))) {
+        write_preload_request(remap_request_path(r), "cancel\n");
+      }
+    } catch (...) {  // NOLINT(bugprone-empty-catch): the watcher then leaves at its lifetime
+    }
+  }
+  (void)wait_until([&] { return !watching(); }, limit);
+  for (const auto& r : requests) ::unlink(remap_request_path(r).c_str());
+}
+
 std::vector<pid_t> wait_for_fill_threads(const std::vector<pid_t>& pids,
                                          std::chrono::milliseconds limit) {
-  const auto deadline = std::chrono::steady_clock::now() + limit;
   std::vector<pid_t> filling = pids;
-  for (;;) {
-    std::erase_if(filling, [](pid_t pid) { return !has_fill_thread(pid); });
-    if (filling.empty() || std::chrono::steady_clock::now() >= deadline) return filling;
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
+  (void)wait_until(
+      [&] {
+        std::erase_if(filling, [](pid_t pid) { return !has_thread_named(pid, kFillThreadName); });
+        return filling.empty();
+      },
+      limit);
+  return filling;
 }
 
 }  // namespace gpusnap::engine

@@ -5,6 +5,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <cstdint>
 #include <filesystem>
 #include <optional>
 #include <string>
@@ -39,5 +40,49 @@ inline constexpr const char* kFillThreadName = "gpusnap-fill";
 // still have one. Before the region is moved or dumped, nothing may still be faulting it in.
 std::vector<pid_t> wait_for_fill_threads(const std::vector<pid_t>& pids,
                                          std::chrono::milliseconds limit);
+
+// Whether process `pid` has a thread of that name now.
+bool has_thread_named(pid_t pid, const char* name);
+
+// Writes `text` to `path` as a request the library accepts: root's only (0600), whole (renamed
+// into place). Throws Error on failure.
+void write_preload_request(const std::filesystem::path& path, const std::string& text);
+
+// --- The region made private from inside the process -------------------------------------------
+//
+// The library's thread that makes the driver's region, mapped from the artifact's file, a private
+// mapping of that file on request (src/preload/populate.cc says why it is done from inside).
+inline constexpr const char* kRemapThreadName = "gpusnap-remap";
+
+// The remap request beside a preload request ("PIDNS-PID" -> "PIDNS-PID.remap").
+std::filesystem::path remap_request_path(const std::filesystem::path& preload_request);
+
+// The request's ADVICE bits: the madvise flags a range had (smaps' "dc", "dd", "hg", "nh").
+inline constexpr int kAdviceDontFork = 1;
+inline constexpr int kAdviceDontDump = 2;
+inline constexpr int kAdviceHugePage = 4;
+inline constexpr int kAdviceNoHugePage = 8;
+
+struct RemapRequest {
+  uint64_t start = 0;  // page-aligned, inside the region the library mapped
+  uint64_t end = 0;
+  uint64_t offset = 0;  // the file offset of `start`, as the region maps it
+  int prot = 0;
+  int advice = 0;
+};
+
+// Asks process `pid`'s watcher to make the range private and waits up to `limit` for it to be
+// gone (it leaves when done). False when it is still there then: it was told to cancel, and the
+// caller must find the range as it was. The outcome is the caller's to check in the process's
+// maps.
+bool remap_in_process(pid_t pid, const std::filesystem::path& preload_request,
+                      const RemapRequest& range, std::chrono::milliseconds limit);
+
+// Tells the watchers of `requests` (preload requests) to leave without remapping, when one of
+// `pids` still has one, and waits for that up to `limit`; removes any remap request nobody took.
+// For rollbacks: never throws.
+void cancel_remap_watchers(const std::vector<pid_t>& pids,
+                           const std::vector<std::filesystem::path>& requests,
+                           std::chrono::milliseconds limit) noexcept;
 
 }  // namespace gpusnap::engine

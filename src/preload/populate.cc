@@ -40,6 +40,17 @@
 // mapping is the anonymous memory the caller asked for. The mapping starts on a 2 MiB boundary
 // at file offset 0, so that a huge-page tmpfs can map the file 2 MiB at a time.
 //
+// After the driver's call the region must become a PRIVATE mapping of the same file (nothing the
+// process writes may reach the artifact). The library does that itself, from a thread it starts
+// when it maps the file ("gpusnap-remap"): it waits for gpusnap's second request, "PIDNS-PID.remap"
+// ("START END OFFSET PROT ADVICE", a range inside the region it mapped), maps the range privately
+// from the file in one mmap(MAP_FIXED) and leaves; "cancel" makes it leave without. gpusnap
+// waits for the thread to be gone. Why not from outside: gpusnap used to stop a thread of the
+// process with ptrace and inject the system calls, and a gpusnap killed in those milliseconds
+// left that thread with its registers and the process died. Here a killed gpusnap leaves the
+// region either as it was or remapped, both whole; a watcher nobody asks leaves once the region
+// is unmapped (the driver's restore unmaps it) or after kWatchLifetime.
+//
 // Settings (environment, read once):
 //   GPUSNAP_PRELOAD_THREADS      threads for one populate (default: online CPUs, at most 16;
 //                                0 turns the library off)
@@ -95,6 +106,11 @@ constexpr const char* kFillThreadName = "gpusnap-fill";
 // gpusnap writes it just before that call.
 constexpr time_t kRequestLifetime = 60;
 constexpr size_t kPathMax = 4096;
+// The remap watcher's name (kRemapThreadName in engine/preload.h), how often it looks for its
+// request, and how long it waits at most (a driver's checkpoint of a whole GPU takes a minute).
+constexpr const char* kRemapThreadName = "gpusnap-remap";
+constexpr long kWatchStepNs = 1000000;
+constexpr double kWatchLifetime = 900;
 
 using MmapFn = void* (*)(void*, size_t, int, int, int, off_t);
 
@@ -375,14 +391,14 @@ bool request_path(char* out, size_t size) {
   return len > 0 && static_cast<size_t>(len) < size;
 }
 
-// Takes this process's request, if there is a valid one: the path of the file it names, in
-// `file`. The request is removed either way once read, so that it is honoured at most once.
-bool take_request(char* file, size_t size) {
-  if (settings.requests[0] == '\0') return false;
-  char path[kPathMax];
-  if (!request_path(path, sizeof path)) return false;
+enum class Taken { kNone, kInvalid, kText };
+
+// Takes the request at `path`: its text, without a final newline, in `text`. A request counts
+// only when it is a regular file owned by root, writable by nobody else, recent, and smaller
+// than `size`; it is removed either way once read, so that it is honoured at most once.
+Taken take_text(const char* path, char* text, size_t size) {
   Fd fd(open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
-  if (fd.get() < 0) return false;  // the usual case: no capture in progress
+  if (fd.get() < 0) return Taken::kNone;  // the usual case: no capture in progress
   struct stat st {};
   timespec now{};
   clock_gettime(CLOCK_REALTIME, &now);
@@ -391,16 +407,123 @@ bool take_request(char* file, size_t size) {
       (st.st_mode & (S_IWGRP | S_IWOTH)) == 0 && st.st_size > 0 &&
       static_cast<size_t>(st.st_size) < size && now.tv_sec - st.st_mtime <= kRequestLifetime &&
       st.st_mtime <= now.tv_sec + 1) {
-    n = read(fd.get(), file, size - 1);
+    n = read(fd.get(), text, size - 1);
   }
   unlink(path);
   if (n <= 0 || n != st.st_size) {
     log_text("ignored a stale or malformed request ", path);
-    return false;
+    return Taken::kInvalid;
   }
-  file[n] = '\0';
-  if (file[n - 1] == '\n') file[n - 1] = '\0';
-  return file[0] == '/';
+  text[n] = '\0';
+  if (text[n - 1] == '\n') text[n - 1] = '\0';
+  return Taken::kText;
+}
+
+// Takes this process's request, if there is a valid one: the path of the file it names, in
+// `file`, and the request's own path in `request` (the remap request goes beside it).
+bool take_request(char* file, size_t size, char* request, size_t request_size) {
+  if (settings.requests[0] == '\0') return false;
+  if (!request_path(request, request_size)) return false;
+  return take_text(request, file, size) == Taken::kText && file[0] == '/';
+}
+
+// The remap watcher of one region: in a page of its own (not malloc: this starts inside mmap),
+// freed by the watcher when it leaves.
+struct Watch {
+  int fd = -1;  // the file, kept open: gpusnap renames it meanwhile
+  char* start = nullptr;
+  size_t len = 0;
+  int keep_flags = 0;           // MAP_NORESERVE, as the caller asked
+  char request[kPathMax] = {};  // "DIR/PIDNS-PID.remap"
+};
+
+// Whether the first page of the region is still mapped (the driver's restore unmaps it).
+bool still_mapped(const Watch& w) { return msync(w.start, 1, MS_ASYNC) == 0 || errno != ENOMEM; }
+
+// "START END OFFSET PROT ADVICE" (hexadecimal addresses, decimal rest): the range to make
+// private, inside the region and at the file offsets the region maps. Then one mmap(MAP_FIXED):
+// the range is the file's pages either way, shared before, private after, never unmapped.
+void remap(const Watch& w, const char* text) {
+  char* end = nullptr;
+  const uintptr_t first = std::strtoull(text, &end, 16);
+  const uintptr_t last = std::strtoull(end, &end, 16);
+  const uint64_t offset = std::strtoull(end, &end, 10);
+  const long prot = std::strtol(end, &end, 10);
+  const long advice = std::strtol(end, &end, 10);
+  const auto region = reinterpret_cast<uintptr_t>(w.start);
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  // The mapping ends on a page boundary, the length the driver asked for need not.
+  const uintptr_t region_end = region + (w.len + page - 1) / page * page;
+  if (first < region || last > region_end || first >= last || first % page != 0 ||
+      last % page != 0 || offset != first - region || (prot & ~(PROT_READ | PROT_WRITE)) != 0) {
+    log_text("ignored a remap request outside the region: ", text);
+    return;
+  }
+  // NOLINTBEGIN(performance-no-int-to-ptr)
+  void* p = real_mmap()(reinterpret_cast<void*>(first), last - first, static_cast<int>(prot),
+                        MAP_PRIVATE | MAP_FIXED | w.keep_flags, w.fd, static_cast<off_t>(offset));
+  if (p == MAP_FAILED) {
+    log_text("cannot make the driver's memory private: ", strerror(errno));
+    return;
+  }
+  // The advice the range had (gpusnap read it from smaps), bit by bit as engine/preload.h says.
+  const int advise[] = {MADV_DONTFORK, MADV_DONTDUMP, MADV_HUGEPAGE, MADV_NOHUGEPAGE};
+  for (int bit = 0; bit < 4; ++bit) {
+    if ((advice & (1L << bit)) != 0)
+      madvise(reinterpret_cast<void*>(first), last - first, advise[bit]);
+  }
+  // NOLINTEND(performance-no-int-to-ptr)
+  log_text("made the driver's memory private from inside the process", "");
+}
+
+void* watch_thread(void* arg) {
+  auto* w = static_cast<Watch*>(arg);
+  pthread_setname_np(pthread_self(), kRemapThreadName);
+  const double began = now_seconds();
+  char text[256];
+  while (now_seconds() - began < kWatchLifetime && still_mapped(*w)) {
+    const Taken taken = take_text(w->request, text, sizeof text);
+    if (taken == Taken::kText) {
+      if (std::strcmp(text, "cancel") != 0) remap(*w, text);
+      break;
+    }
+    timespec step{0, kWatchStepNs};
+    nanosleep(&step, nullptr);
+  }
+  close(w->fd);
+  w->~Watch();
+  munmap(w, sizeof(Watch));
+  return nullptr;
+}
+
+// Starts the remap watcher of a region just mapped from `fd`; false when it cannot (the caller
+// then gives the driver anonymous memory: a region nobody can make private must not exist).
+bool start_watch(int fd, void* start, size_t len, int keep_flags, const char* request) {
+  void* page = real_mmap()(nullptr, sizeof(Watch), PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (page == MAP_FAILED) return false;
+  auto* w = new (page) Watch;
+  w->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  w->start = static_cast<char*>(start);
+  w->len = len;
+  w->keep_flags = keep_flags;
+  const int n = snprintf(w->request, sizeof w->request, "%s.remap", request);
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  bool started = false;
+  if (w->fd >= 0 && n > 0 && static_cast<size_t>(n) < sizeof w->request) {
+    SignalsBlocked blocked;
+    pthread_t t;
+    started = pthread_create(&t, &attr, watch_thread, w) == 0;
+  }
+  pthread_attr_destroy(&attr);
+  if (!started) {
+    if (w->fd >= 0) close(w->fd);
+    w->~Watch();
+    munmap(w, sizeof(Watch));
+  }
+  return started;
 }
 
 // The caller's mapping as a shared mapping of the file gpusnap asked for, 2 MiB-aligned at file
@@ -408,7 +531,8 @@ bool take_request(char* file, size_t size) {
 // changed but the file's size, which gpusnap checks).
 void* map_into_file(size_t len, int prot, int flags) {
   char file[kPathMax];
-  if (!take_request(file, sizeof file)) return MAP_FAILED;
+  char request[kPathMax];
+  if (!take_request(file, sizeof file, request, sizeof request)) return MAP_FAILED;
   Fd fd(open(file, O_RDWR | O_CLOEXEC | O_NOFOLLOW));
   struct stat st {};
   struct statvfs vfs {};
@@ -453,6 +577,11 @@ void* map_into_file(size_t len, int prot, int flags) {
     munmap(reinterpret_cast<void*>(start + len), base + kHugePage - start);
   }
   // NOLINTEND(performance-no-int-to-ptr)
+  if (!start_watch(fd.get(), p, len, keep, request)) {
+    munmap(p, len);
+    (void)!ftruncate(fd.get(), 0);
+    return MAP_FAILED;
+  }
   log_text("the driver's memory goes straight into ", file);
   return p;
 }

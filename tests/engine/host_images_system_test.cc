@@ -17,6 +17,7 @@
 #include <sys/uio.h>
 #include <sys/wait.h>
 
+#include <chrono>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -24,6 +25,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -32,6 +34,7 @@
 #include "common/proc.h"
 #include "common/remote.h"
 #include "engine/host_images.h"
+#include "engine/preload.h"
 #include "gpu/fake_driver.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/checkpoint.h"
@@ -386,8 +389,14 @@ TEST(HostImages, WithThePreloadLibraryTheDriverWritesStraightIntoTheArtifact) {
       << ::testing::PrintToString(run.notes) << fs::read_file(dir / "workload.log");
   EXPECT_EQ(std::count(run.phases.begin(), run.phases.end(), "host-images-hash"), 1);
   EXPECT_LT(criu_page_bytes(dir / "snap"), 64 * kMiB) << "CRIU stored the region too";
-  // No request is left behind.
+  // No request is left behind; the library made the region private itself (no ptrace), and
+  // its watcher is gone.
   EXPECT_TRUE(std::filesystem::is_empty(dir / "run" / "preload"));
+  EXPECT_NE(fs::read_file(dir / "workload.log")
+                .find("made the driver's memory private from inside the process"),
+            std::string::npos)
+      << fs::read_file(dir / "workload.log");
+  EXPECT_FALSE(engine::has_thread_named(source.pid(), engine::kRemapThreadName));
 
   // The source's region is now a private mapping of the artifact's file: what the source
   // writes there (the driver's restore reads it, then unmaps it) never reaches the artifact.
@@ -482,6 +491,79 @@ TEST(HostImages, ACaptureKilledOnTheDirectPathLeavesTheWorkloadItsMemoryAndNoArt
     EXPECT_EQ(StagingDriver::check_region(source.pid(), region->start, kLibraryRegion), "ok");
     EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
   }
+}
+
+// Stops its own process (SIGKILL) `delay` after the phase named starts.
+class KillDuring final : public Reporter {
+ public:
+  KillDuring(std::string phase, std::chrono::microseconds delay)
+      : phase_(std::move(phase)), delay_(delay) {}
+  void phase_started(std::string_view name) override {
+    if (name != phase_) return;
+    std::thread([delay = delay_] {
+      std::this_thread::sleep_for(delay);
+      ::raise(SIGKILL);
+    }).detach();
+  }
+  void phase_finished(std::string_view, double) override {}
+  void note(std::string_view) override {}
+
+ private:
+  std::string phase_;
+  std::chrono::microseconds delay_;
+};
+
+// The moment that used to be unguarded: gpusnap killed while the region is being made private
+// (it stopped a thread of the workload with ptrace then, and a kill left that thread broken).
+// Kills spread over the `host-images` phase, from its start to past its end.
+TEST(HostImages, ACaptureKilledWhileTheRegionIsMadePrivateLeavesTheWorkloadWorking) {
+  SKIP_WITHOUT_CRIU();
+  if (::geteuid() != 0) GTEST_SKIP() << "skipped: needs root";
+  int killed = 0;
+  for (int delay_us : {0, 100, 300, 600, 1000, 2000, 4000, 8000}) {
+    SCOPED_TRACE("kill " + std::to_string(delay_us) + " us into host-images");
+    TempDir dir;
+    Workload source = preloaded_workload(dir);
+    pid_t capture = ::fork();
+    if (capture == 0) {
+      FakeDriver fake;
+      fake.add_gpu(FakeDriver::make_gpu(kGpu));
+      fake.add_process(source.pid());
+      fake.set_usage(source.pid(), kGpu, kLibraryRegion);
+      StagingDriver driver(fake, source.port());
+      KillDuring reporter("host-images", std::chrono::microseconds(delay_us));
+      try {
+        checkpoint(capture_options(dir, source, driver), reporter);
+      } catch (...) {
+      }
+      ::_exit(3);  // finished (or failed) before the kill
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(capture, &status, 0), capture);
+    const bool was_killed = WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL;
+    if (was_killed) ++killed;
+    // Whatever the moment: nothing half-made visible, no watcher left waiting in the workload,
+    // and the workload holds the driver's bytes and answers.
+    EXPECT_TRUE(eventually([&] {
+      for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+        if (e.path().filename().string().rfind(".snap.staging-", 0) == 0) return false;
+      }
+      return true;
+    }));
+    if (was_killed) EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+    EXPECT_TRUE(eventually(
+        [&] { return !engine::has_thread_named(source.pid(), engine::kRemapThreadName); }));
+    const common::Mapping* region = nullptr;
+    auto maps = common::read_mappings(source.pid());
+    for (const auto& m : maps) {
+      if (m.path.find("/host-images/") != std::string::npos) region = &m;
+    }
+    ASSERT_NE(region, nullptr);
+    EXPECT_EQ(StagingDriver::check_region(source.pid(), region->start, kLibraryRegion), "ok");
+    EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
+  }
+  std::printf("host images: %d of 8 captures killed during or after the remap's phase\n", killed);
+  EXPECT_GE(killed, 4) << "the kills did not reach the phase";
 }
 
 // Real tmpfs mounts: the check behind the note that recommends a huge-page artifact store.
