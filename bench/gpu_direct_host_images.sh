@@ -13,7 +13,8 @@
 # run would not fit in what is left is skipped (default: no limit). GPUSNAP_CRIU: CRIU.
 # LEAVE_RUNNING=0: each capture stops its source, as a plain `gpusnap checkpoint` does (one fresh
 # workload per capture, no restore); the files are then named cp-GIB-MODE-stop.json and so on.
-# REFUSAL=0: no refusal.
+# REFUSAL=0: no refusal. MODES: the paths to run (default "copy direct"). NO_MOUNT=1: STORE is a
+# plain directory (a store on disk) instead of a huge-page tmpfs mounted there.
 # Results: OUTDIR/cp-GIB-MODE.json, mem-GIB-MODE.tsv, and report.md (bench/direct_host_images_report.py).
 set -uo pipefail
 OUTDIR=${1:?OUTDIR}; shift
@@ -39,7 +40,7 @@ cleanup() {
 trap cleanup EXIT
 
 mkdir -p "$STORE" "$OUTDIR"
-mountpoint -q "$STORE" || mount -t tmpfs -o "huge=within_size,size=${STORE_GIB:-115}g" gpusnap-store "$STORE"
+(( ${NO_MOUNT:-0} )) || mountpoint -q "$STORE" || mount -t tmpfs -o "huge=within_size,size=${STORE_GIB:-115}g" gpusnap-store "$STORE"
 first=${REFUSAL:-1}
 LEAVE=${LEAVE_RUNNING:-1}
 start_workload() {  # GIB: SRC, PORT, before, W
@@ -64,7 +65,7 @@ for gib in "$@"; do
   if (( $(left) < need )); then log "skip $gib GiB: $(left) s left, ~$need s needed"; continue; fi
   (( LEAVE )) && start_workload "$gib"
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader
-  for mode in copy direct; do
+  for mode in ${MODES:-copy direct}; do
     flag=(); [[ $mode == copy ]] && flag=(--no-direct-host-images)
     name=$gib-$mode
     if (( LEAVE )); then flag+=(--leave-running); else name=$name-stop; start_workload "$gib"; fi

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Samples /proc/meminfo every 100 ms until killed: one line per sample, "SECONDS MemTotal
-MemAvailable Shmem" (kB), into the file named first. bench/gpu_direct_host_images.sh uses it for
-the host memory a capture holds (MemTotal - MemAvailable: memory that cannot be reclaimed)."""
+MemAvailable Shmem Dirty Writeback" (kB), into the file named first. bench/gpu_direct_host_images.sh uses it for
+the host memory a capture holds (MemTotal - MemAvailable: memory that cannot be reclaimed; with
+a store on disk, Dirty + Writeback are the page cache not yet written back)."""
 import signal
 import sys
 import time
 
-FIELDS = ("MemTotal:", "MemAvailable:", "Shmem:")
+FIELDS = ("MemTotal:", "MemAvailable:", "Shmem:", "Dirty:", "Writeback:")
 
 
 def sample():
