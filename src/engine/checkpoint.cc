@@ -15,9 +15,10 @@
 //   dump         CRIU dumps the tree into the staging directory (--leave-running)
 //   gpu-resume   with --leave-running: the source's GPU state goes back, unlocked
 //   resume       with --leave-running and the handshake: the source serves again
-//   settle       (CUDA processes only) every process still alive a moment after CRIU thawed
-//                it, its GPU state where it should be: else nothing is committed
 //   checksum     every staged file, in parallel
+//   settle       (CUDA processes only) every process still alive a moment (kSettle) after CRIU
+//                thawed it, its GPU state where it should be: else nothing is committed. The
+//                moment runs from the thaw, so the hashing and the checksum above fill it
 //   commit       manifest, fsync, rename into place: the artifact becomes visible
 //   stop         without --leave-running, the source is stopped, only now
 //
@@ -289,13 +290,13 @@ class Checkpoint {
                         log.parent_path() / "criu-dump.out");
         if (!status.ok()) fail_dump(status, log);
       });
+      const auto thawed = std::chrono::steady_clock::now();
       // The source waits for nothing more: its GPU state goes back before the bookkeeping.
       if (gpu && options_.leave_running) phases_.run("gpu-resume", [&] { gpu->resume_all(); });
       if (paused && options_.leave_running) {
         paused->set_artifact_id(manifest.id);
         phases_.run("resume", [&] { paused->resume(); });
       }
-      if (gpu) phases_.run("settle", [&] { settle(watch, driver, gpu->pids()); });
       if (hashing) {
         phases_.run("host-images-hash", [&] {
           auto files = hashing->join(manifest.host_images);
@@ -305,7 +306,8 @@ class Checkpoint {
       if (target_) container::use_namespace_pids(manifest);
       manifest.checkpoint_phases = phases_.timings();
       writer.seal(manifest, phases_, host_image_files_);
-      // Last look before the artifact becomes visible: the checksums took a while.
+      if (gpu) phases_.run("settle", [&] { settle(watch, driver, gpu->pids(), thawed); });
+      // Last look before the artifact becomes visible.
       require_alive(watch, nullptr);
     } catch (const Error& e) {
       // A dying process often shows first as a CRIU or driver error about a missing pid, while
@@ -363,9 +365,11 @@ class Checkpoint {
                 "and the settings that avoid it: docs/compatibility.md");
   }
 
-  // Throws as require_alive() does if a process of the tree dies within kSettle.
-  void watch_for_deaths(engine::DeathWatch& watch, const Error* cause) {
-    auto until = std::chrono::steady_clock::now() + kSettle;
+  // Throws as require_alive() does if a process of the tree dies before `since` + kSettle.
+  void watch_for_deaths(
+      engine::DeathWatch& watch, const Error* cause,
+      std::chrono::steady_clock::time_point since = std::chrono::steady_clock::now()) {
+    auto until = since + kSettle;
     for (;;) {
       require_alive(watch, cause);
       if (std::chrono::steady_clock::now() >= until) break;
@@ -373,11 +377,13 @@ class Checkpoint {
     }
   }
 
-  // Phase settle: CRIU has thawed the tree; a process that cannot live without its GPU memory
-  // dies within moments. Then every CUDA process's GPU state must be where the capture left it:
-  // back and running (--leave-running) or checkpointed, awaiting the stop.
-  void settle(engine::DeathWatch& watch, gpu::Driver& driver, const std::vector<pid_t>& cuda) {
-    watch_for_deaths(watch, nullptr);
+  // Phase settle: CRIU thawed the tree at `thawed`; a process that cannot live without its GPU
+  // memory dies within moments. Then every CUDA process's GPU state must be where the capture
+  // left it: back and running (--leave-running) or checkpointed, awaiting the stop. Only what is
+  // left of the moment is waited for here: the phases since the thaw count.
+  void settle(engine::DeathWatch& watch, gpu::Driver& driver, const std::vector<pid_t>& cuda,
+              std::chrono::steady_clock::time_point thawed) {
+    watch_for_deaths(watch, nullptr, thawed);
     auto expected =
         options_.leave_running ? gpu::ProcessState::kRunning : gpu::ProcessState::kCheckpointed;
     for (pid_t pid : cuda) {
