@@ -34,9 +34,11 @@
 //  - Stream capture: cuStreamIsCapturing on a stream that is capturing in relaxed or global
 //    mode answers ACTIVE; on the legacy default stream (null) it answers for it too.
 #include <dlfcn.h>
+#include <sys/mman.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -68,6 +70,7 @@ constexpr int CU_MEM_LOCATION_TYPE_DEVICE = 0x1;
 constexpr int CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3;
 constexpr int CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 0x1;
 constexpr unsigned int CU_MEMHOSTALLOC_PORTABLE = 0x01;
+constexpr unsigned int CU_MEMHOSTREGISTER_PORTABLE = 0x01;
 constexpr unsigned int CU_STREAM_NON_BLOCKING = 0x1;
 constexpr int CU_STREAM_CAPTURE_STATUS_NONE = 0;
 
@@ -137,6 +140,8 @@ struct Api {
   CUresult (*cuMemUnmap)(CUdeviceptr, size_t);
   CUresult (*cuMemHostAlloc)(void**, size_t, unsigned int);
   CUresult (*cuMemFreeHost)(void*);
+  CUresult (*cuMemHostRegister_v2)(void*, size_t, unsigned int);
+  CUresult (*cuMemHostUnregister)(void*);
   CUresult (*cuStreamCreate)(CUstream*, unsigned int);
   CUresult (*cuStreamDestroy_v2)(CUstream);
   CUresult (*cuStreamSynchronize)(CUstream);
@@ -168,6 +173,8 @@ class CudaTierDriver final : public TierDriver {
                       (text != nullptr ? text : "dlopen failed"),
                   "run the workload on a host with the NVIDIA driver");
     }
+    const char* pin = std::getenv("GPUSNAP_TIER_PIN");
+    register_huge_pages_ = pin != nullptr && std::strcmp(pin, "register") == 0;
     try {
       resolve_all();
       // Idempotent; the workload has initialised CUDA already in the usual case.
@@ -180,6 +187,34 @@ class CudaTierDriver final : public TierDriver {
   ~CudaTierDriver() override { ::dlclose(handle_); }
   CudaTierDriver(const CudaTierDriver&) = delete;
   CudaTierDriver& operator=(const CudaTierDriver&) = delete;
+
+  // GPUSNAP_TIER_PIN=register: pinned buffers are our own memory on 2 MiB pages, populated and
+  // then registered with the driver (cuMemHostRegister), instead of cuMemHostAlloc's. Pinning
+  // is the fixed cost of every drain and fill (docs/benchmarks.md measures both).
+  void* register_huge(std::size_t size) {
+    constexpr std::size_t kHuge = std::size_t{2} << 20;
+    const std::size_t len = (size + kHuge - 1) / kHuge * kHuge;
+    void* room =
+        ::mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (room == MAP_FAILED) {
+      throw Error(ErrorKind::kEnvironment,
+                  "memory tier: cannot map " + std::to_string(len) + " bytes of host memory");
+    }
+    const auto base = reinterpret_cast<std::uintptr_t>(room);
+    // An address the kernel gave, rounded up.
+    auto* p  // NOLINT(performance-no-int-to-ptr)
+        = reinterpret_cast<void*>((base + kHuge - 1) / kHuge * kHuge);
+    (void)::madvise(p, len, MADV_HUGEPAGE);
+    (void)::madvise(p, len, MADV_POPULATE_WRITE);
+    const CUresult r = api_.cuMemHostRegister_v2(p, len, CU_MEMHOSTREGISTER_PORTABLE);
+    if (r != CUDA_SUCCESS) {
+      ::munmap(room, len + kHuge);
+      check(r, "cuMemHostRegister");
+    }
+    std::lock_guard lock(registered_mutex_);
+    registered_[p] = {room, len + kHuge};
+    return p;
+  }
 
   void resolve_all() {
     resolve("cuInit", &api_.cuInit);
@@ -201,6 +236,8 @@ class CudaTierDriver final : public TierDriver {
     resolve("cuMemUnmap", &api_.cuMemUnmap);
     resolve("cuMemHostAlloc", &api_.cuMemHostAlloc);
     resolve("cuMemFreeHost", &api_.cuMemFreeHost);
+    resolve("cuMemHostRegister_v2", &api_.cuMemHostRegister_v2);
+    resolve("cuMemHostUnregister", &api_.cuMemHostUnregister);
     resolve("cuStreamCreate", &api_.cuStreamCreate);
     resolve("cuStreamDestroy_v2", &api_.cuStreamDestroy_v2);
     resolve("cuStreamSynchronize", &api_.cuStreamSynchronize);
@@ -275,12 +312,24 @@ class CudaTierDriver final : public TierDriver {
   }
 
   void* host_alloc(std::size_t size) override {
+    if (register_huge_pages_) return register_huge(size);
     void* p = nullptr;
     check(api_.cuMemHostAlloc(&p, size, CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc");
     return p;
   }
 
-  void host_free(void* p) noexcept override { (void)api_.cuMemFreeHost(p); }
+  void host_free(void* p) noexcept override {
+    {
+      std::lock_guard lock(registered_mutex_);
+      if (auto it = registered_.find(p); it != registered_.end()) {
+        (void)api_.cuMemHostUnregister(p);
+        ::munmap(it->second.first, it->second.second);
+        registered_.erase(it);
+        return;
+      }
+    }
+    (void)api_.cuMemFreeHost(p);
+  }
 
   Stream stream_create() override {
     CUstream s = nullptr;
@@ -367,6 +416,9 @@ class CudaTierDriver final : public TierDriver {
 
   void* handle_ = nullptr;
   Api api_{};
+  bool register_huge_pages_ = false;
+  std::mutex registered_mutex_;
+  std::map<void*, std::pair<void*, std::size_t>> registered_;  // buffer -> (mapping, length)
   std::mutex mu_;
   std::map<int, CUcontext> contexts_;
 };

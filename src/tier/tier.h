@@ -28,12 +28,16 @@
 namespace gpusnap::tier {
 
 struct TierSettings {
-  int streams = 8;                                   // drain and fill workers, one stream each
-  std::size_t buffer_bytes = std::size_t{32} << 20;  // each of a worker's two pinned buffers
-  bool log = false;                                  // one line per drain and fill on stderr
+  // Many workers with small buffers: on the H200 (16 GiB, docs/benchmarks.md) 32 x 4 MiB filled
+  // in 0.59 s where 8 x 32 MiB took 1.09 s; pinning the buffers is a fixed cost per drain and
+  // fill that grows with their total, and more workers keep more copies and reads in flight.
+  int streams = 32;                                 // drain and fill workers, one stream each
+  std::size_t buffer_bytes = std::size_t{4} << 20;  // each of a worker's two pinned buffers
+  bool log = false;                                 // one line per drain and fill on stderr
 
   // GPUSNAP_TIER_STREAMS, GPUSNAP_TIER_BUFFER_MIB, GPUSNAP_TIER_LOG; out-of-range values keep
-  // the default.
+  // the default. GPUSNAP_TIER_PIN=register (read by the CUDA driver seam): pinned buffers on
+  // 2 MiB pages registered with the driver instead of cuMemHostAlloc's.
   static TierSettings from_environment();
 };
 
