@@ -16,9 +16,9 @@
 //   gpu-resume   with --leave-running: the source's GPU state goes back, unlocked
 //   resume       with --leave-running and the handshake: the source serves again
 //   checksum     every staged file, in parallel
-//   settle       (CUDA processes only) every process still alive a moment (kSettle) after CRIU
-//                thawed it, its GPU state where it should be: else nothing is committed. The
-//                moment runs from the thaw, so the hashing and the checksum above fill it
+//   settle       (CUDA processes only) every process still alive a moment (kSettle) after the
+//                driver's checkpoint, its GPU state where it should be: else nothing is
+//                committed. The phases since the checkpoint fill the moment
 //   commit       manifest, fsync, rename into place: the artifact becomes visible
 //   stop         without --leave-running, the source is stopped, only now
 //
@@ -70,7 +70,14 @@ constexpr std::chrono::milliseconds kFillThreadsLimit{30000};
 // process that cannot run without its GPU memory (a thread touching device memory outside any
 // CUDA call) faults as soon as it runs again; on the H200 JAX with preallocation died within
 // this (docs/compatibility.md).
-constexpr std::chrono::milliseconds kSettle{500};
+// The death watch's moment after the driver's checkpoint. A capture's own phases after the
+// checkpoint (host images, dump, hashing) take 0.3 s at 16 GiB on the H200, more beyond: the
+// moment costs a capture little wait of its own. (JAX with preallocation died about a second
+// after the checkpoint; it is refused before anything is frozen, engine/preflight.h.)
+constexpr std::chrono::milliseconds kSettle{300};
+// After a failure: how long a dying process is given to finish dying (a core dump takes a
+// while), so that the error names the death rather than what it broke first.
+constexpr std::chrono::milliseconds kDyingGrace{500};
 constexpr std::chrono::milliseconds kSettlePoll{20};
 
 // `internal`: the pipes the tree holds both ends of (proc::pipes_within). Such a pipe on a
@@ -226,6 +233,9 @@ class Checkpoint {
       phases_.reporter().note("capturing pid " + std::to_string(options_.pid) +
                               " as it runs: it does not speak the workload handshake");
     }
+    // When the driver's checkpoint returned: from then on a process may notice its GPU memory
+    // gone, and the settle moment counts from there.
+    auto checkpointed = std::chrono::steady_clock::now();
     std::map<pid_t, std::vector<common::Mapping>> maps_before;
     std::vector<std::unique_ptr<engine::DirectHostImage>> direct_images;
     std::optional<engine::HashedFiles> hashing;
@@ -245,6 +255,7 @@ class Checkpoint {
                 pid, writer.staging(), requests_dir, phases_.reporter()));
           }
           gpu->checkpoint_all();
+          checkpointed = std::chrono::steady_clock::now();
           for (auto& d : direct_images) d->withdraw();
           // The preload library may still be populating a region ahead of the driver's copy;
           // it must be done before the region is copied, moved or dumped.
@@ -290,7 +301,6 @@ class Checkpoint {
                         log.parent_path() / "criu-dump.out");
         if (!status.ok()) fail_dump(status, log);
       });
-      const auto thawed = std::chrono::steady_clock::now();
       // The source waits for nothing more: its GPU state goes back before the bookkeeping.
       if (gpu && options_.leave_running) phases_.run("gpu-resume", [&] { gpu->resume_all(); });
       if (paused && options_.leave_running) {
@@ -306,7 +316,7 @@ class Checkpoint {
       if (target_) container::use_namespace_pids(manifest);
       manifest.checkpoint_phases = phases_.timings();
       writer.seal(manifest, phases_, host_image_files_);
-      if (gpu) phases_.run("settle", [&] { settle(watch, driver, gpu->pids(), thawed); });
+      if (gpu) phases_.run("settle", [&] { settle(watch, driver, gpu->pids(), checkpointed); });
       // Last look before the artifact becomes visible.
       require_alive(watch, nullptr);
     } catch (const Error& e) {
@@ -318,7 +328,7 @@ class Checkpoint {
         if (gpu) {
           for (pid_t pid : gpu->killed()) watch.forget(pid);
         }
-        watch_for_deaths(watch, &e);
+        watch_for_deaths(watch, &e, std::chrono::steady_clock::now() + kDyingGrace);
       }
       throw;
     }
@@ -365,11 +375,9 @@ class Checkpoint {
                 "and the settings that avoid it: docs/compatibility.md");
   }
 
-  // Throws as require_alive() does if a process of the tree dies before `since` + kSettle.
-  void watch_for_deaths(
-      engine::DeathWatch& watch, const Error* cause,
-      std::chrono::steady_clock::time_point since = std::chrono::steady_clock::now()) {
-    auto until = since + kSettle;
+  // Throws as require_alive() does if a process of the tree dies before `until`.
+  void watch_for_deaths(engine::DeathWatch& watch, const Error* cause,
+                        std::chrono::steady_clock::time_point until) {
     for (;;) {
       require_alive(watch, cause);
       if (std::chrono::steady_clock::now() >= until) break;
@@ -377,13 +385,14 @@ class Checkpoint {
     }
   }
 
-  // Phase settle: CRIU thawed the tree at `thawed`; a process that cannot live without its GPU
-  // memory dies within moments. Then every CUDA process's GPU state must be where the capture
-  // left it: back and running (--leave-running) or checkpointed, awaiting the stop. Only what is
-  // left of the moment is waited for here: the phases since the thaw count.
+  // Phase settle: the driver's checkpoint returned at `checkpointed`; a process that cannot live
+  // without its GPU memory dies within moments of running on without it (before CRIU freezes it,
+  // and once thawed). Then every CUDA process's GPU state must be where the capture left it:
+  // back and running (--leave-running) or checkpointed, awaiting the stop. Only what is left of
+  // the moment is waited for here: the phases since the checkpoint count.
   void settle(engine::DeathWatch& watch, gpu::Driver& driver, const std::vector<pid_t>& cuda,
-              std::chrono::steady_clock::time_point thawed) {
-    watch_for_deaths(watch, nullptr, thawed);
+              std::chrono::steady_clock::time_point checkpointed) {
+    watch_for_deaths(watch, nullptr, checkpointed + kSettle);
     auto expected =
         options_.leave_running ? gpu::ProcessState::kRunning : gpu::ProcessState::kCheckpointed;
     for (pid_t pid : cuda) {

@@ -174,7 +174,7 @@ class CudaTierDriver final : public TierDriver {
                   "run the workload on a host with the NVIDIA driver");
     }
     const char* pin = std::getenv("GPUSNAP_TIER_PIN");
-    register_huge_pages_ = pin != nullptr && std::strcmp(pin, "register") == 0;
+    register_huge_pages_ = pin == nullptr || std::strcmp(pin, "alloc") != 0;
     try {
       resolve_all();
       // Idempotent; the workload has initialised CUDA already in the usual case.
@@ -188,9 +188,10 @@ class CudaTierDriver final : public TierDriver {
   CudaTierDriver(const CudaTierDriver&) = delete;
   CudaTierDriver& operator=(const CudaTierDriver&) = delete;
 
-  // GPUSNAP_TIER_PIN=register: pinned buffers are our own memory on 2 MiB pages, populated and
-  // then registered with the driver (cuMemHostRegister), instead of cuMemHostAlloc's. Pinning
-  // is the fixed cost of every drain and fill (docs/benchmarks.md measures both).
+  // Pinned buffers are our own memory on 2 MiB pages, populated and then registered with the
+  // driver (cuMemHostRegister): pinning is the fixed cost of every drain and fill, and on the
+  // H200 this pinned 256 MiB in 0.10 s where cuMemHostAlloc took 0.25 s (docs/benchmarks.md).
+  // GPUSNAP_TIER_PIN=alloc takes cuMemHostAlloc's; so does a buffer the driver will not register.
   void* register_huge(std::size_t size) {
     constexpr std::size_t kHuge = std::size_t{2} << 20;
     const std::size_t len = (size + kHuge - 1) / kHuge * kHuge;
@@ -209,7 +210,9 @@ class CudaTierDriver final : public TierDriver {
     const CUresult r = api_.cuMemHostRegister_v2(p, len, CU_MEMHOSTREGISTER_PORTABLE);
     if (r != CUDA_SUCCESS) {
       ::munmap(room, len + kHuge);
-      check(r, "cuMemHostRegister");
+      void* fallback = nullptr;
+      check(api_.cuMemHostAlloc(&fallback, size, CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc");
+      return fallback;
     }
     std::lock_guard lock(registered_mutex_);
     registered_[p] = {room, len + kHuge};

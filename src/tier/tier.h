@@ -28,16 +28,17 @@
 namespace gpusnap::tier {
 
 struct TierSettings {
-  // Many workers with small buffers: on the H200 (16 GiB, docs/benchmarks.md) 32 x 4 MiB filled
-  // in 0.59 s where 8 x 32 MiB took 1.09 s; pinning the buffers is a fixed cost per drain and
-  // fill that grows with their total, and more workers keep more copies and reads in flight.
-  int streams = 32;                                 // drain and fill workers, one stream each
+  // Many workers with small buffers: on the H200 (16 GiB, docs/benchmarks.md) 16 x 4 MiB filled
+  // in 0.38 s (45.7 GB/s) where 8 x 32 MiB took 1.09 s; pinning the buffers is a fixed cost per
+  // drain and fill that grows with their total, and several workers keep the copy engine busy
+  // while others read or write their files.
+  int streams = 16;                                 // drain and fill workers, one stream each
   std::size_t buffer_bytes = std::size_t{4} << 20;  // each of a worker's two pinned buffers
   bool log = false;                                 // one line per drain and fill on stderr
 
   // GPUSNAP_TIER_STREAMS, GPUSNAP_TIER_BUFFER_MIB, GPUSNAP_TIER_LOG; out-of-range values keep
-  // the default. GPUSNAP_TIER_PIN=register (read by the CUDA driver seam): pinned buffers on
-  // 2 MiB pages registered with the driver instead of cuMemHostAlloc's.
+  // the default. GPUSNAP_TIER_PIN=alloc (read by the CUDA driver seam): pinned buffers from
+  // cuMemHostAlloc instead of 2 MiB pages registered with the driver.
   static TierSettings from_environment();
 };
 
@@ -142,7 +143,7 @@ class Tier {
   // The workers of a drain (to_files) or fill; the first error is rethrown after all finished.
   // Both return the slowest worker's time to allocate its pinned buffers.
   double run_drain_workers(std::vector<Piece>& pieces, const std::filesystem::path& dir,
-                         std::vector<std::string>& files);
+                           std::vector<std::string>& files);
   double run_fill_workers(const std::vector<Piece>& pieces, const std::filesystem::path& dir);
   void write_index(const std::filesystem::path& dir, const std::vector<std::string>& files,
                    const std::vector<Piece>& pieces, std::size_t bytes) const;
