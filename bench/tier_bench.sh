@@ -133,7 +133,7 @@ for n in $COPIES; do
       INITS+=("$(field "$LOGS/copies-$n.json" "['copies'][$i]['init_pid']")")
       ask "$(field "$LOGS/copies-$n.json" "['copies'][$i]['ports'][0]['host_port']")" CHECK >/dev/null
     done
-    echo "{\"copies\": $n, \"restore_to_all_answers_s\": $(elapsed "$t1"), \"restore\": $(cat "$LOGS/copies-$n.json")}" >>"$MULTI"
+    echo "{\"copies\": $n, \"restore_to_all_answers_s\": $(elapsed "$t1"), \"restore\": $(python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))))' "$LOGS/copies-$n.json")}" >>"$MULTI"
     for i in $(seq 0 $((n - 1))); do kill -9 "${INITS[-1-i]}" 2>/dev/null || true; done
   else
     echo "{\"copies\": $n, \"failed\": $(python3 -c 'import json,sys; print(json.dumps(open(sys.argv[1]).read()))' "$LOGS/copies-$n.err")}" >>"$MULTI"
@@ -153,7 +153,8 @@ def phase(doc, name):
 rows = []
 for r in runs:
     cp = r["run"].get("checkpoint", r["run"])
-    capture = sum(p["seconds"] for p in cp.get("phases", []))  # the source stopped: every phase
+    # The source stopped: every phase but the wait for READY (the workload loading).
+    capture = sum(p["seconds"] for p in cp.get("phases", []) if p["name"] != "wait-ready")
     tb = r["tier_bytes"]
     drain, fill = phase(cp, "pause"), phase(r["restore"], "resume")
     rows.append({"mode": r["mode"], "round": r["round"], "restore_s": r["restore_to_answer_s"],
