@@ -282,9 +282,12 @@ class Checkpoint {
                 written.push_back(*rec);
               }
             }
+            // The files are complete once the driver's call has returned: they are hashed
+            // while the regions are made private and while CRIU dumps.
             if (!written.empty()) {
               hashing.emplace(writer.staging(), written, manifest.chunk_bytes, io_threads());
             }
+            for (auto& d : direct_images) d->make_private(phases_.reporter());
             manifest.host_images = written;
             store_host_images(maps_before, writer, manifest);
           });

@@ -578,48 +578,57 @@ std::optional<HostImageRecord> DirectHostImage::adopt(const std::filesystem::pat
   if (::rename(file_.c_str(), named.c_str()) != 0)
     throw sys_error("rename " + file_.string(), errno);
   file_ = named;
-  std::vector<ImageFile> files(1);
-  auto& f = files.front();
-  f.range = range;
-  f.pad = offset;
-  f.path = file_;
-  f.fd.reset(::open(file_.c_str(), O_RDWR | O_CLOEXEC));
-  if (!f.fd) throw sys_error("open " + file_.string(), errno);
+  common::UniqueFd fd(::open(file_.c_str(), O_RDWR | O_CLOEXEC));
+  if (!fd) throw sys_error("open " + file_.string(), errno);
   // The file holds the range and nothing more, as its record says (a mapping ends on a page
   // boundary, the length the driver asked for need not: the last page's tail reads zero either
   // way; and a part the driver unmapped is no part of the image).
   struct stat st {};
-  if (::fstat(f.fd.get(), &st) != 0 ||
+  if (::fstat(fd.get(), &st) != 0 ||
       (static_cast<uint64_t>(st.st_size) != offset + range.size() &&
-       ::ftruncate(f.fd.get(), static_cast<off_t>(offset + range.size())) != 0)) {
+       ::ftruncate(fd.get(), static_cast<off_t>(offset + range.size())) != 0)) {
     throw sys_error("size " + file_.string(), errno);
   }
-  // A copy restored later, or the source, must never write into the artifact: private, or the
-  // capture fails (and the source's GPU state goes back from the shared mapping as it is). The
-  // library's watcher does it from inside the process; a library without one, through ptrace.
-  if (has_thread_named(pid_, kRemapThreadName)) {
-    remap_from_inside(range, offset);
-  } else {
-    remap(pid_, files, common::read_mappings(pid_), reporter);
-  }
-  if (!mapped_from(common::read_mappings(pid_), range, file_, offset)) {
-    throw Error(ErrorKind::kEnvironment,
-                "process " + std::to_string(pid_) +
-                    ": the driver's memory, written into the artifact, could not be made private",
-                "capture it with --no-direct-host-images");
-  }
-  // Read-only and root-only: CRIU records this mode and a restore checks it (fs::restrict_tree).
-  ::fchmod(f.fd.get(), 0400);
+  range_ = range;
+  offset_ = offset;
   HostImageRecord rec;
   rec.pid = pid_;
   rec.start = range.start;
   rec.end = range.end;
   rec.file = std::filesystem::relative(file_, artifact_root).string();
   rec.file_offset = offset;
-  rec.criu_key = criu_file_key(f.fd.get());
+  rec.criu_key = criu_file_key(fd.get());
+  fd_ = std::move(fd);
   reporter.note("process " + std::to_string(pid_) + ": " + fs::human_bytes(range.size()) +
                 " of host memory written into the artifact by the driver's checkpoint itself");
   return rec;
+}
+
+void DirectHostImage::make_private(Reporter& reporter) {
+  if (!fd_) return;
+  // A copy restored later, or the source, must never write into the artifact: private, or the
+  // capture fails (and the source's GPU state goes back from the shared mapping as it is). The
+  // library's watcher does it from inside the process; a library without one, through ptrace.
+  if (has_thread_named(pid_, kRemapThreadName)) {
+    remap_from_inside(range_, offset_);
+  } else {
+    std::vector<ImageFile> files(1);
+    auto& f = files.front();
+    f.range = range_;
+    f.pad = offset_;
+    f.path = file_;
+    f.fd.reset(::dup(fd_.get()));
+    remap(pid_, files, common::read_mappings(pid_), reporter);
+  }
+  if (!mapped_from(common::read_mappings(pid_), range_, file_, offset_)) {
+    throw Error(ErrorKind::kEnvironment,
+                "process " + std::to_string(pid_) +
+                    ": the driver's memory, written into the artifact, could not be made private",
+                "capture it with --no-direct-host-images");
+  }
+  // Read-only and root-only: CRIU records this mode and a restore checks it (fs::restrict_tree).
+  ::fchmod(fd_.get(), 0400);
+  fd_.reset();
 }
 
 void DirectHostImage::remap_from_inside(const Range& range, uint64_t offset) {

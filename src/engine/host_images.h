@@ -35,6 +35,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/fd.h"
 #include "common/remote.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/phases.h"
@@ -138,13 +139,16 @@ class DirectHostImage {
   // Removes the request whether or not the library took it (after the driver's call).
   void withdraw() noexcept;
   // After the driver's call: when the process maps the file, shared, as one range, the file is
-  // renamed `PID-ADDR.img` as the copying path names it, the range is remapped privately and
-  // checked, and its record returned (stored_bytes and checksums come from HashedFiles).
+  // renamed `PID-ADDR.img` as the copying path names it and its record returned (stored_bytes
+  // and checksums come from HashedFiles).
   // Otherwise the file is removed and nullopt returned, the process left to the copying path.
-  // Throws Error(kEnvironment) when the range is mapped from the file but cannot be made
-  // private: a shared mapping of the artifact must never be captured.
+  // The record's file is complete (the driver's call has returned): hashing may start at once.
   std::optional<HostImageRecord> adopt(const std::filesystem::path& artifact_root,
                                        Reporter& reporter);
+  // After adopt() found the range: makes it private in the process and checks that it is.
+  // Throws Error(kEnvironment) when it cannot be: a shared mapping of the artifact must never
+  // be captured.
+  void make_private(Reporter& reporter);
 
  private:
   // How long the library's watcher may take to make the region private (one mmap).
@@ -153,6 +157,9 @@ class DirectHostImage {
 
   pid_t pid_;
   std::filesystem::path file_;
+  Range range_;
+  uint64_t offset_ = 0;
+  common::UniqueFd fd_;  // the adopted file, until make_private()
   std::filesystem::path request_;
   std::filesystem::path remap_request_base_;  // the preload request's path, kept after withdraw()
   bool remapped_ = false;
