@@ -162,6 +162,21 @@ void run_workers(std::size_t n, std::atomic<bool>& stop, Work work) {
   if (first) std::rethrow_exception(first);
 }
 
+// run_workers() with each worker's pinned buffers and stream made first, on the device of the
+// piece of its own index (there are at least n pieces); returns the slowest worker's pinning
+// time. `work(k, resources)` does the rest.
+template <typename Pieces, typename Work>
+double run_with_buffers(TierDriver& driver, std::size_t buffer_bytes, std::size_t n,
+                        const Pieces& pieces, std::atomic<bool>& stop, Work work) {
+  std::vector<double> pinning(n, 0.0);
+  run_workers(n, stop, [&](std::size_t k) {
+    WorkerResources r(driver, buffer_bytes);
+    pinning[k] = r.prepare(pieces[k].device);
+    work(k, r);
+  });
+  return pinning.empty() ? 0.0 : *std::max_element(pinning.begin(), pinning.end());
+}
+
 void write_all(int fd, const std::filesystem::path& path, const void* data, std::size_t size,
                std::uint64_t offset) {
   const char* p = static_cast<const char*>(data);
@@ -325,35 +340,33 @@ double Tier::run_drain_workers(std::vector<Piece>& pieces, const std::filesystem
   }
   std::atomic<std::size_t> next{0};
   std::atomic<bool> stop{false};
-  std::vector<double> buffer_seconds(n, 0.0);
-  run_workers(n, stop, [&](std::size_t k) {
-    WorkerResources r(driver_, settings_.buffer_bytes);
-    buffer_seconds[k] = r.prepare(pieces[k].device);
-    const auto path = dir / files[k];
-    std::uint64_t offset = 0;
-    Piece* prev = nullptr;
-    int b = 0;
-    for (;;) {
-      const std::size_t i = stop ? pieces.size() : next.fetch_add(1);
-      Piece* p = i < pieces.size() ? &pieces[i] : nullptr;
-      Stream stream = nullptr;
-      if (p != nullptr) {
-        stream = r.on(p->device);
-        driver_.copy_to_host(r.buffer(b), p->va, p->size, stream);
-      }
-      // While the copy engine fills one buffer, the other goes to the file.
-      if (prev != nullptr) {
-        write_all(fds[k].get(), path, r.buffer(1 - b), prev->size, offset);
-        prev->file = k;
-        prev->offset = offset;
-        offset += prev->size;
-      }
-      if (p == nullptr) break;
-      driver_.stream_synchronize(stream);
-      prev = p;
-      b = 1 - b;
-    }
-  });
+  const double pinning = run_with_buffers(
+      driver_, settings_.buffer_bytes, n, pieces, stop, [&](std::size_t k, WorkerResources& r) {
+        const auto path = dir / files[k];
+        std::uint64_t offset = 0;
+        Piece* prev = nullptr;
+        int b = 0;
+        for (;;) {
+          const std::size_t i = stop ? pieces.size() : next.fetch_add(1);
+          Piece* p = i < pieces.size() ? &pieces[i] : nullptr;
+          Stream stream = nullptr;
+          if (p != nullptr) {
+            stream = r.on(p->device);
+            driver_.copy_to_host(r.buffer(b), p->va, p->size, stream);
+          }
+          // While the copy engine fills one buffer, the other goes to the file.
+          if (prev != nullptr) {
+            write_all(fds[k].get(), path, r.buffer(1 - b), prev->size, offset);
+            prev->file = k;
+            prev->offset = offset;
+            offset += prev->size;
+          }
+          if (p == nullptr) break;
+          driver_.stream_synchronize(stream);
+          prev = p;
+          b = 1 - b;
+        }
+      });
   for (std::size_t k = 0; k < n; ++k) {
     // Still the file at that path? gpusnap removes a staging directory it gave up on; the
     // memory must not be released into files nobody can find again.
@@ -369,8 +382,7 @@ double Tier::run_drain_workers(std::vector<Piece>& pieces, const std::filesystem
     if (const int err = fds[k].close_checked(); err != 0)
       throw file_error("cannot write", path, err);
   }
-  return buffer_seconds.empty() ? 0.0
-                                : *std::max_element(buffer_seconds.begin(), buffer_seconds.end());
+  return pinning;
 }
 
 void Tier::write_index(const std::filesystem::path& dir, const std::vector<std::string>& files,
@@ -516,32 +528,29 @@ double Tier::run_fill_workers(const std::vector<Piece>& pieces, const std::files
       std::min(pieces.size(), static_cast<std::size_t>(std::max(1, settings_.streams)));
   std::atomic<std::size_t> next{0};
   std::atomic<bool> stop{false};
-  std::vector<double> buffer_seconds(n, 0.0);
-  run_workers(n, stop, [&](std::size_t k) {
-    WorkerResources r(driver_, settings_.buffer_bytes);
-    buffer_seconds[k] = r.prepare(pieces[k].device);
-    Stream in_flight = nullptr;  // the stream of the copy issued last, not yet waited for
-    int b = 0;
-    for (;;) {
-      const std::size_t i = stop ? pieces.size() : next.fetch_add(1);
-      const Piece* p = i < pieces.size() ? &pieces[i] : nullptr;
-      // While the copy engine moves the other buffer, this one is read from the file.
-      Stream stream = nullptr;
-      if (p != nullptr) {
-        stream = r.on(p->device);  // a context first: pinned memory is allocated in one
-        read_all(fds[p->file].get(), dir / files_[p->file], r.buffer(b), p->size, p->offset);
-      }
-      if (in_flight != nullptr) driver_.stream_synchronize(in_flight);
-      in_flight = nullptr;
-      if (p == nullptr) break;
-      driver_.copy_to_device(p->va, r.buffer(b), p->size, stream);
-      in_flight = stream;
-      b = 1 - b;
-    }
-  });
+  const double pinning = run_with_buffers(
+      driver_, settings_.buffer_bytes, n, pieces, stop, [&](std::size_t, WorkerResources& r) {
+        Stream in_flight = nullptr;  // the stream of the copy issued last, not yet waited for
+        int b = 0;
+        for (;;) {
+          const std::size_t i = stop ? pieces.size() : next.fetch_add(1);
+          const Piece* p = i < pieces.size() ? &pieces[i] : nullptr;
+          // While the copy engine moves the other buffer, this one is read from the file.
+          Stream stream = nullptr;
+          if (p != nullptr) {
+            stream = r.on(p->device);  // a context first: pinned memory is allocated in one
+            read_all(fds[p->file].get(), dir / files_[p->file], r.buffer(b), p->size, p->offset);
+          }
+          if (in_flight != nullptr) driver_.stream_synchronize(in_flight);
+          in_flight = nullptr;
+          if (p == nullptr) break;
+          driver_.copy_to_device(p->va, r.buffer(b), p->size, stream);
+          in_flight = stream;
+          b = 1 - b;
+        }
+      });
   // Each worker waited for its own last copy; nothing of the fill is in flight.
-  return buffer_seconds.empty() ? 0.0
-                                : *std::max_element(buffer_seconds.begin(), buffer_seconds.end());
+  return pinning;
 }
 
 }  // namespace gpusnap::tier

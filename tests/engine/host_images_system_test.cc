@@ -22,6 +22,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -425,6 +426,14 @@ TEST(HostImages, TheCopyingPathStaysSelectableForAPreloadedWorkload) {
   EXPECT_TRUE(Artifact::open(dir / "snap").verify().empty());
 }
 
+// The process's mapping of a host image file, if it has one.
+std::optional<common::Mapping> host_image_mapping(pid_t pid) {
+  for (const auto& m : common::read_mappings(pid)) {
+    if (m.path.find("/host-images/") != std::string::npos) return m;
+  }
+  return std::nullopt;
+}
+
 // Stops its own process (SIGKILL) when the phase named starts: a gpusnap killed there.
 class KillAt final : public Reporter {
  public:
@@ -481,12 +490,8 @@ TEST(HostImages, ACaptureKilledOnTheDirectPathLeavesTheWorkloadItsMemoryAndNoArt
                 std::filesystem::is_empty(dir / "run" / "preload", ec));
     // The workload keeps the driver's bytes (what the driver's restore reads back), now from a
     // file that is in no artifact, and works on.
-    const common::Mapping* region = nullptr;
-    auto maps = common::read_mappings(source.pid());
-    for (const auto& m : maps) {
-      if (m.path.find("/host-images/") != std::string::npos) region = &m;
-    }
-    ASSERT_NE(region, nullptr);
+    const auto region = host_image_mapping(source.pid());
+    ASSERT_TRUE(region.has_value());
     EXPECT_NE(region->path.find("(deleted)"), std::string::npos) << region->path;
     EXPECT_EQ(StagingDriver::check_region(source.pid(), region->start, kLibraryRegion), "ok");
     EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
@@ -553,12 +558,8 @@ TEST(HostImages, ACaptureKilledWhileTheRegionIsMadePrivateLeavesTheWorkloadWorki
     if (was_killed) EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
     EXPECT_TRUE(eventually(
         [&] { return !engine::has_thread_named(source.pid(), engine::kRemapThreadName); }));
-    const common::Mapping* region = nullptr;
-    auto maps = common::read_mappings(source.pid());
-    for (const auto& m : maps) {
-      if (m.path.find("/host-images/") != std::string::npos) region = &m;
-    }
-    ASSERT_NE(region, nullptr);
+    const auto region = host_image_mapping(source.pid());
+    ASSERT_TRUE(region.has_value());
     EXPECT_EQ(StagingDriver::check_region(source.pid(), region->start, kLibraryRegion), "ok");
     EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
   }
