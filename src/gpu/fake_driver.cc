@@ -212,24 +212,15 @@ ProcessState FakeDriver::state(pid_t pid) {
 
 void FakeDriver::lock(pid_t pid, std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> guard(mutex_);
-  require_available();
-  const std::string text = call_text("cuCheckpointProcessLock", pid);
-  record("lock " + std::to_string(pid));
   last_lock_timeout_ = timeout;
-  maybe_fault("lock", pid, text);
-  Process& process = process_or_throw(pid, text);
-  require_state(process, ProcessState::kRunning, "lock", pid, text);
-  process.state = ProcessState::kLocked;
+  transition(pid, "cuCheckpointProcessLock", "lock", ProcessState::kRunning).state =
+      ProcessState::kLocked;
 }
 
 void FakeDriver::checkpoint(pid_t pid) {
   std::lock_guard<std::mutex> guard(mutex_);
-  require_available();
-  const std::string text = call_text("cuCheckpointProcessCheckpoint", pid);
-  record("checkpoint " + std::to_string(pid));
-  maybe_fault("checkpoint", pid, text);
-  Process& process = process_or_throw(pid, text);
-  require_state(process, ProcessState::kLocked, "checkpoint", pid, text);
+  Process& process =
+      transition(pid, "cuCheckpointProcessCheckpoint", "checkpoint", ProcessState::kLocked);
   // The GPU contents move into the process's host memory; the GPU gets its memory back.
   for (const auto& [uuid, bytes] : process.usage) {
     if (GpuInfo* gpu = find_gpu(uuid)) gpu->memory_free += bytes;
@@ -303,13 +294,19 @@ void FakeDriver::restore(pid_t pid, const std::vector<GpuPair>& pairs) {
 
 void FakeDriver::unlock(pid_t pid) {
   std::lock_guard<std::mutex> guard(mutex_);
+  transition(pid, "cuCheckpointProcessUnlock", "unlock", ProcessState::kLocked).state =
+      ProcessState::kRunning;
+}
+
+FakeDriver::Process& FakeDriver::transition(pid_t pid, const char* api, const char* call,
+                                            ProcessState needed) {
   require_available();
-  const std::string text = call_text("cuCheckpointProcessUnlock", pid);
-  record("unlock " + std::to_string(pid));
-  maybe_fault("unlock", pid, text);
+  const std::string text = call_text(api, pid);
+  record(std::string(call) + " " + std::to_string(pid));
+  maybe_fault(call, pid, text);
   Process& process = process_or_throw(pid, text);
-  require_state(process, ProcessState::kLocked, "unlock", pid, text);
-  process.state = ProcessState::kRunning;
+  require_state(process, needed, call, pid, text);
+  return process;
 }
 
 // --- Helpers (mutex_ held)

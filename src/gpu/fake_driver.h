@@ -112,6 +112,9 @@ class FakeDriver final : public Driver {
   };
 
   // All of these expect mutex_ held.
+  // The common start of lock, checkpoint and unlock: the call recorded under `call`, its fault
+  // applied, and the process, which must be in state `needed`.
+  Process& transition(pid_t pid, const char* api, const char* call, ProcessState needed);
   void require_available() const;
   void record(std::string call);
   // Counts the call against pending faults; applies and throws the first that fires.
