@@ -177,6 +177,11 @@ class ControllerAndRealAgent : public ::testing::Test {
     auto s = server_.get("gpusnapshots", "default", name);
     return s ? s->value("status", json::object()) : json::object();
   }
+  // Whether the snapshot reaches phase Succeeded within an operation's time.
+  bool succeeds(const std::string& name) {
+    return eventually([&] { return snap_status(name).value("phase", "") == "Succeeded"; },
+                      kOperationLimit);
+  }
   json snap_condition(const std::string& name, const std::string& type) {
     auto c = kube_condition(snap_status(name).value("conditions", json::array()), type);
     return c.value_or(json::object());
@@ -256,9 +261,7 @@ TEST_F(ControllerAndRealAgent, CapturesAPodsContainerAndRestoresItIntoAPlacehold
 
   // (a) The capture.
   snapshot_of("llm-warm", "llm-0");
-  ASSERT_TRUE(eventually([&] { return snap_status("llm-warm").value("phase", "") == "Succeeded"; },
-                         kOperationLimit))
-      << snap_status("llm-warm").dump(2);
+  ASSERT_TRUE(succeeds("llm-warm")) << snap_status("llm-warm").dump(2);
   json st = snap_status("llm-warm");
   EXPECT_EQ(st["nodeName"], kNode);
   EXPECT_EQ(st["podName"], "llm-0");
@@ -384,9 +387,7 @@ TEST_F(ControllerAndRealAgent, AnAgentThatDoesNotAnswerIsReportedAndWaitedFor) {
   EXPECT_EQ(ask_in(source->pid(), "INCR"), "2");
 
   start_agent();
-  ASSERT_TRUE(eventually([&] { return snap_status("llm-warm").value("phase", "") == "Succeeded"; },
-                         kOperationLimit))
-      << snap_status("llm-warm").dump(2);
+  ASSERT_TRUE(succeeds("llm-warm")) << snap_status("llm-warm").dump(2);
   EXPECT_EQ(snap_condition("llm-warm", "Ready")["reason"], "ArtifactReady");
   auto snap_events = events("GpuSnapshot", "llm-warm", 3);
   ASSERT_EQ(snap_events.size(), 3U) << json(snap_events).dump(2);
@@ -465,9 +466,7 @@ TEST_F(ControllerAndRealAgent, CapturesAndRestoresPodsThatContainerdRuns) {
   start_controller(/*found_runtime_root=*/true);
 
   snapshot_of("llm-warm", "llm-0");
-  ASSERT_TRUE(eventually([&] { return snap_status("llm-warm").value("phase", "") == "Succeeded"; },
-                         kOperationLimit))
-      << snap_status("llm-warm").dump(2);
+  ASSERT_TRUE(succeeds("llm-warm")) << snap_status("llm-warm").dump(2);
   auto inspect = gpusnap({"inspect", (storage() / "default.llm-warm").string(), "--json"});
   ASSERT_EQ(inspect.exit_code, 0) << inspect.err;
   json manifest = json::parse(inspect.out);
@@ -541,9 +540,7 @@ TEST_F(ControllerAndRealAgent, ARestorePodOnANodeWithoutTheSnapshotPullsItFromTh
       b / "controller.log");
 
   snapshot_of("llm-warm", "llm-0");
-  ASSERT_TRUE(eventually([&] { return snap_status("llm-warm").value("phase", "") == "Succeeded"; },
-                         kOperationLimit))
-      << snap_status("llm-warm").dump(2);
+  ASSERT_TRUE(succeeds("llm-warm")) << snap_status("llm-warm").dump(2);
   json st = snap_status("llm-warm");
   EXPECT_EQ(st["nodeName"], kNode);
   const std::string reference = st.value("reference", "");
