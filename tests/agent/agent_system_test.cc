@@ -1037,6 +1037,52 @@ TEST_F(AgentsAndRegistry, PrefetchWarmsTheNodeCacheAndTheRestoreFetchesNothing) 
   EXPECT_EQ(not_root_only(b_dir_ / "run" / "pulled"), std::vector<std::string>{});
 }
 
+// B is killed (SIGKILL) while it pulls: nothing half-pulled is visible, the restarted agent
+// reports the prefetch failed and removes what the pull left, and the prefetch again takes the
+// chunks already fetched from the node cache: a killed pull resumes.
+TEST_F(AgentsAndRegistry, AKilledPullLeavesNothingAndThePrefetchAgainResumes) {
+  Workload source(a_dir_, {"--mib", "384"});
+  const std::string reference = capture_on_a("big", source.pid());
+  ASSERT_FALSE(reference.empty());
+  auto accepted = b_->post("/v1/prefetch", {{"reference", reference}});
+  ASSERT_EQ(accepted.status, 202) << accepted.body;
+  const std::string id = accepted.doc["operation"]["id"];
+  // Killed once some chunks, not all, have arrived.
+  ASSERT_TRUE(eventually(
+      [&] {
+        const json progress = b_->get("/v1/operations/" + id).doc.value("progress", json());
+        return progress.is_object() && progress.value("phase", "") == "pull-fetch" &&
+               progress.value("done", 0ULL) > 0 &&
+               progress.value("done", 0ULL) < progress.value("total", 0ULL);
+      },
+      std::chrono::seconds(60)));
+  b_->kill();
+  const auto pulled = b_dir_ / "run" / "pulled";
+  for (const auto& name : entries(pulled)) EXPECT_EQ(name[0], '.') << name;  // staging only
+  b_->start();
+  EXPECT_EQ(entries(pulled), std::vector<std::string>{});  // the dead pull's staging removed
+  auto op = b_->get("/v1/operations/" + id).doc;
+  EXPECT_EQ(op["state"], "failed") << op.dump(2);
+  // The phase is the pull's innermost (fetch, or the writing of the files it runs).
+  const std::string message = op["error"].value("message", "");
+  EXPECT_TRUE(message.starts_with("the agent restarted during the prefetch of " + reference +
+                                  " (phase pull-"))
+      << message;
+  EXPECT_TRUE(message.ends_with("); nothing half-pulled is visible, and the chunks it had "
+                                "fetched stay in the node cache"))
+      << message;
+
+  auto again = b_->run("/v1/prefetch", {{"reference", reference}});
+  ASSERT_EQ(again["state"], "succeeded") << again.dump(2);
+  EXPECT_GT(again["result"]["chunks_from_cache"].get<uint64_t>(), 0U) << again.dump(2);
+  std::printf(
+      "after the kill: %llu chunks fetched, %llu from the node cache\n",
+      static_cast<unsigned long long>(again["result"]["chunks_fetched"].get<uint64_t>()),
+      static_cast<unsigned long long>(again["result"]["chunks_from_cache"].get<uint64_t>()));
+  EXPECT_EQ(gpusnap({"verify", again["result"]["artifact"].get<std::string>()}).exit_code, 0);
+  EXPECT_EQ(not_root_only(pulled), std::vector<std::string>{});
+}
+
 // Prefetch requests are bounded and checked like every other request, and a reference outside
 // the agent's own repository is refused before anything is queued.
 TEST_F(AgentsAndRegistry, PrefetchRequestsAreValidatedAndBounded) {
