@@ -14,6 +14,7 @@
 #include "common/fs.h"
 #include "common/proc.h"
 #include "common/utc.h"
+#include "criu/criu.h"
 #include "engine/documents.h"
 #include "engine/gpu_state.h"
 #include "engine/handshake.h"
@@ -137,7 +138,7 @@ std::string hostname() {
 // What the agent says about an operation a dead agent left in its journal, by how far it got.
 std::string interrupted_message(const Operation& op, const json& entry) {
   const std::string kind = kind_name(op.kind);
-  const std::string name = op.request.value("artifact", "?");
+  const std::string name = op.request.value("artifact", op.request.value("reference", "?"));
   const bool was_running = entry.value("state", "") == "running";
   const std::string phase = entry.value("phase", "");
   std::string message = "the agent restarted ";
@@ -154,7 +155,11 @@ std::string interrupted_message(const Operation& op, const json& entry) {
   }
   message.append(name);
   if (!phase.empty()) message.append(" (phase ").append(phase).append(")");
-  if (op.kind != OperationKind::kCheckpoint) {
+  if (op.kind == OperationKind::kPrefetch) {
+    return message.append("; nothing half-pulled is visible, and the chunks it had fetched stay in "
+                          "the node cache");
+  }
+  if (op.kind == OperationKind::kRestore) {
     return message.append("; copies not yet released ended with it");
   }
   std::error_code ec;
@@ -166,7 +171,11 @@ std::string interrupted_message(const Operation& op, const json& entry) {
 
 }  // namespace
 
-Agent::Agent(AgentConfig config) : config_(std::move(config)), journal_(config_.state_dir) {
+Agent::Agent(AgentConfig config)
+    : config_(std::move(config)),
+      remote_(config_.remote ? std::optional<Remote>(std::in_place, *config_.remote)
+                             : std::nullopt),
+      journal_(config_.state_dir) {
   if (config_.node.empty()) config_.node = hostname();
   recover();
   worker_ = std::jthread([this](const std::stop_token& stop) { work(stop); });
@@ -202,14 +211,43 @@ void Agent::stop() noexcept {
 
 json Agent::submit_checkpoint(const json& body) {
   auto request = parse_checkpoint_request(body);
-  checkpoint_options(request, config_.engine);  // refuse now what the engine cannot take
+  checkpoint_options(request, config_.engine);     // refuse now what the engine cannot take
+  if (remote_) remote_->tag_of(request.artifact);  // and what the registry cannot
   return submit(OperationKind::kCheckpoint, to_json(request));
 }
 
 json Agent::submit_restore(const json& body) {
   auto request = parse_restore_request(body);
   restore_options(request, config_.engine);
+  if (request.reference) remote("a restore from a reference").check_reference(*request.reference);
   return submit(OperationKind::kRestore, to_json(request));
+}
+
+json Agent::submit_prefetch(const json& body) {
+  auto request = parse_prefetch_request(body);
+  const Remote& r = remote("a prefetch");
+  if (request.reference.empty()) {
+    r.tag_of(request.artifact);
+  } else {
+    r.check_reference(request.reference);
+  }
+  return submit(OperationKind::kPrefetch, to_json(request));
+}
+
+const Remote& Agent::remote(const std::string& what) const {
+  if (!remote_) {
+    throw Error(ErrorKind::kUsage, what + " needs registry storage, which this agent has not",
+                "start gpusnap-agent with --registry oci://HOST/REPO (chart value "
+                "storage.type=oci)");
+  }
+  return *remote_;
+}
+
+void Agent::check_restorable_here(const Manifest& manifest) const {
+  auto criu = criu::locate(config_.engine.criu_path);
+  check_host_compatible(manifest, HostFacts::probe(criu.version));
+  auto driver = gpu::open_nvidia_driver();
+  engine::plan_gpu_restore(manifest.gpu, *driver, {}, 1);
 }
 
 json Agent::submit(OperationKind kind, json request) {
@@ -319,27 +357,10 @@ void Agent::run(const std::shared_ptr<Operation>& op) {
   json result, error;
   uint64_t bytes = 0;
   try {
-    if (op->kind == OperationKind::kCheckpoint) {
-      const auto options =
-          checkpoint_options(parse_checkpoint_request(op->request), config_.engine);
-      // What a recovery needs should the agent die from here on.
-      entry["artifact"] = options.output.string();
-      entry["pid"] = options.pid;
-      if (auto dir = engine::control_dir_of(options.pid)) entry["control_dir"] = dir->string();
-      journal_.record(op->id, entry);
-      OperationReporter reporter(mu_, *op, metrics_, journal_, entry);
-      auto r = checkpoint(options, reporter);
-      bytes = r.manifest.total_bytes();
-      result = engine::checkpoint_document(r, options.leave_running, notes_of(*op));
-    } else {
-      const auto options = restore_options(parse_restore_request(op->request), config_.engine);
-      entry["artifact"] = options.artifact.string();
-      journal_.record(op->id, entry);
-      OperationReporter reporter(mu_, *op, metrics_, journal_, entry);
-      auto r = restore(options, reporter);
-      bytes = r.manifest.total_bytes();
-      for (const auto& c : r.copies) released_inits_.push_back(c.init_pid);
-      result = engine::restore_document(r, options.artifact, notes_of(*op));
+    switch (op->kind) {
+      case OperationKind::kCheckpoint: result = run_checkpoint(*op, entry, bytes); break;
+      case OperationKind::kRestore: result = run_restore(*op, entry, bytes); break;
+      case OperationKind::kPrefetch: result = run_prefetch(*op, entry, bytes); break;
     }
   } catch (const Error& e) {
     error = error_json(e);
@@ -360,6 +381,76 @@ void Agent::run(const std::shared_ptr<Operation>& op) {
   journal_.erase(op->id);
 }
 
+json Agent::run_checkpoint(Operation& op, json& entry, uint64_t& bytes) {
+  const auto request = parse_checkpoint_request(op.request);
+  const auto options = checkpoint_options(request, config_.engine);
+  // What a recovery needs should the agent die from here on.
+  entry["artifact"] = options.output.string();
+  entry["pid"] = options.pid;
+  if (auto dir = engine::control_dir_of(options.pid)) entry["control_dir"] = dir->string();
+  journal_.record(op.id, entry);
+  OperationReporter reporter(mu_, op, metrics_, journal_, entry);
+  auto r = checkpoint(options, reporter);
+  bytes = r.manifest.total_bytes();
+  json pushed;
+  if (remote_) {
+    // Committed here; stored once the registry holds it too, under the digest it reports.
+    try {
+      pushed = remote_->push(options.output, request.artifact, reporter);
+    } catch (const Error& e) {
+      throw Error(e.kind(),
+                  "captured into " + options.output.string() + ", but the push to " +
+                      remote_->settings().repository + " failed: " + e.what(),
+                  e.hint());
+    }
+  }
+  json result = engine::checkpoint_document(r, options.leave_running, notes_of(op));
+  if (!pushed.is_null()) {
+    result["reference"] = pushed.at("reference");
+    result["pushed"] = std::move(pushed);
+  }
+  return result;
+}
+
+json Agent::run_restore(Operation& op, json& entry, uint64_t& bytes) {
+  const auto request = parse_restore_request(op.request);
+  auto options = restore_options(request, config_.engine);
+  entry["artifact"] = options.artifact.string();
+  journal_.record(op.id, entry);
+  OperationReporter reporter(mu_, op, metrics_, journal_, entry);
+  json pulled;
+  std::error_code ec;
+  if (remote_ && !std::filesystem::exists(options.artifact, ec)) {
+    // Not held here: the registry has it (the reference the caller gave, else the name's tag).
+    const auto ref = request.reference ? remote_->check_reference(*request.reference)
+                                       : remote_->tag_of(request.artifact);
+    auto f = remote_->fetch(
+        ref, [this](const Manifest& m) { check_restorable_here(m); }, reporter);
+    options.artifact = f.artifact;
+    pulled = f.to_json();
+  }
+  auto r = restore(options, reporter);
+  bytes = r.manifest.total_bytes();
+  for (const auto& c : r.copies) released_inits_.push_back(c.init_pid);
+  json result = engine::restore_document(r, options.artifact, notes_of(op));
+  if (!pulled.is_null()) result["pulled"] = std::move(pulled);
+  return result;
+}
+
+json Agent::run_prefetch(Operation& op, const json& entry, uint64_t& bytes) {
+  const auto request = parse_prefetch_request(op.request);
+  const Remote& r = remote("a prefetch");
+  OperationReporter reporter(mu_, op, metrics_, journal_, entry);
+  const auto ref =
+      request.reference.empty() ? r.tag_of(request.artifact) : r.check_reference(request.reference);
+  auto f = r.fetch(
+      ref, [this](const Manifest& m) { check_restorable_here(m); }, reporter);
+  bytes = f.bytes_fetched;
+  json result = f.to_json();
+  result["notes"] = notes_of(op);
+  return result;
+}
+
 void Agent::recover() noexcept {
   std::vector<std::string> actions;
   wait_for_dump_guardians(actions);
@@ -367,6 +458,7 @@ void Agent::recover() noexcept {
   // Staging directories nobody writes any more.
   artifact::ArtifactWriter::remove_stale_staging(config_.engine.storage);
   remove_own_pid_staging(config_.engine.storage);
+  if (remote_) remote_->remove_stale();
   recover_operations(actions);
 }
 

@@ -28,6 +28,7 @@
 #include "agent/journal.h"
 #include "agent/metrics.h"
 #include "agent/operation.h"
+#include "agent/remote.h"
 #include "agent/request.h"
 
 namespace gpusnap::agent {
@@ -37,6 +38,9 @@ struct AgentConfig {
   std::filesystem::path state_dir = "/var/lib/gpusnap/agent";  // the journal
   size_t history = 1000;  // finished operations kept in memory, newest last
   std::string node;       // reported by healthz; empty: the host name
+  // Registry storage (--registry): push after each capture, pull what a restore needs and
+  // this node does not hold. Without: the storage directory is all there is.
+  std::optional<RemoteSettings> remote;
 };
 
 class Agent {
@@ -54,6 +58,9 @@ class Agent {
   // carry out.
   nlohmann::json submit_checkpoint(const nlohmann::json& body);
   nlohmann::json submit_restore(const nlohmann::json& body);
+  // POST /v1/prefetch: pull a snapshot into the node cache ahead of a restore. Error(kUsage)
+  // too when the agent has no registry storage.
+  nlohmann::json submit_prefetch(const nlohmann::json& body);
 
   std::optional<nlohmann::json> operation(const std::string& id) const;
   nlohmann::json operations() const;
@@ -72,6 +79,16 @@ class Agent {
   nlohmann::json submit(OperationKind kind, nlohmann::json request);
   void work(const std::stop_token& stop);
   void run(const std::shared_ptr<Operation>& op);
+  // The steps of run() for each kind: the operation's result document, and the bytes it
+  // wrote, read or fetched (the metrics).
+  nlohmann::json run_checkpoint(Operation& op, nlohmann::json& entry, uint64_t& bytes);
+  nlohmann::json run_restore(Operation& op, nlohmann::json& entry, uint64_t& bytes);
+  nlohmann::json run_prefetch(Operation& op, const nlohmann::json& entry, uint64_t& bytes);
+  // The registry storage; Error(kUsage) naming `what` when the agent has none.
+  const Remote& remote(const std::string& what) const;
+  // What a restore here would refuse, from a snapshot's manifest alone, before any chunk is
+  // fetched: another CPU architecture or CRIU, another GPU model or driver.
+  void check_restorable_here(const Manifest& manifest) const;
   // Reads the journal a dead agent left: waits for its dump guardians, runs the engine's
   // recovery (GPU journal, the workload's handshake), removes stale staging directories, and
   // records each interrupted operation as failed. Never throws.
@@ -86,6 +103,7 @@ class Agent {
   std::vector<std::string> notes_of(const Operation& op) const;  // takes mu_
 
   AgentConfig config_;
+  std::optional<Remote> remote_;
   Journal journal_;
   Metrics metrics_;
   mutable std::mutex mu_;

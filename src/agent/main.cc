@@ -35,6 +35,17 @@ const std::vector<args::FlagSpec> kFlags = {
     {"--run-dir", "", "DIR", "the engine's run directory (default /run/gpusnap)"},
     {"--gpusnap", "", "PATH", "the gpusnap binary (default: beside gpusnap-agent)"},
     {"--criu", "", "PATH", "the criu binary (default: as gpusnap locates it)"},
+    {"--registry", "", "oci://HOST[:PORT]/REPO",
+     "registry storage: push each capture there as REPO:NAME, pull what a restore needs and "
+     "this node does not hold"},
+    {"--registry-auth-file", "", "FILE",
+     "the registry's credentials (auth.json / docker config.json, e.g. a mounted Secret)"},
+    {"--registry-ca-file", "", "PEM", "CA certificates the registry's certificate must chain to"},
+    {"--registry-plain-http", "", "", "reach the registry over plain HTTP (no TLS)"},
+    {"--cache", "", "DIR", "the node cache of pulled chunks (default /var/lib/gpusnap/cache)"},
+    {"--cache-budget-mib", "", "MIB",
+     "keep the node cache within MIB, least recently used snapshots leaving first "
+     "(default 65536)"},
     {"--help", "-h", "", "show this help"},
     {"--version", "", "", "show the version"},
 };
@@ -87,6 +98,29 @@ std::string helper_binary(const args::Args& args) {
                 "install gpusnap beside gpusnap-agent, or name it with --gpusnap PATH");
   }
   return std::filesystem::absolute(path).string();
+}
+
+// The registry storage, when --registry asks for it; checked by Remote (agent/remote.h).
+std::optional<RemoteSettings> remote_settings(const args::Args& args,
+                                              const std::filesystem::path& run_dir) {
+  if (!args.has("--registry")) {
+    for (const char* flag : {"--registry-auth-file", "--registry-ca-file", "--registry-plain-http",
+                             "--cache", "--cache-budget-mib"}) {
+      if (args.has(flag)) throw usage(std::string(flag) + " needs --registry");
+    }
+    return std::nullopt;
+  }
+  RemoteSettings s;
+  s.repository = args.get("--registry");
+  s.registry.auth_file = args.get("--registry-auth-file");
+  s.registry.ca_file = args.get("--registry-ca-file");
+  s.registry.plain_http = args.has("--registry-plain-http");
+  s.cache = args.get("--cache", s.cache.string());
+  s.cache_budget = static_cast<uint64_t>(args.get_int("--cache-budget-mib", 64 << 10, 0, 1L << 30))
+                   << 20;
+  // Beside `gpusnap restore oci://...`'s: a snapshot either pulled is found by the other.
+  s.pulled = run_dir / "pulled";
+  return s;
 }
 
 void make_private_dir(const std::filesystem::path& dir) {
@@ -167,6 +201,7 @@ int run(const std::vector<std::string>& argv) {
   config.engine.criu_path = args.get("--criu");
   config.engine.artifact_group = config_group;
   config.state_dir = args.get("--state-dir", config.state_dir.string());
+  config.remote = remote_settings(args, config.engine.run_dir);
   make_private_dir(config.engine.storage);
   make_private_dir(config.state_dir);
 
@@ -189,7 +224,9 @@ int run(const std::vector<std::string>& argv) {
     std::fprintf(stderr, " and %s:%d (bearer token)", listen.tcp_address.c_str(),
                  server.tcp_port());
   }
-  std::fprintf(stderr, "; storage %s\n", config.engine.storage.c_str());
+  std::fprintf(stderr, "; storage %s", config.engine.storage.c_str());
+  if (config.remote) std::fprintf(stderr, " and %s", config.remote->repository.c_str());
+  std::fprintf(stderr, "\n");
   server.start(agent);
 
   int signal = 0;

@@ -14,7 +14,7 @@ const std::vector<double> kOperationBounds = {0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 // Phases range from microseconds (locate) to the long copies (dump, gpu-checkpoint).
 const std::vector<double> kPhaseBounds = {0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1,
                                           2.5,   5,    10,   30,  60,   300};
-const char* const kKinds[] = {"checkpoint", "restore"};
+const char* const kKinds[] = {"checkpoint", "restore", "prefetch"};
 const char* const kResults[] = {"succeeded", "failed"};
 
 // Shortest text that reads back as the same double; Prometheus' spellings of the infinities.

@@ -5,7 +5,8 @@
 //   gpusnap_operations_in_flight{kind}               operations running now (not pending)
 //   gpusnap_operation_duration_seconds{kind}         histogram, from start to end
 //   gpusnap_phase_duration_seconds{kind,phase}       histogram, each engine phase
-//   gpusnap_artifact_bytes_total{kind}               written by checkpoints, read by restores
+//   gpusnap_artifact_bytes_total{kind}               written by checkpoints, read by restores,
+//                                                    fetched from the registry by prefetches
 //   gpusnap_operation_failures_total{kind,error_kind}  failed operations by Error kind
 //
 // Thread-safe: every method may be called from any thread.

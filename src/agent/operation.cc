@@ -8,6 +8,7 @@ const char* kind_name(OperationKind kind) {
   switch (kind) {
     case OperationKind::kCheckpoint: return "checkpoint";
     case OperationKind::kRestore: return "restore";
+    case OperationKind::kPrefetch: return "prefetch";
   }
   return "?";
 }
@@ -25,6 +26,7 @@ const char* state_name(OperationState state) {
 OperationKind kind_from_name(const std::string& name) {
   if (name == "checkpoint") return OperationKind::kCheckpoint;
   if (name == "restore") return OperationKind::kRestore;
+  if (name == "prefetch") return OperationKind::kPrefetch;
   throw Error(ErrorKind::kInternal, "unknown operation kind '" + name + "'");
 }
 

@@ -1,5 +1,5 @@
-// One checkpoint or restore the agent was asked for: what was asked, where it stands, how each
-// phase went, and how it ended. An operation's fields are plain data; the Agent (agent.h) owns
+// One checkpoint, restore or prefetch the agent was asked for: what was asked, where it stands, how
+// each phase went, and how it ended. An operation's fields are plain data; the Agent (agent.h) owns
 // every Operation and guards it with its lock.
 #pragma once
 
@@ -15,7 +15,7 @@
 
 namespace gpusnap::agent {
 
-enum class OperationKind { kCheckpoint, kRestore };
+enum class OperationKind { kCheckpoint, kRestore, kPrefetch };
 enum class OperationState { kPending, kRunning, kSucceeded, kFailed };
 
 const char* kind_name(OperationKind kind);

@@ -93,6 +93,19 @@ std::string artifact_field(const json& body, const std::string& of) {
   return name;
 }
 
+std::string reference_field(const json& body, const std::string& of) {
+  auto text = string_field(body, "reference", of);
+  if (text.size() > kMaxReferenceBytes) {
+    throw bad("\"reference\" in " + of + " is longer than " + std::to_string(kMaxReferenceBytes) +
+              " bytes");
+  }
+  if (!text.starts_with("oci://")) {
+    throw bad("\"reference\" in " + of + " must be oci://HOST[:PORT]/REPO[:TAG|@sha256:HEX], not " +
+              json_text::brief(body.at("reference")));
+  }
+  return text;
+}
+
 ContainerRef container_ref(const ContainerName& c) { return {c.id, c.runtime_root}; }
 
 }  // namespace
@@ -153,11 +166,12 @@ CheckpointRequest parse_checkpoint_request(const json& body) {
 RestoreRequest parse_restore_request(const json& body) {
   const std::string of = "a restore request";
   refuse_unknown(body,
-                 {"artifact", "replicas", "into_container", "settings", "gpu_map", "publish",
-                  "handshake_timeout_s"},
+                 {"artifact", "reference", "replicas", "into_container", "settings", "gpu_map",
+                  "publish", "handshake_timeout_s"},
                  of);
   RestoreRequest r;
   r.artifact = artifact_field(body, of);
+  if (body.contains("reference")) r.reference = reference_field(body, of);
   if (body.contains("replicas"))
     r.replicas = static_cast<int>(int_field(body, "replicas", 1, 1024));
   if (body.contains("into_container")) {
@@ -195,6 +209,21 @@ RestoreRequest parse_restore_request(const json& body) {
   return r;
 }
 
+PrefetchRequest parse_prefetch_request(const json& body) {
+  const std::string of = "a prefetch request";
+  refuse_unknown(body, {"artifact", "reference"}, of);
+  const bool artifact = body.contains("artifact"), reference = body.contains("reference");
+  if (artifact == reference) {
+    throw bad(artifact ? "a prefetch request names either \"artifact\" or \"reference\", not both"
+                       : "a prefetch request needs \"reference\" or \"artifact\"",
+              "give the snapshot's oci:// reference, or its name in the agent's repository");
+  }
+  PrefetchRequest r;
+  if (artifact) r.artifact = artifact_field(body, of);
+  if (reference) r.reference = reference_field(body, of);
+  return r;
+}
+
 json to_json(const CheckpointRequest& r) {
   json doc{{"artifact", r.artifact}, {"leave_running", r.leave_running}};
   if (r.pid != 0) doc["pid"] = r.pid;
@@ -209,9 +238,14 @@ json to_json(const RestoreRequest& r) {
            {"settings", r.settings},
            {"gpu_map", r.gpu_map},
            {"publish", r.publish}};
+  if (r.reference) doc["reference"] = *r.reference;
   if (r.into_container) doc["into_container"] = container_json(*r.into_container);
   if (r.handshake_timeout_s) doc["handshake_timeout_s"] = *r.handshake_timeout_s;
   return doc;
+}
+
+json to_json(const PrefetchRequest& r) {
+  return r.reference.empty() ? json{{"artifact", r.artifact}} : json{{"reference", r.reference}};
 }
 
 CheckpointOptions checkpoint_options(const CheckpointRequest& r, const EngineSettings& s) {

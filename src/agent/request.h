@@ -1,5 +1,6 @@
-// The agent's requests: strict parsing of the JSON bodies of POST /v1/checkpoints and
-// POST /v1/restores, and the one place where a request becomes the engine's options.
+// The agent's requests: strict parsing of the JSON bodies of POST /v1/checkpoints,
+// POST /v1/restores and POST /v1/prefetch, and the one place where a request becomes the
+// engine's options.
 //
 // Parsing is strict because a field the agent ignores is a field the caller believes was
 // applied: an unknown field, a value of the wrong type or range, an artifact name that is a
@@ -36,8 +37,14 @@ struct CheckpointRequest {
   std::optional<long> handshake_timeout_s;
 };
 
+// An oci:// reference is bounded and checked for its scheme here; its full syntax, and that
+// it is in the agent's own repository, by the agent's registry storage (agent/remote.h).
+inline constexpr size_t kMaxReferenceBytes = 1024;
+
 struct RestoreRequest {
   std::string artifact;
+  // Where the snapshot is when this node does not hold `artifact` (registry storage only).
+  std::optional<std::string> reference;
   int replicas = 1;
   std::optional<ContainerName> into_container;
   std::map<std::string, std::string> settings;
@@ -46,14 +53,23 @@ struct RestoreRequest {
   std::optional<long> handshake_timeout_s;
 };
 
+// A snapshot to pull into the node cache ahead of a restore: by its name in the agent's
+// repository, or by reference (oci://HOST/REPO[:TAG|@sha256:HEX]); exactly one of the two.
+struct PrefetchRequest {
+  std::string artifact;
+  std::string reference;
+};
+
 // Parse a body; throw Error(kUsage) naming what is wrong.
 CheckpointRequest parse_checkpoint_request(const nlohmann::json& body);
 RestoreRequest parse_restore_request(const nlohmann::json& body);
+PrefetchRequest parse_prefetch_request(const nlohmann::json& body);
 // The body text as JSON; Error(kUsage) when it is not a JSON object.
 nlohmann::json parse_body(const std::string& text);
 // The request as the operation shows it, defaults filled in.
 nlohmann::json to_json(const CheckpointRequest& request);
 nlohmann::json to_json(const RestoreRequest& request);
+nlohmann::json to_json(const PrefetchRequest& request);
 
 // Refuses (Error kUsage) a name that is not a plain directory name in the storage: empty, a
 // path (a slash), ".", "..", a hidden name (staging directories are hidden), a control

@@ -44,7 +44,9 @@ std::vector<std::string> methods_of(const std::string& path) {
     return path.size() > prefix.size() && path.rfind(prefix, 0) == 0 &&
            path.find('/', prefix.size()) == std::string::npos;
   };
-  if (path == "/v1/checkpoints" || path == "/v1/restores") return {"POST"};
+  if (path == "/v1/checkpoints" || path == "/v1/restores" || path == "/v1/prefetch") {
+    return {"POST"};
+  }
   if (path == "/v1/healthz" || path == "/v1/operations" || path == "/v1/snapshots" ||
       path == "/metrics" || under("/v1/operations/") || under("/v1/snapshots/")) {
     return {"GET", "HEAD"};
@@ -114,9 +116,11 @@ void install(httplib::Server& server, Agent& agent) {
                reply(res, 200,
                      {{"ok", true}, {"version", GPUSNAP_VERSION}, {"node", agent.config().node}});
              }));
-  auto post = [&agent](bool checkpoint) {
-    return [&agent, checkpoint](const httplib::Request&, httplib::Response& res,
-                                const httplib::ContentReader& read) {
+  // Each POST submits an operation: the same body bounds, the same 202 and Location.
+  using Submit = json (Agent::*)(const json&);
+  auto post = [&agent](Submit submit) {
+    return [&agent, submit](const httplib::Request&, httplib::Response& res,
+                            const httplib::ContentReader& read) {
       std::string text;
       if (!read_body(read, &text)) {
         reply_error(res, Error(ErrorKind::kUsage, "the request body is larger than 1 MiB",
@@ -127,13 +131,14 @@ void install(httplib::Server& server, Agent& agent) {
         return;
       }
       const json body = parse_body(text);
-      json op = checkpoint ? agent.submit_checkpoint(body) : agent.submit_restore(body);
+      json op = (agent.*submit)(body);
       res.set_header("Location", "/v1/operations/" + op.at("id").get<std::string>());
       reply(res, 202, {{"operation", op}});
     };
   };
-  server.Post("/v1/checkpoints", guarded_reader(post(true)));
-  server.Post("/v1/restores", guarded_reader(post(false)));
+  server.Post("/v1/checkpoints", guarded_reader(post(&Agent::submit_checkpoint)));
+  server.Post("/v1/restores", guarded_reader(post(&Agent::submit_restore)));
+  server.Post("/v1/prefetch", guarded_reader(post(&Agent::submit_prefetch)));
   server.Get("/v1/operations", guarded([&agent](const httplib::Request&, httplib::Response& res) {
                reply(res, 200, agent.operations());
              }));

@@ -102,6 +102,7 @@ Operation HttpAgentClient::start_restore(const RestoreCall& c) {
   json body{{"artifact", c.artifact},
             {"into_container",
              {{"id", c.into_container.id}, {"runtime_root", c.into_container.runtime_root}}}};
+  if (!c.reference.empty()) body["reference"] = c.reference;
   if (!c.settings.empty()) body["settings"] = c.settings;
   auto reply = call("POST", "/v1/restores", &body);
   if (reply.status != 202 && reply.status != 200) throw error_of(reply, "a restore");

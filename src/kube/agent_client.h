@@ -32,6 +32,9 @@ struct CheckpointCall {
 
 struct RestoreCall {
   std::string artifact;
+  // The snapshot's oci:// reference by digest (GpuSnapshot status.reference): an agent with
+  // registry storage that does not hold `artifact` pulls it from there. Empty: none.
+  std::string reference;
   ContainerTarget into_container;
   std::map<std::string, std::string> settings;
 };

@@ -614,10 +614,13 @@ void Controller::follow_capture(const json& snap) {
     return;
   }
   json bytes = op->result.is_object() ? op->result.value("bytes", json(nullptr)) : json(nullptr);
+  // An agent with registry storage pushed the artifact: where any node's agent pulls it from.
+  const std::string reference = str_at(op->result, "/reference");
   std::string message = "artifact " + artifact + " on node " + options_.node +
                         (bytes.is_number() ? " (" + std::to_string(bytes.get<uint64_t>()) +
                                                  " bytes, " + seconds_text(*op) + " s)"
-                                           : "");
+                                           : "") +
+                        (reference.empty() ? "" : ", pushed as " + reference);
   auto written = update_snapshot_status(snap, [&](json& o) {
     json& s = o["status"];
     if (terminal(s.value("phase", ""))) return false;
@@ -625,6 +628,7 @@ void Controller::follow_capture(const json& snap) {
     s["phase"] = kPhaseSucceeded;
     s["completionTime"] = utc::now();
     if (bytes.is_number()) s["sizeBytes"] = bytes;
+    if (!reference.empty()) s["reference"] = reference;
     if (!op->phases.empty()) s["phases"] = phases_json(*op);
     set_condition(s["conditions"], {"Capturing", "False", "Captured", message}, gen);
     set_condition(s["conditions"], {"Ready", "True", "ArtifactReady", message}, gen);
@@ -709,7 +713,7 @@ void Controller::reconcile_pod(const std::string& key) {
       restore_decided(*fresh)) {
     return;
   }
-  start_restore(pod, snap_name, *artifact, *c);
+  start_restore(pod, snap_name, *artifact, str_at(*st, "/reference"), *c);
 }
 
 std::optional<json> Controller::ready_snapshot_status(const json& pod,
@@ -770,7 +774,8 @@ std::optional<std::string> Controller::stored_artifact(const json& pod,
     restore_refused(pod, e);
     return std::nullopt;
   }
-  if (inspect) return artifact;
+  // Held here, or in the registry the capturing agent pushed it to: this node's agent pulls it.
+  if (inspect || !str_at(snap_status, "/reference").empty()) return artifact;
   if (!owner.empty() && owner != options_.node) {
     set_restored(pod, "False", "SnapshotOnAnotherNode",
                  snap_ref + " is stored on node " + owner + "'s local storage, which node " +
@@ -786,10 +791,12 @@ std::optional<std::string> Controller::stored_artifact(const json& pod,
 }
 
 void Controller::start_restore(const json& pod, const std::string& snap_name,
-                               const std::string& artifact, const ContainerState& c) {
+                               const std::string& artifact, const std::string& reference,
+                               const ContainerState& c) {
   const std::string ns = ns_of(pod), pod_name = name_of(pod);
   RestoreCall call;
   call.artifact = artifact;
+  call.reference = reference;
   call.into_container = {c.id, options_.runtime_root};
   std::string settings = annotation(pod, kSettingsAnnotation);
   if (!settings.empty()) {
@@ -821,7 +828,8 @@ void Controller::start_restore(const json& pod, const std::string& snap_name,
   json annotated = r.body;
   set_restored(annotated, "False", "Restoring",
                "restoring GpuSnapshot " + ns + "/" + snap_name + " (artifact " + artifact +
-                   ") into container " + c.name + " (agent operation " + op.id + ")");
+                   (reference.empty() ? "" : ", " + reference) + ") into container " + c.name +
+                   " (agent operation " + op.id + ")");
   enqueue("p:" + ns + "/" + pod_name, options_.poll);
 }
 
@@ -845,8 +853,13 @@ void Controller::follow_restore(const json& pod, const std::string& id) {
     set_restored(pod, "False", reason_of_kind(e.kind), e.message);
     return;
   }
-  set_restored(pod, "True", "Restored",
-               "restored from GpuSnapshot " + snap_name + " in " + seconds_text(*op) + " s");
+  // The agent pulled the snapshot from the registry first (its phases are in the time).
+  const json::json_pointer was_pulled("/pulled/pulled");
+  const bool pulled = op->result.contains(was_pulled) && op->result.at(was_pulled) == json(true);
+  set_restored(
+      pod, "True", "Restored",
+      "restored from GpuSnapshot " + snap_name + " in " + seconds_text(*op) + " s" +
+          (pulled ? " (pulled from " + str_at(op->result, "/pulled/reference") + ")" : ""));
 }
 
 }  // namespace gpusnap::kube

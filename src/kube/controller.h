@@ -123,8 +123,8 @@ class Controller {
 
   // Restore steps, for pods of this node.
   // A restore pod, in steps: its snapshot must have succeeded, its placeholder run and the
-  // agent hold the artifact; each step that says no sets the pod's condition (nullopt). The
-  // restore starts once (read fresh) through the agent.
+  // agent hold the artifact (or the snapshot have a registry reference); each step that says no
+  // sets the pod's condition (nullopt). The restore starts once (read fresh) through the agent.
   void reconcile_pod(const std::string& key);
   std::optional<nlohmann::json> ready_snapshot_status(const nlohmann::json& pod,
                                                       const std::string& snap_name);
@@ -132,8 +132,11 @@ class Controller {
   std::optional<std::string> stored_artifact(const nlohmann::json& pod,
                                              const std::string& snap_name,
                                              const nlohmann::json& snap_status);
+  // `reference`: the snapshot's status.reference, where the agent pulls it from when it does
+  // not hold the artifact (empty: it must).
   void start_restore(const nlohmann::json& pod, const std::string& snap_name,
-                     const std::string& artifact, const ContainerState& c);
+                     const std::string& artifact, const std::string& reference,
+                     const ContainerState& c);
   void follow_restore(const nlohmann::json& pod, const std::string& id);
   // Sets the pod's gpusnap.io/restored condition; emits an Event when its reason changes.
   void restore_refused(const nlohmann::json& pod, const Error& e);

@@ -30,6 +30,7 @@
 #include "common/fs.h"
 #include "common/proc.h"
 #include "criu/criu.h"
+#include "store/registry_fixture.h"
 #include "testing/harness.h"
 
 namespace gpusnap::testing {
@@ -819,9 +820,9 @@ TEST(AgentBadInput, SlowUnauthenticatedPeersDoNotStallTcpCallers) {
   ASSERT_TRUE(right);
   EXPECT_EQ(right->status, 200);
   EXPECT_LT(took, std::chrono::seconds(2)) << "an authorised request waited behind slow peers";
-  std::printf("tcp front: authorised request answered in %lld ms behind 40 slow peers\n",
-              static_cast<long long>(
-                  std::chrono::duration_cast<std::chrono::milliseconds>(took).count()));
+  std::printf(
+      "tcp front: authorised request answered in %lld ms behind 40 slow peers\n",
+      static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()));
   // Each slow peer is cut off at the head deadline (5 s), not served for ever.
   EXPECT_TRUE(eventually([&] { return cut_off == 40; }, std::chrono::seconds(15)))
       << cut_off << " of 40 slow peers were cut off";
@@ -836,6 +837,330 @@ TEST(AgentBadInput, MissingTokenFileIsAUsageError) {
   EXPECT_EQ(err, "gpusnap-agent: error: token file " + (dir / "no-token").string() +
                      " does not exist (fix: write the token there first (`openssl rand -hex 32 "
                      "> FILE; chmod 600 FILE`), or give the right --token-file)\n");
+}
+
+// ---- registry storage: two agents standing for two nodes -----------------------------------
+
+// Modes under `root` that give anything to group or others: what the store, the cache and the
+// pulled snapshots hold is root's alone. Empty when none does.
+std::vector<std::string> not_root_only(const std::filesystem::path& root) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(root)) {
+    struct stat st {};
+    if (::lstat(e.path().c_str(), &st) != 0) continue;
+    if ((st.st_mode & 077) != 0 || st.st_uid != 0) {
+      char mode[8];
+      std::snprintf(mode, sizeof mode, "%04o", st.st_mode & 07777);
+      out.push_back(e.path().string() + " " + mode);
+    }
+  }
+  return out;
+}
+
+// The registry's blob downloads so far (its access log: one line per request).
+size_t blob_gets(const LocalRegistry& registry) {
+  size_t n = 0;
+  const std::string log = registry.log();
+  for (size_t at = 0; (at = log.find("\"GET /v2/snapshots/blobs/", at)) != std::string::npos;
+       ++at) {
+    ++n;
+  }
+  return n;
+}
+
+// Agents A and B on nodes of their own: each its own socket, storage, state, run directory and
+// node cache, both with the real docker-registry on loopback as their registry storage.
+class AgentsAndRegistry : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    SKIP_WITHOUT_CRIU();
+    if (auto why = LocalRegistry::blocker()) GTEST_SKIP() << "skipped: " << *why;
+    registry_.emplace(registry_dir_, LocalRegistry::Options{});
+    a_.emplace(a_dir_, registry_args(a_dir_));
+    b_.emplace(b_dir_, registry_args(b_dir_));
+  }
+  void TearDown() override {
+    if (HasFailure() && registry_) {
+      std::fprintf(stderr, "agent A:\n%s\nagent B:\n%s\n", a_ ? a_->log().c_str() : "",
+                   b_ ? b_->log().c_str() : "");
+    }
+  }
+  std::vector<std::string> registry_args(const TempDir& node) const {
+    return {"--registry", registry_->ref("snapshots"), "--registry-plain-http", "--cache",
+            (node / "cache").string()};
+  }
+  // A capture on A of `source`, pushed; its reference by digest.
+  std::string capture_on_a(const std::string& name, pid_t pid) {
+    auto cp = a_->run("/v1/checkpoints", {{"artifact", name}, {"pid", pid}});
+    EXPECT_EQ(cp["state"], "succeeded") << cp.dump(2);
+    return cp["result"].value("reference", "");
+  }
+
+  TempDir registry_dir_, a_dir_, b_dir_;
+  std::optional<LocalRegistry> registry_;
+  std::optional<Agent> a_, b_;
+};
+
+// A captures and pushes; B, which never saw the artifact, pulls it through its node cache and
+// restores it; the copy serves the captured state. Everything B wrote is root-only.
+TEST_F(AgentsAndRegistry, ASnapshotCapturedOnOneNodeIsRestoredOnAnotherThatNeverSawIt) {
+  Workload source(a_dir_, {"--mib", "16", "--children", "1"});
+  ASSERT_EQ(ask(source.port(), "INCR"), "1");
+  const std::string seed = field(ask(source.port(), "INFO"), "seed");
+
+  auto cp = a_->run("/v1/checkpoints", {{"artifact", "snap"}, {"pid", source.pid()}});
+  ASSERT_EQ(cp["state"], "succeeded") << cp.dump(2);
+  EXPECT_EQ(phase_names(cp),
+            (std::vector<std::string>{"resolve", "preflight", "dump", "checksum", "commit",
+                                      "push-open", "push-upload", "push-manifest"}));
+  const json& result = cp["result"];
+  const std::string reference = result.value("reference", "");
+  ASSERT_TRUE(reference.starts_with(registry_->ref("snapshots") + "@sha256:")) << result.dump(2);
+  EXPECT_EQ(result["pushed"]["reference"], reference);
+  EXPECT_GT(result["pushed"]["chunks_uploaded"].get<uint64_t>(), 0U);
+  EXPECT_EQ(result["pushed"]["chunks_uploaded"], result["pushed"]["chunks"]);  // a new registry
+  // The registry holds it under the name's tag and under the digest: the same snapshot.
+  auto by_tag = gpusnap({"inspect", registry_->ref("snapshots:snap"), "--plain-http", "--json"});
+  ASSERT_EQ(by_tag.exit_code, 0) << by_tag.err;
+  EXPECT_EQ(json::parse(by_tag.out)["artifact"], reference);
+  EXPECT_EQ(json::parse(by_tag.out)["id"], result["id"]);
+
+  ASSERT_TRUE(entries(b_->storage()).empty());
+  const size_t gets_before = blob_gets(*registry_);
+  auto rs = b_->run("/v1/restores", {{"artifact", "snap"},
+                                     {"reference", reference},
+                                     {"publish", {std::to_string(source.port())}}});
+  ASSERT_EQ(rs["state"], "succeeded") << rs.dump(2);
+  EXPECT_EQ(phase_names(rs),
+            (std::vector<std::string>{"pull-manifest", "pull-fetch", "pull-write", "pull-commit",
+                                      "pull-cache", "open", "verify", "criu-restore", "locate",
+                                      "release"}));
+  const json& pulled = rs["result"]["pulled"];
+  const auto hex = reference.substr(reference.find("@sha256:") + 8);
+  EXPECT_EQ(pulled["reference"], reference);
+  EXPECT_TRUE(pulled["pulled"].get<bool>());
+  EXPECT_EQ(pulled["artifact"], (b_dir_ / "run" / "pulled" / hex).string());
+  EXPECT_EQ(pulled["chunks_fetched"], result["pushed"]["chunks"]);
+  EXPECT_EQ(pulled["chunks_from_cache"], 0);
+  // Every chunk once, and the layout (the OCI config blob).
+  EXPECT_EQ(blob_gets(*registry_) - gets_before, result["pushed"]["chunks"].get<size_t>() + 1);
+  {
+    Copies copies(rs["result"]);
+    ASSERT_EQ(copies.copies.size(), 1U);
+    EXPECT_EQ(field(ask(copies.port(0), "INFO"), "seed"), seed);
+    EXPECT_EQ(ask(copies.port(0), "CHECK").substr(0, 2), "OK");
+    EXPECT_EQ(ask(copies.port(0), "INCR"), "2");  // the counter as captured
+  }
+  EXPECT_TRUE(entries(b_->storage()).empty());  // B's storage holds only its own captures
+  // B's node cache lists the snapshot by its digest.
+  auto list = gpusnap({"list", "--cache", (b_dir_ / "cache").string(), "--json"});
+  ASSERT_EQ(list.exit_code, 0) << list.err;
+  ASSERT_EQ(json::parse(list.out)["snapshots"].size(), 1U) << list.out;
+  EXPECT_EQ(json::parse(list.out)["snapshots"][0]["reference"], reference);
+  EXPECT_EQ(not_root_only(b_dir_ / "cache"), std::vector<std::string>{});
+  EXPECT_EQ(not_root_only(b_dir_ / "run" / "pulled"), std::vector<std::string>{});
+  struct stat st {};
+  ASSERT_EQ(::stat((b_dir_ / "cache").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0700U);
+  ASSERT_EQ(::stat((b_dir_ / "run" / "pulled").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0700U);
+}
+
+// A second snapshot is prefetched on B ahead of its restore (an operation like the others);
+// the restore then fetches nothing from the registry, by reference or by name.
+TEST_F(AgentsAndRegistry, PrefetchWarmsTheNodeCacheAndTheRestoreFetchesNothing) {
+  Workload source(a_dir_, {"--mib", "16"});
+  ASSERT_EQ(ask(source.port(), "INCR"), "1");
+  const std::string first = capture_on_a("first", source.pid());
+  ASSERT_FALSE(first.empty());
+  ASSERT_EQ(ask(source.port(), "INCR"), "2");
+  const std::string second = capture_on_a("second", source.pid());
+  ASSERT_FALSE(second.empty());
+  ASSERT_NE(first, second);
+
+  // B restores the first: every chunk fetched.
+  const json publish = {std::to_string(source.port())};
+  auto rs =
+      b_->run("/v1/restores", {{"artifact", "first"}, {"reference", first}, {"publish", publish}});
+  ASSERT_EQ(rs["state"], "succeeded") << rs.dump(2);
+  EXPECT_GT(rs["result"]["pulled"]["chunks_fetched"].get<uint64_t>(), 0U);
+  { Copies ended(rs["result"]); }  // B only warms up for the second
+
+  // Prefetch of the second: accepted as an operation, polled to its end.
+  auto accepted = b_->post("/v1/prefetch", {{"reference", second}});
+  ASSERT_EQ(accepted.status, 202) << accepted.body;
+  const json& op = accepted.doc["operation"];
+  EXPECT_EQ(op["kind"], "prefetch");
+  EXPECT_EQ(op["state"], "pending");
+  EXPECT_EQ(op["request"], (json{{"reference", second}}));
+  auto pf = b_->wait_operation(op["id"].get<std::string>());
+  ASSERT_EQ(pf["state"], "succeeded") << pf.dump(2);
+  EXPECT_EQ(phase_names(pf), (std::vector<std::string>{"pull-manifest", "pull-fetch", "pull-write",
+                                                       "pull-commit", "pull-cache"}));
+  const json& warmed = pf["result"];
+  EXPECT_TRUE(warmed["pulled"].get<bool>());
+  EXPECT_EQ(warmed["reference"], second);
+  // The two captures of one workload share chunks: those came from B's cache, not the registry.
+  EXPECT_GT(warmed["chunks_from_cache"].get<uint64_t>(), 0U) << warmed.dump(2);
+  const uint64_t fetched = warmed["chunks_fetched"].get<uint64_t>();
+  std::printf("prefetch: %llu chunks fetched, %llu from the node cache\n",
+              static_cast<unsigned long long>(fetched),
+              static_cast<unsigned long long>(warmed["chunks_from_cache"].get<uint64_t>()));
+
+  // The restore of the second fetches nothing: not a chunk, not even its manifest.
+  const size_t gets = blob_gets(*registry_);
+  const std::string log_before = registry_->log();
+  auto again = b_->run("/v1/restores",
+                       {{"artifact", "second"}, {"reference", second}, {"publish", publish}});
+  ASSERT_EQ(again["state"], "succeeded") << again.dump(2);
+  EXPECT_EQ(phase_names(again),
+            (std::vector<std::string>{"open", "verify", "criu-restore", "locate", "release"}));
+  EXPECT_FALSE(again["result"]["pulled"]["pulled"].get<bool>());
+  EXPECT_EQ(again["result"]["pulled"]["chunks_fetched"], 0);
+  EXPECT_EQ(registry_->log(), log_before);
+  {
+    Copies copies(again["result"]);
+    ASSERT_EQ(copies.copies.size(), 1U);
+    EXPECT_EQ(ask(copies.port(0), "INCR"), "3");  // captured at 2
+  }
+  // By name alone, the tag is resolved (manifest and layout) and no chunk moves.
+  auto by_name = b_->run("/v1/restores", {{"artifact", "first"}});
+  ASSERT_EQ(by_name["state"], "succeeded") << by_name.dump(2);
+  EXPECT_EQ(by_name["result"]["pulled"]["reference"], first);
+  EXPECT_FALSE(by_name["result"]["pulled"]["pulled"].get<bool>());
+  EXPECT_EQ(blob_gets(*registry_) - gets, 1U);  // the layout (the OCI config blob) only
+  { Copies ended(by_name["result"]); }
+
+  const std::string metrics = b_->get("/metrics").body;
+  EXPECT_EQ(sample(metrics, R"(gpusnap_operations_total{kind="prefetch",result="succeeded"})"), 1);
+  EXPECT_EQ(not_root_only(b_dir_ / "cache"), std::vector<std::string>{});
+  EXPECT_EQ(not_root_only(b_dir_ / "run" / "pulled"), std::vector<std::string>{});
+}
+
+// B is killed (SIGKILL) while it pulls: nothing half-pulled is visible, the restarted agent
+// reports the prefetch failed and removes what the pull left, and the prefetch again takes the
+// chunks already fetched from the node cache: a killed pull resumes.
+TEST_F(AgentsAndRegistry, AKilledPullLeavesNothingAndThePrefetchAgainResumes) {
+  Workload source(a_dir_, {"--mib", "384"});
+  const std::string reference = capture_on_a("big", source.pid());
+  ASSERT_FALSE(reference.empty());
+  auto accepted = b_->post("/v1/prefetch", {{"reference", reference}});
+  ASSERT_EQ(accepted.status, 202) << accepted.body;
+  const std::string id = accepted.doc["operation"]["id"];
+  // Killed once some chunks, not all, have arrived.
+  ASSERT_TRUE(eventually(
+      [&] {
+        const json progress = b_->get("/v1/operations/" + id).doc.value("progress", json());
+        return progress.is_object() && progress.value("phase", "") == "pull-fetch" &&
+               progress.value("done", 0ULL) > 0 &&
+               progress.value("done", 0ULL) < progress.value("total", 0ULL);
+      },
+      std::chrono::seconds(60)));
+  b_->kill();
+  const auto pulled = b_dir_ / "run" / "pulled";
+  for (const auto& name : entries(pulled)) EXPECT_EQ(name[0], '.') << name;  // staging only
+  b_->start();
+  EXPECT_EQ(entries(pulled), std::vector<std::string>{});  // the dead pull's staging removed
+  auto op = b_->get("/v1/operations/" + id).doc;
+  EXPECT_EQ(op["state"], "failed") << op.dump(2);
+  // The phase is the pull's innermost (fetch, or the writing of the files it runs).
+  const std::string message = op["error"].value("message", "");
+  EXPECT_TRUE(message.starts_with("the agent restarted during the prefetch of " + reference +
+                                  " (phase pull-"))
+      << message;
+  EXPECT_TRUE(message.ends_with("); nothing half-pulled is visible, and the chunks it had "
+                                "fetched stay in the node cache"))
+      << message;
+
+  auto again = b_->run("/v1/prefetch", {{"reference", reference}});
+  ASSERT_EQ(again["state"], "succeeded") << again.dump(2);
+  EXPECT_GT(again["result"]["chunks_from_cache"].get<uint64_t>(), 0U) << again.dump(2);
+  std::printf(
+      "after the kill: %llu chunks fetched, %llu from the node cache\n",
+      static_cast<unsigned long long>(again["result"]["chunks_fetched"].get<uint64_t>()),
+      static_cast<unsigned long long>(again["result"]["chunks_from_cache"].get<uint64_t>()));
+  EXPECT_EQ(gpusnap({"verify", again["result"]["artifact"].get<std::string>()}).exit_code, 0);
+  EXPECT_EQ(not_root_only(pulled), std::vector<std::string>{});
+}
+
+// Prefetch requests are bounded and checked like every other request, and a reference outside
+// the agent's own repository is refused before anything is queued.
+TEST_F(AgentsAndRegistry, PrefetchRequestsAreValidatedAndBounded) {
+  auto expect_usage = [&](const Answer& a, const std::string& message) {
+    EXPECT_EQ(a.status, 400) << a.body;
+    EXPECT_EQ(a.doc["error"]["kind"], "usage") << a.body;
+    EXPECT_EQ(a.doc["error"]["message"], message) << a.body;
+  };
+  expect_usage(b_->post("/v1/prefetch", {{"reference", "oci://elsewhere:5000/snapshots:x"}}),
+               "reference oci://elsewhere:5000/snapshots:x is not in the agent's registry "
+               "storage " +
+                   registry_->ref("snapshots"));
+  expect_usage(b_->post("/v1/prefetch", {{"reference", registry_->ref("Snapshots:x")}}),
+               "bad reference '" + registry_->ref("Snapshots:x") +
+                   "': the repository is not lower-case letters, digits and . _ - / as OCI "
+                   "allows");
+  expect_usage(b_->post("/v1/prefetch", {{"artifact", "x@y"}}),
+               "artifact name 'x@y' cannot be a registry tag, which the agent's registry storage "
+               "needs");
+  expect_usage(
+      b_->post("/v1/prefetch", {{"reference", registry_->ref("snapshots:x")}, {"artifact", "x"}}),
+      "a prefetch request names either \"artifact\" or \"reference\", not both");
+  expect_usage(b_->post("/v1/restores", {{"artifact", "x"}, {"reference", "oci://h/r:x"}}),
+               "reference oci://h/r:x is not in the agent's registry storage " +
+                   registry_->ref("snapshots"));
+  const std::string deep = std::string(80000, '[') + std::string(80000, ']');
+  expect_usage(b_->request("POST", "/v1/prefetch", nullptr, deep),
+               "the request body is not JSON: nested deeper than 64 levels");
+  EXPECT_EQ(b_->get("/v1/prefetch").status, 405);
+  // A tag the registry does not have: accepted, and the operation says what is missing.
+  auto missing = b_->run("/v1/prefetch", {{"artifact", "never-pushed"}});
+  ASSERT_EQ(missing["state"], "failed") << missing.dump(2);
+  EXPECT_EQ(missing["error"]["kind"], "not-found") << missing.dump(2);
+  EXPECT_EQ(b_->get("/v1/healthz").status, 200);
+  EXPECT_TRUE(entries(b_dir_ / "run" / "pulled").empty());
+
+  // An agent without registry storage refuses a prefetch and a restore by reference.
+  TempDir plain_dir;
+  Agent plain(plain_dir);
+  const std::string needs = " needs registry storage, which this agent has not";
+  expect_usage(plain.post("/v1/prefetch", {{"artifact", "x"}}), "a prefetch" + needs);
+  expect_usage(plain.post("/v1/restores", {{"artifact", "x"}, {"reference", "oci://h/r:x"}}),
+               "a restore from a reference" + needs);
+}
+
+TEST(AgentBadInput, RegistrySettingsAreCheckedAtStart) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  auto refused = [&](std::vector<std::string> extra) {
+    common::SpawnOptions o;
+    o.argv = {build_path("gpusnap-agent"), "--socket",    (dir / "s").string(),     "--storage",
+              (dir / "snap").string(),     "--state-dir", (dir / "state").string(), "--run-dir",
+              (dir / "run").string()};
+    o.argv.insert(o.argv.end(), extra.begin(), extra.end());
+    common::UniqueFd err(
+        ::open((dir / "err").c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    o.stderr_fd = err.get();
+    common::Subprocess p(o);
+    auto status = p.wait(std::chrono::seconds(30));
+    return std::pair{status ? status->code : -1, fs::read_file(dir / "err")};
+  };
+  auto [code, err] = refused({"--registry", "oci://127.0.0.1:5000/snapshots:v1"});
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(err,
+            "gpusnap-agent: error: --registry oci://127.0.0.1:5000/snapshots:v1 names a tag or a "
+            "digest (fix: give the repository alone, oci://HOST[:PORT]/REPO: each snapshot is "
+            "tagged with its name)\n");
+  std::tie(code, err) = refused({"--registry", "oci://127.0.0.1:5000/snapshots",
+                                 "--registry-auth-file", (dir / "missing.json").string()});
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(err, "gpusnap-agent: error: --registry-auth-file " + (dir / "missing.json").string() +
+                     " is not a readable file (fix: name the mounted file, e.g. the registry "
+                     "Secret's auth.json)\n");
+  std::tie(code, err) = refused({"--cache", (dir / "cache").string()});
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(err, "gpusnap-agent: error: --cache needs --registry (fix: see `gpusnap-agent "
+                 "--help`)\n");
+  EXPECT_FALSE(std::filesystem::exists(dir / "cache"));
 }
 
 }  // namespace

@@ -34,6 +34,8 @@ TEST(Metrics, EveryKindStartsAtZero) {
            "gpusnap_operations_total{kind=\"restore\",result=\"succeeded\"} 0",
            "# TYPE gpusnap_operations_in_flight gauge",
            "gpusnap_operations_in_flight{kind=\"restore\"} 0",
+           "gpusnap_operations_total{kind=\"prefetch\",result=\"failed\"} 0",
+           "gpusnap_artifact_bytes_total{kind=\"prefetch\"} 0",
            "# TYPE gpusnap_operation_duration_seconds histogram",
            "gpusnap_operation_duration_seconds_bucket{kind=\"checkpoint\",le=\"+Inf\"} 0",
            "gpusnap_operation_duration_seconds_count{kind=\"checkpoint\"} 0",

@@ -132,6 +132,50 @@ TEST(RestoreRequest, RefusesEachMistakeByName) {
                "artifact name 'a/../b' is a path, not a name");
 }
 
+TEST(RestoreRequest, TakesTheReferenceOfASnapshotThisNodeMayNotHold) {
+  const std::string ref = "oci://registry:5000/snapshots@sha256:" + std::string(64, 'a');
+  auto r = parse_restore_request({{"artifact", "default.llm"}, {"reference", ref}});
+  ASSERT_TRUE(r.reference);
+  EXPECT_EQ(*r.reference, ref);
+  EXPECT_EQ(to_json(r)["reference"], ref);
+  EXPECT_FALSE(to_json(parse_restore_request({{"artifact", "a"}})).contains("reference"));
+  EXPECT_STREQ(restore_error({{"artifact", "a"}, {"reference", 7}}).what(),
+               "\"reference\" in a restore request must be a string");
+  EXPECT_STREQ(restore_error({{"artifact", "a"}, {"reference", "/var/lib/x"}}).what(),
+               "\"reference\" in a restore request must be "
+               "oci://HOST[:PORT]/REPO[:TAG|@sha256:HEX], not \"/var/lib/x\"");
+  EXPECT_STREQ(
+      restore_error({{"artifact", "a"}, {"reference", "oci://h/" + std::string(1100, 'r')}}).what(),
+      "\"reference\" in a restore request is longer than 1024 bytes");
+}
+
+Error prefetch_error(const json& body) {
+  return catch_error([&] { parse_prefetch_request(body); });
+}
+
+TEST(PrefetchRequest, NamesTheSnapshotByReferenceOrByName) {
+  auto by_ref = parse_prefetch_request({{"reference", "oci://registry:5000/snapshots:llm"}});
+  EXPECT_EQ(by_ref.reference, "oci://registry:5000/snapshots:llm");
+  EXPECT_EQ(to_json(by_ref), (json{{"reference", "oci://registry:5000/snapshots:llm"}}));
+  auto by_name = parse_prefetch_request({{"artifact", "default.llm"}});
+  EXPECT_EQ(by_name.artifact, "default.llm");
+  EXPECT_EQ(to_json(by_name), (json{{"artifact", "default.llm"}}));
+}
+
+TEST(PrefetchRequest, RefusesEachMistakeByName) {
+  EXPECT_STREQ(prefetch_error(json::object()).what(),
+               "a prefetch request needs \"reference\" or \"artifact\"");
+  EXPECT_STREQ(prefetch_error({{"artifact", "a"}, {"reference", "oci://h/r"}}).what(),
+               "a prefetch request names either \"artifact\" or \"reference\", not both");
+  EXPECT_STREQ(prefetch_error({{"reference", "oci://h/r"}, {"replicas", 2}}).what(),
+               "unknown field \"replicas\" in a prefetch request");
+  EXPECT_STREQ(prefetch_error({{"reference", "docker://h/r"}}).what(),
+               "\"reference\" in a prefetch request must be "
+               "oci://HOST[:PORT]/REPO[:TAG|@sha256:HEX], not \"docker://h/r\"");
+  EXPECT_STREQ(prefetch_error({{"artifact", "../x"}}).what(),
+               "artifact name '../x' is a path, not a name");
+}
+
 TEST(RequestBody, MustBeAJsonObject) {
   EXPECT_EQ(parse_body(R"({"a":1})"), (json{{"a", 1}}));
   EXPECT_STREQ(catch_error([] { parse_body("[1]"); }).what(),

@@ -163,6 +163,38 @@ class DeployTest(unittest.TestCase):
                         self.assertIn(part, node, f".Values{ref} is not in values.yaml")
                         node = node[part]
 
+    def test_chart_oci_storage_becomes_the_agents_registry_flags(self):
+        values = yaml.safe_load((CHART / "values.yaml").read_text())
+        text = (CHART / "templates" / "daemonset.yaml").read_text()
+        agent_main = (ROOT / "src" / "agent" / "main.cc").read_text()
+        agent_flags = set(re.findall(r'\{"(--[a-z-]+)"', agent_main))
+        # Every flag the template gives the agent is one gpusnap-agent takes.
+        args = text[text.index('command: ["gpusnap-agent"]'):text.index("env:")]
+        given = set(re.findall(r"- (--[a-z-]+)", args))
+        self.assertLessEqual({"--registry", "--registry-auth-file", "--registry-ca-file",
+                              "--registry-plain-http", "--cache", "--cache-budget-mib"}, given)
+        self.assertLessEqual(given, agent_flags, given - agent_flags)
+        # Every oci value reaches the template.
+        def leaves(node, path):
+            for k, v in node.items():
+                yield from leaves(v, f"{path}.{k}") if isinstance(v, dict) else [f"{path}.{k}"]
+        for leaf in leaves(values["storage"]["oci"], ".Values.storage.oci"):
+            self.assertIn(leaf, text)
+        # The credentials and the CA are mounted read-only, for root alone.
+        for name in ("registry-auth", "registry-ca"):
+            volume = text[text.index(f"- name: {name}\n          secret:"):]
+            self.assertIn("defaultMode: 0400", volume[:volume.index("{{- end }}")])
+            mount = text[text.index(f"- name: {name}\n              mountPath:"):]
+            self.assertIn("readOnly: true", mount[:mount.index("{{- end }}")])
+        # The example values are the chart's own.
+        example = yaml.safe_load((DEPLOY / "examples" / "values-oci.yaml").read_text())
+        self.assertEqual(example["storage"]["type"], "oci")
+        for leaf in leaves(example["storage"]["oci"], ""):
+            node = values["storage"]["oci"]
+            for part in leaf.strip(".").split("."):
+                self.assertIn(part, node, leaf)
+                node = node[part]
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -30,6 +30,7 @@
 #include "common/proc.h"
 #include "common/subprocess.h"
 #include "kube/fake_apiserver.h"
+#include "store/registry_fixture.h"
 #include "testing/containerd.h"
 #include "testing/containers.h"
 #include "testing/harness.h"
@@ -99,11 +100,17 @@ class ControllerAndRealAgent : public ::testing::Test {
 
   // gpusnap-agent as the DaemonSet runs it, on the test's socket, storage and state.
   void start_agent() {
-    agent_ = std::make_unique<Program>(
-        std::vector<std::string>{build_path("gpusnap-agent"), "--socket", socket(), "--storage",
-                                 storage().string(), "--state-dir", (dir_ / "state").string(),
-                                 "--run-dir", (dir_ / "run").string()},
-        dir_ / "agent.log");
+    std::vector<std::string> argv{build_path("gpusnap-agent"),
+                                  "--socket",
+                                  socket(),
+                                  "--storage",
+                                  storage().string(),
+                                  "--state-dir",
+                                  (dir_ / "state").string(),
+                                  "--run-dir",
+                                  (dir_ / "run").string()};
+    argv.insert(argv.end(), agent_args_.begin(), agent_args_.end());
+    agent_ = std::make_unique<Program>(argv, dir_ / "agent.log");
     ASSERT_TRUE(eventually([&] { return !agent_->running() || answers(socket()); }, 30s));
     ASSERT_TRUE(agent_->running()) << agent_->log();
   }
@@ -137,12 +144,12 @@ class ControllerAndRealAgent : public ::testing::Test {
   // A pod bound to this node whose container `main` runs as `c` (run by runc or by containerd);
   // Ready as the kubelet says.
   template <class C>
-  void bound_pod(const std::string& name, const C& c, bool ready,
-                 json annotations = json::object()) {
+  void bound_pod(const std::string& name, const C& c, bool ready, json annotations = json::object(),
+                 const std::string& node = kNode) {
     json conditions = {{{"type", "Ready"},
                         {"status", ready ? "True" : "False"},
                         {"reason", ready ? "" : "ReadinessGatesNotReady"}}};
-    json spec = {{"nodeName", kNode}, {"containers", {{{"name", "main"}, {"image", "busybox"}}}}};
+    json spec = {{"nodeName", node}, {"containers", {{{"name", "main"}, {"image", "busybox"}}}}};
     if (annotations.contains("gpusnap.io/snapshot")) {
       spec["readinessGates"] = {{{"conditionType", "gpusnap.io/restored"}}};
     }
@@ -169,6 +176,11 @@ class ControllerAndRealAgent : public ::testing::Test {
   json snap_status(const std::string& name) {
     auto s = server_.get("gpusnapshots", "default", name);
     return s ? s->value("status", json::object()) : json::object();
+  }
+  // Whether the snapshot reaches phase Succeeded within an operation's time.
+  bool succeeds(const std::string& name) {
+    return eventually([&] { return snap_status(name).value("phase", "") == "Succeeded"; },
+                      kOperationLimit);
   }
   json snap_condition(const std::string& name, const std::string& type) {
     auto c = kube_condition(snap_status(name).value("conditions", json::array()), type);
@@ -200,15 +212,16 @@ class ControllerAndRealAgent : public ::testing::Test {
     return events(kind, name);
   }
 
-  // The agent's own account of an operation (GET /v1/operations/ID on its socket).
-  json agent_operation(const std::string& id) const {
-    httplib::Client client(socket(), 80);
+  // The agent's own account of an operation (GET /v1/operations/ID on its socket; by default
+  // the node's agent, started by start_agent()).
+  json agent_operation(const std::string& id, std::string agent_socket = {}) const {
+    httplib::Client client(agent_socket.empty() ? socket() : agent_socket, 80);
     client.set_address_family(AF_UNIX);
     auto r = client.Get("/v1/operations/" + id);
     return r && r->status == 200 ? json::parse(r->body) : json();
   }
-  json agent_operations() const {
-    httplib::Client client(socket(), 80);
+  json agent_operations(std::string agent_socket = {}) const {
+    httplib::Client client(agent_socket.empty() ? socket() : agent_socket, 80);
     client.set_address_family(AF_UNIX);
     auto r = client.Get("/v1/operations");
     return r && r->status == 200 ? json::parse(r->body).at("operations") : json::array();
@@ -225,6 +238,7 @@ class ControllerAndRealAgent : public ::testing::Test {
   FakeApiServer server_;
   // Container ids are global to the runtime root; a prefix keeps a rerun clear of leftovers.
   std::string prefix_ = "gpusnap-kube-" + fs::random_id().substr(0, 6) + "-";
+  std::vector<std::string> agent_args_;  // more flags for start_agent()
   std::unique_ptr<Program> agent_;
   std::unique_ptr<Program> controller_;
 };
@@ -247,9 +261,7 @@ TEST_F(ControllerAndRealAgent, CapturesAPodsContainerAndRestoresItIntoAPlacehold
 
   // (a) The capture.
   snapshot_of("llm-warm", "llm-0");
-  ASSERT_TRUE(eventually([&] { return snap_status("llm-warm").value("phase", "") == "Succeeded"; },
-                         kOperationLimit))
-      << snap_status("llm-warm").dump(2);
+  ASSERT_TRUE(succeeds("llm-warm")) << snap_status("llm-warm").dump(2);
   json st = snap_status("llm-warm");
   EXPECT_EQ(st["nodeName"], kNode);
   EXPECT_EQ(st["podName"], "llm-0");
@@ -375,9 +387,7 @@ TEST_F(ControllerAndRealAgent, AnAgentThatDoesNotAnswerIsReportedAndWaitedFor) {
   EXPECT_EQ(ask_in(source->pid(), "INCR"), "2");
 
   start_agent();
-  ASSERT_TRUE(eventually([&] { return snap_status("llm-warm").value("phase", "") == "Succeeded"; },
-                         kOperationLimit))
-      << snap_status("llm-warm").dump(2);
+  ASSERT_TRUE(succeeds("llm-warm")) << snap_status("llm-warm").dump(2);
   EXPECT_EQ(snap_condition("llm-warm", "Ready")["reason"], "ArtifactReady");
   auto snap_events = events("GpuSnapshot", "llm-warm", 3);
   ASSERT_EQ(snap_events.size(), 3U) << json(snap_events).dump(2);
@@ -456,9 +466,7 @@ TEST_F(ControllerAndRealAgent, CapturesAndRestoresPodsThatContainerdRuns) {
   start_controller(/*found_runtime_root=*/true);
 
   snapshot_of("llm-warm", "llm-0");
-  ASSERT_TRUE(eventually([&] { return snap_status("llm-warm").value("phase", "") == "Succeeded"; },
-                         kOperationLimit))
-      << snap_status("llm-warm").dump(2);
+  ASSERT_TRUE(succeeds("llm-warm")) << snap_status("llm-warm").dump(2);
   auto inspect = gpusnap({"inspect", (storage() / "default.llm-warm").string(), "--json"});
   ASSERT_EQ(inspect.exit_code, 0) << inspect.err;
   json manifest = json::parse(inspect.out);
@@ -492,6 +500,98 @@ TEST_F(ControllerAndRealAgent, CapturesAndRestoresPodsThatContainerdRuns) {
   EXPECT_TRUE(eventually([&] { return placeholder.status() == "STOPPED"; }));
   EXPECT_FALSE(running(restored_pid));
   EXPECT_EQ(ask_in(source.pid(), "INCR"), "3");
+}
+
+// Two nodes whose agents keep snapshots in a real registry (docker-registry on loopback), each
+// node its own agent (socket, storage, state, run directory, node cache) and controller. The
+// capture on node-a is pushed and the GpuSnapshot records its reference by digest; a restore
+// pod on node-b, whose agent never saw the artifact, is restored from the registry, and a second
+// one on node-b fetches nothing.
+TEST_F(ControllerAndRealAgent, ARestorePodOnANodeWithoutTheSnapshotPullsItFromTheRegistry) {
+  SKIP_WITHOUT_RUNC();
+  if (auto why = LocalRegistry::blocker()) GTEST_SKIP() << "skipped: " << *why;
+  LocalRegistry registry(dir_, {});
+  const std::string repository = registry.ref("snapshots");
+  agent_args_ = {"--registry", repository, "--registry-plain-http", "--cache",
+                 (dir_ / "cache").string()};
+  auto source = run_container("source", shimmed_workload());
+  ASSERT_TRUE(eventually([&] { return ask_in(source->pid(), "PING") == "PONG"; }));
+  ASSERT_EQ(ask_in(source->pid(), "INCR"), "1");
+  const std::string seed = field(ask_in(source->pid(), "INFO"), "seed");
+  bound_pod("llm-0", *source, /*ready=*/true);
+  start_agent();
+  start_controller();
+
+  // Node b: its own agent and controller.
+  const stdfs::path b = dir_ / "node-b";
+  stdfs::create_directories(b / "control");
+  const std::string b_socket = (b / "agent.sock").string();
+  Program b_agent(
+      {build_path("gpusnap-agent"), "--socket", b_socket, "--storage", (b / "snapshots").string(),
+       "--state-dir", (b / "state").string(), "--run-dir", (b / "run").string(), "--registry",
+       repository, "--registry-plain-http", "--cache", (b / "cache").string()},
+      b / "agent.log");
+  ASSERT_TRUE(eventually([&] { return !b_agent.running() || answers(b_socket); }, 30s));
+  ASSERT_TRUE(b_agent.running()) << b_agent.log();
+  Program b_controller(
+      {build_path("src/kube/gpusnap-controller"), "--node", "node-b", "--api-server", server_.url(),
+       "--token-file", (dir_ / "token").string(), "--agent-socket", b_socket, "--runtime-root",
+       runtime_root(), "--control-root", (b / "control").string(), "--poll-ms", "100"},
+      b / "controller.log");
+
+  snapshot_of("llm-warm", "llm-0");
+  ASSERT_TRUE(succeeds("llm-warm")) << snap_status("llm-warm").dump(2);
+  json st = snap_status("llm-warm");
+  EXPECT_EQ(st["nodeName"], kNode);
+  const std::string reference = st.value("reference", "");
+  ASSERT_TRUE(reference.starts_with(repository + "@sha256:")) << st.dump(2);
+  json capture = agent_operation(st["operation"]["id"].get<std::string>());
+  EXPECT_EQ(capture["result"]["reference"], reference);
+  EXPECT_TRUE(snap_condition("llm-warm", "Ready")["message"].get<std::string>().ends_with(
+      ", pushed as " + reference));
+
+  // A restore pod on node-b: node-b's agent pulls the snapshot and restores it.
+  auto placeholder = run_container("replica", placeholder_args());
+  bound_pod("llm-replica", *placeholder, /*ready=*/false, {{"gpusnap.io/snapshot", "llm-warm"}},
+            "node-b");
+  ASSERT_TRUE(eventually([&] { return restored("llm-replica").value("status", "") == "True"; },
+                         kOperationLimit))
+      << pod("llm-replica").dump(2) << "\nnode-b controller:\n"
+      << b_controller.log() << "\nnode-b agent:\n"
+      << b_agent.log();
+  const std::string restore_id =
+      pod("llm-replica")
+          .value("/metadata/annotations/gpusnap.io~1restore-operation"_json_pointer, json(""));
+  json restore_op = agent_operation(restore_id, b_socket);
+  ASSERT_EQ(restore_op.value("state", ""), "succeeded") << restore_op.dump(2);
+  EXPECT_EQ(restore_op["request"]["reference"], reference);
+  const json& pulled = restore_op["result"]["pulled"];
+  EXPECT_TRUE(pulled["pulled"].get<bool>()) << restore_op.dump(2);
+  EXPECT_GT(pulled["chunks_fetched"].get<uint64_t>(), 0U);
+  const std::string message = restored("llm-replica")["message"];
+  EXPECT_TRUE(message.starts_with("restored from GpuSnapshot llm-warm in ")) << message;
+  EXPECT_TRUE(message.ends_with(" s (pulled from " + reference + ")")) << message;
+  EXPECT_FALSE(stdfs::exists(b / "snapshots" / "default.llm-warm"));  // node-b never captured it
+  EXPECT_EQ(field(ask_in(placeholder->pid(), "INFO"), "seed"), seed);
+  EXPECT_EQ(ask_in(placeholder->pid(), "INCR"), "2");  // the snapshot's 1, then its own
+  // Node-a's agent restored nothing: the pod was node-b's.
+  for (const auto& o : agent_operations()) EXPECT_EQ(o["kind"], "checkpoint") << o.dump(2);
+
+  // A second restore pod on node-b: the snapshot is there now, nothing is fetched.
+  auto second = run_container("replica-2", placeholder_args());
+  bound_pod("llm-replica-2", *second, /*ready=*/false, {{"gpusnap.io/snapshot", "llm-warm"}},
+            "node-b");
+  ASSERT_TRUE(eventually([&] { return restored("llm-replica-2").value("status", "") == "True"; },
+                         kOperationLimit))
+      << pod("llm-replica-2").dump(2);
+  json again = agent_operation(
+      pod("llm-replica-2")
+          .value("/metadata/annotations/gpusnap.io~1restore-operation"_json_pointer, json("")),
+      b_socket);
+  EXPECT_FALSE(again["result"]["pulled"]["pulled"].get<bool>()) << again.dump(2);
+  EXPECT_EQ(again["result"]["pulled"]["chunks_fetched"], 0);
+  EXPECT_EQ(ask_in(second->pid(), "INCR"), "2");
+  EXPECT_EQ(ask_in(source->pid(), "INCR"), "2");
 }
 
 }  // namespace

@@ -397,6 +397,30 @@ TEST_F(ControllerTest, SnapshotOnAnotherNodesLocalStorageIsRefused) {
   EXPECT_TRUE(agent_.posts("/v1/restores").empty());
 }
 
+// With registry storage the snapshot's status holds its reference by digest: a node whose agent
+// does not hold the artifact asks it to restore from there, and the pod is restored.
+TEST_F(ControllerTest, SnapshotInTheRegistryIsRestoredOnANodeThatDoesNotHoldIt) {
+  const std::string reference = "oci://registry:5000/snapshots@sha256:" + std::string(64, 'c');
+  captured_snapshot("llm", "node-b");
+  server_.update("gpusnapshots", "default", "llm",
+                 [&](json& s) { s["status"]["reference"] = reference; });
+  start();
+  running_pod("replica", kNode, "ph", {{"gpusnap.io/snapshot", "llm"}});
+  ASSERT_TRUE(eventually([&] { return restored("replica").value("status", "") == "True"; }))
+      << restored("replica");
+  auto posts = agent_.posts("/v1/restores");
+  ASSERT_EQ(posts.size(), 1U);
+  EXPECT_EQ(posts[0], (json{{"artifact", "default.llm"},
+                            {"reference", reference},
+                            {"into_container", {{"id", "ph"}, {"runtime_root", kRuntimeRoot}}}}));
+  EXPECT_EQ(events("Pod", "replica", 2),
+            (std::vector<std::string>{
+                "Normal Restoring: restoring GpuSnapshot default/llm (artifact default.llm, " +
+                    reference + ") into container main (agent operation op-1)",
+                "Normal Restored: restored from GpuSnapshot llm in 1.8 s (pulled from " +
+                    reference + ")"}));
+}
+
 TEST_F(ControllerTest, IncompatibleNodeEndsTheRestore) {
   captured_snapshot("llm", kNode);
   agent_.add_artifact("default.llm");

@@ -39,7 +39,9 @@ FakeAgent::FakeAgent(std::filesystem::path socket)
         refuse_checkpoint_.reset();
         return json_reply(res, status, {{"error", error}});
       }
-      if (kind == "restore" && !artifacts_.contains(body["artifact"].get<std::string>())) {
+      // An agent with registry storage pulls what it does not hold from the reference.
+      if (kind == "restore" && !body.contains("reference") &&
+          !artifacts_.contains(body["artifact"].get<std::string>())) {
         return json_reply(
             res, 404,
             error_body("not-found", 3, "no artifact " + body["artifact"].get<std::string>()));
@@ -122,6 +124,9 @@ void FakeAgent::finish(Op& op) {
     o["result"] = {{"artifact", artifact}, {"bytes", bytes_}, {"id", "artifact-id-1"}};
   } else {
     o["result"] = {{"artifact", artifact}, {"copies", json::array()}};
+    if (o["request"].contains("reference")) {
+      o["result"]["pulled"] = {{"pulled", true}, {"reference", o["request"]["reference"]}};
+    }
   }
 }
 

@@ -1,6 +1,7 @@
 // A stand-in for the node agent's HTTP API on a Unix socket (the contract in docs/design.md),
 // for the controller's tests only: operations that run for a few polls and then succeed or
-// fail as the test scripted, artifacts that a successful checkpoint adds, and a restart that
+// fail as the test scripted, artifacts that a successful checkpoint adds (a restore naming a
+// registry reference is taken as pulled from there), and a restart that
 // forgets every operation. It records each request, so tests assert on exactly what the
 // controller asked.
 #pragma once
