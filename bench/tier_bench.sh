@@ -181,3 +181,4 @@ with open(f"{outdir}/tier-{gib}.md", "w") as md:
                  (f"{c['restore_to_all_answers_s']} s to every copy's answer" if "failed" not in c else "failed: " + c["failed"]) + "\n")
 print(open(f"{outdir}/tier-{gib}.md").read())
 PY
+python3 "$(dirname "$0")/tier_plot.py" "$OUTDIR/tier-$GIB.json" "$OUTDIR/tier-$GIB.svg"
