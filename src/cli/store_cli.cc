@@ -236,7 +236,8 @@ void extend_for_store(const std::string& name, std::string& usage, std::string& 
   if (name == "restore") {
     more = concat(remote_flags(), cache_flags());
     summary +=
-        "\nARTIFACT may be oci://HOST/REPO[:TAG|@DIGEST]: pulled first (see `gpusnap pull`).";
+        "\nARTIFACT may be oci://HOST/REPO[:TAG|@DIGEST]: pulled (see `gpusnap pull`) while it\n"
+        "restores: CRIU's restore starts on CRIU's images while GPU memory still arrives.";
   } else if (name == "inspect") {
     more = remote_flags();
     summary += "\nOf an oci:// reference only its manifest and layout are read.";
