@@ -110,12 +110,7 @@ int run(int argc, char** argv) {
     Snapshot s;
     s.name = host_images ? "gpu-shaped" : "no-host-images";
     const sfs::path art = dir / s.name;
-    CheckpointOptions co;
-    co.pid = source.pid();
-    co.output = art;
-    co.driver = &driver;
-    co.helper_binary = gpusnap_bin();
-    co.run_dir = dir / "run";
+    CheckpointOptions co = capture_options(dir, source, driver, s.name);
     co.leave_running = true;
     co.host_images = host_images;
     std::fprintf(stderr, "capture %s\n", s.name.c_str());
@@ -206,7 +201,8 @@ int run(int argc, char** argv) {
 
   auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
+    const size_t m = v.size() / 2;
+    return v.size() % 2 == 1 ? v[m] : (v[m - 1] + v[m]) / 2;
   };
   std::ofstream md(out / "results.md");
   char load[64] = {};

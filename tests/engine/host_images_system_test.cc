@@ -78,17 +78,6 @@ struct CaptureRun {
   std::vector<std::string> notes, phases;  // the checkpoint's
 };
 
-// A capture of `source` into `dir`/snap through `driver`, gpusnap's state in `dir`/run.
-CheckpointOptions capture_options(const TempDir& dir, const Workload& source, gpu::Driver& driver) {
-  CheckpointOptions co;
-  co.pid = source.pid();
-  co.output = dir / "snap";
-  co.driver = &driver;
-  co.helper_binary = gpusnap_bin();
-  co.run_dir = dir / "run";
-  return co;
-}
-
 // Checkpoint (leaving the source running) and restore two copies, all through StagingDriver
 // (played inside the workload when `in_process`).
 CaptureRun checkpoint_and_restore(const TempDir& dir, Workload& source, bool host_images,

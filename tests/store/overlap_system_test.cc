@@ -75,12 +75,7 @@ struct Fixture {
     fake.add_gpu(gpu::FakeDriver::make_gpu(kGpu));
     fake.add_process(source.pid());
     fake.set_usage(source.pid(), kGpu, kRegion);
-    CheckpointOptions co;
-    co.pid = source.pid();
-    co.output = dir / "snap";
-    co.driver = &driver;
-    co.helper_binary = gpusnap_bin();
-    co.run_dir = dir / "run";
+    CheckpointOptions co = capture_options(dir, source, driver);
     co.leave_running = true;
     Reporter quiet;
     checkpoint(co, quiet);

@@ -21,6 +21,7 @@
 #include "common/proc.h"
 #include "common/remote.h"
 #include "gpu/fake_driver.h"
+#include "gpusnap/checkpoint.h"
 #include "testing/harness.h"
 
 namespace gpusnap::testing {
@@ -150,6 +151,18 @@ inline std::vector<pid_t> copies_of(pid_t ns) {
     }
   }
   return out;
+}
+
+// A capture of `source` into `dir`/`name` through `driver`, gpusnap's state in `dir`/run.
+inline CheckpointOptions capture_options(const TempDir& dir, const Workload& source,
+                                         gpu::Driver& driver, const std::string& name = "snap") {
+  CheckpointOptions co;
+  co.pid = source.pid();
+  co.output = dir / name;
+  co.driver = &driver;
+  co.helper_binary = gpusnap_bin();
+  co.run_dir = dir / "run";
+  return co;
 }
 
 }  // namespace gpusnap::testing
