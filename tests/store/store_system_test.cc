@@ -16,6 +16,7 @@
 #include "common/fs.h"
 #include "gpu/driver.h"
 #include "gpusnap/artifact.h"
+#include "store/registry.h"
 #include "store/registry_fixture.h"
 #include "testing/harness.h"
 
@@ -225,12 +226,10 @@ TEST(StoreRegistry, ManifestOfTheFirstFormatStillPulls) {
   v1["config"] = layers.at(0);
   layers.erase(0);
   v1["layers"] = layers;
-  fs::write_file(dir / "v1.json", v1.dump());
-  auto put = common::run_capture({"curl", "-sf", "-X", "PUT", "-H",
-                                  "Content-Type: application/vnd.oci.image.manifest.v1+json",
-                                  "--data-binary", "@" + (dir / "v1.json").string(),
-                                  "http://" + registry.host() + "/v2/r/s/manifests/old"});
-  ASSERT_TRUE(put.status.ok()) << put.output;
+  store::RegistryOptions plain;
+  plain.plain_http = true;
+  store::Registry(store::OciRef::parse(registry.ref("r/s:old")), plain)
+      .put_manifest(v1.dump(), "application/vnd.oci.image.manifest.v1+json");
   EXPECT_EQ(raw_manifest(registry, "r/s:old").at("config").at("mediaType"),
             "application/vnd.gpusnap.snapshot.config.v1+json");
 
