@@ -101,9 +101,8 @@ void materialise(const Layout& layout, const sfs::path& dest, const BlobSource& 
     fs::write_file(writer.staging() / kManifestName, manifest.to_json().dump(2) + "\n");
     hooks.created(writer.staging());
     if (hooks.file_written) {
-      for (size_t i = 0; i < layout.files.size(); ++i) {
-        if (layout.files[i].extents.empty())
-          hooks.file_written(layout.files[i].path);  // all zeros: written
+      for (const auto& f : layout.files) {
+        if (f.extents.empty()) hooks.file_written(f.path);  // all zeros: written already
       }
     }
   }
