@@ -33,6 +33,24 @@ struct PortPublish {
   static PortPublish parse(const std::string& text);
 };
 
+// An artifact whose files are still being written while the restore starts: a snapshot pulled
+// from a registry (store/stream.h). The restore waits for each part where it first needs it:
+// CRIU's images before criu-restore, the rest (host images, the memory tier) before it
+// checks the bytes and hands GPU memory to the driver. Without GPU state CRIU's restore lets the
+// copies run, so everything is awaited first.
+class ArrivingArtifact {
+ public:
+  virtual ~ArrivingArtifact() = default;
+  // The directory being written: its manifest.json there, every file at its size. Blocks
+  // until then; throws the transfer's Error.
+  virtual std::filesystem::path staging() = 0;
+  // Blocks until CRIU's images (every file but host images and the tier's) are written.
+  virtual void await_criu_images() = 0;
+  // Blocks until every file is written and the artifact is committed; returns its final path.
+  // Called only once nothing reads the staging directory by its path.
+  virtual std::filesystem::path complete() = 0;
+};
+
 struct RestoreOptions {
   std::filesystem::path artifact;
   int replicas = 1;
@@ -57,6 +75,8 @@ struct RestoreOptions {
   // container capture with the same root filesystem. Then replicas is 1, nothing is published,
   // and the copy's init_pid is the placeholder's PID 1.
   std::optional<ContainerRef> into_container;
+  // Set: the artifact still arrives (see ArrivingArtifact); `artifact` is then ignored.
+  ArrivingArtifact* arriving = nullptr;
 };
 
 struct PublishedPort {

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <functional>
 #include <iostream>
+#include <optional>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -167,7 +168,12 @@ int cmd_restore(const Args& args) {
   Output out(args);
   RestoreOptions o;
   o.artifact = args.only_artifact();
-  if (is_remote(o.artifact)) o.artifact = pull_for_restore(args, o.artifact, *out.reporter);
+  std::optional<RemoteRestore> remote;
+  if (is_remote(o.artifact)) {
+    remote = open_for_restore(args, o.artifact);
+    o.artifact = remote->artifact;
+    o.arriving = remote->arriving.get();
+  }
   o.replicas = static_cast<int>(args.get_int("--replicas", 1, 1, 1024));
   o.verify = !args.has("--no-verify");
   o.criu_path = args.get("--criu");
@@ -191,6 +197,7 @@ int cmd_restore(const Args& args) {
     o.settings[kv.substr(0, eq)] = kv.substr(eq + 1);
   }
   auto r = restore(o, *out.reporter);
+  if (remote) out.reporter->note(remote->summary());
   json doc = engine::restore_document(r, o.artifact, out.notes());
   if (o.into_container) doc["into_container"] = o.into_container->id;
   out.print(doc, [&](const json& d) { print_restore_human(d, out.quiet); });

@@ -236,7 +236,8 @@ void extend_for_store(const std::string& name, std::string& usage, std::string& 
   if (name == "restore") {
     more = concat(remote_flags(), cache_flags());
     summary +=
-        "\nARTIFACT may be oci://HOST/REPO[:TAG|@DIGEST]: pulled first (see `gpusnap pull`).";
+        "\nARTIFACT may be oci://HOST/REPO[:TAG|@DIGEST]: pulled (see `gpusnap pull`) while it\n"
+        "restores: CRIU's restore starts on CRIU's images while GPU memory still arrives.";
   } else if (name == "inspect") {
     more = remote_flags();
     summary += "\nOf an oci:// reference only its manifest and layout are read.";
@@ -344,35 +345,34 @@ int cmd_import(const Args& args) {
 
 }  // namespace
 
-sfs::path pull_for_restore(const Args& args, const std::string& reference, Reporter& reporter) {
+RemoteRestore open_for_restore(const Args& args, const std::string& reference) {
   auto o = pull_options(args);
   auto ref = remote_ref(reference);
   const sfs::path pulled = sfs::absolute(args.get("--run-dir", "/run/gpusnap")) / "pulled";
   sfs::create_directories(pulled);
   sfs::permissions(pulled, sfs::perms::owner_all, sfs::perm_options::replace);
-  if (!ref.digest.empty()) {
-    // Already materialised here (complete: it appears only by rename).
-    const auto dir = pulled / store::digest_hex(ref.digest);
-    if (sfs::exists(dir / kManifestName)) {
-      store::BlobStore(o.cache).touch(store::digest_hex(ref.digest));
-      reporter.note("using " + dir.string() + ", pulled before");
-      return dir;
-    }
+  RemoteRestore r;
+  // Refused here, before any chunk, where the snapshot could not be restored.
+  auto snap = store::read_remote(ref, o.transfer);
+  check_restorable_here(args, Manifest::from_json(snap.layout.manifest));
+  const std::string key = store::digest_hex(snap.digest);
+  r.artifact = pulled / key;
+  if (sfs::exists(r.artifact / kManifestName)) {  // complete: it appears only by rename
+    store::BlobStore(o.cache).touch(key);
+    return r;
   }
-  // The digest is known only after the manifest is read: pull into a name of our own, then
-  // give it the digest's name.
-  o.output = pulled / ("pull-" + fs::random_id());
-  o.check = [&](const Manifest& m) { check_restorable_here(args, m); };
-  auto r = store::pull(ref, o, reporter);
-  const auto dir = pulled / store::digest_hex(r.digest);
-  std::error_code ec;
-  sfs::rename(o.output, dir, ec);
-  if (ec) {  // another restore materialised it meanwhile
-    fs::remove_tree_noexcept(o.output);
-  }
-  reporter.note("pulled " + r.reference + ": " + std::to_string(r.chunks_fetched) +
-                " chunks fetched, " + std::to_string(r.chunks_from_cache) + " from the node cache");
-  return dir;
+  ref.digest = snap.digest;  // the manifest just checked, whatever the tag names meanwhile
+  o.output = r.artifact;
+  r.progress = std::make_unique<TransferReporter>(args.has("--json"), args.has("--quiet"));
+  r.arriving = std::make_unique<store::StreamingPull>(ref, o, *r.progress);
+  return r;
+}
+
+std::string RemoteRestore::summary() const {
+  if (!arriving) return "using " + artifact.string() + ", pulled before";
+  const auto& p = arriving->result();
+  return "pulled " + p.reference + " while restoring: " + std::to_string(p.chunks_fetched) +
+         " chunks fetched, " + std::to_string(p.chunks_from_cache) + " from the node cache";
 }
 
 int inspect_remote(const Args& args, const std::string& reference) {

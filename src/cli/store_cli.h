@@ -5,11 +5,13 @@
 
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "common/args.h"
 #include "gpusnap/phases.h"
+#include "store/stream.h"
 
 namespace gpusnap::cli {
 
@@ -33,11 +35,18 @@ void extend_for_store(const std::string& name, std::string& usage, std::string& 
 
 // True when ARTIFACT is an oci:// reference.
 bool is_remote(const std::string& artifact);
-// restore: pulls the snapshot (host and GPU checks first, before any chunk) into the node cache
-// and materialises it under RUN_DIR/pulled/DIGEST, reused when already there. Returns that
-// directory.
-std::filesystem::path pull_for_restore(const Args& args, const std::string& reference,
-                                       Reporter& reporter);
+// restore of an oci:// reference: the snapshot under RUN_DIR/pulled/DIGEST. Reused when
+// already there; otherwise its manifest is read and checked (host and GPU, before any chunk)
+// and its pull starts, for the restore to use as it arrives (gpusnap/restore.h,
+// ArrivingArtifact).
+struct RemoteRestore {
+  std::filesystem::path artifact;                  // the final path
+  std::unique_ptr<Reporter> progress;              // the pull's (declared first: outlives it)
+  std::unique_ptr<store::StreamingPull> arriving;  // null when already here
+  // After the restore: a line on what the pull fetched, for the restore's notes.
+  std::string summary() const;
+};
+RemoteRestore open_for_restore(const Args& args, const std::string& reference);
 // inspect of an oci:// reference: reads the OCI manifest and config only.
 int inspect_remote(const Args& args, const std::string& reference);
 // verify of an oci:// reference: fetches every chunk (each checked against its digest), writes

@@ -1,6 +1,8 @@
 // The restore flow, as named, timed phases:
 //
 //   open        read the manifest; format, host and GPU compatibility checks, the GPU map
+//   await-criu-images, await-artifact  (an artifact still arriving: a pull overlapping the
+//               restore) CRIU's images before criu-restore; the rest after it, before verify
 //   placeholder (--into-container) the target is a waiting placeholder with the captured rootfs
 //   verify      every byte against the manifest (skipped with --no-verify)
 //   criu-restore  each copy's init, in its fresh namespaces, runs `criu restore`; all at once
@@ -353,8 +355,9 @@ class Restore {
       phases_.reporter().note(line);
     }
     engine::GpuPlan gpu_plan;
+    ArrivingArtifact* arriving = options_.arriving;
     auto artifact = phases_.run("open", [&] {
-      auto a = Artifact::open(options_.artifact);
+      auto a = Artifact::open(arriving != nullptr ? arriving->staging() : options_.artifact);
       check_host_compatible(a.manifest(), HostFacts::probe(criu.version));
       gpu_plan =
           engine::plan_gpu_restore(a.manifest().gpu, driver, options_.gpu_map, options_.replicas);
@@ -375,19 +378,32 @@ class Restore {
             container::placeholder_target(*options_.into_container, artifact.manifest()).state.pid;
       });
     }
+    // An artifact still arriving: without GPU state CRIU's restore lets the copies run, so
+    // every byte must be there first (a CPU snapshot is CRIU's images alone: nothing to
+    // overlap). With GPU state CRIU restores from its images while the GPU memory arrives.
+    if (arriving != nullptr && !gpu_plan.has_gpu_state) {
+      artifact = phases_.run("await-artifact", [&] { return arrived(*arriving); });
+      arriving = nullptr;
+    }
     // With GPU state, nothing of a copy serves before its GPU state is restored (its CUDA
     // processes stay checkpointed, the copy unreleased): the bytes are checked while CRIU
     // restores, and the check must pass before gpu-restore. Without GPU state CRIU's restore
     // lets the copies run, so the check comes first.
     std::future<std::vector<VerifyProblem>> verifying;
-    if (options_.verify && gpu_plan.has_gpu_state) {
+    auto verify_in_background = [&] {
       verifying = std::async(std::launch::async, [&artifact] {
         return artifact.verify(VerifyOptions{0, nullptr});
       });
-    } else if (options_.verify) {
+    };
+    if (options_.verify && gpu_plan.has_gpu_state && arriving == nullptr) {
+      verify_in_background();
+    } else if (options_.verify && !gpu_plan.has_gpu_state) {
       phases_.run("verify", [&] { check(artifact.verify(VerifyOptions{0, &phases_.reporter()})); });
     }
     WaitOnExit<std::vector<VerifyProblem>> verify_joiner{verifying};
+    if (arriving != nullptr) {
+      phases_.run("await-criu-images", [&] { arriving->await_criu_images(); });
+    }
     std::vector<std::unique_ptr<Copy>> copies;
     phases_.run("criu-restore", [&] {
       for (int i = 0; i < options_.replicas; ++i) {
@@ -399,6 +415,13 @@ class Restore {
     phases_.run("locate", [&] {
       for (auto& c : copies) c->locate();
     });
+    // CRIU no longer reads the staging directory: the artifact may take its final name. The
+    // host images were handed to CRIU as descriptors, which the rename leaves valid; their
+    // bytes are first read by the driver's restore, the tier's by the resume.
+    if (arriving != nullptr) {
+      artifact = phases_.run("await-artifact", [&] { return arrived(*arriving); });
+      if (options_.verify) verify_in_background();
+    }
     if (driver_ready.valid()) phases_.run("gpu-init", [&] { driver_ready.get(); });
     if (verifying.valid()) phases_.run("verify", [&] { check(verifying.get()); });
     if (gpu_plan.has_gpu_state) {
@@ -465,6 +488,12 @@ class Restore {
                     errors[i]->hint());
       }
     }
+  }
+
+  // The artifact once every byte has arrived, under its final name.
+  Artifact arrived(ArrivingArtifact& arriving) {
+    options_.artifact = arriving.complete();
+    return Artifact::open(options_.artifact);
   }
 
   void check(const std::vector<VerifyProblem>& problems) {

@@ -11,6 +11,7 @@
 
 #include "artifact/writer.h"
 #include "common/fd.h"
+#include "common/fs.h"
 #include "gpusnap/error.h"
 #include "store/parallel.h"
 
@@ -92,6 +93,19 @@ void materialise(const Layout& layout, const sfs::path& dest, const BlobSource& 
     }
   }
   jobs.insert(jobs.end(), later.begin(), later.end());
+  const ArrivalHooks& hooks = options.arrival;
+  // Extents left to write, per file: the last one written tells file_written.
+  std::vector<std::atomic<size_t>> left(layout.files.size());
+  for (size_t i = 0; i < layout.files.size(); ++i) left[i] = layout.files[i].extents.size();
+  if (hooks.created) {
+    fs::write_file(writer.staging() / kManifestName, manifest.to_json().dump(2) + "\n");
+    hooks.created(writer.staging());
+    if (hooks.file_written) {
+      for (const auto& f : layout.files) {
+        if (f.extents.empty()) hooks.file_written(f.path);  // all zeros: written already
+      }
+    }
+  }
 
   std::atomic<uint64_t> done{0};
   phases.run("write", [&] {
@@ -100,6 +114,7 @@ void materialise(const Layout& layout, const sfs::path& dest, const BlobSource& 
         [&](size_t j) {
           const auto& f = layout.files[jobs[j].file];
           const Extent& e = f.extents[jobs[j].extent];
+          if (hooks.before_chunk) hooks.before_chunk();
           std::string blob = source({e.digest, e.stored, e.encoding});
           if (blob.size() != e.stored) {
             throw Error(ErrorKind::kBadArtifact,
@@ -121,10 +136,14 @@ void materialise(const Layout& layout, const sfs::path& dest, const BlobSource& 
           }
           write_sparse(fds[jobs[j].file].get(), blob.data(), e.length, e.offset, f.path);
           done += e.length;
+          if (left[jobs[j].file].fetch_sub(1) == 1 && hooks.file_written) {
+            hooks.file_written(f.path);
+          }
         },
         [&] { reporter.progress(options.progress_name, done.load(), total); });
   });
   for (auto& fd : fds) fd.reset();
+  if (hooks.before_commit) hooks.before_commit();
   // The staging tree's directories are the writer's; the files are root-only as written.
   writer.commit(manifest, phases);
 }

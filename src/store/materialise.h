@@ -16,11 +16,26 @@ namespace gpusnap::store {
 // Returns the blob's bytes, already checked against its digest. Called from several threads.
 using BlobSource = std::function<std::string(const BlobInfo&)>;
 
+// For a reader that uses the artifact while it is written (a restore overlapping its pull:
+// store/stream.h). Each hook may throw to stop the writing; nothing then appears at `dest`.
+struct ArrivalHooks {
+  // Every file exists in the staging directory at its size, and its manifest.json is there:
+  // Artifact::open of the staging directory works, the files' bytes still arrive.
+  std::function<void(const std::filesystem::path& staging)> created;
+  // Every byte of the file at `path` (relative) is written (from the writing threads).
+  std::function<void(const std::string& path)> file_written;
+  // Before each chunk is fetched (from the writing threads).
+  std::function<void()> before_chunk;
+  // Every file is written; the commit (the rename to `dest`) waits for this to return.
+  std::function<void()> before_commit;
+};
+
 struct MaterialiseOptions {
   int threads = 8;
   // Order in which files are written: by default CRIU's images first, host images last (a
   // restore can start on the CPU images while GPU memory still arrives).
   std::string progress_name = "materialise";
+  ArrivalHooks arrival;
 };
 
 // Writes the artifact at `dest` (which must not exist; its parent must). Every chunk is

@@ -56,6 +56,48 @@ json annotations(const Layout& layout) {
           {"org.gpusnap.bytes.stored", std::to_string(layout.stored_bytes())}};
 }
 
+// The OCI architecture name of a machine's (uname -m), for the image config.
+std::string oci_architecture(const std::string& machine) {
+  if (machine == "x86_64") return "amd64";
+  if (machine == "aarch64") return "arm64";
+  return machine;
+}
+
+// The image config of a snapshot's manifest (version 2): an ordinary OCI image config, so that
+// plain `skopeo inspect` (which refuses any other config media type as "an artifact") shows
+// the snapshot, its annotations as Labels. Nothing reads it back: the layout is layer 0.
+std::string image_config(const Layout& layout, const json& labels) {
+  const json& m = layout.manifest;
+  json config = {{"architecture", oci_architecture(m.contains("host") ? text_of(m["host"], "arch")
+                                                                      : std::string())},
+                 {"os", "linux"},
+                 {"config", {{"Labels", labels}}},
+                 {"rootfs", {{"type", "layers"}, {"diff_ids", json::array()}}}};
+  if (!text_of(m, "created").empty()) config["created"] = text_of(m, "created");
+  return config.dump();
+}
+
+// The descriptor of a snapshot's layout in its OCI manifest, or why there is none.
+//   version 1: the config (application/vnd.gpusnap.snapshot.config.v1+json);
+//   version 2: an OCI image config, artifactType gpusnap's, and the layout as layer 0 with the
+//              media type version 1 gave the config.
+const json* layout_descriptor(const json& m, std::string& why) {
+  const json& config = m["config"];
+  const std::string type = text_of(config, "mediaType");
+  if (type == kConfigMediaType) return &config;
+  if (type != kOciImageConfigMediaType) {
+    why = "its config is '" + type.substr(0, 100) + "'";
+    return nullptr;
+  }
+  if (text_of(m, "artifactType") != kArtifactType || !m.contains("layers") ||
+      !m["layers"].is_array() || m["layers"].empty() ||
+      text_of(m["layers"][0], "mediaType") != kConfigMediaType) {
+    why = "an image whose first layer is not a gpusnap layout";
+    return nullptr;
+  }
+  return &m["layers"][0];
+}
+
 RemoteSnapshot read_remote_with(Registry& registry) {
   auto [body, digest] = registry.fetch_manifest();
   const std::string name = registry.ref().str();
@@ -72,14 +114,14 @@ RemoteSnapshot read_remote_with(Registry& registry) {
   if (!m.is_object() || !m.contains("config") || !m["config"].is_object()) {
     throw not_ours("its manifest has no config");
   }
-  const json& config = m["config"];
-  if (text_of(config, "mediaType") != kConfigMediaType) {
-    throw not_ours("its config is '" + text_of(config, "mediaType").substr(0, 100) + "'");
-  }
+  std::string why;
+  const json* found = layout_descriptor(m, why);
+  if (found == nullptr) throw not_ours(why);
+  const json& config = *found;
   const std::string cdigest = text_of(config, "digest");
   if (!valid_digest(cdigest) || !config.contains("size") || !config["size"].is_number_unsigned() ||
       config["size"].get<uint64_t>() > kMaxConfigBytes) {
-    throw not_ours("its config descriptor is malformed");
+    throw not_ours("its layout descriptor is malformed");
   }
   const std::string cbody = registry.fetch_blob(cdigest, config["size"].get<uint64_t>());
   Layout layout;
@@ -130,23 +172,30 @@ PushResult push(const std::filesystem::path& path, const OciRef& ref, const Tran
         reporter, "upload");
   });
   phases.run("manifest", [&] {
-    const std::string config = layout.to_json().dump();
-    const std::string cdigest = sha256_digest(config);
-    if (!registry.blob_exists(cdigest)) registry.upload_blob(cdigest, config);
+    // Version 2 (layout_descriptor): the layout as layer 0, an image config for OCI tools.
+    const json labels = annotations(layout);
     json layers = json::array();
+    for (const std::string& blob : {layout.to_json().dump(), image_config(layout, labels)}) {
+      const std::string d = sha256_digest(blob);
+      if (!registry.blob_exists(d)) registry.upload_blob(d, blob);
+      layers.push_back({{"mediaType", kConfigMediaType}, {"digest", d}, {"size", blob.size()}});
+    }
+    const json config = {{"mediaType", kOciImageConfigMediaType},
+                         {"digest", layers[1]["digest"]},
+                         {"size", layers[1]["size"]}};
+    layers.erase(1);
     for (const auto& b : layout.blobs()) {
       layers.push_back(
           {{"mediaType", b.encoding == Encoding::kZstd ? kChunkZstdMediaType : kChunkMediaType},
            {"digest", b.digest},
            {"size", b.size}});
     }
-    const json manifest = {
-        {"schemaVersion", 2},
-        {"mediaType", kOciManifestMediaType},
-        {"artifactType", kArtifactType},
-        {"config", {{"mediaType", kConfigMediaType}, {"digest", cdigest}, {"size", config.size()}}},
-        {"layers", layers},
-        {"annotations", annotations(layout)}};
+    const json manifest = {{"schemaVersion", 2},
+                           {"mediaType", kOciManifestMediaType},
+                           {"artifactType", kArtifactType},
+                           {"config", config},
+                           {"layers", layers},
+                           {"annotations", labels}};
     r.digest = registry.put_manifest(manifest.dump(), kOciManifestMediaType);
   });
   r.reference = ref.by_digest(r.digest);
@@ -177,6 +226,7 @@ PullResult pull(const OciRef& ref, const PullOptions& o, Reporter& reporter) {
     MaterialiseOptions mo;
     mo.threads = o.transfer.jobs;
     mo.progress_name = "fetch";
+    mo.arrival = o.arrival;
     materialise(
         snap.layout, o.output,
         [&](const BlobInfo& b) {

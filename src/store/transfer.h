@@ -1,15 +1,20 @@
 // Moving snapshots between a node and an OCI registry.
 //
-// A snapshot on a registry is an OCI image manifest:
-//   config  application/vnd.gpusnap.snapshot.config.v1+json   the layout (store/layout.h), which
-//           holds the artifact's manifest.json
-//   layers  application/vnd.gpusnap.chunk.v1[+zstd]            every distinct chunk, once
-//   annotations                                                 GPU model, driver, sizes, id
-// so `skopeo inspect --raw` (or any registry UI) shows what it is, and a registry's garbage
-// collection keeps every chunk a snapshot uses.
+// A snapshot on a registry is an OCI image manifest (version 2):
+//   artifactType application/vnd.gpusnap.snapshot.v1
+//   config       application/vnd.oci.image.config.v1+json        an image config (architecture,
+//                os, created, the annotations as Labels) that nothing reads back: plain
+//                `skopeo inspect` refuses any other config media type as "an artifact"
+//   layers[0]    application/vnd.gpusnap.snapshot.config.v1+json  the layout (store/layout.h),
+//                which holds the artifact's manifest.json
+//   layers[1..]  application/vnd.gpusnap.chunk.v1[+zstd]          every distinct chunk, once
+//   annotations                                                    GPU model, driver, sizes, id
+// so `skopeo inspect` shows what it is (`--raw` the whole manifest), and a registry's garbage
+// collection keeps every chunk a snapshot uses. Version 1, pushed before, had the layout as
+// its config (media type application/vnd.gpusnap.snapshot.config.v1+json); pull reads both.
 //
 // push: open -> upload (chunk, HEAD each chunk, upload those missing) -> manifest
-// pull: manifest (OCI manifest and config; the caller's host check, before any chunk) ->
+// pull: manifest (OCI manifest and layout; the caller's host check, before any chunk) ->
 //       fetch (chunks from the node cache, or from the registry checked against their digest
 //       as they arrive and kept in the cache; files written as chunks come) -> cache (record the
 //       snapshot, evict to the budget)
@@ -26,6 +31,7 @@
 #include "gpusnap/phases.h"
 #include "store/chunker.h"
 #include "store/layout.h"
+#include "store/materialise.h"
 #include "store/registry.h"
 
 namespace gpusnap::store {
@@ -35,6 +41,7 @@ inline constexpr const char* kChunkMediaType = "application/vnd.gpusnap.chunk.v1
 inline constexpr const char* kChunkZstdMediaType = "application/vnd.gpusnap.chunk.v1+zstd";
 inline constexpr const char* kArtifactType = "application/vnd.gpusnap.snapshot.v1";
 inline constexpr const char* kOciManifestMediaType = "application/vnd.oci.image.manifest.v1+json";
+inline constexpr const char* kOciImageConfigMediaType = "application/vnd.oci.image.config.v1+json";
 
 // What a snapshot holds, in bytes and chunks (from its layout).
 struct SnapshotSizes {
@@ -83,6 +90,8 @@ struct PullOptions {
   // Called with the snapshot's manifest before any chunk is fetched; throws to refuse (a host
   // with another GPU model or driver).
   std::function<void(const Manifest&)> check;
+  // For a restore that starts before the pull ends (store/stream.h).
+  ArrivalHooks arrival;
 };
 
 struct PullResult {

@@ -16,6 +16,7 @@
 #include "common/fs.h"
 #include "gpu/driver.h"
 #include "gpusnap/artifact.h"
+#include "store/registry.h"
 #include "store/registry_fixture.h"
 #include "testing/harness.h"
 
@@ -107,7 +108,8 @@ TEST(StoreRegistry, PushPullRestoreOverPlainHttp) {
                                   "docker://" + registry.host() + "/team/worker:v1"});
   ASSERT_TRUE(raw.status.ok()) << raw.output;
   auto manifest = json::parse(raw.output);
-  EXPECT_EQ(manifest.at("config").at("mediaType"),
+  EXPECT_EQ(manifest.at("artifactType"), "application/vnd.gpusnap.snapshot.v1");
+  EXPECT_EQ(manifest.at("layers").at(0).at("mediaType"),
             "application/vnd.gpusnap.snapshot.config.v1+json");
   EXPECT_EQ(manifest.at("annotations").at("org.gpusnap.gpu.model"), "none");
   EXPECT_EQ(manifest.at("annotations").at("org.gpusnap.gpu.driver"), "none");
@@ -157,6 +159,87 @@ TEST(StoreRegistry, PushPullRestoreOverPlainHttp) {
   auto listed = json::parse(list.out).at("snapshots");
   ASSERT_EQ(listed.size(), 1u);
   EXPECT_EQ(listed[0].at("reference"), registry.ref("team/worker@" + digest));
+}
+
+// The registry's manifest of a reference (skopeo inspect --raw).
+json raw_manifest(const LocalRegistry& registry, const std::string& repo_and_tag) {
+  auto raw = common::run_capture({"skopeo", "inspect", "--tls-verify=false", "--raw",
+                                  "docker://" + registry.host() + "/" + repo_and_tag});
+  if (!raw.status.ok()) throw std::runtime_error("skopeo inspect --raw: " + raw.output);
+  return json::parse(raw.output);
+}
+
+TEST(StoreRegistry, PlainSkopeoInspectShowsWhatTheSnapshotIs) {
+  SKIP_WITHOUT_REGISTRY();
+  TempDir dir;
+  LocalRegistry registry(dir, {});
+  auto pushed = push(registry, capture(dir, "snap", "16"), "team/worker:v1");
+
+  // Plain inspect (not --raw), as a person would run it: the image config's Labels say what it
+  // is; every chunk is a layer, the layout first.
+  auto plain = common::run_capture({"skopeo", "inspect", "--tls-verify=false",
+                                    "docker://" + registry.host() + "/team/worker:v1"});
+  ASSERT_TRUE(plain.status.ok()) << plain.output;
+  auto shown = json::parse(plain.output);
+  EXPECT_EQ(shown.at("Digest"), pushed.at("digest"));
+  EXPECT_EQ(shown.at("Os"), "linux");
+  EXPECT_EQ(shown.at("Architecture"), "amd64");
+  EXPECT_EQ(shown.at("Labels").at("org.gpusnap.gpu.model"), "none");
+  EXPECT_EQ(shown.at("Labels").at("org.gpusnap.gpu.driver"), "none");
+  EXPECT_EQ(shown.at("Labels").at("org.gpusnap.bytes.apparent"),
+            std::to_string(pushed.at("bytes").get<uint64_t>()));
+  EXPECT_EQ(shown.at("Layers").size(), pushed.at("chunks").get<size_t>() + 1);
+
+  // The raw manifest keeps gpusnap's media types and the annotations.
+  auto manifest = raw_manifest(registry, "team/worker:v1");
+  EXPECT_EQ(manifest.at("config").at("mediaType"), "application/vnd.oci.image.config.v1+json");
+  EXPECT_EQ(manifest.at("artifactType"), "application/vnd.gpusnap.snapshot.v1");
+  EXPECT_EQ(manifest.at("layers").at(0).at("mediaType"),
+            "application/vnd.gpusnap.snapshot.config.v1+json");
+  EXPECT_EQ(manifest.at("layers")
+                .at(1)
+                .at("mediaType")
+                .get<std::string>()
+                .rfind("application/vnd.gpusnap.chunk.v1", 0),
+            0u);
+  EXPECT_EQ(manifest.at("annotations").at("org.gpusnap.gpu.model"), "none");
+
+  // Copied by skopeo into an OCI layout, it still inspects.
+  const std::string layout = "oci:" + (dir / "layout").string() + ":v1";
+  auto copy = common::run_capture({"skopeo", "copy", "--src-tls-verify=false",
+                                   "docker://" + registry.host() + "/team/worker:v1", layout});
+  ASSERT_TRUE(copy.status.ok()) << copy.output;
+  auto local = common::run_capture({"skopeo", "inspect", layout});
+  ASSERT_TRUE(local.status.ok()) << local.output;
+  EXPECT_EQ(json::parse(local.output).at("Labels").at("org.gpusnap.gpu.model"), "none");
+}
+
+TEST(StoreRegistry, ManifestOfTheFirstFormatStillPulls) {
+  SKIP_WITHOUT_REGISTRY();
+  TempDir dir;
+  LocalRegistry registry(dir, {});
+  auto snap = capture(dir, "snap", "16");
+  push(registry, snap, "r/s:new");
+  // The same snapshot as version 1 wrote it: the layout as the config, the chunks as layers.
+  json v1 = raw_manifest(registry, "r/s:new");
+  json layers = v1.at("layers");
+  v1["config"] = layers.at(0);
+  layers.erase(0);
+  v1["layers"] = layers;
+  store::RegistryOptions plain;
+  plain.plain_http = true;
+  store::Registry(store::OciRef::parse(registry.ref("r/s:old")), plain)
+      .put_manifest(v1.dump(), "application/vnd.oci.image.manifest.v1+json");
+  EXPECT_EQ(raw_manifest(registry, "r/s:old").at("config").at("mediaType"),
+            "application/vnd.gpusnap.snapshot.config.v1+json");
+
+  auto pull = gpusnap({"pull", registry.ref("r/s:old"), "-o", (dir / "pulled").string(),
+                       "--plain-http", "--cache", (dir / "cache").string()});
+  ASSERT_EQ(pull.exit_code, 0) << pull.err;
+  EXPECT_EQ(contents(dir / "pulled"), contents(snap.path));
+  auto inspect = gpusnap({"inspect", registry.ref("r/s:old"), "--plain-http", "--json"});
+  ASSERT_EQ(inspect.exit_code, 0) << inspect.err;
+  EXPECT_EQ(json::parse(inspect.out).at("id"), Artifact::open(snap.path).manifest().id);
 }
 
 TEST(StoreRegistry, TlsWithBasicAuth) {

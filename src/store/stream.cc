@@ -1,0 +1,97 @@
+#include "store/stream.h"
+
+#include "gpusnap/error.h"
+
+namespace gpusnap::store {
+
+namespace {
+
+// The files CRIU reads by path during criu-restore; the others (GPU memory) are mapped from
+// descriptors, filled by the tier, or read by the driver's restore.
+bool is_criu_image(const std::string& path) {
+  return !path.starts_with("host-images/") && !path.starts_with("tier/");
+}
+
+}  // namespace
+
+StreamingPull::StreamingPull(OciRef ref, PullOptions options, Reporter& reporter) {
+  PullOptions o = std::move(options);
+  o.arrival.created = [this](const std::filesystem::path& staging) {
+    std::lock_guard lock(mu_);
+    staging_ = staging;
+    created_ = true;
+    cv_.notify_all();
+  };
+  o.arrival.file_written = [this](const std::string& path) {
+    std::lock_guard lock(mu_);
+    if (is_criu_image(path) && criu_files_left_ > 0) --criu_files_left_;
+    cv_.notify_all();
+  };
+  o.arrival.before_chunk = [this] {
+    std::lock_guard lock(mu_);
+    if (cancelled_) throw Error(ErrorKind::kInternal, "the pull was stopped: its restore failed");
+  };
+  o.arrival.before_commit = [this] {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return commit_allowed_ || cancelled_; });
+    if (cancelled_) throw Error(ErrorKind::kInternal, "the pull was stopped: its restore failed");
+  };
+  // The manifest, read first, says how many of CRIU's files are to come.
+  o.check = [this, check = o.check](const Manifest& m) {
+    if (check) check(m);
+    std::lock_guard lock(mu_);
+    criu_files_left_ = 0;
+    for (const auto& f : m.files) criu_files_left_ += is_criu_image(f.path) ? 1 : 0;
+  };
+  thread_ = std::thread([this, ref = std::move(ref), o = std::move(o), &reporter] {
+    try {
+      PullResult r = pull(ref, o, reporter);
+      std::lock_guard lock(mu_);
+      result_ = std::move(r);
+    } catch (...) {
+      std::lock_guard lock(mu_);
+      failure_ = std::current_exception();
+    }
+    std::lock_guard lock(mu_);
+    finished_ = true;
+    cv_.notify_all();
+  });
+}
+
+StreamingPull::~StreamingPull() {
+  {
+    std::lock_guard lock(mu_);
+    cancelled_ = true;
+    cv_.notify_all();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+template <typename Ready>
+void StreamingPull::wait_for(std::unique_lock<std::mutex>& lock, Ready ready) {
+  cv_.wait(lock, [&] { return ready() || failure_ || finished_; });
+  if (failure_) std::rethrow_exception(failure_);
+}
+
+std::filesystem::path StreamingPull::staging() {
+  std::unique_lock lock(mu_);
+  wait_for(lock, [&] { return created_; });
+  if (!created_) throw Error(ErrorKind::kInternal, "the pull ended before writing any file");
+  return staging_;
+}
+
+void StreamingPull::await_criu_images() {
+  std::unique_lock lock(mu_);
+  wait_for(lock, [&] { return created_ && criu_files_left_ == 0; });
+}
+
+std::filesystem::path StreamingPull::complete() {
+  std::unique_lock lock(mu_);
+  commit_allowed_ = true;
+  cv_.notify_all();
+  wait_for(lock, [&] { return finished_; });
+  if (!result_) throw Error(ErrorKind::kInternal, "the pull ended without a result");
+  return result_->output;
+}
+
+}  // namespace gpusnap::store

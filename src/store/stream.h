@@ -1,0 +1,59 @@
+// A pull that a restore uses while it still runs: the snapshot's CRIU images arrive first
+// (materialise writes them before the host images), CRIU's restore starts on them, and the host
+// images (the GPU memory, the bulk of a GPU snapshot) keep arriving meanwhile; the restore
+// awaits them only before it hands GPU memory to the driver (gpusnap/restore.h,
+// ArrivingArtifact). Every chunk is still checked against its digest as it arrives; a bad one
+// fails the pull, the restore's next wait rethrows it, and the restore unwinds (no copy left,
+// nothing at the output: the staging directory goes with the pull).
+#pragma once
+
+#include <condition_variable>
+#include <exception>
+#include <filesystem>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include "gpusnap/phases.h"
+#include "gpusnap/restore.h"
+#include "store/transfer.h"
+
+namespace gpusnap::store {
+
+class StreamingPull final : public ArrivingArtifact {
+ public:
+  // Starts store::pull(ref, options) on a thread of its own (`reporter` is that thread's, for
+  // the fetch's progress). options.output is the artifact's final path.
+  StreamingPull(OciRef ref, PullOptions options, Reporter& reporter);
+  StreamingPull(const StreamingPull&) = delete;
+  StreamingPull& operator=(const StreamingPull&) = delete;
+  // Stops the pull (a chunk in flight finishes, no other starts) and waits for it: a restore
+  // that failed leaves nothing of the pull behind but the chunks in the node cache.
+  ~StreamingPull() override;
+
+  std::filesystem::path staging() override;
+  void await_criu_images() override;
+  std::filesystem::path complete() override;
+
+  // The pull's result, once complete() returned.
+  const PullResult& result() const { return *result_; }
+
+ private:
+  // Waits until `ready()` or the pull failed (then rethrows its error) or ended.
+  template <typename Ready>
+  void wait_for(std::unique_lock<std::mutex>& lock, Ready ready);
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::filesystem::path staging_;
+  size_t criu_files_left_ = 0;  // known once the files are created
+  bool created_ = false;
+  bool commit_allowed_ = false;
+  bool cancelled_ = false;
+  bool finished_ = false;
+  std::exception_ptr failure_;
+  std::optional<PullResult> result_;
+  std::thread thread_;  // last: starts once everything above is built
+};
+
+}  // namespace gpusnap::store
