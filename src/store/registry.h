@@ -80,6 +80,9 @@ class Registry {
   // The calls below are thread-safe: each takes a connection of its own from a pool.
   bool blob_exists(const std::string& digest);
   void upload_blob(const std::string& digest, std::string_view data);
+  // Uploads a blob unless the repository holds it, asking both in one request (a mount from
+  // the repository itself). Returns whether it was uploaded.
+  bool upload_blob_if_missing(const std::string& digest, std::string_view data);
   // Fetches a blob of exactly `size` bytes, hashing it as it arrives. Throws
   // Error(kBadArtifact) when it does not match `digest` or has another size.
   std::string fetch_blob(const std::string& digest, uint64_t size);
@@ -91,6 +94,7 @@ class Registry {
 
  private:
   class Lease;
+  bool upload(const std::string& digest, std::string_view data, bool mount);
   std::unique_ptr<httplib::Client> make_client() const;
   std::string where() const;  // "registry HOST" for messages
 

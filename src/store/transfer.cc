@@ -164,8 +164,7 @@ PushResult push(const std::filesystem::path& path, const OciRef& ref, const Tran
             std::lock_guard lock(mu);
             if (!seen.insert(c.extent.digest).second) return;  // the same chunk, once
           }
-          if (registry.blob_exists(c.extent.digest)) return;
-          registry.upload_blob(c.extent.digest, c.blob);
+          if (!registry.upload_blob_if_missing(c.extent.digest, c.blob)) return;
           ++uploaded;
           bytes_uploaded += c.blob.size();
         },

@@ -272,7 +272,7 @@ TEST(StoreRegistry, TlsWithBasicAuth) {
                "--auth-file", (dir / "empty.json").string()});
   EXPECT_EQ(anonymous.exit_code, 10) << anonymous.err;
   EXPECT_EQ(anonymous.err,
-            "gpusnap: error: registry " + registry.host() + " refused to look up blob " +
+            "gpusnap: error: registry " + registry.host() + " refused to upload blob " +
                 anonymous.err.substr(anonymous.err.find("sha256:"), 71) +
                 " (HTTP 401) (fix: log in (`skopeo login HOST`) or give --auth-file)\n");
 
