@@ -1,6 +1,7 @@
 // The store's parts on their own: references, the layout's checks, and an artifact with a
 // sparse host image cut into chunks and written back exactly (same bytes, same holes).
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -235,6 +236,42 @@ TEST(Store, LayoutRefusesPathsOutsideTheArtifactAndOverlaps) {
   auto bad_digest = doc;
   bad_digest["files"][0]["extents"][0][2] = "sha256:xyz";
   EXPECT_NE(message(bad_digest).find("not a sha256 digest"), std::string::npos);
+}
+
+// The cache writes chunks with O_DIRECT where the filesystem takes it (whole blocks through an
+// aligned buffer, the tail after) and through the page cache where it does not: every length
+// comes back whole and root-only, on the disk's filesystem and on tmpfs.
+TEST(Store, ChunksOfAnyLengthComeBackWholeOnDiskAndOnTmpfs) {
+  TempDir disk;
+  std::vector<std::filesystem::path> roots = {disk / "store"};
+  // A folder on tmpfs, removed at the end whatever happens.
+  struct ShmDir {
+    std::filesystem::path path;
+    ~ShmDir() {
+      std::error_code ec;
+      if (!path.empty()) std::filesystem::remove_all(path, ec);
+    }
+  } shm;
+  std::string tmpl = "/dev/shm/gpusnap-test-XXXXXX";
+  if (::mkdtemp(tmpl.data()) != nullptr) {
+    shm.path = tmpl;
+    roots.push_back(shm.path / "store");
+  }
+  for (const auto& root : roots) {
+    SCOPED_TRACE(root.string());
+    store::BlobStore blobs(root);
+    for (size_t size : {size_t{1}, size_t{4096}, size_t{3 * 4096 + 17}, size_t{(9u << 20) + 123}}) {
+      std::string data(size, '\0');
+      for (size_t i = 0; i < size; ++i) data[i] = static_cast<char>((i * 131 + size) % 251);
+      const auto digest = store::sha256_digest(data);
+      blobs.put(digest, data);
+      EXPECT_EQ(blobs.get(digest, size), data) << size;
+      struct stat st {};
+      ASSERT_EQ(::stat((root / "blobs" / "sha256" / store::digest_hex(digest)).c_str(), &st), 0);
+      EXPECT_EQ(st.st_mode & 0777, 0600u);
+    }
+  }
+  EXPECT_EQ(roots.size(), 2u) << "no tmpfs at /dev/shm: only the disk was tried";
 }
 
 TEST(Store, ADamagedChunkInTheCacheIsRemovedAndReported) {
