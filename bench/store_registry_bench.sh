@@ -7,7 +7,13 @@
 #   BUILD=build bench/store_registry_bench.sh OUTDIR [MIB] [DEDUP_MIB]
 #
 # MIB (default 4096): memory of the captured test workload; DEDUP_MIB (default 512): memory of
-# the two workloads of the dedup measurement. Writes OUTDIR/results.md and the raw JSON.
+# the two workloads of the dedup measurement. BASELINE=PATH (optional): another gpusnap binary
+# (an older build) whose push and pull run in the same run against a second registry of its
+# own, so that the two are compared under the same load. Writes OUTDIR/results.md and the raw
+# JSON. For every transfer it records the client's and the registry's CPU seconds (the
+# registry's from /proc/PID/stat), and the load average every 5 s (loadavg.log): on a shared
+# machine the load says what share of the cores each side had. The parts it shares with
+# store_registry_h200.sh are in store_registry_lib.sh.
 set -euo pipefail
 OUT=${1:?usage: store_registry_bench.sh OUTDIR [MIB] [DEDUP_MIB]}
 MIB=${2:-4096}
@@ -15,77 +21,33 @@ DEDUP_MIB=${3:-512}
 BUILD=${BUILD:-build}
 GPUSNAP=$(readlink -f "$BUILD/gpusnap")
 WORKLOAD=$(readlink -f "$BUILD/tests/gpusnap-test-workload")
+REGISTRY=$(command -v docker-registry)
+source "$(dirname "$(readlink -f "$0")")/store_registry_lib.sh"
 mkdir -p "$OUT"
 OUT=$(readlink -f "$OUT")
 cd "$OUT"
-rm -rf wl-* registry art art2 dedup-a dedup-b layout pulled skopeo-pulled cache store
+rm -rf wl-* registry registry-base art art2 dedup-a dedup-b layout pulled pulled-base skopeo-pulled cache cache-base store
 PORT=$((20000 + RANDOM % 20000))
-
-cat >registry.yml <<YML
-version: 0.1
-log:
-  level: warn
-storage:
-  filesystem:
-    rootdirectory: $OUT/registry
-http:
-  addr: 127.0.0.1:$PORT
-  secret: bench
-YML
-docker-registry serve registry.yml >registry.log 2>&1 &
-REG_PID=$!
-WL_PIDS=()
-cleanup() {
-  kill "$REG_PID" 2>/dev/null || true
-  for p in "${WL_PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-}
-trap cleanup EXIT
-for _ in $(seq 100); do curl -sf "http://127.0.0.1:$PORT/v2/" >/dev/null && break; sleep 0.1; done
-
-now() { date +%s.%N; }
-secs() { echo "$2 - $1" | bc; }
-rate() { echo "scale=1; $1 / $2 / 1000000" | bc; }  # bytes seconds -> MB/s
-
-# A capture of the test workload holding MIB of memory with a fixed seed.
-capture() {  # NAME MIB SEED
-  mkdir -p "wl-$1"
-  setsid "$WORKLOAD" --mib "$2" --seed "$3" --children 0 --ready-file "wl-$1/ready" \
-    </dev/null >"wl-$1/log" 2>&1 &
-  local pid=$!  # setsid execs in place: the shell's background child is not a group leader
-  WL_PIDS+=("$pid")
-  for _ in $(seq 600); do [[ -f wl-$1/ready ]] && break; sleep 0.1; done
-  "$GPUSNAP" checkpoint --pid "$pid" -o "$1" -q
-}
+trap store_bench_cleanup EXIT
+start_registry main "$PORT" "$OUT/registry"
+BASE_PORT=$((PORT + 1))
+[[ -n ${BASELINE:-} ]] && start_registry base "$BASE_PORT" "$OUT/registry-base"
+sample_load
 
 echo "bench: load $(cut -d' ' -f1-3 /proc/loadavg); capturing ${MIB} MiB" >&2
 capture art "$MIB" 1
 BYTES=$(du -sb --apparent-size art | cut -f1)
-
-# The same bytes as an OCI image layout for skopeo: one uncompressed layer per artifact file.
-mkdir -p layout/blobs/sha256
-layers=""
-for f in $(cd art && find . -type f | sort); do
-  d=$(sha256sum "art/$f" | cut -d' ' -f1)
-  ln -f "art/$f" "layout/blobs/sha256/$d" 2>/dev/null || cp "art/$f" "layout/blobs/sha256/$d"
-  s=$(stat -c %s "art/$f")
-  layers+="${layers:+,}{\"mediaType\":\"application/vnd.oci.image.layer.v1.tar\",\"digest\":\"sha256:$d\",\"size\":$s}"
-done
-cfg='{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}'
-cd_=$(printf %s "$cfg" | sha256sum | cut -d' ' -f1)
-printf %s "$cfg" >"layout/blobs/sha256/$cd_"
-man="{\"schemaVersion\":2,\"mediaType\":\"application/vnd.oci.image.manifest.v1+json\",\"config\":{\"mediaType\":\"application/vnd.oci.image.config.v1+json\",\"digest\":\"sha256:$cd_\",\"size\":${#cfg}},\"layers\":[$layers]}"
-md=$(printf %s "$man" | sha256sum | cut -d' ' -f1)
-printf %s "$man" >"layout/blobs/sha256/$md"
-printf '{"schemaVersion":2,"manifests":[{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha256:%s","size":%d,"annotations":{"org.opencontainers.image.ref.name":"a"}}]}' "$md" ${#man} >layout/index.json
-echo '{"imageLayoutVersion":"1.0.0"}' >layout/oci-layout
+oci_layout art layout
 
 sync
-echo "bench: push" >&2
-t0=$(now); "$GPUSNAP" push art "oci://127.0.0.1:$PORT/bench/gpusnap:a" --plain-http --json -q >push.json; t1=$(now)
-PUSH_S=$(secs "$t0" "$t1")
-echo "bench: skopeo copy (push)" >&2
-t0=$(now); skopeo copy -q --dest-tls-verify=false oci:layout:a "docker://127.0.0.1:$PORT/bench/skopeo:a" >skopeo-push.log 2>&1; t1=$(now)
-SKOPEO_PUSH_S=$(secs "$t0" "$t1")
+measure "gpusnap push" "$REG_PID_main" \
+  "$GPUSNAP" push art "oci://127.0.0.1:$PORT/bench/gpusnap:a" --plain-http --json -q >push.json
+if [[ -n ${BASELINE:-} ]]; then
+  measure "gpusnap push (baseline build)" "$REG_PID_base" \
+    "$BASELINE" push art "oci://127.0.0.1:$BASE_PORT/bench/gpusnap:a" --plain-http --json -q >push-base.json
+fi
+measure "skopeo copy oci: -> registry" "$REG_PID_main" \
+  skopeo copy -q --dest-tls-verify=false oci:layout:a "docker://127.0.0.1:$PORT/bench/skopeo:a"
 
 # The registry disk's own read rate: its largest blob, O_DIRECT (no page cache).
 BIG=$(find registry -name data -type f -printf '%s %p\n' | sort -n | tail -1 | cut -d' ' -f2)
@@ -94,13 +56,18 @@ t0=$(now); dd if="$BIG" of=/dev/null bs=8M iflag=direct status=none; t1=$(now)
 DISK_S=$(secs "$t0" "$t1")
 
 sync; echo 3 >/proc/sys/vm/drop_caches
-echo "bench: pull" >&2
-t0=$(now); "$GPUSNAP" pull "oci://127.0.0.1:$PORT/bench/gpusnap:a" -o pulled --cache cache --plain-http --json -q >pull.json; t1=$(now)
-PULL_S=$(secs "$t0" "$t1")
+measure "gpusnap pull (empty cache, page cache dropped)" "$REG_PID_main" \
+  "$GPUSNAP" pull "oci://127.0.0.1:$PORT/bench/gpusnap:a" -o pulled --cache cache --plain-http --json -q >pull.json
+if [[ -n ${BASELINE:-} ]]; then
+  sync; echo 3 >/proc/sys/vm/drop_caches
+  measure "gpusnap pull (baseline build; empty cache, page cache dropped)" "$REG_PID_base" \
+    "$BASELINE" pull "oci://127.0.0.1:$BASE_PORT/bench/gpusnap:a" -o pulled-base --cache cache-base --plain-http --json -q >pull-base.json
+  cmp -s art/criu/pages-1.img pulled-base/criu/pages-1.img || { echo "bench: pulled artifact differs" >&2; exit 1; }
+  rm -rf pulled-base cache-base
+fi
 sync; echo 3 >/proc/sys/vm/drop_caches
-echo "bench: skopeo copy (pull)" >&2
-t0=$(now); skopeo copy -q --src-tls-verify=false "docker://127.0.0.1:$PORT/bench/skopeo:a" oci:skopeo-pulled:a >skopeo-pull.log 2>&1; t1=$(now)
-SKOPEO_PULL_S=$(secs "$t0" "$t1")
+measure "skopeo copy registry -> oci: (page cache dropped)" "$REG_PID_main" \
+  skopeo copy -q --src-tls-verify=false "docker://127.0.0.1:$PORT/bench/skopeo:a" oci:skopeo-pulled:a
 cmp -s art/criu/pages-1.img pulled/criu/pages-1.img || { echo "bench: pulled artifact differs" >&2; exit 1; }
 rm -rf pulled skopeo-pulled layout art cache
 
@@ -114,16 +81,11 @@ STORED=$(jq .stored_bytes import-b.json)
 rm -rf dedup-a dedup-b store
 
 {
-  echo "| | seconds | MB/s of the artifact's $BYTES bytes |"
-  echo "| --- | --- | --- |"
-  echo "| gpusnap push | $PUSH_S | $(rate "$BYTES" "$PUSH_S") |"
-  echo "| skopeo copy oci: -> registry | $SKOPEO_PUSH_S | $(rate "$BYTES" "$SKOPEO_PUSH_S") |"
-  echo "| gpusnap pull (empty cache, page cache dropped) | $PULL_S | $(rate "$BYTES" "$PULL_S") |"
-  echo "| skopeo copy registry -> oci: (page cache dropped) | $SKOPEO_PULL_S | $(rate "$BYTES" "$SKOPEO_PULL_S") |"
-  echo "| registry disk, dd iflag=direct of its largest blob ($BIG_BYTES bytes) | $DISK_S | $(rate "$BIG_BYTES" "$DISK_S") |"
+  results_table "$BYTES"
+  echo "| registry disk, dd iflag=direct of its largest blob ($BIG_BYTES bytes) | $DISK_S | $(rate "$BIG_BYTES" "$DISK_S") | | |"
   echo
   echo "push: $(jq -c '{chunks, chunks_uploaded, bytes_uploaded, stored_bytes, phases}' push.json)"
   echo "pull: $(jq -c '{chunks, chunks_fetched, bytes_fetched, phases}' pull.json)"
-  echo "dedup: second capture of ${DEDUP_MIB} MiB adds $NEW of $STORED stored bytes ($(echo "scale=2; 100 * $NEW / $STORED" | bc) %)"
-  echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "dedup: second capture of ${DEDUP_MIB} MiB adds $NEW of $STORED stored bytes ($(awk -v n="$NEW" -v s="$STORED" 'BEGIN { printf "%.2f", 100 * n / s }') %)"
+  echo "load average during the run (1-minute, every 5 s): $(load_summary); after: $(cut -d' ' -f1-3 /proc/loadavg)"
 } | tee results.md
