@@ -4,7 +4,8 @@
 // snapshot that uses it. Everything in it is root-only (directories 0700, files 0600).
 //
 //   ROOT/blobs/sha256/HEX      a chunk, complete and named by its digest (written to tmp/,
-//                              renamed into place: a half-written chunk is never seen)
+//                              with O_DIRECT where the filesystem takes it, renamed into
+//                              place: a half-written chunk is never seen)
 //   ROOT/snapshots/KEY.json    {"reference", "layout"}; its mtime is the last use
 //   ROOT/tmp/                  chunks being written
 //   ROOT/lock                  flock: shared while a snapshot is added or read, exclusive to

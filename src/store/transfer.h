@@ -13,7 +13,8 @@
 // collection keeps every chunk a snapshot uses. Version 1, pushed before, had the layout as
 // its config (media type application/vnd.gpusnap.snapshot.config.v1+json); pull reads both.
 //
-// push: open -> upload (chunk, HEAD each chunk, upload those missing) -> manifest
+// push: open -> upload (chunk; per distinct chunk one POST that mounts it when the repository
+//       holds it and else starts its upload, then the PUT) -> manifest
 // pull: manifest (OCI manifest and layout; the caller's host check, before any chunk) ->
 //       fetch (chunks from the node cache, or from the registry checked against their digest
 //       as they arrive and kept in the cache; files written as chunks come) -> cache (record the
