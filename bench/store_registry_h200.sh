@@ -114,7 +114,7 @@ BYTES=$(du -sb --apparent-size art | cut -f1)
 step "artifact: $BYTES bytes; OCI layout of the same files for skopeo"
 export -f oci_layout
 bounded 60 bash -c 'oci_layout art layout' || { echo "bench: the OCI layout failed" >&2; exit 1; }
-sync
+bounded 60 sync
 
 REF=oci://127.0.0.1:$PORT/bench/gpusnap:a
 report_row() { echo "row: ${ROWS[-1]}"; }
@@ -124,12 +124,22 @@ report_row
 measure "skopeo copy oci: -> registry" "$REG_PID_main" \
   bounded 75 "$SKOPEO" copy -q --dest-tls-verify=false oci:layout:a "docker://127.0.0.1:$PORT/bench/skopeo:a"
 report_row
-sync
+# The registry disk's own read rate: its largest blob, O_DIRECT (no page cache).
+BIG=$(find registry -name data -type f -printf '%s %p\n' | sort -n | tail -1 | cut -d' ' -f2)
+if [[ -n $BIG ]]; then
+  BIG_BYTES=$(stat -c %s "$BIG")
+  t0=$(now)
+  if bounded 30 dd if="$BIG" of=/dev/null bs=8M iflag=direct status=none; then
+    DISK="registry disk, dd iflag=direct of its largest blob ($BIG_BYTES bytes): $(secs "$t0" "$(now)") s, $(rate "$BIG_BYTES" "$(secs "$t0" "$(now)")") MB/s"
+  fi
+fi
+step "${DISK:-registry disk: not measured}"
+bounded 60 sync
 echo 3 >/proc/sys/vm/drop_caches 2>/dev/null || echo "bench: cannot drop the page cache"
 measure "gpusnap pull (--jobs $JOBS; empty cache, page cache dropped)" "$REG_PID_main" \
   bounded 75 "$GPUSNAP" pull "$REF" -o pulled --cache cache --plain-http --jobs "$JOBS" --json -q >pull.json
 report_row
-sync
+bounded 60 sync
 echo 3 >/proc/sys/vm/drop_caches 2>/dev/null || true
 measure "skopeo copy registry -> oci: (page cache dropped)" "$REG_PID_main" \
   bounded 75 "$SKOPEO" copy -q --src-tls-verify=false "docker://127.0.0.1:$PORT/bench/skopeo:a" oci:skopeo-pulled:a
@@ -145,6 +155,7 @@ fi
   echo
   results_table "$BYTES"
   echo
+  echo "${DISK:-registry disk: not measured}"
   echo "push: $(grep -o '"chunks[a-z_]*": *[0-9]*' push.json | tr '\n' ' ')"
   echo "pull: $(grep -o '"chunks[a-z_]*": *[0-9]*' pull.json | tr '\n' ' ')"
   echo "load average during the run (1-minute, every 5 s): $(load_summary)"
