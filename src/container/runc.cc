@@ -182,16 +182,29 @@ State read_state(const ContainerRef& given) {
   }
 }
 
+namespace {
+
+// The container's state, refused as unusable or when, running, its PID 1 is not `role` (named
+// `what` in the error, of `kind`, with `hint`).
+State state_run_by(const ContainerRef& ref, Role role, ErrorKind kind, const std::string& what,
+                   const std::string& hint) {
+  State state = read_state(ref);
+  if (state.status == "running" && role_of(state.pid) != role) {
+    throw Error(
+        kind,
+        describe_ref(state) + ": its PID 1 (pid " + std::to_string(state.pid) + ") is not " + what,
+        hint);
+  }
+  refuse_unusable(state);
+  return state;
+}
+
+}  // namespace
+
 CaptureTarget capture_target(const ContainerRef& ref) {
   CaptureTarget t;
-  t.state = read_state(ref);
-  if (t.state.status == "running" && role_of(t.state.pid) != Role::kShim) {
-    throw Error(ErrorKind::kNotCapturable,
-                describe_ref(t.state) + ": its PID 1 (pid " + std::to_string(t.state.pid) +
-                    ") is not the gpusnap shim",
-                "start the container's process as `gpusnap init -- CMD ARGS...`");
-  }
-  refuse_unusable(t.state);
+  t.state = state_run_by(ref, Role::kShim, ErrorKind::kNotCapturable, "the gpusnap shim",
+                         "start the container's process as `gpusnap init -- CMD ARGS...`");
   auto children = proc::children(t.state.pid);
   if (children.size() != 1) {
     throw Error(ErrorKind::kNotCapturable,
@@ -248,14 +261,9 @@ Placeholder placeholder_target(const ContainerRef& ref, const Manifest& manifest
                 "`gpusnap checkpoint --container ID`");
   }
   Placeholder p;
-  p.state = read_state(ref);
-  if (p.state.status == "running" && role_of(p.state.pid) != Role::kPlaceholder) {
-    throw Error(ErrorKind::kUsage,
-                describe_ref(p.state) + ": its PID 1 (pid " + std::to_string(p.state.pid) +
-                    ") is not a gpusnap placeholder",
-                "start the target container with `gpusnap init --placeholder` as its process");
-  }
-  refuse_unusable(p.state);
+  p.state = state_run_by(ref, Role::kPlaceholder, ErrorKind::kUsage, "a gpusnap placeholder",
+                         "start the target container with `gpusnap init --placeholder` as its "
+                         "process");
   if (!proc::children(p.state.pid).empty()) {
     throw Error(ErrorKind::kUsage,
                 describe_ref(p.state) + ": the placeholder is not waiting, it already runs a "
