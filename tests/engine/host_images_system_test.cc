@@ -300,6 +300,22 @@ std::optional<common::Mapping> host_image_mapping(pid_t pid) {
   return std::nullopt;
 }
 
+// In a forked child: captures the preloaded workload on the direct path with the fake driver,
+// reporting to `reporter` (which may kill this process), then exits with 3.
+[[noreturn]] void capture_in_this_process(const TempDir& dir, const Workload& source,
+                                          Reporter& reporter) {
+  FakeDriver fake;
+  fake.add_gpu(FakeDriver::make_gpu(kGpu));
+  fake.add_process(source.pid());
+  fake.set_usage(source.pid(), kGpu, kLibraryRegion);
+  StagingDriver driver(fake, source.port());
+  try {
+    checkpoint(capture_options(dir, source, driver), reporter);
+  } catch (...) {  // NOLINT(bugprone-empty-catch): the parent checks what was left
+  }
+  ::_exit(3);
+}
+
 // Stops its own process (SIGKILL) when the phase named starts: a gpusnap killed there.
 class KillAt final : public Reporter {
  public:
@@ -326,17 +342,8 @@ TEST(HostImages, ACaptureKilledOnTheDirectPathLeavesTheWorkloadItsMemoryAndNoArt
     // The capture in a process of its own, killed there; the guardian outlives it.
     pid_t capture = ::fork();
     if (capture == 0) {
-      FakeDriver fake;
-      fake.add_gpu(FakeDriver::make_gpu(kGpu));
-      fake.add_process(source.pid());
-      fake.set_usage(source.pid(), kGpu, kLibraryRegion);
-      StagingDriver driver(fake, source.port());
       KillAt reporter(phase);
-      try {
-        checkpoint(capture_options(dir, source, driver), reporter);
-      } catch (...) {
-      }
-      ::_exit(3);  // the phase never came
+      capture_in_this_process(dir, source, reporter);  // the phase never came
     }
     int status = 0;
     ASSERT_EQ(::waitpid(capture, &status, 0), capture);
@@ -397,17 +404,8 @@ TEST(HostImages, ACaptureKilledWhileTheRegionIsMadePrivateLeavesTheWorkloadWorki
     Workload source = preloaded_workload(dir);
     pid_t capture = ::fork();
     if (capture == 0) {
-      FakeDriver fake;
-      fake.add_gpu(FakeDriver::make_gpu(kGpu));
-      fake.add_process(source.pid());
-      fake.set_usage(source.pid(), kGpu, kLibraryRegion);
-      StagingDriver driver(fake, source.port());
       KillDuring reporter("host-images", std::chrono::microseconds(delay_us));
-      try {
-        checkpoint(capture_options(dir, source, driver), reporter);
-      } catch (...) {
-      }
-      ::_exit(3);  // finished (or failed) before the kill
+      capture_in_this_process(dir, source, reporter);  // finished (or failed) before the kill
     }
     int status = 0;
     ASSERT_EQ(::waitpid(capture, &status, 0), capture);
