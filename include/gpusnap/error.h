@@ -24,7 +24,7 @@ enum class ErrorKind : int {
 
 class Error : public std::runtime_error {
  public:
-  Error(ErrorKind kind, std::string message, std::string hint = {})
+  Error(ErrorKind kind, const std::string& message, std::string hint = {})
       : std::runtime_error(message), kind_(kind), hint_(std::move(hint)) {}
 
   ErrorKind kind() const { return kind_; }

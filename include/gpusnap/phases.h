@@ -61,6 +61,8 @@ class Phases {
   class Timer {
    public:
     Timer(Phases& phases, std::string_view name);
+    Timer(const Timer&) = delete;
+    Timer& operator=(const Timer&) = delete;
     ~Timer();
 
    private:

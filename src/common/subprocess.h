@@ -42,6 +42,7 @@ class Subprocess {
   Subprocess(Subprocess&& other) noexcept;
   Subprocess& operator=(Subprocess&&) = delete;
   Subprocess(const Subprocess&) = delete;
+  Subprocess& operator=(const Subprocess&) = delete;
   ~Subprocess();
 
   pid_t pid() const { return pid_; }

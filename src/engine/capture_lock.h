@@ -24,6 +24,7 @@ class CaptureLock {
   CaptureLock(const std::filesystem::path& run_dir, const std::vector<pid_t>& pids);
   CaptureLock(const CaptureLock&) = delete;
   CaptureLock& operator=(const CaptureLock&) = delete;
+  ~CaptureLock() = default;  // the descriptor's close releases the locks
 
   // The descriptor whose open file description holds the locks, for the guardian to share.
   int fd() const { return fd_.get(); }

@@ -254,7 +254,14 @@ class Checkpoint {
             direct_images.push_back(std::make_unique<engine::DirectHostImage>(
                 pid, writer.staging(), requests_dir, phases_.reporter()));
           }
-          gpu->checkpoint_all();
+          {
+            std::vector<std::filesystem::path> files;
+            for (const auto& d : direct_images) {
+              if (!d->file().empty()) files.push_back(d->file());
+            }
+            const engine::WriteBehind write_behind(files);
+            gpu->checkpoint_all();
+          }
           checkpointed = std::chrono::steady_clock::now();
           for (auto& d : direct_images) d->withdraw();
           // The preload library may still be populating a region ahead of the driver's copy;

@@ -667,6 +667,27 @@ DirectHostImage::~DirectHostImage() {
   }
 }
 
+WriteBehind::WriteBehind(const std::vector<std::filesystem::path>& files) {
+  for (const auto& f : files) {
+    common::UniqueFd fd(::open(f.c_str(), O_RDONLY | O_CLOEXEC));
+    if (fd) fds_.push_back(std::move(fd));
+  }
+  if (fds_.empty()) return;
+  thread_ = std::thread([this] {
+    while (!stop_) {
+      // Starts writing what is dirty now and does not wait for it (SYNC_FILE_RANGE_WRITE).
+      for (const auto& fd : fds_) ::sync_file_range(fd.get(), 0, 0, SYNC_FILE_RANGE_WRITE);
+      for (int i = 0; i < 20 && !stop_; ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  });
+}
+
+WriteBehind::~WriteBehind() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+}
+
 struct HashedFiles::File {
   std::string record;  // the image's file, relative to the artifact root
   std::filesystem::path path;
