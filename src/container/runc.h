@@ -26,7 +26,7 @@ struct State {
 
 // Throws Error: kEnvironment without runc, kNotFound for an unknown container. A ref without a
 // runtime root is searched for in the runtimes' roots (find_runtime_root()).
-State read_state(const ContainerRef& ref);
+State read_state(const ContainerRef& given);
 
 // A running container whose PID 1 is `gpusnap init -- CMD`: the tree to capture is CMD's.
 struct CaptureTarget {

@@ -463,7 +463,11 @@ void remap(const Watch& w, const char* text) {
   void* p = real_mmap()(reinterpret_cast<void*>(first), last - first, static_cast<int>(prot),
                         MAP_PRIVATE | MAP_FIXED | w.keep_flags, w.fd, static_cast<off_t>(offset));
   if (p == MAP_FAILED) {
-    log_text("cannot make the driver's memory private: ", strerror(errno));
+    // The number, not strerror(): this runs on the watcher thread, and strerror is not
+    // thread-safe.
+    char code[32];
+    snprintf(code, sizeof code, "errno %d", errno);
+    log_text("cannot make the driver's memory private: ", code);
     return;
   }
   // The advice the range had (gpusnap read it from smaps), bit by bit as engine/preload.h says.

@@ -203,8 +203,8 @@ class CudaTierDriver final : public TierDriver {
     }
     const auto base = reinterpret_cast<std::uintptr_t>(room);
     // An address the kernel gave, rounded up.
-    auto* p  // NOLINT(performance-no-int-to-ptr)
-        = reinterpret_cast<void*>((base + kHuge - 1) / kHuge * kHuge);
+    // NOLINTNEXTLINE(performance-no-int-to-ptr)
+    auto* p = reinterpret_cast<void*>((base + kHuge - 1) / kHuge * kHuge);
     (void)::madvise(p, len, MADV_HUGEPAGE);
     (void)::madvise(p, len, MADV_POPULATE_WRITE);
     const CUresult r = api_.cuMemHostRegister_v2(p, len, CU_MEMHOSTREGISTER_PORTABLE);
