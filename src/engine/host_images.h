@@ -105,17 +105,19 @@ bool all_zero(const unsigned char* data, size_t size);
 // needed at all: just before the driver's checkpoint, gpusnap leaves the library a request
 // naming an empty file of the artifact, and the library maps the driver's region as a shared
 // mapping of that file, so that the driver's own copy is the write into the artifact. After the
-// call the region is made a private mapping of the same file (remapped in place as above: the
-// same pages of the page cache, nothing copied), so that neither the source nor a copy restored
-// later can write into the artifact, and the file is hashed while CRIU dumps.
+// call the region is made a private mapping of the same file (the same pages of the page cache,
+// nothing copied) by the library's own watcher thread on gpusnap's request (preload.h), so that
+// neither the source nor a copy restored later can write into the artifact; the file is hashed
+// from the moment the driver's call returns, while the region is made private and CRIU dumps.
 
 // The requests' directory under gpusnap's run directory (the library's default is
 // /run/gpusnap/preload: GPUSNAP_PRELOAD_REQUESTS names another).
 inline constexpr const char* kPreloadRequestsDir = "preload";
 
 // Whether the driver's region of `pid` can go straight into the artifact: the process maps the
-// library, lives in gpusnap's mount namespace (it opens the file by path), has no tracer (the
-// remap stops a thread with ptrace), and the machine is x86-64 (the remap's injection).
+// library, lives in gpusnap's mount namespace (it opens the file by path), has no tracer and
+// the machine is x86-64 (a library without the remap watcher is remapped through ptrace's
+// injection).
 bool direct_capture_possible(pid_t pid, const std::vector<common::Mapping>& maps);
 
 // The request's path for `pid`: "REQUESTS/PIDNS-PID", the process's PID namespace inode and its
