@@ -104,6 +104,8 @@ def svg(rows, path):
 
     t = {"copy capture": [], "direct capture": [], "driver's call (direct)": []}
     m = {"copy peak": [], "direct peak": [], "driver": []}
+    # "direct, source stopped" plots as "direct": one run is either all --leave-running or not.
+    rows = [dict(r, mode=r["mode"].split(",")[0]) for r in rows]
     rows = [r for r in rows if r["mode"] in ("copy", "direct")]
     if not rows:
         return
