@@ -18,37 +18,38 @@
 #include "common/args.h"
 #include "common/fs.h"
 #include "gpusnap/error.h"
+#include "store/flags.h"
 
 namespace gpusnap::agent {
 
 namespace {
 
-const std::vector<args::FlagSpec> kFlags = {
-    {"--socket", "", "PATH", "the Unix socket to serve (default /run/gpusnap/agent.sock)"},
-    {"--socket-group", "", "GROUP", "the group that may use the socket (name or gid)"},
-    {"--artifact-group", "", "GROUP",
-     "the group that may read the artifacts (name or gid; default: root only)"},
-    {"--listen", "", "ADDR:PORT", "also serve TCP (requires --token-file; port 0: any)"},
-    {"--token-file", "", "FILE", "the bearer token TCP callers must send (one line)"},
-    {"--storage", "", "DIR", "where artifacts live (default /var/lib/gpusnap/snapshots)"},
-    {"--state-dir", "", "DIR", "the operations journal (default /var/lib/gpusnap/agent)"},
-    {"--run-dir", "", "DIR", "the engine's run directory (default /run/gpusnap)"},
-    {"--gpusnap", "", "PATH", "the gpusnap binary (default: beside gpusnap-agent)"},
-    {"--criu", "", "PATH", "the criu binary (default: as gpusnap locates it)"},
-    {"--registry", "", "oci://HOST[:PORT]/REPO",
-     "registry storage: push each capture there as REPO:NAME, pull what a restore needs and "
-     "this node does not hold"},
-    {"--registry-auth-file", "", "FILE",
-     "the registry's credentials (auth.json / docker config.json, e.g. a mounted Secret)"},
-    {"--registry-ca-file", "", "PEM", "CA certificates the registry's certificate must chain to"},
-    {"--registry-plain-http", "", "", "reach the registry over plain HTTP (no TLS)"},
-    {"--cache", "", "DIR", "the node cache of pulled chunks (default /var/lib/gpusnap/cache)"},
-    {"--cache-budget-mib", "", "MIB",
-     "keep the node cache within MIB, least recently used snapshots leaving first "
-     "(default 65536)"},
-    {"--help", "-h", "", "show this help"},
-    {"--version", "", "", "show the version"},
-};
+constexpr const char* kRegistryPrefix = "--registry-";
+
+// The registry's flags are gpusnap's own (store/flags.h) after "--registry-".
+std::vector<args::FlagSpec> flags() {
+  std::vector<args::FlagSpec> f = {
+      {"--socket", "", "PATH", "the Unix socket to serve (default /run/gpusnap/agent.sock)"},
+      {"--socket-group", "", "GROUP", "the group that may use the socket (name or gid)"},
+      {"--artifact-group", "", "GROUP",
+       "the group that may read the artifacts (name or gid; default: root only)"},
+      {"--listen", "", "ADDR:PORT", "also serve TCP (requires --token-file; port 0: any)"},
+      {"--token-file", "", "FILE", "the bearer token TCP callers must send (one line)"},
+      {"--storage", "", "DIR", "where artifacts live (default /var/lib/gpusnap/snapshots)"},
+      {"--state-dir", "", "DIR", "the operations journal (default /var/lib/gpusnap/agent)"},
+      {"--run-dir", "", "DIR", "the engine's run directory (default /run/gpusnap)"},
+      {"--gpusnap", "", "PATH", "the gpusnap binary (default: beside gpusnap-agent)"},
+      {"--criu", "", "PATH", "the criu binary (default: as gpusnap locates it)"},
+      {"--registry", "", "oci://HOST[:PORT]/REPO",
+       "registry storage: push each capture there as REPO:NAME, pull what a restore needs and "
+       "this node does not hold"}};
+  for (auto& more : {store::registry_flags(kRegistryPrefix), store::cache_flags()}) {
+    f.insert(f.end(), more.begin(), more.end());
+  }
+  f.push_back({"--help", "-h", "", "show this help"});
+  f.push_back({"--version", "", "", "show the version"});
+  return f;
+}
 
 const char* const kUsage = "gpusnap-agent [options]";
 const char* const kSummary =
@@ -104,20 +105,18 @@ std::string helper_binary(const args::Args& args) {
 std::optional<RemoteSettings> remote_settings(const args::Args& args,
                                               const std::filesystem::path& run_dir) {
   if (!args.has("--registry")) {
-    for (const char* flag : {"--registry-auth-file", "--registry-ca-file", "--registry-plain-http",
-                             "--cache", "--cache-budget-mib"}) {
-      if (args.has(flag)) throw usage(std::string(flag) + " needs --registry");
+    for (const auto& more : {store::registry_flags(kRegistryPrefix), store::cache_flags()}) {
+      for (const auto& flag : more) {
+        if (args.has(flag.name)) throw usage(flag.name + " needs --registry");
+      }
     }
     return std::nullopt;
   }
   RemoteSettings s;
   s.repository = args.get("--registry");
-  s.registry.auth_file = args.get("--registry-auth-file");
-  s.registry.ca_file = args.get("--registry-ca-file");
-  s.registry.plain_http = args.has("--registry-plain-http");
-  s.cache = args.get("--cache", s.cache.string());
-  s.cache_budget = static_cast<uint64_t>(args.get_int("--cache-budget-mib", 64 << 10, 0, 1L << 30))
-                   << 20;
+  store::read_registry_flags(args, kRegistryPrefix, s.registry);
+  s.cache = store::cache_flag(args);
+  s.cache_budget = store::cache_budget_flag(args);
   // Beside `gpusnap restore oci://...`'s: a snapshot either pulled is found by the other.
   s.pulled = run_dir / "pulled";
   return s;
@@ -140,13 +139,13 @@ void on_sigpipe(int /*signal*/) {}
 int run(const std::vector<std::string>& argv) {
   std::optional<args::Args> parsed;
   try {
-    parsed.emplace("agent", kFlags, argv);
+    parsed.emplace("agent", flags(), argv);
   } catch (const Error& e) {
     throw usage(e.what());
   }
   const args::Args& args = *parsed;
   if (args.has("--help")) {
-    std::fputs(args::format_help(kUsage, kSummary, kFlags).c_str(), stdout);
+    std::fputs(args::format_help(kUsage, kSummary, flags()).c_str(), stdout);
     return 0;
   }
   if (args.has("--version")) {

@@ -20,6 +20,7 @@
 #include "gpusnap/restore.h"
 #include "store/blob_store.h"
 #include "store/digest.h"
+#include "store/flags.h"
 #include "store/transfer.h"
 
 namespace gpusnap::cli {
@@ -118,9 +119,7 @@ std::string rate(uint64_t bytes, double seconds) {
 
 store::TransferOptions transfer_options(const Args& args) {
   store::TransferOptions o;
-  o.registry.plain_http = args.has("--plain-http");
-  o.registry.ca_file = args.get("--ca-file");
-  o.registry.auth_file = args.get("--auth-file");
+  store::read_registry_flags(args, "--", o.registry);
   o.registry.retries = static_cast<int>(args.get_int("--retries", 5, 0, 100));
   o.registry.max_rate = static_cast<uint64_t>(args.get_int("--max-rate-mib", 0, 0, 1 << 20)) << 20;
   o.jobs = static_cast<int>(args.get_int("--jobs", 8, 1, 256));
@@ -141,9 +140,8 @@ void check_restorable_here(const Args& args, const Manifest& m) {
 store::PullOptions pull_options(const Args& args) {
   store::PullOptions o;
   o.transfer = transfer_options(args);
-  o.cache = args.get("--cache", store::kDefaultCache);
-  o.cache_budget = static_cast<uint64_t>(args.get_int("--cache-budget-mib", 64 << 10, 0, 1L << 30))
-                   << 20;
+  o.cache = store::cache_flag(args);
+  o.cache_budget = store::cache_budget_flag(args);
   return o;
 }
 
@@ -168,23 +166,16 @@ json pull_document(const store::PullResult& r, const std::vector<std::string>& n
 namespace {
 
 std::vector<FlagSpec> remote_flags() {
-  return {{"--plain-http", "", "", "reach the registry over plain HTTP (no TLS)"},
-          {"--ca-file", "", "PEM", "CA certificates the registry's certificate must chain to"},
-          {"--auth-file", "", "PATH",
-           "credentials (auth.json / docker config.json; default: $REGISTRY_AUTH_FILE, "
-           "$XDG_RUNTIME_DIR/containers/auth.json, ~/.docker/config.json)"},
-          {"--jobs", "-j", "N", "chunks in flight (default 8)"},
-          {"--retries", "", "N", "attempts after a failed request, with backoff (default 5)"},
-          {"--max-rate-mib", "", "MIB", "limit the transfer to MIB per second (default: none)"}};
+  auto flags = store::registry_flags("--");
+  flags.insert(
+      flags.end(),
+      {{"--jobs", "-j", "N", "chunks in flight (default 8)"},
+       {"--retries", "", "N", "attempts after a failed request, with backoff (default 5)"},
+       {"--max-rate-mib", "", "MIB", "limit the transfer to MIB per second (default: none)"}});
+  return flags;
 }
 
-std::vector<FlagSpec> cache_flags() {
-  return {
-      {"--cache", "", "DIR",
-       "the node cache of pulled snapshots (default " + std::string(store::kDefaultCache) + ")"},
-      {"--cache-budget-mib", "", "MIB",
-       "keep the cache within MIB, least recently used snapshots leaving first (default 65536)"}};
-}
+using store::cache_flags;
 
 const FlagSpec kJsonFlag{"--json", "", "", "print the result as one JSON document on stdout"};
 const FlagSpec kQuietFlag{"--quiet", "-q", "", "print no progress"};
@@ -202,7 +193,7 @@ int cmd_import(const Args& args);
 
 }  // namespace
 
-std::vector<StoreCommand> store_commands() {
+std::vector<Command> store_commands() {
   return {
       {"push", "gpusnap push ARTIFACT oci://HOST[:PORT]/REPO[:TAG] [--plain-http] [--ca-file PEM]",
        "Upload an artifact to an OCI registry as content-addressed chunks. Only the chunks the\n"

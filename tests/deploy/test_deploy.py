@@ -8,6 +8,7 @@ templates are checked as text, not rendered."""
 import os
 import pathlib
 import re
+import subprocess
 import unittest
 
 import yaml
@@ -166,8 +167,14 @@ class DeployTest(unittest.TestCase):
     def test_chart_oci_storage_becomes_the_agents_registry_flags(self):
         values = yaml.safe_load((CHART / "values.yaml").read_text())
         text = (CHART / "templates" / "daemonset.yaml").read_text()
-        agent_main = (ROOT / "src" / "agent" / "main.cc").read_text()
-        agent_flags = set(re.findall(r'\{"(--[a-z-]+)"', agent_main))
+        # The flags gpusnap-agent takes, from its own --help (the build's binary, named by ctest).
+        agent = os.environ.get("GPUSNAP_AGENT")
+        if not agent:
+            self.skipTest("GPUSNAP_AGENT (the gpusnap-agent binary) is not set; ctest sets it")
+        help_text = subprocess.run([agent, "--help"], capture_output=True, text=True,
+                                   check=True).stdout
+        agent_flags = set(re.findall(r"^\s+(?:-\w, )?(--[a-z-]+)", help_text, re.M))
+        self.assertIn("--registry-ca-file", agent_flags, help_text)
         # Every flag the template gives the agent is one gpusnap-agent takes.
         args = text[text.index('command: ["gpusnap-agent"]'):text.index("env:")]
         given = set(re.findall(r"- (--[a-z-]+)", args))

@@ -1,0 +1,38 @@
+#include "store/flags.h"
+
+#include "store/blob_store.h"
+
+namespace gpusnap::store {
+
+std::vector<args::FlagSpec> registry_flags(const std::string& prefix) {
+  return {
+      {prefix + "plain-http", "", "", "reach the registry over plain HTTP (no TLS)"},
+      {prefix + "ca-file", "", "PEM", "CA certificates the registry's certificate must chain to"},
+      {prefix + "auth-file", "", "FILE",
+       "the registry's credentials (auth.json / docker config.json, e.g. a mounted Secret; "
+       "default: $REGISTRY_AUTH_FILE, $XDG_RUNTIME_DIR/containers/auth.json, "
+       "~/.docker/config.json)"}};
+}
+
+void read_registry_flags(const args::Args& args, const std::string& prefix,
+                         RegistryOptions& options) {
+  options.plain_http = args.has(prefix + "plain-http");
+  options.ca_file = args.get(prefix + "ca-file");
+  options.auth_file = args.get(prefix + "auth-file");
+}
+
+std::vector<args::FlagSpec> cache_flags() {
+  return {{"--cache", "", "DIR",
+           "the node cache of pulled snapshots (default " + std::string(kDefaultCache) + ")"},
+          {"--cache-budget-mib", "", "MIB",
+           "keep the cache within MIB, least recently used snapshots leaving first "
+           "(default 65536)"}};
+}
+
+std::string cache_flag(const args::Args& args) { return args.get("--cache", kDefaultCache); }
+
+uint64_t cache_budget_flag(const args::Args& args) {
+  return static_cast<uint64_t>(args.get_int("--cache-budget-mib", 64 << 10, 0, 1L << 30)) << 20;
+}
+
+}  // namespace gpusnap::store

@@ -1,0 +1,30 @@
+// The command-line flags that reach a registry and keep a node cache, defined once for the two
+// programs that take them. gpusnap's push, pull and oci:// references spell them bare
+// (`--ca-file`); gpusnap-agent spells the registry's after `--registry-` (`--registry-ca-file`),
+// because there they stand among flags that configure the agent itself. Both read them into
+// the same RegistryOptions, so a flag means the same in either.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/args.h"
+#include "store/registry.h"
+
+namespace gpusnap::store {
+
+// PREFIXplain-http, PREFIXca-file, PREFIXauth-file ("--" or "--registry-").
+std::vector<args::FlagSpec> registry_flags(const std::string& prefix);
+// What those flags say, into `options` (retries, backoff and rate are left as they are).
+void read_registry_flags(const args::Args& args, const std::string& prefix,
+                         RegistryOptions& options);
+
+// --cache and --cache-budget-mib.
+std::vector<args::FlagSpec> cache_flags();
+// --cache's folder, or kDefaultCache.
+std::string cache_flag(const args::Args& args);
+// --cache-budget-mib in bytes (default 64 GiB).
+uint64_t cache_budget_flag(const args::Args& args);
+
+}  // namespace gpusnap::store
