@@ -100,14 +100,6 @@ struct Output {
   }
 };
 
-struct Command {
-  std::string name;
-  std::string usage;
-  std::string summary;
-  std::vector<FlagSpec> flags;
-  std::function<int(const Args&)> run;
-};
-
 void print_checkpoint(const Output& out, const CheckpointResult& r, bool leave_running);
 
 // The capture settings `checkpoint` and `run` share; flags a command does not declare keep
@@ -331,9 +323,9 @@ int cmd_recover(const Args& args) {
 // (cli/store_cli.h).
 void add_store_commands(std::vector<Command>& cmds) {
   for (auto& c : cmds) extend_for_store(c.name, c.usage, c.summary, c.flags);
-  for (auto& c : store_commands()) {
-    cmds.push_back({c.name, c.usage, c.summary, c.flags, c.run});
-  }
+  auto more = store_commands();
+  cmds.insert(cmds.end(), std::make_move_iterator(more.begin()),
+              std::make_move_iterator(more.end()));
 }
 
 std::vector<Command> commands() {

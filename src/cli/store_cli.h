@@ -18,7 +18,8 @@ namespace gpusnap::cli {
 using args::Args;
 using args::FlagSpec;
 
-struct StoreCommand {
+// A subcommand as main's table holds it: its name, usage line, summary, flags and what runs it.
+struct Command {
   std::string name;
   std::string usage;
   std::string summary;
@@ -27,7 +28,7 @@ struct StoreCommand {
 };
 
 // push, pull and import, for main's table.
-std::vector<StoreCommand> store_commands();
+std::vector<Command> store_commands();
 // Gives restore, inspect, verify and list what they need for oci:// references and the node
 // cache (flags before --help, a line of help); other commands are left as they are.
 void extend_for_store(const std::string& name, std::string& usage, std::string& summary,
