@@ -45,6 +45,7 @@ Why it is built this way:
 
 import ctypes
 import dataclasses
+import errno
 import json
 import os
 import select
@@ -592,3 +593,177 @@ def use_memory_tier(library=None):
                         "use_memory_tier() before anything allocates GPU memory") from e
     _installed_tier = tier
     return tier
+
+
+# ---- several processes, one handshake: tensor-parallel ranks ---------------------------------
+
+_RANK_MESSAGE_BYTES = 64 << 10  # a request or answer between a workload's own processes
+
+
+class TierGroup:
+    """Several memory tiers drained and filled as one, for a workload of several processes
+    (tensor-parallel ranks, each with its own tier) whose one handshake client speaks for all:
+    give it to the client as memory_tier. Its members are the process's own MemoryTier and a
+    RankTier for every other rank. Each rank writes its own files (named by its pid) into the
+    one folder gpusnap names.
+
+    drain() drains the members in order; when one fails, those already drained are filled back
+    from the same folder and TierError is raised, so that a failed pause leaves every rank with
+    its memory. fill() fills every drained member and raises the first error once all were
+    tried (gpusnap then refuses the copy)."""
+
+    def __init__(self, members):
+        self.members = list(members)
+
+    @property
+    def drained(self):
+        return any(m.drained for m in self.members)
+
+    @property
+    def live_bytes(self):
+        return sum(m.live_bytes for m in self.members)
+
+    def drain(self, directory):
+        done = []
+        for m in self.members:
+            try:
+                m.drain(directory)
+            except Exception as e:
+                for d in reversed(done):
+                    try:
+                        d.fill(directory, {})
+                    except Exception:  # noqa: BLE001 - the drain's own failure is reported
+                        pass
+                raise TierError(f"{e} (the ranks drained before it were filled back)") from e
+            done.append(m)
+
+    def fill(self, directory, gpu_map):
+        first = None
+        for m in self.members:
+            if not m.drained:
+                continue
+            try:
+                m.fill(directory, gpu_map)
+            except Exception as e:  # noqa: BLE001 - every rank is tried; the first error raised
+                first = first or e
+        if first is not None:
+            raise TierError(str(first)) from first
+
+
+def _send_message(sock, obj):
+    data = (json.dumps(obj) + "\n").encode()
+    if len(data) > _RANK_MESSAGE_BYTES:
+        raise TierError("gpusnap memory tier: a rank message over 64 KiB")
+    sock.sendall(data)
+
+
+def _receive_message(sock, pending):
+    """One JSON line from `sock`; `pending` (a bytearray) keeps what followed it. None at EOF."""
+    while b"\n" not in pending:
+        if len(pending) > _RANK_MESSAGE_BYTES:
+            raise TierError("gpusnap memory tier: a rank message over 64 KiB")
+        chunk = sock.recv(65536)
+        if not chunk:
+            return None
+        pending += chunk
+    line, _, rest = bytes(pending).partition(b"\n")
+    pending[:] = rest
+    try:
+        obj = json.loads(line)
+    except ValueError as e:
+        raise TierError(f"gpusnap memory tier: a malformed rank message ({e})") from e
+    if not isinstance(obj, dict):
+        raise TierError("gpusnap memory tier: a rank message that is not an object")
+    return obj
+
+
+class RankTier:
+    """Another rank's memory tier, reached over a connected stream socket whose other end that
+    rank serves with serve_rank_tier() (a socketpair made before the ranks start, or a TCP
+    connection on loopback: CRIU restores both with the workload). call() also carries the
+    workload's own requests, which serve_rank_tier() hands to its `handlers`."""
+
+    def __init__(self, sock):
+        self._sock = sock
+        self._pending = bytearray()
+        self._lock = threading.Lock()
+        self._drained = False
+
+    def call(self, op, **params):
+        with self._lock:
+            try:
+                _send_message(self._sock, dict(params, op=op))
+                answer = _receive_message(self._sock, self._pending)
+            except OSError as e:
+                answer = None
+                if e.errno not in (errno.EPIPE, errno.ECONNRESET):
+                    raise TierError(f"gpusnap memory tier: cannot reach the rank ({e})") from e
+        if answer is None:
+            raise TierError(f"gpusnap memory tier: the rank closed its connection during {op}")
+        if not answer.get("ok"):
+            raise TierError(str(answer.get("error") or f"the rank's {op} failed"))
+        return answer.get("result")
+
+    @property
+    def drained(self):
+        return self._drained
+
+    @property
+    def live_bytes(self):
+        return int(self.call("live_bytes") or 0)
+
+    def drain(self, directory):
+        self.call("drain", dir=os.fsdecode(directory))
+        self._drained = True
+
+    def fill(self, directory, gpu_map):
+        self.call("fill", dir=os.fsdecode(directory or ""), gpu_map=dict(gpu_map or {}))
+        self._drained = False
+
+
+def serve_rank_tier(sock, tier=None, handlers=None):
+    """A rank's side of RankTier: answers requests on `sock` until the other end closes it,
+    draining and filling `tier` (default: the one use_memory_tier() installed in this process)
+    and calling handlers[op](**params) for the workload's own requests. Run it in a thread of
+    its own (serve_rank_tier_in_background) or as the rank's main loop."""
+    handlers = dict(handlers or {})
+    pending = bytearray()
+    with sock:  # this loop owns its end: closed when the other end is
+        while True:
+            request = _receive_message(sock, pending)
+            if request is None:
+                return
+            _answer_rank_request(sock, request, tier, handlers)
+
+
+def _answer_rank_request(sock, request, tier, handlers):
+    op = request.pop("op", None)
+    t = tier if tier is not None else _installed_tier
+    try:
+        if op == "drain":
+            if t is None:
+                raise TierError("gpusnap memory tier: this rank has no tier")
+            t.drain(request["dir"])
+            result = None
+        elif op == "fill":
+            if t is None:
+                raise TierError("gpusnap memory tier: this rank has no tier")
+            t.fill(request["dir"], request.get("gpu_map") or {})
+            result = None
+        elif op == "live_bytes":
+            result = t.live_bytes if t is not None else 0
+        elif op in handlers:
+            result = handlers[op](**request)
+        else:
+            raise TierError(f"gpusnap memory tier: unknown rank request {op!r}")
+        _send_message(sock, {"ok": True, "result": result})
+    except Exception as e:  # noqa: BLE001 - every failure is answered, the loop goes on
+        _send_message(sock, {"ok": False, "error": str(e) or type(e).__name__})
+
+
+def serve_rank_tier_in_background(sock, tier=None, handlers=None):
+    """serve_rank_tier() on a daemon thread; returns the thread."""
+    thread = threading.Thread(target=serve_rank_tier, args=(sock, tier, handlers), daemon=True,
+                              name="gpusnap-rank-tier")
+    thread.start()
+    return thread

@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <filesystem>
 #include <map>
+#include <set>
 #include <sstream>
+#include <string>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -270,6 +272,51 @@ TEST(MemoryTierPlumbing, DrainedIntoTheArtifactChecksummedAndFilledByEachCopy) {
         << copy_info;
     // Captured after its drain, before the source's own fill: this fill is its first.
     EXPECT_EQ(field(copy_info, "fills"), "1") << copy_info;
+  }
+}
+
+// A workload of several processes with a tier each (tensor-parallel ranks), one of them
+// speaking the handshake for all through gpusnap_handshake.TierGroup: every rank drains its own
+// files into the one folder, and every rank of every copy fills from the artifact.
+TEST(MemoryTierPlumbing, EveryRankOfAWorkloadDrainsAndFillsItsOwnTier) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  auto ready = dir / "port";
+  auto snap = dir / "snap";
+  std::vector<std::string> args = {"run", "-o", snap.string(), "--leave-running", "--json", "--"};
+  auto worker = tier_standin();
+  args.insert(args.end(), worker.begin(), worker.end());
+  args.insert(args.end(), {"--ranks", "3", "--ready-file", ready.string()});
+  auto run = gpusnap(args);
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  TreeKiller source{json::parse(run.out)["pid"].get<pid_t>()};
+  const uint16_t port = read_port(ready);
+  ASSERT_NE(port, 0);
+  EXPECT_EQ(ask(port, "CHECK"), "OK ranks=3");
+  auto info = ask(port, "INFO");
+  EXPECT_EQ(field(info, "rank_fills"), "1,1") << info;  // drained and filled back, like rank 0
+  // Three ranks, three pids, each with its image and its index; nothing else.
+  std::set<std::string> pids = {field(info, "pid")};
+  std::istringstream rank_pids(field(info, "rank_pids"));
+  for (std::string p; std::getline(rank_pids, p, ',');) pids.insert(p);
+  ASSERT_EQ(pids.size(), 3u) << info;
+  std::set<std::string> expected;
+  for (const auto& p : pids) expected.insert({"tier/" + p + "-w0.img", "tier/" + p + ".json"});
+  std::set<std::string> listed;
+  for (const auto& [path, size] : tier_files(snap)) listed.insert(path);
+  EXPECT_EQ(listed, expected);
+  EXPECT_EQ(gpusnap({"verify", snap.string()}).exit_code, 0);
+
+  auto rs = gpusnap(
+      {"restore", snap.string(), "--replicas", "2", "--publish", std::to_string(port), "--json"});
+  ASSERT_EQ(rs.exit_code, 0) << rs.err;
+  Copies copies{json::parse(rs.out)};
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(ask(copies.port(i), "CHECK"), "OK ranks=3");
+    auto copy_info = ask(copies.port(i), "INFO");
+    // Captured after the drain: each rank's fill from the artifact is its first.
+    EXPECT_EQ(field(copy_info, "fills"), "1") << copy_info;
+    EXPECT_EQ(field(copy_info, "rank_fills"), "1,1") << copy_info;
   }
 }
 

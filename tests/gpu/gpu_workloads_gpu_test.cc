@@ -565,6 +565,45 @@ TEST(MultiGpu, TensorParallelWorkloadCapturedAndRestoredAsOne) {
   }
 }
 
+// Both ranks of a tensor-parallel workload with a memory tier each: rank 0's handshake client
+// drains and fills both (gpusnap_handshake.TierGroup); the weights go through the tier's files,
+// one pair per rank, and the all-reduced answer is exact after restore, also with the GPUs
+// swapped.
+TEST(MultiGpu, TensorParallelRanksEachWithTheirOwnTier) {
+  SKIP_WITHOUT_GPU(2);
+  TempDir dir;
+  auto ready = dir / "tp-tier.port";
+  auto snap = dir / "tp-tier";
+  auto argv = torch_tp(2, 2);
+  std::vector<std::string> args = {"run", "-o", snap.string(), "--json", "--"};
+  args.insert(args.end(), argv.begin(), argv.end());
+  args.insert(args.end(), {"--tier", "--ready-file", ready.string()});
+  auto run = gpusnap(args, std::chrono::minutes(10));
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  record("torch-tp2-tier-run", json::parse(run.out));
+  // Two GiB per rank went through the tier: each rank wrote its own index.
+  EXPECT_GE(tier_bytes(snap), 4ULL << 30);
+  size_t indexes = 0;
+  for (const auto& e : std::filesystem::directory_iterator(snap / "tier")) {
+    if (e.path().extension() == ".json") ++indexes;
+  }
+  EXPECT_EQ(indexes, 2u);
+  std::string port_text;
+  ASSERT_TRUE(fs::try_read_file(ready, &port_text));
+  const std::string port = std::to_string(std::stoi(port_text));
+  for (const std::string map : {"", "0=1,1=0"}) {
+    std::vector<std::string> rargs = {"restore", snap.string(), "--publish", port, "--json"};
+    if (!map.empty()) rargs.insert(rargs.end(), {"--gpu-map", map});
+    auto rs = gpusnap(rargs);
+    ASSERT_EQ(rs.exit_code, 0) << rs.err;
+    Copies copies{json::parse(rs.out)};
+    record(map.empty() ? "torch-tp2-tier-restore" : "torch-tp2-tier-restore-swapped", copies.doc);
+    EXPECT_EQ(ask(copies.port(0), "CHECK", std::chrono::seconds(60)), "OK ranks=2 max_err=0")
+        << "map " << map;
+    ask(copies.port(0), "QUIT", std::chrono::seconds(30));
+  }
+}
+
 TEST(MultiGpu, RefusesNcclTransportsTheDriverCannotCarry) {
   SKIP_WITHOUT_GPU(2);
   TempDir dir;

@@ -556,5 +556,78 @@ class MemoryTierLibraryTest(unittest.TestCase):
         self.assertEqual(str(e.exception), 'memory tier: bad GPU map entry "GPU-a="')
 
 
+class RankTierTest(unittest.TestCase):
+    """TierGroup and RankTier: several processes' tiers drained and filled as one (here the
+    ranks are threads serving socketpairs, as forked ranks serve theirs)."""
+
+    def rank(self, tier, handlers=None):
+        mine, theirs = socket.socketpair()
+        self.addCleanup(mine.close)
+        hs.serve_rank_tier_in_background(theirs, tier, handlers)
+        return hs.RankTier(mine)
+
+    def test_every_rank_drains_and_fills_in_order_with_the_gpu_map(self):
+        log = []
+        group = hs.TierGroup([RecordingTier(log), self.rank(RecordingTier(log))])
+        group.drain("/t")
+        self.assertTrue(group.drained)
+        group.fill("/t", {"GPU-a": "GPU-b"})
+        self.assertFalse(group.drained)
+        self.assertEqual(log, [("drain", "/t"), ("drain", "/t"), ("fill", "/t", {"GPU-a": "GPU-b"}),
+                               ("fill", "/t", {"GPU-a": "GPU-b"})])
+
+    def test_a_rank_that_fails_its_drain_has_the_ranks_before_it_filled_back(self):
+        log = []
+        first, last = RecordingTier(log), RecordingTier(log, drain_error="no room")
+        group = hs.TierGroup([first, self.rank(RecordingTier(log)), self.rank(last)])
+        with self.assertRaises(hs.TierError) as e:
+            group.drain("/t")
+        self.assertIn("no room", str(e.exception))
+        self.assertEqual(log, [("drain", "/t"), ("drain", "/t"), ("drain", "/t"),
+                               ("fill", "/t", {}), ("fill", "/t", {})])
+        self.assertFalse(group.drained)
+
+    def test_a_failed_fill_is_raised_after_every_rank_was_tried(self):
+        log = []
+        group = hs.TierGroup([RecordingTier(log, fill_error="bad file"),
+                              self.rank(RecordingTier(log))])
+        group.drain("/t")
+        with self.assertRaises(hs.TierError) as e:
+            group.fill("/t", {})
+        self.assertIn("bad file", str(e.exception))
+        self.assertEqual([entry[0] for entry in log], ["drain", "drain", "fill", "fill"])
+
+    def test_workload_requests_unknown_requests_and_a_closed_rank(self):
+        r = self.rank(RecordingTier([]), {"check": lambda: "OK", "add": lambda a, b: a + b})
+        self.assertEqual(r.call("check"), "OK")
+        self.assertEqual(r.call("add", a=2, b=3), 5)
+        with self.assertRaises(hs.TierError) as e:
+            r.call("nonsense")
+        self.assertIn("unknown rank request", str(e.exception))
+        self.assertEqual(r.call("check"), "OK")  # an error answered, the rank serves on
+        mine, theirs = socket.socketpair()
+        theirs.close()
+        with self.assertRaises(hs.TierError) as e:
+            hs.RankTier(mine).call("check")
+        mine.close()
+        self.assertIn("closed its connection", str(e.exception))
+
+    def test_an_oversized_or_malformed_message_is_refused(self):
+        mine, theirs = socket.socketpair()
+        self.addCleanup(mine.close)
+        self.addCleanup(theirs.close)
+        theirs.sendall(b"x" * (70 << 10))
+        with self.assertRaises(hs.TierError) as e:
+            hs.serve_rank_tier(mine, RecordingTier([]))
+        self.assertIn("over 64 KiB", str(e.exception))
+        a, b = socket.socketpair()
+        self.addCleanup(a.close)
+        b.sendall(b"[1]\n")
+        b.close()
+        with self.assertRaises(hs.TierError) as e:
+            hs.serve_rank_tier(a, RecordingTier([]))
+        self.assertIn("not an object", str(e.exception))
+
+
 if __name__ == "__main__":
     unittest.main()

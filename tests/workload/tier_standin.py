@@ -4,17 +4,23 @@ the real Python handshake client, exactly as the tier does (docs/design.md, "The
 It lets the system tests run gpusnap's side of the tier (the folder, its checks, the manifest,
 verify, the resume contexts, the guardian) with real CRIU on a machine without a GPU.
 
-  python3 tier_standin.py --mib N [--drain-delay S] [--ready-file PATH]
+  python3 tier_standin.py --mib N [--drain-delay S] [--ranks R] [--ready-file PATH]
+
+--ranks R > 1 plays a tensor-parallel workload: R processes, each with its own tier, the first
+speaking the handshake for all (gpusnap_handshake.TierGroup), the others (forked children)
+reached over socketpairs (RankTier, serve_rank_tier).
 
 Serves line commands on TCP 127.0.0.1 (port in --ready-file):
-  CHECK -> OK | FAIL | ERR drained     the memory against its digest taken at start
+  CHECK -> OK ranks=<R> | FAIL ... | ERR drained    every rank's memory against its digest
   INFO  -> pid=<pid> restored=<0|1> copy=<i> tier_dir=<path> drains=<n> fills=<n>
+           [rank_pids=<p,...> rank_fills=<n,...>]
 """
 
 import argparse
 import hashlib
 import json
 import os
+import socket
 import time
 
 import gpusnap_handshake
@@ -67,13 +73,42 @@ class StandInTier:
         self.fills += 1
 
 
+def check_memory(tier):
+    if tier.drained:
+        return "ERR drained"
+    return "OK" if hashlib.sha256(tier.memory).hexdigest() == tier.digest else "FAIL"
+
+
+def start_ranks(count, mib):
+    """Forks count - 1 rank processes, each with its own stand-in tier served over a
+    socketpair; returns the RankTiers that reach them."""
+    ranks = []
+    for _ in range(count - 1):
+        mine, theirs = socket.socketpair()
+        if os.fork() == 0:
+            mine.close()
+            for r in ranks:  # the earlier ranks' connections are not this rank's
+                r._sock.close()  # noqa: SLF001
+            tier = StandInTier(mib, 0)
+            gpusnap_handshake.serve_rank_tier(theirs, tier, {
+                "check": lambda: check_memory(tier),
+                "info": lambda: {"pid": os.getpid(), "fills": tier.fills}})
+            os._exit(0)
+        theirs.close()
+        ranks.append(gpusnap_handshake.RankTier(mine))
+    return ranks
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--mib", type=int, default=16)
     p.add_argument("--drain-delay", type=float, default=0)
+    p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--ready-file")
     args = p.parse_args()
     tier = StandInTier(args.mib, args.drain_delay)
+    ranks = start_ranks(args.ranks, args.mib)  # before any thread starts
+    group = gpusnap_handshake.TierGroup([tier] + ranks) if ranks else tier
     last = gpusnap_handshake.ResumeContext()
 
     def on_resume(context):
@@ -82,7 +117,7 @@ def main():
         return True
 
     srv = line_server.listen()
-    hs = gpusnap_handshake.Client.from_environment(memory_tier=tier)
+    hs = gpusnap_handshake.Client.from_environment(memory_tier=group)
     hs.serve(lambda: True, on_resume)
     hs.ready()
     if args.ready_file:
@@ -90,12 +125,20 @@ def main():
 
     def handle(cmd):
         if cmd == "CHECK":
-            if tier.drained:
-                return "ERR drained"
-            return "OK" if hashlib.sha256(tier.memory).hexdigest() == tier.digest else "FAIL"
+            answers = [check_memory(tier)] + [r.call("check") for r in ranks]
+            if not ranks:
+                return answers[0]
+            if all(a == "OK" for a in answers):
+                return f"OK ranks={len(answers)}"
+            return "FAIL " + ",".join(answers)
         if cmd == "INFO":
-            return (f"pid={os.getpid()} restored={int(last.restored)} copy={last.copy} "
+            text = (f"pid={os.getpid()} restored={int(last.restored)} copy={last.copy} "
                     f"tier_dir={last.tier_dir or '-'} drains={tier.drains} fills={tier.fills}")
+            if ranks:
+                infos = [r.call("info") for r in ranks]
+                text += (f" rank_pids={','.join(str(i['pid']) for i in infos)}"
+                         f" rank_fills={','.join(str(i['fills']) for i in infos)}")
+            return text
         return "ERR unknown command"
 
     line_server.serve_lines(srv, handle)

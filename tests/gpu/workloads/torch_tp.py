@@ -11,6 +11,11 @@ Rank 0 serves line commands on TCP 127.0.0.1:--port:
   INFO  -> ranks=<n> gib=<g> pids=<rank pids> gpus=<rank GPU bus ids>
   QUIT  -> BYE (every rank and the launcher exit)
 
+--tier: every rank allocates through gpusnap's memory tier (use_memory_tier()); rank 0 speaks
+the handshake for all, its client draining and filling every rank's tier as one
+(gpusnap_handshake.TierGroup), the other ranks reached over socketpairs the launcher made
+(RankTier, served by serve_rank_tier in a thread of each rank).
+
 The launcher sets NCCL's transports to sockets only (P2P, SHM, NVLS and cuMem off), which is what
 the driver's checkpoint can carry across processes; --nccl-defaults leaves NCCL's defaults, for
 the test that gpusnap refuses such a workload with the setting to change.
@@ -35,6 +40,8 @@ def parse_args():
     p.add_argument("--nccl-defaults", action="store_true")
     p.add_argument("--rank", type=int, default=-1)  # internal: this process is a rank
     p.add_argument("--master-port", type=int, default=0)
+    p.add_argument("--tier", action="store_true")
+    p.add_argument("--tier-fds", default="")  # internal: rank 0's ends of the ranks' socketpairs
     return p.parse_args()
 
 
@@ -52,6 +59,9 @@ def launcher(args):
     # PyTorch's libuv-based TCPStore may use io_uring, which CRIU cannot capture.
     env.update(USE_LIBUV="0")
     master = free_port()
+    # With --tier, a socketpair between rank 0 and every other rank: rank 0's client drains and
+    # fills their tiers through it.
+    pairs = [socket.socketpair() for _ in range(args.ranks - 1)] if args.tier else []
     procs = []
     for r in range(args.ranks):
         argv = [sys.executable, __file__, "--rank", str(r), "--ranks", str(args.ranks),
@@ -59,7 +69,14 @@ def launcher(args):
                 "--master-port", str(master)]
         if r == 0 and args.ready_file:
             argv += ["--ready-file", args.ready_file]
-        procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL))
+        fds = []
+        if args.tier:
+            fds = [a.fileno() for a, _ in pairs] if r == 0 else [pairs[r - 1][1].fileno()]
+            argv += ["--tier", "--tier-fds", ",".join(map(str, fds))]
+        procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, pass_fds=fds))
+    for a, b in pairs:
+        a.close()
+        b.close()
     codes = [p.wait() for p in procs]
     sys.exit(max(codes))
 
@@ -69,6 +86,12 @@ def rank_main(args):
     import torch.distributed as dist
 
     rank, world = args.rank, args.ranks
+    tier_socks = [socket.socket(fileno=int(fd)) for fd in args.tier_fds.split(",") if fd]
+    if args.tier:
+        import gpusnap_handshake
+        gpusnap_handshake.use_memory_tier()  # before this rank's first CUDA allocation
+        if rank != 0:
+            gpusnap_handshake.serve_rank_tier_in_background(tier_socks[0])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{args.master_port}",
                             rank=rank, world_size=world, device_id=torch.device("cuda", rank))
@@ -138,8 +161,24 @@ def rank_main(args):
         return (f"ranks={world} gib={args.gib:g} pids={','.join(str(int(p.item())) for p in pids)} "
                 f"gpu0={bus}")
 
-    line_server.serve(args.port, args.ready_file, {"CHECK": check, "INFO": info},
-                      banner=f"ranks={world}", on_quit=lambda: run(2))
+    if not args.tier:
+        line_server.serve(args.port, args.ready_file, {"CHECK": check, "INFO": info},
+                          banner=f"ranks={world}", on_quit=lambda: run(2))
+        return
+    # Rank 0 speaks the handshake for every rank: its client drains and fills them all. The
+    # port is listened on before READY, so that the capture holds it.
+    srv = line_server.listen(args.port)
+    tiers = [gpusnap_handshake.use_memory_tier()] + [
+        gpusnap_handshake.RankTier(s) for s in tier_socks]
+    hs = gpusnap_handshake.Client.from_environment(memory_tier=gpusnap_handshake.TierGroup(tiers))
+    hs.serve(lambda: torch.cuda.synchronize() or True, None)
+    hs.ready()
+    print(f"ready port={srv.getsockname()[1]} ranks={world} tier=1", flush=True)
+    if args.ready_file:
+        line_server.write_ready_file(args.ready_file, srv.getsockname()[1])
+    commands = {"CHECK": check, "INFO": info}
+    line_server.serve_lines(srv, lambda cmd: commands[cmd]() if cmd in commands
+                            else "ERR unknown command", on_quit=lambda: run(2))
 
 if __name__ == "__main__":
     a = parse_args()
