@@ -55,6 +55,13 @@ constexpr const char* kTcpToken = "s3cret-token-0123456789abcdef";
 // Where an agent on a node of its own serves TCP: the namespace is its alone, the port is free.
 constexpr int kNodePort = 7070;
 
+// Writes kTcpToken to DIR/token, readable by root alone as the agent demands; its path.
+std::string token_file(const TempDir& dir) {
+  write(dir / "token", std::string(kTcpToken) + "\n");
+  if (::chmod((dir / "token").c_str(), 0600) != 0) ADD_FAILURE() << "chmod of the token file";
+  return (dir / "token").string();
+}
+
 // A gpusnap-agent process on its own socket, storage, state and run directories (under `dir`),
 // killed at the end of the test whatever happens. On a node (`node`): started inside the node's
 // network namespace, and asked over TCP at the node's address with kTcpToken, as from another
@@ -71,10 +78,8 @@ class Agent {
         extra_(std::move(extra)),
         node_(node) {
     if (node_ != nullptr) {
-      write(dir / "token", std::string(kTcpToken) + "\n");
-      if (::chmod((dir / "token").c_str(), 0600) != 0) ADD_FAILURE() << "chmod of the token file";
       extra_.insert(extra_.end(), {"--listen", node_->address() + ":" + std::to_string(kNodePort),
-                                   "--token-file", (dir / "token").string()});
+                                   "--token-file", token_file(dir)});
     }
     start();
   }
@@ -470,9 +475,7 @@ std::pair<int, std::string> agent_refusing_to_start(const std::filesystem::path&
 
 // An agent's arguments to also serve TCP on a free port with kTcpToken, its token file written.
 std::vector<std::string> tcp_agent_args(const TempDir& dir) {
-  write(dir / "token", std::string(kTcpToken) + "\n");
-  if (::chmod((dir / "token").c_str(), 0600) != 0) ADD_FAILURE() << "chmod of the token file";
-  return {"--listen", "127.0.0.1:0", "--token-file", (dir / "token").string()};
+  return {"--listen", "127.0.0.1:0", "--token-file", token_file(dir)};
 }
 
 // The TCP port the agent says it serves ("serving SOCKET and 127.0.0.1:PORT (bearer token)"),
@@ -1297,9 +1300,10 @@ TEST_F(AgentsAndRegistryOverTls, ACaptureIsPushedAndRestoredWithTheCaAndTheCrede
   const std::string reference = capture_on_a("snap", source.pid());
   ASSERT_TRUE(reference.starts_with(registry_->ref("snapshots") + "@sha256:")) << reference;
 
-  auto rs = b_->run("/v1/restores", {{"artifact", "snap"},
-                                     {"reference", reference},
-                                     {"publish", {std::to_string(source.port())}}});
+  // Published on node B at the port the source holds on node A: the nodes' ports are apart.
+  const std::string same_port = std::to_string(source.port()) + ":" + std::to_string(source.port());
+  auto rs = b_->run("/v1/restores",
+                    {{"artifact", "snap"}, {"reference", reference}, {"publish", {same_port}}});
   ASSERT_EQ(rs["state"], "succeeded") << rs.dump(2);
   const json& pulled = rs["result"]["pulled"];
   EXPECT_TRUE(pulled["pulled"].get<bool>());
@@ -1308,12 +1312,15 @@ TEST_F(AgentsAndRegistryOverTls, ACaptureIsPushedAndRestoredWithTheCaAndTheCrede
   {
     Copies copies(rs["result"]);
     ASSERT_EQ(copies.copies.size(), 1U);
+    EXPECT_EQ(copies.port(0), source.port());
     EXPECT_EQ(ask_on(node_b(), copies.port(0), "INCR"), "2");  // the counter as captured
+    EXPECT_EQ(ask_on(node_a(), source.port(), "INCR"), "2");   // and the source its own
   }
-  // Every blob download was authenticated, and none was refused.
+  // The registry knew the user, and refused nothing: the credentials went with every request.
   const std::string log = registry_->log();
   EXPECT_GT(blob_gets(*registry_), 0U);
   EXPECT_NE(log.find("auth.user.name=gpusnap"), std::string::npos) << log;
+  EXPECT_EQ(log.find("\" 401 "), std::string::npos) << log;
   EXPECT_EQ(log.find("\" 403 "), std::string::npos) << log;
 }
 
@@ -1347,10 +1354,10 @@ TEST_F(AgentsAndRegistryOverTls, WrongCredentialsOrNoCaFailTheRequestAndNothingI
   ASSERT_EQ(push.exit_code, 0) << push.err;
   const std::string reference = json::parse(push.out)["reference"];
 
-  const auto namespaces = pid_namespaces();
-  auto rs = b_->run("/v1/restores", {{"artifact", "snap"},
-                                     {"reference", reference},
-                                     {"publish", {std::to_string(source.port())}}});
+  // Were a copy restored, it would serve at the source's port on node B.
+  const std::string same_port = std::to_string(source.port()) + ":" + std::to_string(source.port());
+  auto rs = b_->run("/v1/restores",
+                    {{"artifact", "snap"}, {"reference", reference}, {"publish", {same_port}}});
   ASSERT_EQ(rs["state"], "failed") << rs.dump(2);
   EXPECT_TRUE(rs["result"].is_null()) << rs.dump(2);
   EXPECT_EQ(rs["error"]["kind"], "environment") << rs.dump(2);
@@ -1360,7 +1367,7 @@ TEST_F(AgentsAndRegistryOverTls, WrongCredentialsOrNoCaFailTheRequestAndNothingI
   EXPECT_EQ(rs["error"]["hint"], "give the registry's CA with --registry-ca-file, or "
                                  "--registry-plain-http for a registry without TLS")
       << rs.dump(2);
-  EXPECT_EQ(pid_namespaces(), namespaces);  // no copy was started
+  EXPECT_EQ(ask_on(node_b(), source.port(), "INFO"), "");  // no copy serves on node B
   EXPECT_EQ(entries(b_dir_ / "run" / "pulled"), std::vector<std::string>{});
   EXPECT_EQ(entries(b_->storage()), std::vector<std::string>{});
 

@@ -80,12 +80,12 @@ std::optional<std::string> LocalRegistry::blocker() {
   return std::nullopt;
 }
 
-LocalRegistry::LocalRegistry(const TempDir& dir, Options o) : address_(o.address) {
+LocalRegistry::LocalRegistry(const TempDir& dir, const Options& o)
+    : address_(o.address), port_(free_port(address_)) {
   const sfs::path base = dir / ("registry-" + fs::random_id().substr(0, 8));
   sfs::create_directories(base);
   storage_ = base / "storage";
   log_ = base / "registry.log";
-  port_ = free_port(address_);
   std::string config = "version: 0.1\n"
                        "log:\n  level: info\n  accesslog:\n    disabled: false\n"
                        "storage:\n  filesystem:\n    rootdirectory: " +

@@ -29,7 +29,7 @@ class LocalRegistry {
   static std::optional<std::string> blocker();
 
   // Starts it and waits until it answers; throws std::runtime_error when it does not.
-  LocalRegistry(const TempDir& dir, Options options);
+  LocalRegistry(const TempDir& dir, const Options& options);
   LocalRegistry(const LocalRegistry&) = delete;
   LocalRegistry& operator=(const LocalRegistry&) = delete;
   ~LocalRegistry();  // stops it (SIGKILL through Subprocess)

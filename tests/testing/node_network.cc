@@ -78,6 +78,7 @@ bool in_use(uint32_t base, const std::vector<std::string>& links) {
 
 std::vector<std::string> link_names(uint32_t slot, int count) {
   std::vector<std::string> out;
+  out.reserve(static_cast<size_t>(count));
   char hex[8];
   std::snprintf(hex, sizeof hex, "%04x", slot);
   for (int i = 0; i < count; ++i)

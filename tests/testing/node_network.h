@@ -2,8 +2,9 @@
 // own, linked to the host by a veth pair. The links are point-to-point, as a PPP server sets
 // them up: the host end of every link carries the one host address, the node end its node's.
 //
-//     host 10.213.S.1 ══ veth ══ node 0: 10.213.S.2      (S: a /29 this object holds,
-//                     ══ veth ══ node 1: 10.213.S.3       free on the host, locked)
+//     host  N+1 ══ veth ══ node 0: N+2        (N: a /29 of 10.213.0.0/16 that this object
+//               ══ veth ══ node 1: N+3         holds: free on the host, locked against
+//                                              other test processes)
 //
 // A service on the host listening at host_address() (the registry) is reached from every node
 // and from the host itself; a node's services are reached from the host at the node's address,
