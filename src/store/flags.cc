@@ -19,6 +19,7 @@ void read_registry_flags(const args::Args& args, const std::string& prefix,
   options.plain_http = args.has(prefix + "plain-http");
   options.ca_file = args.get(prefix + "ca-file");
   options.auth_file = args.get(prefix + "auth-file");
+  options.flag_prefix = prefix;  // the registry's hints name the flags as this program spells them
 }
 
 std::vector<args::FlagSpec> cache_flags() {

@@ -206,10 +206,12 @@ Registry::Registry(OciRef ref, RegistryOptions options)
       base_((options_.plain_http ? "http://" : "https://") + ref_.host),
       limiter_(options_.max_rate) {
   if (!options_.ca_file.empty() && !std::filesystem::is_regular_file(options_.ca_file)) {
-    throw Error(ErrorKind::kUsage, "--ca-file " + options_.ca_file + " is not a file");
+    throw Error(ErrorKind::kUsage,
+                options_.flag_prefix + "ca-file " + options_.ca_file + " is not a file");
   }
   if (options_.plain_http && !options_.ca_file.empty()) {
-    throw Error(ErrorKind::kUsage, "--ca-file and --plain-http exclude each other");
+    throw Error(ErrorKind::kUsage, options_.flag_prefix + "ca-file and " + options_.flag_prefix +
+                                       "plain-http exclude each other");
   }
 }
 
@@ -238,16 +240,17 @@ std::string Registry::where() const { return "registry " + ref_.host; }
 
 namespace {
 
-// Turns a failed exchange into an Error, or a Transient for the retry loop.
+// Turns a failed exchange into an Error, or a Transient for the retry loop. `flags`: the
+// caller's flag prefix (RegistryOptions::flag_prefix), for the hints.
 [[noreturn]] void fail(const httplib::Result& res, const std::string& what,
-                       const std::string& where, bool have_credentials) {
+                       const std::string& where, bool have_credentials, const std::string& flags) {
   if (!res) {
     const auto err = res.error();
     if (err == httplib::Error::SSLServerVerification || err == httplib::Error::SSLConnection) {
-      throw Error(
-          ErrorKind::kEnvironment,
-          where + ": TLS failed (" + httplib::to_string(err) + ") while trying to " + what,
-          "give the registry's CA with --ca-file, or --plain-http for a registry without TLS");
+      throw Error(ErrorKind::kEnvironment,
+                  where + ": TLS failed (" + httplib::to_string(err) + ") while trying to " + what,
+                  "give the registry's CA with " + flags + "ca-file, or " + flags +
+                      "plain-http for a registry without TLS");
     }
     throw Transient{httplib::to_string(err)};
   }
@@ -263,7 +266,7 @@ namespace {
     throw Error(ErrorKind::kEnvironment,
                 where + " refused to " + what + " (HTTP " + std::to_string(status) + ")",
                 have_credentials ? "check the credentials in the auth file"
-                                 : "log in (`skopeo login HOST`) or give --auth-file");
+                                 : "log in (`skopeo login HOST`) or give " + flags + "auth-file");
   }
   if (status == 404) {
     throw Error(ErrorKind::kNotFound, where + " has no " + what.substr(what.find(' ') + 1),
@@ -302,7 +305,7 @@ bool Registry::blob_exists(const std::string& digest) {
     auto res = c->Head("/v2/" + ref_.repository + "/blobs/" + digest);
     if (res && res->status == 200) return true;
     if (res && res->status == 404) return false;
-    fail(res, what, where(), !credentials_.username.empty());
+    fail(res, what, where(), !credentials_.username.empty(), options_.flag_prefix);
   });
 }
 
@@ -345,13 +348,15 @@ bool Registry::upload(const std::string& digest, std::string_view data, bool mou
     }
     auto start = c->Post(start_path, httplib::Headers{}, "", 0, "application/octet-stream");
     if (mount && start && start->status == 201) return false;
-    if (!start || start->status != 202) fail(start, what, where(), !credentials_.username.empty());
+    if (!start || start->status != 202)
+      fail(start, what, where(), !credentials_.username.empty(), options_.flag_prefix);
     std::string location = start->get_header_value("Location");
     if (location.empty()) throw Transient{"no Location in the upload's answer"};
     limiter_.consume(data.size());
     auto put = c->Put(upload_target(location, digest), httplib::Headers{}, data.data(), data.size(),
                       "application/octet-stream");
-    if (!put || put->status != 201) fail(put, what, where(), !credentials_.username.empty());
+    if (!put || put->status != 201)
+      fail(put, what, where(), !credentials_.username.empty(), options_.flag_prefix);
     return true;
   });
 }
@@ -388,7 +393,8 @@ std::string Registry::fetch_blob(const std::string& digest, uint64_t size) {
                       std::to_string(size) + " bytes",
                   "the registry's copy is damaged: push the artifact again");
     }
-    if (!res || res->status != 200) fail(res, what, where(), !credentials_.username.empty());
+    if (!res || res->status != 200)
+      fail(res, what, where(), !credentials_.username.empty(), options_.flag_prefix);
     const std::string got = hash.finish();
     if (data.size() != size || got != digest) {
       throw Error(ErrorKind::kBadArtifact,
@@ -406,7 +412,8 @@ std::string Registry::put_manifest(const std::string& body, const std::string& m
     Lease c(*this);
     auto res = c->Put("/v2/" + ref_.repository + "/manifests/" + ref_.tag, httplib::Headers{},
                       body.data(), body.size(), media_type);
-    if (!res || res->status != 201) fail(res, what, where(), !credentials_.username.empty());
+    if (!res || res->status != 201)
+      fail(res, what, where(), !credentials_.username.empty(), options_.flag_prefix);
     return 0;
   });
   return sha256_digest(body);
@@ -433,7 +440,7 @@ std::pair<std::string, std::string> Registry::fetch_manifest() {
     }
     if (!res || res->status != 200) {
       if (res && res->status != 200) res->body = data;
-      fail(res, what, where(), !credentials_.username.empty());
+      fail(res, what, where(), !credentials_.username.empty(), options_.flag_prefix);
     }
     return data;
   });

@@ -3,6 +3,7 @@
 // --agent), capturing and restoring the real test workload with real CRIU. Root.
 #include <arpa/inet.h>
 #include <grp.h>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -11,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -32,6 +34,7 @@
 #include "criu/criu.h"
 #include "store/registry_fixture.h"
 #include "testing/harness.h"
+#include "testing/node_network.h"
 
 namespace gpusnap::testing {
 namespace {
@@ -48,17 +51,36 @@ struct Answer {
   std::string allow;
 };
 
+constexpr const char* kTcpToken = "s3cret-token-0123456789abcdef";
+// Where an agent on a node of its own serves TCP: the namespace is its alone, the port is free.
+constexpr int kNodePort = 7070;
+
+// Writes kTcpToken to DIR/token, readable by root alone as the agent demands; its path.
+std::string token_file(const TempDir& dir) {
+  write(dir / "token", std::string(kTcpToken) + "\n");
+  if (::chmod((dir / "token").c_str(), 0600) != 0) ADD_FAILURE() << "chmod of the token file";
+  return (dir / "token").string();
+}
+
 // A gpusnap-agent process on its own socket, storage, state and run directories (under `dir`),
-// killed at the end of the test whatever happens.
+// killed at the end of the test whatever happens. On a node (`node`): started inside the node's
+// network namespace, and asked over TCP at the node's address with kTcpToken, as from another
+// host; else asked on its socket.
 class Agent {
  public:
-  explicit Agent(const TempDir& dir, std::vector<std::string> extra = {})
+  explicit Agent(const TempDir& dir, std::vector<std::string> extra = {},
+                 const Node* node = nullptr)
       : socket_((dir / "agent.sock").string()),
         storage_(dir / "snapshots"),
         state_(dir / "state"),
         run_(dir / "run"),
         log_(dir / "agent.log"),
-        extra_(std::move(extra)) {
+        extra_(std::move(extra)),
+        node_(node) {
+    if (node_ != nullptr) {
+      extra_.insert(extra_.end(), {"--listen", node_->address() + ":" + std::to_string(kNodePort),
+                                   "--token-file", token_file(dir)});
+    }
     start();
   }
   ~Agent() { kill(); }
@@ -76,6 +98,7 @@ class Agent {
               "--run-dir",
               run_.string()};
     o.argv.insert(o.argv.end(), extra_.begin(), extra_.end());
+    if (node_ != nullptr) o.argv = node_->enter(o.argv);
     o.stdout_fd = out.get();
     o.stderr_fd = out.get();
     process_.emplace(o);
@@ -101,13 +124,20 @@ class Agent {
 
   Answer request(const std::string& method, const std::string& path, const json& body = nullptr,
                  const std::string& raw = {}) const {
-    httplib::Client client(socket_, 80);
-    client.set_address_family(AF_UNIX);
-    client.set_read_timeout(std::chrono::seconds(30));
+    std::optional<httplib::Client> client;
+    httplib::Headers headers;
+    if (node_ != nullptr) {
+      client.emplace(node_->address(), kNodePort);
+      headers.emplace("Authorization", std::string("Bearer ") + kTcpToken);
+    } else {
+      client.emplace(socket_, 80);
+      client->set_address_family(AF_UNIX);
+    }
+    client->set_read_timeout(std::chrono::seconds(30));
     const std::string text = raw.empty() && !body.is_null() ? body.dump() : raw;
-    httplib::Result r = method == "GET"    ? client.Get(path)
-                        : method == "POST" ? client.Post(path, text, "application/json")
-                                           : client.Delete(path);
+    httplib::Result r = method == "GET"    ? client->Get(path, headers)
+                        : method == "POST" ? client->Post(path, headers, text, "application/json")
+                                           : client->Delete(path, headers);
     Answer a;
     if (!r) return a;
     a.status = r->status;
@@ -145,6 +175,7 @@ class Agent {
   }
 
   std::string log() const { return fs::read_file(log_); }
+  pid_t pid() const { return process_ ? process_->pid() : 0; }
   const std::string& socket() const { return socket_; }
   const std::filesystem::path& storage() const { return storage_; }
   const std::filesystem::path& state() const { return state_; }
@@ -153,6 +184,7 @@ class Agent {
   std::string socket_;
   std::filesystem::path storage_, state_, run_, log_;
   std::vector<std::string> extra_;
+  const Node* node_;
   std::optional<common::Subprocess> process_;
 };
 
@@ -441,13 +473,9 @@ std::pair<int, std::string> agent_refusing_to_start(const std::filesystem::path&
   return {status ? status->code : -1, fs::read_file(dir / "err")};
 }
 
-constexpr const char* kTcpToken = "s3cret-token-0123456789abcdef";
-
 // An agent's arguments to also serve TCP on a free port with kTcpToken, its token file written.
 std::vector<std::string> tcp_agent_args(const TempDir& dir) {
-  write(dir / "token", std::string(kTcpToken) + "\n");
-  if (::chmod((dir / "token").c_str(), 0600) != 0) ADD_FAILURE() << "chmod of the token file";
-  return {"--listen", "127.0.0.1:0", "--token-file", (dir / "token").string()};
+  return {"--listen", "127.0.0.1:0", "--token-file", token_file(dir)};
 }
 
 // The TCP port the agent says it serves ("serving SOCKET and 127.0.0.1:PORT (bearer token)"),
@@ -875,16 +903,85 @@ size_t blob_gets(const LocalRegistry& registry) {
   return n;
 }
 
-// Agents A and B on nodes of their own: each its own socket, storage, state, run directory and
-// node cache, both with the real docker-registry on loopback as their registry storage.
+// Whether any interface of the host has this IPv4 address.
+bool host_has_address(const std::string& address) {
+  const auto r = common::run_capture({"ip", "-o", "-4", "addr", "show"});
+  return r.output.find(" " + address + " ") != std::string::npos ||
+         r.output.find(" " + address + "/") != std::string::npos;
+}
+
+// The nodes the two-agent tests stand on: each its own namespace, the host's address reached
+// from each (and seen from the node's own address), the node's loopback its own; two networks
+// at once take two ranges; nothing of one is left on the host once it is destroyed.
+TEST(NodeNetworkSetUp, EachNodeIsANamespaceOfItsOwnAndNothingOutlivesIt) {
+  GPUSNAP_SKIP_IF_BLOCKED(NodeNetwork::blocker());
+  std::vector<std::string> links;
+  std::string host;
+  {
+    NodeNetwork nodes(2);
+    host = nodes.host_address();
+    EXPECT_TRUE(host_has_address(host));
+    const ino_t host_ns = net_namespace_of(::getpid());
+    EXPECT_NE(nodes.node(0).inode(), host_ns);
+    EXPECT_NE(nodes.node(1).inode(), host_ns);
+    EXPECT_NE(nodes.node(0).inode(), nodes.node(1).inode());
+
+    // A listener at the host's address; each node connects to it from its own address.
+    common::UniqueFd listener(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in at{};
+    at.sin_family = AF_INET;
+    ASSERT_EQ(::inet_pton(AF_INET, host.c_str(), &at.sin_addr), 1);
+    socklen_t len = sizeof at;
+    ASSERT_EQ(::bind(listener.get(), reinterpret_cast<sockaddr*>(&at), sizeof at), 0);
+    ASSERT_EQ(::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&at), &len), 0);
+    ASSERT_EQ(::listen(listener.get(), 4), 0);
+    for (size_t i = 0; i < 2; ++i) {
+      const Node& node = nodes.node(i);
+      links.push_back(node.link());
+      EXPECT_NE(::if_nametoindex(node.link().c_str()), 0U);
+      const std::string from = node.run([&] {
+        EXPECT_EQ(net_namespace_of(::gettid()), node.inode());  // this thread alone moved
+        common::UniqueFd s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+        sockaddr_in mine{};
+        socklen_t n = sizeof mine;
+        if (::connect(s.get(), reinterpret_cast<const sockaddr*>(&at), sizeof at) != 0 ||
+            ::getsockname(s.get(), reinterpret_cast<sockaddr*>(&mine), &n) != 0) {
+          return "connect: " + errno_text(errno);
+        }
+        char text[INET_ADDRSTRLEN];
+        return std::string(::inet_ntop(AF_INET, &mine.sin_addr, text, sizeof text));
+      });
+      EXPECT_EQ(from, node.address());
+      common::UniqueFd peer(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      EXPECT_TRUE(peer.valid());
+      // Its interfaces: loopback and its end of the link, nothing of the host's.
+      const auto ifaces = common::run_capture(node.enter({"ip", "-o", "link", "show"}));
+      EXPECT_EQ(std::count(ifaces.output.begin(), ifaces.output.end(), '\n'), 2) << ifaces.output;
+    }
+    NodeNetwork other(1);
+    EXPECT_NE(other.host_address(), host);
+  }
+  for (const auto& link : links) EXPECT_EQ(::if_nametoindex(link.c_str()), 0U) << link;
+  EXPECT_FALSE(host_has_address(host));
+}
+
+// Agents A and B standing for two nodes: each in a network namespace of its own (testing/
+// node_network.h), asked by the test over TCP at its node's address, with its own socket,
+// storage, state, run directory and node cache; both with the real docker-registry as their
+// registry storage, listening at the host's address on the nodes' links. The source workloads
+// run on node A, where A's CRIU finds their sockets; a copy's published port is node B's.
 class AgentsAndRegistry : public ::testing::Test {
  protected:
   void SetUp() override {
     SKIP_WITHOUT_CRIU();
     if (auto why = LocalRegistry::blocker()) GTEST_SKIP() << "skipped: " << *why;
-    registry_.emplace(registry_dir_, LocalRegistry::Options{});
-    a_.emplace(a_dir_, registry_args(a_dir_));
-    b_.emplace(b_dir_, registry_args(b_dir_));
+    if (auto why = NodeNetwork::blocker()) GTEST_SKIP() << "skipped: " << *why;
+    nodes_.emplace(2);
+    LocalRegistry::Options options = registry_options();
+    options.address = nodes_->host_address();
+    registry_.emplace(registry_dir_, options);
+    // Over TLS each test starts the agents with the settings it checks.
+    if (!options.tls) start_agents(registry_args(a_dir_), registry_args(b_dir_));
   }
   void TearDown() override {
     if (HasFailure() && registry_) {
@@ -892,9 +989,37 @@ class AgentsAndRegistry : public ::testing::Test {
                    b_ ? b_->log().c_str() : "");
     }
   }
+  // The registry's settings: plain HTTP here.
+  virtual LocalRegistry::Options registry_options() const { return {}; }
   std::vector<std::string> registry_args(const TempDir& node) const {
     return {"--registry", registry_->ref("snapshots"), "--registry-plain-http", "--cache",
             (node / "cache").string()};
+  }
+  // Starts A and B on their nodes with these arguments; checks each is in its node's namespace,
+  // neither in the host's nor in the other's.
+  void start_agents(const std::vector<std::string>& a_args,
+                    const std::vector<std::string>& b_args) {
+    a_.emplace(a_dir_, a_args, &node_a());
+    b_.emplace(b_dir_, b_args, &node_b());
+    const ino_t host = net_namespace_of(::getpid());
+    EXPECT_EQ(net_namespace_of(a_->pid()), node_a().inode());
+    EXPECT_EQ(net_namespace_of(b_->pid()), node_b().inode());
+    EXPECT_NE(node_a().inode(), host);
+    EXPECT_NE(node_b().inode(), host);
+    EXPECT_NE(node_a().inode(), node_b().inode());
+  }
+  const Node& node_a() const { return nodes_->node(0); }
+  const Node& node_b() const { return nodes_->node(1); }
+  // The test workload on node A, with these extra arguments.
+  Workload workload_on_a(const std::vector<std::string>& extra) const {
+    std::vector<std::string> argv = {build_path("tests/gpusnap-test-workload")};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return Workload(a_dir_, node_a().enter(argv), std::chrono::seconds(30));
+  }
+  // One request line to 127.0.0.1:port on a node (a workload on A, a copy's published port on
+  // B); "" when the connection fails.
+  static std::string ask_on(const Node& node, uint16_t port, const std::string& line) {
+    return node.run([&] { return ask(port, line); });
   }
   // A capture on A of `source`, pushed; its reference by digest.
   std::string capture_on_a(const std::string& name, pid_t pid) {
@@ -904,6 +1029,7 @@ class AgentsAndRegistry : public ::testing::Test {
   }
 
   TempDir registry_dir_, a_dir_, b_dir_;
+  std::optional<NodeNetwork> nodes_;  // before the agents: it outlives them
   std::optional<LocalRegistry> registry_;
   std::optional<Agent> a_, b_;
 };
@@ -911,9 +1037,9 @@ class AgentsAndRegistry : public ::testing::Test {
 // A captures and pushes; B, which never saw the artifact, pulls it through its node cache and
 // restores it; the copy serves the captured state. Everything B wrote is root-only.
 TEST_F(AgentsAndRegistry, ASnapshotCapturedOnOneNodeIsRestoredOnAnotherThatNeverSawIt) {
-  Workload source(a_dir_, {"--mib", "16", "--children", "1"});
-  ASSERT_EQ(ask(source.port(), "INCR"), "1");
-  const std::string seed = field(ask(source.port(), "INFO"), "seed");
+  Workload source = workload_on_a({"--mib", "16", "--children", "1"});
+  ASSERT_EQ(ask_on(node_a(), source.port(), "INCR"), "1");
+  const std::string seed = field(ask_on(node_a(), source.port(), "INFO"), "seed");
 
   auto cp = a_->run("/v1/checkpoints", {{"artifact", "snap"}, {"pid", source.pid()}});
   ASSERT_EQ(cp["state"], "succeeded") << cp.dump(2);
@@ -954,9 +1080,10 @@ TEST_F(AgentsAndRegistry, ASnapshotCapturedOnOneNodeIsRestoredOnAnotherThatNever
   {
     Copies copies(rs["result"]);
     ASSERT_EQ(copies.copies.size(), 1U);
-    EXPECT_EQ(field(ask(copies.port(0), "INFO"), "seed"), seed);
-    EXPECT_EQ(ask(copies.port(0), "CHECK").substr(0, 2), "OK");
-    EXPECT_EQ(ask(copies.port(0), "INCR"), "2");  // the counter as captured
+    EXPECT_EQ(field(ask_on(node_b(), copies.port(0), "INFO"), "seed"), seed);
+    EXPECT_EQ(ask_on(node_b(), copies.port(0), "CHECK").substr(0, 2), "OK");
+    EXPECT_EQ(ask_on(node_b(), copies.port(0), "INCR"), "2");  // the counter as captured
+    EXPECT_EQ(ask(copies.port(0), "INFO"), "");  // published on node B, not on the host
   }
   EXPECT_TRUE(entries(b_->storage()).empty());  // B's storage holds only its own captures
   // B's node cache lists the snapshot by its digest.
@@ -976,11 +1103,11 @@ TEST_F(AgentsAndRegistry, ASnapshotCapturedOnOneNodeIsRestoredOnAnotherThatNever
 // A second snapshot is prefetched on B ahead of its restore (an operation like the others);
 // the restore then fetches nothing from the registry, by reference or by name.
 TEST_F(AgentsAndRegistry, PrefetchWarmsTheNodeCacheAndTheRestoreFetchesNothing) {
-  Workload source(a_dir_, {"--mib", "16"});
-  ASSERT_EQ(ask(source.port(), "INCR"), "1");
+  Workload source = workload_on_a({"--mib", "16"});
+  ASSERT_EQ(ask_on(node_a(), source.port(), "INCR"), "1");
   const std::string first = capture_on_a("first", source.pid());
   ASSERT_FALSE(first.empty());
-  ASSERT_EQ(ask(source.port(), "INCR"), "2");
+  ASSERT_EQ(ask_on(node_a(), source.port(), "INCR"), "2");
   const std::string second = capture_on_a("second", source.pid());
   ASSERT_FALSE(second.empty());
   ASSERT_NE(first, second);
@@ -1028,7 +1155,7 @@ TEST_F(AgentsAndRegistry, PrefetchWarmsTheNodeCacheAndTheRestoreFetchesNothing) 
   {
     Copies copies(again["result"]);
     ASSERT_EQ(copies.copies.size(), 1U);
-    EXPECT_EQ(ask(copies.port(0), "INCR"), "3");  // captured at 2
+    EXPECT_EQ(ask_on(node_b(), copies.port(0), "INCR"), "3");  // captured at 2
   }
   // By name alone, the tag is resolved (manifest and layout) and no chunk moves.
   auto by_name = b_->run("/v1/restores", {{"artifact", "first"}});
@@ -1048,7 +1175,7 @@ TEST_F(AgentsAndRegistry, PrefetchWarmsTheNodeCacheAndTheRestoreFetchesNothing) 
 // reports the prefetch failed and removes what the pull left, and the prefetch again takes the
 // chunks already fetched from the node cache: a killed pull resumes.
 TEST_F(AgentsAndRegistry, AKilledPullLeavesNothingAndThePrefetchAgainResumes) {
-  Workload source(a_dir_, {"--mib", "384"});
+  Workload source = workload_on_a({"--mib", "384"});
   const std::string reference = capture_on_a("big", source.pid());
   ASSERT_FALSE(reference.empty());
   auto accepted = b_->post("/v1/prefetch", {{"reference", reference}});
@@ -1133,6 +1260,125 @@ TEST_F(AgentsAndRegistry, PrefetchRequestsAreValidatedAndBounded) {
   expect_usage(plain.post("/v1/prefetch", {{"artifact", "x"}}), "a prefetch" + needs);
   expect_usage(plain.post("/v1/restores", {{"artifact", "x"}, {"reference", "oci://h/r:x"}}),
                "a restore from a reference" + needs);
+}
+
+// The two nodes with the registry over TLS (a certificate from a self-signed CA) and htpasswd
+// basic authentication, the tests/store fixture's; the agents get the CA with
+// --registry-ca-file and the credentials with --registry-auth-file, as from the chart's Secret.
+class AgentsAndRegistryOverTls : public AgentsAndRegistry {
+ protected:
+  static constexpr const char* kPassword = "s3cret-pass";
+  LocalRegistry::Options registry_options() const override {
+    return {.tls = true, .username = "gpusnap", .password = kPassword};
+  }
+  // A node's registry arguments: its auth.json holding `password` for the registry's host (in
+  // the `auth` form skopeo and podman write: base64 of user:password, else as username and
+  // password), and the CA unless `with_ca` is false.
+  std::vector<std::string> tls_args(const TempDir& node, const std::string& password,
+                                    bool with_ca) const {
+    const json entry = password == kPassword
+                           ? json{{"auth", "Z3B1c25hcDpzM2NyZXQtcGFzcw=="}}  // gpusnap:s3cret-pass
+                           : json{{"username", "gpusnap"}, {"password", password}};
+    write(node / "auth.json", json{{"auths", {{registry_->host(), entry}}}}.dump());
+    std::vector<std::string> args = {"--registry",
+                                     registry_->ref("snapshots"),
+                                     "--registry-auth-file",
+                                     (node / "auth.json").string(),
+                                     "--cache",
+                                     (node / "cache").string()};
+    if (with_ca) args.insert(args.end(), {"--registry-ca-file", registry_->ca_file().string()});
+    return args;
+  }
+};
+
+// A captures and pushes over TLS with its credentials; B, with the same CA and credentials,
+// pulls and restores on its node; the registry saw the user on every request it served.
+TEST_F(AgentsAndRegistryOverTls, ACaptureIsPushedAndRestoredWithTheCaAndTheCredentials) {
+  start_agents(tls_args(a_dir_, kPassword, true), tls_args(b_dir_, kPassword, true));
+  Workload source = workload_on_a({"--mib", "16"});
+  ASSERT_EQ(ask_on(node_a(), source.port(), "INCR"), "1");
+  const std::string reference = capture_on_a("snap", source.pid());
+  ASSERT_TRUE(reference.starts_with(registry_->ref("snapshots") + "@sha256:")) << reference;
+
+  // Published on node B at the port the source holds on node A: the nodes' ports are apart.
+  const std::string same_port = std::to_string(source.port()) + ":" + std::to_string(source.port());
+  auto rs = b_->run("/v1/restores",
+                    {{"artifact", "snap"}, {"reference", reference}, {"publish", {same_port}}});
+  ASSERT_EQ(rs["state"], "succeeded") << rs.dump(2);
+  const json& pulled = rs["result"]["pulled"];
+  EXPECT_TRUE(pulled["pulled"].get<bool>());
+  EXPECT_EQ(pulled["reference"], reference);
+  EXPECT_GT(pulled["chunks_fetched"].get<uint64_t>(), 0U);
+  {
+    Copies copies(rs["result"]);
+    ASSERT_EQ(copies.copies.size(), 1U);
+    EXPECT_EQ(copies.port(0), source.port());
+    EXPECT_EQ(ask_on(node_b(), copies.port(0), "INCR"), "2");  // the counter as captured
+    EXPECT_EQ(ask_on(node_a(), source.port(), "INCR"), "2");   // and the source its own
+  }
+  // The registry knew the user, and refused nothing: the credentials went with every request.
+  const std::string log = registry_->log();
+  EXPECT_GT(blob_gets(*registry_), 0U);
+  EXPECT_NE(log.find("auth.user.name=gpusnap"), std::string::npos) << log;
+  EXPECT_EQ(log.find("\" 401 "), std::string::npos) << log;
+  EXPECT_EQ(log.find("\" 403 "), std::string::npos) << log;
+}
+
+// A with the wrong password: its capture stays in its storage, the push is refused, and the
+// operation says so and how to mend it; the workload serves on. B without the CA: its restore
+// fails at the first exchange with the registry, naming TLS and the setting, and nothing is
+// pulled or restored. Neither agent is harmed: both answer after.
+TEST_F(AgentsAndRegistryOverTls, WrongCredentialsOrNoCaFailTheRequestAndNothingIsRestored) {
+  start_agents(tls_args(a_dir_, "not-the-password", true), tls_args(b_dir_, kPassword, false));
+  Workload source = workload_on_a({"--mib", "16"});
+  ASSERT_EQ(ask_on(node_a(), source.port(), "INCR"), "1");
+  auto cp = a_->run("/v1/checkpoints", {{"artifact", "snap"}, {"pid", source.pid()}});
+  ASSERT_EQ(cp["state"], "failed") << cp.dump(2);
+  EXPECT_TRUE(cp["result"].is_null()) << cp.dump(2);
+  EXPECT_EQ(cp["error"]["kind"], "environment") << cp.dump(2);
+  const std::string pushed_message = cp["error"].value("message", "");
+  EXPECT_TRUE(pushed_message.starts_with("captured into " + (a_->storage() / "snap").string() +
+                                         ", but the push to " + registry_->ref("snapshots") +
+                                         " failed: registry " + registry_->host() + " refused to "))
+      << pushed_message;
+  EXPECT_TRUE(pushed_message.ends_with(" (HTTP 401)")) << pushed_message;
+  EXPECT_EQ(cp["error"]["hint"], "check the credentials in the auth file") << cp.dump(2);
+  EXPECT_EQ(ask_on(node_a(), source.port(), "INCR"), "2");  // not left frozen
+
+  // The capture, pushed by hand with the right settings, for B to try.
+  write(a_dir_ / "right.json",
+        json{{"auths", {{registry_->host(), {{"auth", "Z3B1c25hcDpzM2NyZXQtcGFzcw=="}}}}}}.dump());
+  auto push = gpusnap({"push", (a_->storage() / "snap").string(), registry_->ref("snapshots:snap"),
+                       "--ca-file", registry_->ca_file().string(), "--auth-file",
+                       (a_dir_ / "right.json").string(), "--json"});
+  ASSERT_EQ(push.exit_code, 0) << push.err;
+  const std::string reference = json::parse(push.out)["reference"];
+
+  // Were a copy restored, it would serve at the source's port on node B.
+  const std::string same_port = std::to_string(source.port()) + ":" + std::to_string(source.port());
+  auto rs = b_->run("/v1/restores",
+                    {{"artifact", "snap"}, {"reference", reference}, {"publish", {same_port}}});
+  ASSERT_EQ(rs["state"], "failed") << rs.dump(2);
+  EXPECT_TRUE(rs["result"].is_null()) << rs.dump(2);
+  EXPECT_EQ(rs["error"]["kind"], "environment") << rs.dump(2);
+  const std::string pull_message = rs["error"].value("message", "");
+  EXPECT_TRUE(pull_message.starts_with("registry " + registry_->host() + ": TLS failed ("))
+      << pull_message;
+  EXPECT_EQ(rs["error"]["hint"], "give the registry's CA with --registry-ca-file, or "
+                                 "--registry-plain-http for a registry without TLS")
+      << rs.dump(2);
+  EXPECT_EQ(ask_on(node_b(), source.port(), "INFO"), "");  // no copy serves on node B
+  EXPECT_EQ(entries(b_dir_ / "run" / "pulled"), std::vector<std::string>{});
+  EXPECT_EQ(entries(b_->storage()), std::vector<std::string>{});
+
+  // A's wrong password fails a pull too, before anything is fetched.
+  auto pf = a_->run("/v1/prefetch", {{"reference", reference}});
+  ASSERT_EQ(pf["state"], "failed") << pf.dump(2);
+  EXPECT_EQ(pf["error"]["kind"], "environment") << pf.dump(2);
+  EXPECT_TRUE(pf["error"].value("message", "").ends_with(" (HTTP 401)")) << pf.dump(2);
+  EXPECT_EQ(entries(a_dir_ / "run" / "pulled"), std::vector<std::string>{});
+  EXPECT_EQ(a_->get("/v1/healthz").status, 200);
+  EXPECT_EQ(b_->get("/v1/healthz").status, 200);
 }
 
 TEST(AgentBadInput, RegistrySettingsAreCheckedAtStart) {

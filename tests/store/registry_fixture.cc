@@ -1,5 +1,6 @@
 #include "store/registry_fixture.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -26,12 +27,20 @@ bool on_path(const std::string& program) {
   return false;
 }
 
-// A port nobody listens on now (the kernel's pick for an ephemeral bind).
-uint16_t free_port() {
-  common::UniqueFd s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+sockaddr_in ipv4(const std::string& address, uint16_t port) {
   sockaddr_in a{};
   a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(port);
+  if (::inet_pton(AF_INET, address.c_str(), &a.sin_addr) != 1) {
+    throw std::runtime_error("not an IPv4 address: " + address);
+  }
+  return a;
+}
+
+// A port nobody listens on now at `address` (the kernel's pick for an ephemeral bind).
+uint16_t free_port(const std::string& address) {
+  common::UniqueFd s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in a = ipv4(address, 0);
   socklen_t len = sizeof a;
   if (::bind(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
       ::getsockname(s.get(), reinterpret_cast<sockaddr*>(&a), &len) != 0) {
@@ -55,12 +64,9 @@ void run(const std::vector<std::string>& argv, const sfs::path& out) {
   }
 }
 
-bool answers(uint16_t port) {
+bool answers(const std::string& address, uint16_t port) {
   common::UniqueFd s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(port);
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  sockaddr_in a = ipv4(address, port);
   return ::connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
 }
 
@@ -74,30 +80,30 @@ std::optional<std::string> LocalRegistry::blocker() {
   return std::nullopt;
 }
 
-LocalRegistry::LocalRegistry(const TempDir& dir, Options o) {
+LocalRegistry::LocalRegistry(const TempDir& dir, const Options& o)
+    : address_(o.address), port_(free_port(address_)) {
   const sfs::path base = dir / ("registry-" + fs::random_id().substr(0, 8));
   sfs::create_directories(base);
   storage_ = base / "storage";
   log_ = base / "registry.log";
-  port_ = free_port();
   std::string config = "version: 0.1\n"
                        "log:\n  level: info\n  accesslog:\n    disabled: false\n"
                        "storage:\n  filesystem:\n    rootdirectory: " +
                        storage_.string() +
                        "\n"
-                       "http:\n  addr: 127.0.0.1:" +
-                       std::to_string(port_) + "\n  secret: gpusnap-test\n";
+                       "http:\n  addr: " +
+                       host() + "\n  secret: gpusnap-test\n";
   if (o.tls) {
-    // A CA, and a certificate for 127.0.0.1 signed by it.
+    // A CA, and a certificate for the address signed by it.
     ca_ = base / "ca.pem";
     const auto out = base / "openssl.out";
     run({"openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
          "/CN=gpusnap test CA", "-keyout", (base / "ca.key").string(), "-out", ca_.string()},
         out);
-    run({"openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout",
+    run({"openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=" + address_, "-keyout",
          (base / "server.key").string(), "-out", (base / "server.csr").string()},
         out);
-    fs::write_file(base / "san.ext", "subjectAltName=IP:127.0.0.1\n");
+    fs::write_file(base / "san.ext", "subjectAltName=IP:" + address_ + "\n");
     run({"openssl", "x509", "-req", "-in", (base / "server.csr").string(), "-CA", ca_.string(),
          "-CAkey", (base / "ca.key").string(), "-CAcreateserial", "-days", "2", "-extfile",
          (base / "san.ext").string(), "-out", (base / "server.pem").string()},
@@ -121,7 +127,7 @@ LocalRegistry::LocalRegistry(const TempDir& dir, Options o) {
   so.stderr_fd = logfd.get();
   process_.emplace(so);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (!answers(port_)) {
+  while (!answers(address_, port_)) {
     if (!process_->running() || process_->poll() || std::chrono::steady_clock::now() > deadline) {
       throw std::runtime_error("docker-registry did not start: " + log());
     }

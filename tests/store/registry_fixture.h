@@ -1,6 +1,7 @@
 // A real OCI registry for the tests: Debian's docker-registry (the CNCF distribution), started
-// on loopback with its own configuration and storage in a temporary directory. Plain HTTP, or
-// TLS with a CA made by openssl and htpasswd (bcrypt) basic authentication.
+// on loopback (or on another address of the host) with its own configuration and storage in a
+// temporary directory. Plain HTTP, or TLS with a CA made by openssl and htpasswd (bcrypt) basic
+// authentication.
 #pragma once
 
 #include <cstdint>
@@ -19,19 +20,23 @@ class LocalRegistry {
     bool tls = false;
     std::string username;  // non-empty: basic authentication (with tls)
     std::string password;
+    // The host address it listens on, and its certificate names: another than loopback for
+    // clients in other network namespaces (testing/node_network.h).
+    std::string address = "127.0.0.1";
   };
 
   // Why the registry cannot run here (docker-registry, openssl or htpasswd missing).
   static std::optional<std::string> blocker();
 
   // Starts it and waits until it answers; throws std::runtime_error when it does not.
-  LocalRegistry(const TempDir& dir, Options options);
+  LocalRegistry(const TempDir& dir, const Options& options);
   LocalRegistry(const LocalRegistry&) = delete;
   LocalRegistry& operator=(const LocalRegistry&) = delete;
   ~LocalRegistry();  // stops it (SIGKILL through Subprocess)
 
-  std::string host() const { return "127.0.0.1:" + std::to_string(port_); }
-  // oci://127.0.0.1:PORT/REPO
+  // ADDRESS:PORT
+  std::string host() const { return address_ + ":" + std::to_string(port_); }
+  // oci://ADDRESS:PORT/REPO
   std::string ref(const std::string& repo_and_tag) const {
     return "oci://" + host() + "/" + repo_and_tag;
   }
@@ -43,6 +48,7 @@ class LocalRegistry {
   std::string log() const;
 
  private:
+  std::string address_;
   uint16_t port_ = 0;
   std::filesystem::path storage_;
   std::filesystem::path ca_;
