@@ -229,20 +229,43 @@ std::map<std::string, uint64_t> tier_files(const std::filesystem::path& artifact
   return out;
 }
 
-TEST(MemoryTierPlumbing, DrainedIntoTheArtifactChecksummedAndFilledByEachCopy) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  auto ready = dir / "port";
-  auto snap = dir / "snap";
+// The stand-in (with `extra` arguments) started by `gpusnap run` and captured --leave-running
+// into `snap`: the source, killed with its tree at the end, and the port it serves on (0 when
+// the run failed, which the EXPECT has reported).
+struct StandInRun {
+  TreeKiller source;
+  uint16_t port = 0;
+};
+StandInRun run_tier_standin(const TempDir& dir, const std::filesystem::path& snap,
+                            const std::vector<std::string>& extra = {}) {
+  const auto ready = dir / "port";
   std::vector<std::string> args = {"run", "-o", snap.string(), "--leave-running", "--json", "--"};
   auto worker = tier_standin();
   args.insert(args.end(), worker.begin(), worker.end());
+  args.insert(args.end(), extra.begin(), extra.end());
   args.insert(args.end(), {"--ready-file", ready.string()});
   auto run = gpusnap(args);
-  ASSERT_EQ(run.exit_code, 0) << run.err;
-  auto doc = json::parse(run.out);
-  TreeKiller source{doc["pid"].get<pid_t>()};
-  const uint16_t port = read_port(ready);
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  if (run.exit_code != 0) return {};
+  return {TreeKiller{json::parse(run.out)["pid"].get<pid_t>()}, read_port(ready)};
+}
+
+// `gpusnap verify` of `snap` (its tier files are checksummed like the rest), then two copies of
+// it, each publishing `port`; no copies when the restore failed (reported).
+Copies verify_and_restore_two_copies(const std::filesystem::path& snap, uint16_t port) {
+  EXPECT_EQ(gpusnap({"verify", snap.string()}).exit_code, 0);
+  auto rs = gpusnap(
+      {"restore", snap.string(), "--replicas", "2", "--publish", std::to_string(port), "--json"});
+  EXPECT_EQ(rs.exit_code, 0) << rs.err;
+  return Copies{rs.exit_code == 0 ? json::parse(rs.out) : json{{"copies", json::array()}}};
+}
+
+TEST(MemoryTierPlumbing, DrainedIntoTheArtifactChecksummedAndFilledByEachCopy) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  auto snap = dir / "snap";
+  auto source = run_tier_standin(dir, snap);
+  const uint16_t port = source.port;
   ASSERT_NE(port, 0);
   // The source drained into the staging directory and filled back from it before the commit.
   EXPECT_EQ(ask(port, "CHECK"), "OK");
@@ -257,12 +280,9 @@ TEST(MemoryTierPlumbing, DrainedIntoTheArtifactChecksummedAndFilledByEachCopy) {
       (std::map<std::string, uint64_t>{
           {"tier/" + pid + "-w0.img", 16u << 20},
           {"tier/" + pid + ".json", std::filesystem::file_size(snap / "tier" / (pid + ".json"))}}));
-  EXPECT_EQ(gpusnap({"verify", snap.string()}).exit_code, 0);
 
-  auto rs = gpusnap(
-      {"restore", snap.string(), "--replicas", "2", "--publish", std::to_string(port), "--json"});
-  ASSERT_EQ(rs.exit_code, 0) << rs.err;
-  Copies copies{json::parse(rs.out)};
+  Copies copies = verify_and_restore_two_copies(snap, port);
+  ASSERT_EQ(copies.copies.size(), 2u);
   for (size_t i = 0; i < 2; ++i) {
     // Each copy filled from the artifact itself before it answered RESUMED.
     EXPECT_EQ(ask(copies.port(i), "CHECK"), "OK");
@@ -281,16 +301,9 @@ TEST(MemoryTierPlumbing, DrainedIntoTheArtifactChecksummedAndFilledByEachCopy) {
 TEST(MemoryTierPlumbing, EveryRankOfAWorkloadDrainsAndFillsItsOwnTier) {
   SKIP_WITHOUT_CRIU();
   TempDir dir;
-  auto ready = dir / "port";
   auto snap = dir / "snap";
-  std::vector<std::string> args = {"run", "-o", snap.string(), "--leave-running", "--json", "--"};
-  auto worker = tier_standin();
-  args.insert(args.end(), worker.begin(), worker.end());
-  args.insert(args.end(), {"--ranks", "3", "--ready-file", ready.string()});
-  auto run = gpusnap(args);
-  ASSERT_EQ(run.exit_code, 0) << run.err;
-  TreeKiller source{json::parse(run.out)["pid"].get<pid_t>()};
-  const uint16_t port = read_port(ready);
+  auto source = run_tier_standin(dir, snap, {"--ranks", "3"});
+  const uint16_t port = source.port;
   ASSERT_NE(port, 0);
   EXPECT_EQ(ask(port, "CHECK"), "OK ranks=3");
   auto info = ask(port, "INFO");
@@ -305,12 +318,9 @@ TEST(MemoryTierPlumbing, EveryRankOfAWorkloadDrainsAndFillsItsOwnTier) {
   std::set<std::string> listed;
   for (const auto& [path, size] : tier_files(snap)) listed.insert(path);
   EXPECT_EQ(listed, expected);
-  EXPECT_EQ(gpusnap({"verify", snap.string()}).exit_code, 0);
 
-  auto rs = gpusnap(
-      {"restore", snap.string(), "--replicas", "2", "--publish", std::to_string(port), "--json"});
-  ASSERT_EQ(rs.exit_code, 0) << rs.err;
-  Copies copies{json::parse(rs.out)};
+  Copies copies = verify_and_restore_two_copies(snap, port);
+  ASSERT_EQ(copies.copies.size(), 2u);
   for (size_t i = 0; i < 2; ++i) {
     EXPECT_EQ(ask(copies.port(i), "CHECK"), "OK ranks=3");
     auto copy_info = ask(copies.port(i), "INFO");
