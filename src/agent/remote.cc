@@ -88,6 +88,8 @@ Remote::Remote(RemoteSettings settings) : settings_(std::move(settings)) {
   readable_file(settings_.registry.ca_file, "--registry-ca-file");
   private_dir(settings_.cache);
   private_dir(settings_.pulled);
+  // The node cache records the copies by this path and removes only what it recorded.
+  settings_.pulled = sfs::absolute(settings_.pulled).lexically_normal();
 }
 
 store::OciRef Remote::tag_of(const std::string& name) const {
@@ -150,14 +152,27 @@ Fetched Remote::fetch(const store::OciRef& ref, const RestorableCheck& check,
   }
   Fetched f;
   f.reference = by_digest.by_digest(by_digest.digest);
-  f.artifact = settings_.pulled / store::digest_hex(by_digest.digest);
-  if (sfs::exists(f.artifact / kManifestName)) {
-    // Complete (it appears only by rename): the last use keeps its chunks in the cache longest.
-    store::BlobStore(settings_.cache).touch(store::digest_hex(by_digest.digest));
-    reporter.note("using " + f.artifact.string() + ", pulled before");
-    return f;
+  const std::string key = store::digest_hex(by_digest.digest);
+  f.artifact = settings_.pulled / key;
+  {
+    // In use before it is looked for: an eviction then cannot remove it under the restore.
+    // (The cache's own lock is released before the pull, whose eviction needs it alone.)
+    store::BlobStore cache(settings_.cache);
+    f.use = cache.use(key);
+    if (sfs::exists(f.artifact / kManifestName)) {
+      // Complete (it appears only by rename). A copy an older agent left uncounted is counted
+      // from now on; the last use keeps it and its chunks in the cache longest.
+      if (!cache.recorded(key)) {
+        cache.record_snapshot(key, f.reference, store::read_remote(by_digest, o.transfer).layout,
+                              f.artifact);
+      }
+      cache.touch(key);
+      reporter.note("using " + f.artifact.string() + ", pulled before");
+      return f;
+    }
   }
   o.output = f.artifact;
+  o.output_in_cache = true;
   auto r = store::pull(by_digest, o, prefixed);
   f.pulled = true;
   f.chunks_fetched = r.chunks_fetched;

@@ -12,6 +12,7 @@
 
 #include "cli/documents.h"
 #include "common/fs.h"
+#include "common/utc.h"
 #include "criu/criu.h"
 #include "engine/gpu_state.h"
 #include "gpu/driver.h"
@@ -155,6 +156,7 @@ json pull_document(const store::PullResult& r, const std::vector<std::string>& n
                   {"chunks_from_cache", r.chunks_from_cache},
                   {"bytes_from_cache", r.bytes_from_cache},
                   {"evicted", r.evicted},
+                  {"kept_in_use", r.kept_in_use},
                   {"phases", phases_json(r.phases)},
                   {"seconds", total_seconds(r.phases)},
                   {"notes", notes}});
@@ -239,7 +241,8 @@ void extend_for_store(const std::string& name, std::string& usage, std::string& 
     summary += "\nAn oci:// reference is fetched (each chunk checked against its digest), written\n"
                "to a temporary directory and checked there.";
   } else if (name == "list") {
-    more = {{"--cache", "", "DIR", "list the snapshots the node cache at DIR holds"}};
+    more = {{"--cache", "", "DIR",
+             "list the snapshots the node cache at DIR holds: size, last use, restore's copy"}};
     usage += " | gpusnap list --cache DIR";
   } else {
     return;
@@ -339,7 +342,8 @@ int cmd_import(const Args& args) {
 RemoteRestore open_for_restore(const Args& args, const std::string& reference) {
   auto o = pull_options(args);
   auto ref = remote_ref(reference);
-  const sfs::path pulled = sfs::absolute(args.get("--run-dir", "/run/gpusnap")) / "pulled";
+  const sfs::path pulled =
+      sfs::absolute(args.get("--run-dir", "/run/gpusnap")).lexically_normal() / "pulled";
   sfs::create_directories(pulled);
   sfs::permissions(pulled, sfs::perms::owner_all, sfs::perm_options::replace);
   RemoteRestore r;
@@ -348,12 +352,23 @@ RemoteRestore open_for_restore(const Args& args, const std::string& reference) {
   check_restorable_here(args, Manifest::from_json(snap.layout.manifest));
   const std::string key = store::digest_hex(snap.digest);
   r.artifact = pulled / key;
-  if (sfs::exists(r.artifact / kManifestName)) {  // complete: it appears only by rename
-    store::BlobStore(o.cache).touch(key);
-    return r;
+  {
+    // In use before it is looked for: an eviction then cannot remove it under the restore.
+    // (The cache's own lock is released before the pull, whose eviction needs it alone.)
+    store::BlobStore cache(o.cache);
+    r.use = cache.use(key);
+    if (sfs::exists(r.artifact / kManifestName)) {  // complete: it appears only by rename
+      // A copy an older gpusnap left uncounted is counted from now on.
+      if (!cache.recorded(key)) {
+        cache.record_snapshot(key, ref.by_digest(snap.digest), snap.layout, r.artifact);
+      }
+      cache.touch(key);
+      return r;
+    }
   }
   ref.digest = snap.digest;  // the manifest just checked, whatever the tag names meanwhile
   o.output = r.artifact;
+  o.output_in_cache = true;
   r.progress = std::make_unique<TransferReporter>(args.has("--json"), args.has("--quiet"));
   r.arriving = std::make_unique<store::StreamingPull>(ref, o, *r.progress);
   return r;
@@ -429,25 +444,45 @@ int list_cache(const Args& args) {
   }
   store::BlobStore cache(args.get("--cache"));
   json list = json::array();
+  uint64_t materialised = 0;
   for (const auto& s : cache.list()) {
+    materialised += s.materialised_bytes;
     list.push_back({{"key", s.key},
                     {"reference", s.reference},
                     {"bytes", s.apparent_bytes},
                     {"stored_bytes", s.stored_bytes},
-                    {"last_used", s.last_used}});
+                    {"materialised", s.materialised.empty() ? json() : json(s.materialised)},
+                    {"materialised_bytes", s.materialised_bytes},
+                    {"in_use", cache.in_use(s.key)},
+                    {"last_used", s.last_used},
+                    {"last_used_utc", utc::at(s.last_used)}});
   }
-  const uint64_t held = cache.blob_bytes();
+  const uint64_t chunks = cache.blob_bytes();
   if (args.has("--json")) {
-    std::cout << json{{"cache", cache.root().string()}, {"bytes", held}, {"snapshots", list}}.dump(
-                     2)
+    // bytes: what the node holds for the cache, the figure its budget bounds.
+    std::cout << json{{"cache", cache.root().string()},
+                      {"bytes", chunks + materialised},
+                      {"chunk_bytes", chunks},
+                      {"materialised_bytes", materialised},
+                      {"snapshots", list}}
+                     .dump(2)
               << "\n";
     return 0;
   }
-  std::printf("node cache %s: %s of chunks\n", cache.root().c_str(), fs::human_bytes(held).c_str());
+  std::printf("node cache %s: %s (%s of chunks, %s materialised for restore)\n",
+              cache.root().c_str(), fs::human_bytes(chunks + materialised).c_str(),
+              fs::human_bytes(chunks).c_str(), fs::human_bytes(materialised).c_str());
   for (const auto& s : list) {
-    std::printf("  %s  %10s  %s\n", s["key"].get<std::string>().substr(0, 12).c_str(),
-                fs::human_bytes(s["bytes"].get<uint64_t>()).c_str(),
-                s["reference"].get<std::string>().c_str());
+    std::printf(
+        "  %s  %10s  last used %s%s  %s\n", s["key"].get<std::string>().substr(0, 12).c_str(),
+        fs::human_bytes(s["bytes"].get<uint64_t>()).c_str(),
+        s["last_used_utc"].get<std::string>().c_str(), s["in_use"].get<bool>() ? " (in use)" : "",
+        s["reference"].get<std::string>().c_str());
+    if (!s["materialised"].is_null()) {
+      std::printf("                materialised at %s (%s)\n",
+                  s["materialised"].get<std::string>().c_str(),
+                  fs::human_bytes(s["materialised_bytes"].get<uint64_t>()).c_str());
+    }
   }
   return 0;
 }

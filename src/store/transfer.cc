@@ -218,6 +218,12 @@ PullResult pull(const OciRef& ref, const PullOptions& o, Reporter& reporter) {
     if (o.check) o.check(Manifest::from_json(s.layout.manifest));
     return s;
   });
+  const std::string key = digest_hex(snap.digest);
+  if (o.output_in_cache && (!o.output.is_absolute() || o.output.filename() != key)) {
+    throw Error(ErrorKind::kInternal,
+                "the node's copy of " + key + " would be " + o.output.string(),
+                "pull a node's copy into an absolute PULLED/HEX, HEX its manifest's digest");
+  }
   BlobStore cache(o.cache);
   PullResult r;
   std::atomic<uint64_t> fetched{0}, bytes_fetched{0}, cached{0}, bytes_cached{0};
@@ -247,10 +253,12 @@ PullResult pull(const OciRef& ref, const PullOptions& o, Reporter& reporter) {
         },
         mo, reporter);
   });
-  const std::string key = digest_hex(snap.digest);
   phases.run("cache", [&] {
-    cache.record_snapshot(key, ref.by_digest(snap.digest), snap.layout);
-    r.evicted = cache.evict(o.cache_budget, key).evicted;
+    cache.record_snapshot(key, ref.by_digest(snap.digest), snap.layout,
+                          o.output_in_cache ? o.output : std::filesystem::path());
+    auto evicted = cache.evict(o.cache_budget, key);
+    r.evicted = std::move(evicted.evicted);
+    r.kept_in_use = std::move(evicted.in_use);
   });
   r.reference = ref.by_digest(snap.digest);
   r.digest = snap.digest;

@@ -86,6 +86,10 @@ RemoteSnapshot read_remote(const OciRef& ref, const TransferOptions& options);
 struct PullOptions {
   TransferOptions transfer;
   std::filesystem::path output;  // must not exist
+  // The output is the node's copy for restore (RUN_DIR/pulled/HEX, named by the manifest's
+  // digest): recorded with the snapshot, counted in the cache's budget and removed when the
+  // snapshot leaves the cache. False for a directory of the caller's (`pull -o`).
+  bool output_in_cache = false;
   std::filesystem::path cache = "/var/lib/gpusnap/cache";
   uint64_t cache_budget = 64ull << 30;
   // Called with the snapshot's manifest before any chunk is fetched; throws to refuse (a host
@@ -105,6 +109,7 @@ struct PullResult {
   uint64_t chunks_from_cache = 0;
   uint64_t bytes_from_cache = 0;
   std::vector<std::string> evicted;
+  std::vector<std::string> kept_in_use;  // over the budget, but in use: kept
   std::vector<PhaseTiming> phases;
 };
 

@@ -13,7 +13,10 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "common/fd.h"
 #include "common/fs.h"
+#include "common/subprocess.h"
+#include "criu/criu.h"
 #include "gpu/driver.h"
 #include "gpusnap/artifact.h"
 #include "store/registry.h"
@@ -445,6 +448,146 @@ TEST(StoreRegistry, NodeCacheKeepsItsBudgetLeastRecentlyUsedFirst) {
   // Pulled again, the evicted one is fetched again; the others were not touched.
   auto again = pull(0, "1000");
   EXPECT_GT(again.at("chunks_fetched").get<int>(), 0);
+}
+
+// The node cache's view (`gpusnap list --cache DIR --json`).
+json cache_list(const sfs::path& cache) {
+  auto r = gpusnap({"list", "--cache", cache.string(), "--json"});
+  if (r.exit_code != 0) throw std::runtime_error("list --cache: " + r.err);
+  return json::parse(r.out);
+}
+
+std::vector<std::string> listed_references(const json& list) {
+  std::vector<std::string> out;
+  for (const auto& s : list.at("snapshots")) out.push_back(s.at("reference"));
+  return out;
+}
+
+// What restore oci:// materialises under RUN_DIR/pulled counts in the cache's budget with the
+// chunks: three snapshots restored where the budget holds two. The least recently used leaves
+// with its copy; one whose restore is running stays, even as the least recently used.
+TEST(StoreRegistry, RestoreCopiesStayWithinTheCacheBudgetAndTheOneInUseStays) {
+  SKIP_WITHOUT_REGISTRY();
+  TempDir dir;
+  LocalRegistry registry(dir, {});
+  std::vector<Capture> caps;
+  std::vector<std::string> refs;
+  for (const char* seed : {"11", "22", "33"}) {
+    caps.push_back(capture(dir, std::string("s") + seed, "24", seed));
+    refs.push_back(push(registry, caps.back(), std::string("r/s:") + seed).at("reference"));
+  }
+  const auto cache = dir / "cache";
+  const auto run = dir / "run";
+  const auto pulled = run / "pulled";
+  auto key = [&](size_t i) { return refs[i].substr(refs[i].find("sha256:") + 7); };
+  // A restore of snapshot i from the registry: its copy answers with the snapshot's seed.
+  auto restore_args = [&](size_t i, const std::string& budget_mib) {
+    return std::vector<std::string>{"restore",
+                                    refs[i],
+                                    "--plain-http",
+                                    "--cache",
+                                    cache.string(),
+                                    "--run-dir",
+                                    run.string(),
+                                    "--publish",
+                                    std::to_string(caps[i].port),
+                                    "--cache-budget-mib",
+                                    budget_mib,
+                                    "--json",
+                                    "-q"};
+  };
+  auto restore = [&](size_t i, const std::string& budget_mib) {
+    auto r = gpusnap(restore_args(i, budget_mib));
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    auto doc = json::parse(r.out);
+    Copies copies{doc};
+    EXPECT_EQ(field(ask(copies.port(0), "INFO"), "seed"), caps[i].seed);
+    return doc;
+  };
+
+  restore(0, "100000");
+  const auto one = cache_list(cache);
+  ASSERT_EQ(one.at("snapshots").size(), 1u);
+  const auto& first = one.at("snapshots")[0];
+  // The copy restore made is the cache's: recorded where it is, and counted.
+  EXPECT_EQ(first.at("materialised"), (pulled / key(0)).string());
+  EXPECT_GT(first.at("materialised_bytes").get<uint64_t>(), 16ull << 20);
+  EXPECT_EQ(one.at("bytes").get<uint64_t>(),
+            one.at("chunk_bytes").get<uint64_t>() + one.at("materialised_bytes").get<uint64_t>());
+  EXPECT_FALSE(first.at("in_use").get<bool>());
+  // Room for two such snapshots, not three (their memory differs: other seeds).
+  const uint64_t budget_bytes = one.at("bytes").get<uint64_t>() * 5 / 2;
+  const std::string budget = std::to_string(budget_bytes >> 20);
+
+  // A restore of snapshot 0 held before CRIU's restore (a criu that waits while a gate file
+  // exists): the snapshot is in use for as long as the test keeps the gate.
+  const auto gate = dir / "gate";
+  const auto reached = dir / "reached";
+  const auto slow_criu = dir / "slow-criu";
+  fs::write_file(gate, "");
+  fs::write_file(slow_criu, "#!/bin/sh\nif [ \"$1\" = restore ]; then\n  : > " + reached.string() +
+                                "\n  while [ -e " + gate.string() +
+                                " ]; do sleep 0.05; done\nfi\nexec " + criu::locate("").path +
+                                " \"$@\"\n");
+  ::chmod(slow_criu.c_str(), 0700);
+  const auto held_out = dir / "held.out";
+  common::UniqueFd out_fd(::open(held_out.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  common::SpawnOptions o;
+  o.argv = restore_args(0, budget);
+  o.argv.insert(o.argv.begin(), gpusnap_bin());
+  o.argv.insert(o.argv.end(), {"--criu", slow_criu.string()});
+  o.stdout_fd = out_fd.get();
+  const auto held_err = dir / "held.err";
+  common::UniqueFd err_fd(::open(held_err.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  o.stderr_fd = err_fd.get();
+  common::Subprocess held(o);
+  // Whatever happens below, the held restore goes on and ends (its criu never left waiting).
+  struct OpenGate {
+    const sfs::path& gate;
+    common::Subprocess& held;
+    ~OpenGate() {
+      ::unlink(gate.c_str());
+      held.wait(std::chrono::seconds(60));
+    }
+  } open_gate{gate, held};
+  ASSERT_TRUE(eventually([&] { return sfs::exists(reached); }, std::chrono::seconds(60)));
+  EXPECT_TRUE(cache_list(cache).at("snapshots")[0].at("in_use").get<bool>());
+
+  // Snapshot 1 fits beside it; snapshot 2 does not fit beside both: snapshot 1 leaves, though
+  // snapshot 0 was used before it, because snapshot 0's restore is still running.
+  restore(1, budget);
+  EXPECT_EQ(listed_references(cache_list(cache)), (std::vector<std::string>{refs[1], refs[0]}));
+  restore(2, budget);
+  auto two = cache_list(cache);
+  EXPECT_EQ(listed_references(two), (std::vector<std::string>{refs[2], refs[0]}));
+  EXPECT_LE(two.at("bytes").get<uint64_t>(), budget_bytes);
+  EXPECT_FALSE(sfs::exists(pulled / key(1)));
+  EXPECT_TRUE(sfs::exists(pulled / key(0) / "manifest.json"));
+
+  // The held restore ends well: its copy has snapshot 0's memory.
+  ::unlink(gate.c_str());
+  auto status = held.wait(std::chrono::seconds(120));
+  ASSERT_TRUE(status && status->ok()) << fs::read_file(held_err);
+  {
+    Copies copies{json::parse(fs::read_file(held_out))};
+    EXPECT_EQ(field(ask(copies.port(0), "INFO"), "seed"), caps[0].seed);
+  }
+
+  // In use no more, snapshot 0 is the least recently used: snapshot 1, restored again, takes its
+  // place (fetched again: its chunks had left with it).
+  auto again = gpusnap(restore_args(1, budget));
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  Copies copies{json::parse(again.out)};
+  auto three = cache_list(cache);
+  EXPECT_EQ(listed_references(three), (std::vector<std::string>{refs[1], refs[2]}));
+  EXPECT_LE(three.at("bytes").get<uint64_t>(), budget_bytes);
+  EXPECT_FALSE(sfs::exists(pulled / key(0)));
+  EXPECT_TRUE(sfs::exists(pulled / key(2) / "manifest.json"));
+  // Nothing of the evicted snapshots is left in the run directory, hidden or not.
+  EXPECT_EQ(files_in(pulled), 2u);
+  for (const auto& s : three.at("snapshots")) {
+    EXPECT_EQ(mode_of(s.at("materialised").get<std::string>()), 0700u);
+  }
 }
 
 TEST(StoreRegistry, AnotherGpuRefusesAfterTheManifestAlone) {
