@@ -460,7 +460,8 @@ void Agent::recover() noexcept {
   // Staging directories nobody writes any more.
   artifact::ArtifactWriter::remove_stale_staging(config_.engine.storage);
   remove_own_pid_staging(config_.engine.storage);
-  if (remote_) remote_->remove_stale();
+  // A dead pull's staging under RUN_DIR/pulled stays: its chunks are written nowhere else, and
+  // the next pull of that snapshot resumes from it (store/transfer.h, PullOptions).
   recover_operations(actions);
 }
 

@@ -5,7 +5,6 @@
 
 #include <cerrno>
 
-#include "artifact/writer.h"
 #include "gpusnap/error.h"
 #include "store/blob_store.h"
 #include "store/digest.h"
@@ -152,24 +151,13 @@ Fetched Remote::fetch(const store::OciRef& ref, const RestorableCheck& check,
   }
   Fetched f;
   f.reference = by_digest.by_digest(by_digest.digest);
-  const std::string key = store::digest_hex(by_digest.digest);
-  f.artifact = settings_.pulled / key;
-  {
-    // In use before it is looked for: an eviction then cannot remove it under the restore.
-    // (The cache's own lock is released before the pull, whose eviction needs it alone.)
-    store::BlobStore cache(settings_.cache);
-    f.use = cache.use(key);
-    if (sfs::exists(f.artifact / kManifestName)) {
-      // Complete (it appears only by rename). A copy an older agent left uncounted is counted
-      // from now on; the last use keeps it and its chunks in the cache longest.
-      if (!cache.recorded(key)) {
-        cache.record_snapshot(key, f.reference, store::read_remote(by_digest, o.transfer).layout,
-                              f.artifact);
-      }
-      cache.touch(key);
-      reporter.note("using " + f.artifact.string() + ", pulled before");
-      return f;
-    }
+  auto copy = store::node_copy(settings_.cache, settings_.pulled, by_digest,
+                               [&] { return store::read_remote(by_digest, o.transfer).layout; });
+  f.artifact = copy.path;
+  f.use = std::move(copy.use);
+  if (copy.found) {
+    reporter.note("using " + f.artifact.string() + ", pulled before");
+    return f;
   }
   o.output = f.artifact;
   o.output_in_cache = true;
@@ -182,10 +170,6 @@ Fetched Remote::fetch(const store::OciRef& ref, const RestorableCheck& check,
   reporter.note("pulled " + f.reference + ": " + std::to_string(r.chunks_fetched) +
                 " chunks fetched, " + std::to_string(r.chunks_from_cache) + " from the node cache");
   return f;
-}
-
-void Remote::remove_stale() const noexcept {
-  artifact::ArtifactWriter::remove_stale_staging(settings_.pulled);
 }
 
 }  // namespace gpusnap::agent

@@ -71,8 +71,6 @@ class Remote {
   // The snapshot `ref` names, materialised on this node: found at PULLED/HEX, or pulled there
   // (`check` runs on its manifest before any chunk is fetched).
   Fetched fetch(const store::OciRef& ref, const RestorableCheck& check, Reporter& reporter) const;
-  // Removes what a dead agent's pull left half-written. Never throws.
-  void remove_stale() const noexcept;
 
  private:
   RemoteSettings settings_;

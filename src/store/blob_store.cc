@@ -15,6 +15,7 @@
 #include <set>
 
 #include "common/fs.h"
+#include "gpusnap/artifact.h"
 #include "gpusnap/error.h"
 #include "store/digest.h"
 
@@ -94,7 +95,9 @@ uint64_t allocated_bytes(const sfs::path& dir) {
   std::error_code ec;
   for (sfs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     struct stat st {};
-    if (::lstat(it->path().c_str(), &st) == 0) n += static_cast<uint64_t>(st.st_blocks) * 512;
+    if (::lstat(it->path().c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
+      n += static_cast<uint64_t>(st.st_blocks) * 512;
+    }
   }
   return n;
 }
@@ -109,6 +112,36 @@ sfs::path materialised_of(const json& doc, const std::string& key) {
 }
 
 }  // namespace
+
+std::multimap<std::string, ChunkLocation> chunk_locations(const Layout& layout,
+                                                          const sfs::path& root) {
+  std::multimap<std::string, ChunkLocation> out;
+  for (const auto& f : layout.files) {
+    for (const auto& e : f.extents) {
+      if (e.encoding == Encoding::kRaw)
+        out.emplace(e.digest, ChunkLocation{root / f.path, e.offset, e.length});
+    }
+  }
+  return out;
+}
+
+std::optional<std::string> read_located(const ChunkLocation& where, std::string_view digest) {
+  common::UniqueFd fd(::open(where.file.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd) return std::nullopt;
+  // A range with no data at all was never written (a killed pull's): no need to read it.
+  const off_t data = ::lseek(fd.get(), static_cast<off_t>(where.offset), SEEK_DATA);
+  if (data < 0 || static_cast<uint64_t>(data) >= where.offset + where.length) return std::nullopt;
+  std::string bytes(where.length, '\0');
+  for (size_t done = 0; done < bytes.size();) {
+    ssize_t n = ::pread(fd.get(), bytes.data() + done, bytes.size() - done,
+                        static_cast<off_t>(where.offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return std::nullopt;
+    done += static_cast<size_t>(n);
+  }
+  if (sha256_digest(bytes) != digest) return std::nullopt;
+  return bytes;
+}
 
 BlobStore::BlobStore(sfs::path root) : root_(std::move(root)) {
   if (root_.has_parent_path() && !sfs::is_directory(root_.parent_path())) {
@@ -265,6 +298,17 @@ common::UniqueFd BlobStore::lock_unused(const std::string& key) const {
 
 bool BlobStore::in_use(const std::string& key) const { return !lock_unused(key); }
 
+std::multimap<std::string, ChunkLocation> BlobStore::chunks_in_copies() const {
+  std::multimap<std::string, ChunkLocation> out;
+  for (const auto& s : list()) {
+    if (s.materialised.empty() || ::access((s.materialised / kManifestName).c_str(), F_OK) != 0) {
+      continue;
+    }
+    if (auto layout = snapshot(s.key)) out.merge(chunk_locations(*layout, s.materialised));
+  }
+  return out;
+}
+
 void BlobStore::remove_snapshot(const CachedSnapshot& s, common::UniqueFd lock) const {
   sfs::path hidden;
   if (!s.materialised.empty() && ::access(s.materialised.c_str(), F_OK) == 0) {
@@ -349,12 +393,20 @@ EvictResult BlobStore::evict(uint64_t budget, const std::string& keep) {
       if (auto l = snapshot(snaps[i].key)) blobs_of[i] = l->blobs();
       if (snaps[i].key != keep) unused[i] = lock_unused(snaps[i].key);
     }
+    // The blobs there are: a snapshot's uncompressed chunks may be in its copy alone.
+    std::map<std::string, uint64_t> on_disk;
+    for (const auto& e : sfs::directory_iterator(root_ / "blobs" / "sha256")) {
+      std::error_code ec;
+      const auto size = e.file_size(ec);
+      if (!ec) on_disk[std::string(kSha256Prefix) + e.path().filename().string()] = size;
+    }
     std::set<std::string> kept_blobs;
     uint64_t kept = 0;
     auto cost = [&](size_t i) {
       uint64_t extra = snaps[i].materialised_bytes;
       for (const auto& b : blobs_of[i]) {
-        if (!kept_blobs.count(b.digest)) extra += b.size;
+        auto it = on_disk.find(b.digest);
+        if (it != on_disk.end() && !kept_blobs.count(b.digest)) extra += it->second;
       }
       return extra;
     };

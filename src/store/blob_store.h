@@ -15,6 +15,10 @@
 //   ROOT/lock                  flock: shared while a snapshot is added or read, exclusive to
 //                              evict, so that eviction never removes a chunk in use
 //
+// An uncompressed chunk pulled into a node copy is not written to blobs/ as well: the copy holds
+// it, verbatim at its extent, and chunks_in_copies() finds it there for the next pull that
+// needs it (checked against its digest as a blob is). It leaves with the copy.
+//
 // Why a restore holds the snapshot only while it runs: a copy maps its host images from the
 // materialised files during its restore, and the driver's restore unmaps them (docs/design.md,
 // "Host images"); a running copy holds none of the snapshot's files after that.
@@ -24,6 +28,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -56,6 +61,22 @@ struct EvictResult {
   uint64_t bytes_kept = 0;          // chunks and materialised copies that stay
   std::vector<std::string> in_use;  // keys over the budget kept because they are in use
 };
+
+// Where a chunk's bytes lie verbatim in a file: an uncompressed chunk in a node copy (the copy
+// is then where the cache holds it: it is written once, there) or in a killed pull's staging.
+struct ChunkLocation {
+  std::filesystem::path file;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
+// The uncompressed chunks of `layout` at their places in the artifact at `root`, by digest.
+std::multimap<std::string, ChunkLocation> chunk_locations(const Layout& layout,
+                                                          const std::filesystem::path& root);
+
+// The chunk's bytes read from `where`, when they match `digest` (a range never written, or
+// written in part, does not: nullopt).
+std::optional<std::string> read_located(const ChunkLocation& where, std::string_view digest);
 
 // A snapshot in use: while one lives, evict() leaves the snapshot, its chunks and its
 // materialised copy where they are. Movable; releasing is closing the lock file.
@@ -101,6 +122,8 @@ class BlobStore {
   SnapshotUse use(const std::string& key) const;
   // Whether some process holds the snapshot in use now.
   bool in_use(const std::string& key) const;
+  // The uncompressed chunks of every node copy there is, where they lie in it.
+  std::multimap<std::string, ChunkLocation> chunks_in_copies() const;
   // Marks a snapshot as just used (its place in the eviction order).
   void touch(const std::string& key) const;
   std::vector<CachedSnapshot> list() const;

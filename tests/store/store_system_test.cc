@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -588,6 +589,112 @@ TEST(StoreRegistry, RestoreCopiesStayWithinTheCacheBudgetAndTheOneInUseStays) {
   for (const auto& s : three.at("snapshots")) {
     EXPECT_EQ(mode_of(s.at("materialised").get<std::string>()), 0700u);
   }
+}
+
+// The digests of a pushed snapshot's chunks stored compressed (media type ...+zstd).
+std::set<std::string> zstd_chunks(const json& manifest) {
+  std::set<std::string> out;
+  for (const auto& l : manifest.at("layers")) {
+    if (l.at("mediaType") == "application/vnd.gpusnap.chunk.v1+zstd") {
+      out.insert(l.at("digest").get<std::string>().substr(7));
+    }
+  }
+  return out;
+}
+
+std::set<std::string> names_in(const sfs::path& dir) {
+  std::set<std::string> out;
+  for (const auto& e : sfs::directory_iterator(dir)) out.insert(e.path().filename().string());
+  return out;
+}
+
+// Bytes allocated to the files under `dir` (0 when it does not exist).
+uint64_t allocated(const sfs::path& dir) {
+  uint64_t n = 0;
+  std::error_code ec;
+  for (sfs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    struct stat st {};
+    if (::lstat(it->path().c_str(), &st) == 0 && S_ISREG(st.st_mode)) n += st.st_blocks * 512ull;
+  }
+  return n;
+}
+
+// A pull into the node's copy (RUN_DIR/pulled/HEX, as restore oci:// and the agent make it)
+// writes each uncompressed chunk once, into the copy: the cache's blobs hold only compressed
+// ones. Killed, it resumes from what it had written; a snapshot sharing chunks with a copy
+// there reads them from it.
+TEST(StoreRegistry, ANodeCopyHoldsItsChunksOnceAndAKilledPullOfItResumes) {
+  SKIP_WITHOUT_REGISTRY();
+  TempDir dir;
+  LocalRegistry registry(dir, {});
+  auto snap = capture(dir, "snap", "48", "5");
+  const json pushed = push(registry, snap, "r/s:v1");
+  const size_t chunks = pushed.at("chunks");
+  const std::string key = pushed.at("digest").get<std::string>().substr(7);
+  const auto compressed = zstd_chunks(raw_manifest(registry, "r/s:v1"));
+  ASSERT_LT(compressed.size(), chunks) << "no uncompressed chunk to test";
+
+  const auto cache = dir / "cache";
+  const auto run = dir / "run";
+  const auto pulled = run / "pulled";
+  const auto blobs = cache / "blobs" / "sha256";
+  auto pull_args = [&](const std::string& ref) {
+    return std::vector<std::string>{
+        "pull", ref, "--run-dir", run.string(), "--cache", cache.string(), "--plain-http"};
+  };
+  {
+    // One chunk at a time at 16 MiB/s: killed once several chunks are in its staging directory.
+    common::SpawnOptions o;
+    o.argv = pull_args(registry.ref("r/s:v1"));
+    o.argv.insert(o.argv.begin(), gpusnap_bin());
+    o.argv.insert(o.argv.end(), {"--jobs", "1", "--max-rate-mib", "16", "-q"});
+    common::Subprocess slow(o);
+    ASSERT_TRUE(eventually([&] { return sfs::exists(pulled) && allocated(pulled) >= (12u << 20); },
+                           std::chrono::seconds(30)));
+    slow.kill(SIGKILL);
+    slow.wait();
+  }
+  ASSERT_FALSE(sfs::exists(pulled / key));
+  for (const auto& name : names_in(blobs)) EXPECT_TRUE(compressed.count(name)) << name;
+
+  auto args = pull_args(registry.ref("r/s:v1"));
+  args.push_back("--json");
+  auto again = gpusnap(args);
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  auto doc = json::parse(again.out);
+  EXPECT_EQ(doc.at("artifact"), (pulled / key).string());
+  EXPECT_GT(doc.at("chunks_from_cache").get<size_t>(), 2u) << "fetched again: " << again.out;
+  EXPECT_EQ(doc.at("chunks_fetched").get<size_t>() + doc.at("chunks_from_cache").get<size_t>(),
+            chunks);
+  EXPECT_EQ(contents(pulled / key), contents(snap.path));
+  EXPECT_EQ(mode_of(pulled / key), 0700u);
+  // Written once: nothing but the compressed chunks in the cache, nothing left of the killed
+  // pull beside the copy.
+  for (const auto& name : names_in(blobs)) EXPECT_TRUE(compressed.count(name)) << name;
+  EXPECT_EQ(names_in(pulled), std::set<std::string>{key});
+  auto list = cache_list(cache);
+  EXPECT_EQ(list.at("materialised_bytes").get<uint64_t>(), allocated(pulled / key));
+  // Pulled again: already there.
+  EXPECT_EQ(json::parse(gpusnap(args).out).at("chunks_fetched"), 0);
+
+  // A second capture of the same workload: what the first copy holds is read from it.
+  auto second = capture(dir, "second", "48", "5");
+  const json pushed2 = push(registry, second, "r/s:v2");
+  args = pull_args(registry.ref("r/s:v2"));
+  args.push_back("--json");
+  auto d2 = gpusnap(args);
+  ASSERT_EQ(d2.exit_code, 0) << d2.err;
+  auto doc2 = json::parse(d2.out);
+  const double fetched =
+      doc2.at("bytes_fetched").get<double>() / doc2.at("stored_bytes").get<double>();
+  EXPECT_LE(fetched, 0.25) << d2.out;
+  std::printf("RESULT node_copy_dedup %s\n", json{{"stored_bytes", doc2.at("stored_bytes")},
+                                                  {"bytes_fetched", doc2.at("bytes_fetched")},
+                                                  {"fraction_fetched", fetched}}
+                                                 .dump()
+                                                 .c_str());
+  EXPECT_EQ(contents(pulled / pushed2.at("digest").get<std::string>().substr(7)),
+            contents(second.path));
 }
 
 TEST(StoreRegistry, AnotherGpuRefusesAfterTheManifestAlone) {
