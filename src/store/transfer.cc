@@ -274,10 +274,9 @@ PullResult pull(const OciRef& ref, const PullOptions& o, Reporter& reporter) {
   PullResult r;
   // Where chunks already on this node lie besides blobs/: in the node copies there are, and,
   // for a node copy, in what an earlier pull of it that was killed or failed left.
-  std::multimap<std::string, ChunkLocation> located;
+  std::multimap<std::string, ChunkLocation> located = cache.chunks_in_copies();
   std::optional<Partials> partials;
   if (o.output_in_cache) {
-    located = cache.chunks_in_copies();
     partials.emplace(o.output);
     for (const auto& dir : partials->dirs()) located.merge(chunk_locations(snap.layout, dir));
   }
