@@ -75,10 +75,10 @@ cmp -s art/criu/pages-1.img pulled/criu/pages-1.img || { echo "bench: pulled art
 # RUN_DIR on NODE_RUN (optional: a tmpfs, a huge-page one where restore maps host images from):
 # this build writes each uncompressed chunk once, into the copy; the baseline build (whose
 # restore oci:// writes the same copy through `pull -o`) writes it into the cache too. The
-# cache is on this folder's filesystem. Two rounds, the two builds alternating.
+# cache is on this folder's filesystem. NODE_ROUNDS rounds (2), the two builds alternating.
 NODE_ROWS=()
 if [[ -n ${NODE_RUN:-} ]]; then
-  for round in 1 2; do
+  for round in $(seq "${NODE_ROUNDS:-2}"); do
     rm -rf "$NODE_RUN/new" "$NODE_RUN/base" cache-node cache-node-base
     sync; echo 3 >/proc/sys/vm/drop_caches
     measure "gpusnap pull into the node copy on NODE_RUN (round $round)" "$REG_PID_main" \
