@@ -276,8 +276,8 @@ SnapshotUse BlobStore::use(const std::string& key) const {
     }
     // An eviction that held the lock before us unlinked the file: a lock on it protects
     // nothing. Taken again on the file now at the path.
-    struct stat held {
-    }, now{};
+    struct stat held {};
+    struct stat now {};
     if (::fstat(fd.get(), &held) != 0) throw sys_error("stat " + path.string(), errno);
     if (::stat(path.c_str(), &now) == 0 && now.st_ino == held.st_ino && now.st_dev == held.st_dev) {
       return SnapshotUse(std::move(fd));
@@ -446,6 +446,20 @@ EvictResult BlobStore::evict(uint64_t budget, const std::string& keep) {
     for (const auto& e : sfs::directory_iterator(root_ / "tmp")) {
       std::error_code ec;
       sfs::remove(e.path(), ec);
+    }
+    // Copies whose removal an eviction killed midway left under their hidden names.
+    std::set<sfs::path> copies_dirs;
+    for (const auto& snap : snaps) {
+      if (!snap.materialised.empty()) copies_dirs.insert(snap.materialised.parent_path());
+    }
+    for (const auto& dir : copies_dirs) {
+      std::error_code ec;
+      for (const auto& e : sfs::directory_iterator(dir, ec)) {
+        const std::string name = e.path().filename().string();
+        if (name.starts_with(".") && name.find(".evicted-") != std::string::npos) {
+          fs::remove_tree_noexcept(e.path());
+        }
+      }
     }
     // Use locks of snapshots no longer recorded (a pull that failed), unless held.
     for (const auto& e : sfs::directory_iterator(root_ / "uses")) {

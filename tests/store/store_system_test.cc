@@ -77,6 +77,11 @@ size_t files_in(const sfs::path& dir) {
       std::distance(sfs::directory_iterator(dir), sfs::directory_iterator()));
 }
 
+// A figure for the test log, as the GPU tests print theirs: "RESULT NAME JSON".
+void print_result(const std::string& name, const json& doc) {
+  std::printf("RESULT %s %s\n", name.c_str(), doc.dump().c_str());
+}
+
 mode_t mode_of(const sfs::path& p) {
   struct stat st {};
   ::stat(p.c_str(), &st);
@@ -400,11 +405,9 @@ TEST(StoreRegistry, SecondCaptureOfTheSameWorkloadAddsLittle) {
   EXPECT_EQ(da.at("new_bytes"), da.at("stored_bytes"));
   const double added = db.at("new_bytes").get<double>() / db.at("stored_bytes").get<double>();
   EXPECT_LE(added, 0.10) << b.out;
-  std::printf("RESULT dedup_second_capture %s\n", json{{"stored_bytes", db.at("stored_bytes")},
-                                                       {"new_bytes", db.at("new_bytes")},
-                                                       {"fraction_new", added}}
-                                                      .dump()
-                                                      .c_str());
+  print_result("dedup_second_capture", {{"stored_bytes", db.at("stored_bytes")},
+                                        {"new_bytes", db.at("new_bytes")},
+                                        {"fraction_new", added}});
 
   // The registry too: the second push uploads only what the first lacked.
   push(registry, first, "r/s:a");
@@ -688,11 +691,9 @@ TEST(StoreRegistry, ANodeCopyHoldsItsChunksOnceAndAKilledPullOfItResumes) {
   const double fetched =
       doc2.at("bytes_fetched").get<double>() / doc2.at("stored_bytes").get<double>();
   EXPECT_LE(fetched, 0.25) << d2.out;
-  std::printf("RESULT node_copy_dedup %s\n", json{{"stored_bytes", doc2.at("stored_bytes")},
-                                                  {"bytes_fetched", doc2.at("bytes_fetched")},
-                                                  {"fraction_fetched", fetched}}
-                                                 .dump()
-                                                 .c_str());
+  print_result("node_copy_dedup", {{"stored_bytes", doc2.at("stored_bytes")},
+                                   {"bytes_fetched", doc2.at("bytes_fetched")},
+                                   {"fraction_fetched", fetched}});
   EXPECT_EQ(contents(pulled / pushed2.at("digest").get<std::string>().substr(7)),
             contents(second.path));
 }

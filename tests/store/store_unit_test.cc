@@ -335,6 +335,8 @@ TEST(Store, EvictionTakesTheNodesCopyWithItsSnapshotAndLeavesOneInUse) {
     EXPECT_EQ(r.in_use, std::vector<std::string>{keys[0]});
   }
   EXPECT_FALSE(cache.in_use(keys[0]));
+  // What an eviction killed while it removed a copy left under a hidden name goes too.
+  sfs::create_directories(pulled / ("." + keys[1] + ".evicted-0123") / "criu");
   auto r = cache.evict(chunks + copy, keys[2]);
   EXPECT_EQ(r.evicted, std::vector<std::string>{keys[0]});
   EXPECT_FALSE(sfs::exists(pulled / keys[0]));
