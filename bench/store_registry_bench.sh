@@ -13,7 +13,8 @@
 # JSON. For every transfer it records the client's and the registry's CPU seconds (the
 # registry's from /proc/PID/stat), and the load average every 5 s (loadavg.log): on a shared
 # machine the load says what share of the cores each side had. The parts it shares with
-# store_registry_h200.sh are in store_registry_lib.sh.
+# store_registry_h200.sh are in store_registry_lib.sh. NODE_RUN=DIR (optional, e.g. a huge-page
+# tmpfs): adds pulls into the node's copy under DIR, as restore oci:// makes it (see below).
 set -euo pipefail
 OUT=${1:?usage: store_registry_bench.sh OUTDIR [MIB] [DEDUP_MIB]}
 MIB=${2:-4096}
@@ -69,6 +70,35 @@ sync; echo 3 >/proc/sys/vm/drop_caches
 measure "skopeo copy registry -> oci: (page cache dropped)" "$REG_PID_main" \
   skopeo copy -q --src-tls-verify=false "docker://127.0.0.1:$PORT/bench/skopeo:a" oci:skopeo-pulled:a
 cmp -s art/criu/pages-1.img pulled/criu/pages-1.img || { echo "bench: pulled artifact differs" >&2; exit 1; }
+
+# The node's copy, as `restore oci://` and the agent write it (RUN_DIR/pulled/DIGEST), with
+# RUN_DIR on NODE_RUN (optional: a tmpfs, a huge-page one where restore maps host images from):
+# this build writes each uncompressed chunk once, into the copy; the baseline build (whose
+# restore oci:// writes the same copy through `pull -o`) writes it into the cache too. The
+# cache is on this folder's filesystem. NODE_ROUNDS rounds (2), the two builds alternating.
+NODE_ROWS=()
+if [[ -n ${NODE_RUN:-} ]]; then
+  for round in $(seq "${NODE_ROUNDS:-2}"); do
+    rm -rf "$NODE_RUN/new" "$NODE_RUN/base" cache-node cache-node-base
+    sync; echo 3 >/proc/sys/vm/drop_caches
+    measure "gpusnap pull into the node copy on NODE_RUN (round $round)" "$REG_PID_main" \
+      "$GPUSNAP" pull "oci://127.0.0.1:$PORT/bench/gpusnap:a" --run-dir "$NODE_RUN/new" --cache cache-node \
+      --plain-http --json -q >"node-pull-$round.json"
+    copy=$(jq -r .artifact "node-pull-$round.json")
+    cmp -s art/criu/pages-1.img "$copy/criu/pages-1.img" || { echo "bench: node copy differs" >&2; exit 1; }
+    NODE_ROWS+=("round $round, this build: cache $(du -sb cache-node | cut -f1) bytes, copy $(du -sb "$copy" | cut -f1) bytes")
+    if [[ -n ${BASELINE:-} ]]; then
+      mkdir -p "$NODE_RUN/base/pulled"
+      sync; echo 3 >/proc/sys/vm/drop_caches
+      measure "gpusnap pull into the node copy on NODE_RUN (baseline build, round $round)" "$REG_PID_base" \
+        "$BASELINE" pull "oci://127.0.0.1:$BASE_PORT/bench/gpusnap:a" -o "$NODE_RUN/base/pulled/copy" \
+        --cache cache-node-base --plain-http --json -q >"node-pull-base-$round.json"
+      cmp -s art/criu/pages-1.img "$NODE_RUN/base/pulled/copy/criu/pages-1.img" || { echo "bench: node copy differs" >&2; exit 1; }
+      NODE_ROWS+=("round $round, baseline build: cache $(du -sb cache-node-base | cut -f1) bytes, copy $(du -sb "$NODE_RUN/base/pulled/copy" | cut -f1) bytes")
+    fi
+  done
+  rm -rf "$NODE_RUN/new" "$NODE_RUN/base" cache-node cache-node-base
+fi
 rm -rf pulled skopeo-pulled layout art cache
 
 echo "bench: dedup, two captures of ${DEDUP_MIB} MiB" >&2
@@ -86,6 +116,7 @@ rm -rf dedup-a dedup-b store
   echo
   echo "push: $(jq -c '{chunks, chunks_uploaded, bytes_uploaded, stored_bytes, phases}' push.json)"
   echo "pull: $(jq -c '{chunks, chunks_fetched, bytes_fetched, phases}' pull.json)"
+  for row in "${NODE_ROWS[@]}"; do echo "node copy: $row"; done
   echo "dedup: second capture of ${DEDUP_MIB} MiB adds $NEW of $STORED stored bytes ($(awk -v n="$NEW" -v s="$STORED" 'BEGIN { printf "%.2f", 100 * n / s }') %)"
   echo "load average during the run (1-minute, every 5 s): $(load_summary); after: $(cut -d' ' -f1-3 /proc/loadavg)"
 } | tee results.md

@@ -419,6 +419,7 @@ json Agent::run_restore(Operation& op, json& entry, uint64_t& bytes) {
   journal_.record(op.id, entry);
   OperationReporter reporter(mu_, op, metrics_, journal_, entry);
   json pulled;
+  store::SnapshotUse in_use;  // a pulled snapshot, until the restore is done
   std::error_code ec;
   if (remote_ && !std::filesystem::exists(options.artifact, ec)) {
     // Not held here: the registry has it (the reference the caller gave, else the name's tag).
@@ -428,6 +429,7 @@ json Agent::run_restore(Operation& op, json& entry, uint64_t& bytes) {
         ref, [this](const Manifest& m) { check_restorable_here(m); }, reporter);
     options.artifact = f.artifact;
     pulled = f.to_json();
+    in_use = std::move(f.use);
   }
   auto r = restore(options, reporter);
   bytes = r.manifest.total_bytes();
@@ -458,7 +460,8 @@ void Agent::recover() noexcept {
   // Staging directories nobody writes any more.
   artifact::ArtifactWriter::remove_stale_staging(config_.engine.storage);
   remove_own_pid_staging(config_.engine.storage);
-  if (remote_) remote_->remove_stale();
+  // A dead pull's staging under RUN_DIR/pulled stays: its chunks are written nowhere else, and
+  // the next pull of that snapshot resumes from it (store/transfer.h, PullOptions).
   recover_operations(actions);
 }
 

@@ -5,7 +5,6 @@
 
 #include <cerrno>
 
-#include "artifact/writer.h"
 #include "gpusnap/error.h"
 #include "store/blob_store.h"
 #include "store/digest.h"
@@ -88,6 +87,8 @@ Remote::Remote(RemoteSettings settings) : settings_(std::move(settings)) {
   readable_file(settings_.registry.ca_file, "--registry-ca-file");
   private_dir(settings_.cache);
   private_dir(settings_.pulled);
+  // The node cache records the copies by this path and removes only what it recorded.
+  settings_.pulled = sfs::absolute(settings_.pulled).lexically_normal();
 }
 
 store::OciRef Remote::tag_of(const std::string& name) const {
@@ -150,14 +151,16 @@ Fetched Remote::fetch(const store::OciRef& ref, const RestorableCheck& check,
   }
   Fetched f;
   f.reference = by_digest.by_digest(by_digest.digest);
-  f.artifact = settings_.pulled / store::digest_hex(by_digest.digest);
-  if (sfs::exists(f.artifact / kManifestName)) {
-    // Complete (it appears only by rename): the last use keeps its chunks in the cache longest.
-    store::BlobStore(settings_.cache).touch(store::digest_hex(by_digest.digest));
+  auto copy = store::node_copy(settings_.cache, settings_.pulled, by_digest,
+                               [&] { return store::read_remote(by_digest, o.transfer).layout; });
+  f.artifact = copy.path;
+  f.use = std::move(copy.use);
+  if (copy.found) {
     reporter.note("using " + f.artifact.string() + ", pulled before");
     return f;
   }
   o.output = f.artifact;
+  o.output_in_cache = true;
   auto r = store::pull(by_digest, o, prefixed);
   f.pulled = true;
   f.chunks_fetched = r.chunks_fetched;
@@ -167,10 +170,6 @@ Fetched Remote::fetch(const store::OciRef& ref, const RestorableCheck& check,
   reporter.note("pulled " + f.reference + ": " + std::to_string(r.chunks_fetched) +
                 " chunks fetched, " + std::to_string(r.chunks_from_cache) + " from the node cache");
   return f;
-}
-
-void Remote::remove_stale() const noexcept {
-  artifact::ArtifactWriter::remove_stale_staging(settings_.pulled);
 }
 
 }  // namespace gpusnap::agent

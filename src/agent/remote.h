@@ -4,9 +4,11 @@
 // ahead of a restore. Only the store's public calls (store/transfer.h) move the bytes.
 //
 // A pulled snapshot is materialised once per node, at PULLED/HEX (HEX: its OCI manifest's
-// digest), the directory `gpusnap restore oci://...` uses too; it appears only complete. Its
-// chunks stay in the node cache (within its budget), so that a snapshot pulled again, or one
-// that shares chunks with it, fetches only what the cache lacks.
+// digest), the directory `gpusnap restore oci://...` uses too; it appears only complete. It and
+// its chunks stay in the node cache (within its budget, the copy counted with the chunks and
+// removed with them when the snapshot leaves), so that a snapshot pulled again, or one that
+// shares chunks with it, fetches only what the cache lacks. A restore holds the snapshot in use
+// (Fetched::use) until it is done: no eviction removes it meanwhile.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +20,7 @@
 
 #include "gpusnap/artifact.h"
 #include "gpusnap/phases.h"
+#include "store/blob_store.h"
 #include "store/registry.h"
 
 namespace gpusnap::agent {
@@ -38,6 +41,8 @@ struct Fetched {
   bool pulled = false;             // false: it was already here
   uint64_t chunks_fetched = 0, bytes_fetched = 0;
   uint64_t chunks_from_cache = 0, bytes_from_cache = 0;
+  // Held until the restore that uses the artifact is done: the node cache's eviction leaves it.
+  store::SnapshotUse use;
   nlohmann::json to_json() const;
 };
 
@@ -66,8 +71,6 @@ class Remote {
   // The snapshot `ref` names, materialised on this node: found at PULLED/HEX, or pulled there
   // (`check` runs on its manifest before any chunk is fetched).
   Fetched fetch(const store::OciRef& ref, const RestorableCheck& check, Reporter& reporter) const;
-  // Removes what a dead agent's pull left half-written. Never throws.
-  void remove_stale() const noexcept;
 
  private:
   RemoteSettings settings_;

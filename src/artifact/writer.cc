@@ -115,7 +115,7 @@ bool ArtifactWriter::lock_staging() {
 }
 
 ArtifactWriter::~ArtifactWriter() {
-  if (!committed_) fs::remove_tree_noexcept(staging_);
+  if (!committed_ && !keep_) fs::remove_tree_noexcept(staging_);
   if (!record_.empty()) fs::remove_tree_noexcept(record_);
 }
 
@@ -168,6 +168,14 @@ std::vector<std::string> ArtifactWriter::remove_abandoned_staging(
     fs::remove_tree_noexcept(entry.path());
   }
   return log;
+}
+
+bool ArtifactWriter::is_staging_of(const std::string& entry, const std::string& final_name) {
+  return entry.starts_with("." + final_name + kStagingTag);
+}
+
+bool ArtifactWriter::is_staging(const std::string& entry) {
+  return entry.starts_with(".") && entry.find(kStagingTag) != std::string::npos;
 }
 
 void ArtifactWriter::remove_stale_staging(const std::filesystem::path& dir) noexcept {

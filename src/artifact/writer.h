@@ -43,6 +43,14 @@ class ArtifactWriter {
   // Writes the manifest, syncs the tree and renames it to the final path (phase "commit").
   void commit(const Manifest& manifest, Phases& phases);
 
+  // Leaves the staging directory where it is when the writer is destroyed uncommitted (what
+  // was written is worth keeping: a pull resumes from it). Its lock is released all the same.
+  void keep_staging() { keep_ = true; }
+  // Whether `entry` (a file name) is the staging directory of a writer of `final_name`, or of
+  // any writer.
+  static bool is_staging_of(const std::string& entry, const std::string& final_name);
+  static bool is_staging(const std::string& entry);
+
   // Staging directories are named ".NAME.staging-PID-RANDOM". Removes those in `dir` whose
   // owner is gone (a gpusnap killed before it could clean up): those nobody holds the flock
   // of. Never throws.
@@ -72,6 +80,7 @@ class ArtifactWriter {
   WriterOptions options_;
   std::filesystem::path record_;  // this writer's entry under run_dir (empty: none)
   bool committed_ = false;
+  bool keep_ = false;
 };
 
 }  // namespace gpusnap::artifact

@@ -12,6 +12,7 @@
 
 #include "cli/documents.h"
 #include "common/fs.h"
+#include "common/utc.h"
 #include "criu/criu.h"
 #include "engine/gpu_state.h"
 #include "gpu/driver.h"
@@ -155,6 +156,7 @@ json pull_document(const store::PullResult& r, const std::vector<std::string>& n
                   {"chunks_from_cache", r.chunks_from_cache},
                   {"bytes_from_cache", r.bytes_from_cache},
                   {"evicted", r.evicted},
+                  {"kept_in_use", r.kept_in_use},
                   {"phases", phases_json(r.phases)},
                   {"seconds", total_seconds(r.phases)},
                   {"notes", notes}});
@@ -199,12 +201,16 @@ std::vector<Command> store_commands() {
        "Upload an artifact to an OCI registry as content-addressed chunks. Only the chunks the\n"
        "registry lacks are sent (each is asked for first); zeros are not stored.",
        concat(remote_flags(), {kJsonFlag, kQuietFlag, kHelpFlag}), cmd_push},
-      {"pull", "gpusnap pull oci://HOST[:PORT]/REPO[:TAG|@sha256:HEX] -o DIR",
+      {"pull", "gpusnap pull oci://HOST[:PORT]/REPO[:TAG|@sha256:HEX] [-o DIR | --run-dir DIR]",
        "Fetch a snapshot from an OCI registry into a new artifact directory, through the node\n"
        "cache: chunks it holds are not fetched again (a pull that was killed resumes), each\n"
        "fetched chunk is checked against its digest as it arrives. A host that could not\n"
-       "restore the snapshot (GPU model, driver, CPU) refuses before fetching any chunk.",
+       "restore the snapshot (GPU model, driver, CPU) refuses before fetching any chunk.\n"
+       "Without -o it is the node's copy, RUN_DIR/pulled/DIGEST, which `restore oci://` uses\n"
+       "and the node cache keeps within its budget (a prefetch).",
        concat(concat({{"--output", "-o", "DIR", "artifact directory to create (must not exist)"},
+                      {"--run-dir", "", "DIR",
+                       "without -o: where the node's copy goes (default /run/gpusnap)"},
                       {"--any-host", "", "", "pull even where the snapshot could not be restored"}},
                      concat(remote_flags(), cache_flags())),
               {kCriuFlag, kJsonFlag, kQuietFlag, kHelpFlag}),
@@ -239,7 +245,8 @@ void extend_for_store(const std::string& name, std::string& usage, std::string& 
     summary += "\nAn oci:// reference is fetched (each chunk checked against its digest), written\n"
                "to a temporary directory and checked there.";
   } else if (name == "list") {
-    more = {{"--cache", "", "DIR", "list the snapshots the node cache at DIR holds"}};
+    more = {{"--cache", "", "DIR",
+             "list the snapshots the node cache at DIR holds: size, last use, restore's copy"}};
     usage += " | gpusnap list --cache DIR";
   } else {
     return;
@@ -290,13 +297,45 @@ int cmd_push(const Args& args) {
 
 int cmd_pull(const Args& args) {
   if (args.positional().size() != 1) throw args.usage_error("pull needs one oci:// reference");
-  if (!args.has("--output")) throw args.usage_error("pull needs -o DIR");
+  if (args.has("--output") && args.has("--run-dir")) {
+    throw args.usage_error("pull takes -o DIR or --run-dir DIR, not both");
+  }
   const bool as_json = args.has("--json");
   TransferReporter reporter(as_json, args.has("--quiet"));
   auto o = pull_options(args);
-  o.output = sfs::absolute(args.get("--output"));
   if (!args.has("--any-host")) o.check = [&](const Manifest& m) { check_restorable_here(args, m); };
-  auto r = store::pull(remote_ref(args.positional()[0]), o, reporter);
+  auto ref = remote_ref(args.positional()[0]);
+  store::SnapshotUse use;
+  if (args.has("--output")) {
+    o.output = sfs::absolute(args.get("--output"));
+  } else {
+    // The node's copy: named by the manifest's digest, so the tag is resolved first.
+    const auto snap = store::read_remote(ref, o.transfer);
+    ref.digest = snap.digest;
+    auto copy =
+        store::node_copy(o.cache, sfs::path(args.get("--run-dir", "/run/gpusnap")) / "pulled", ref,
+                         [&] { return snap.layout; });
+    o.output = copy.path;
+    o.output_in_cache = true;
+    use = std::move(copy.use);
+    const bool here = copy.found;
+    if (here) {
+      if (as_json) {
+        std::cout << json{{"reference", ref.by_digest(ref.digest)},
+                          {"digest", ref.digest},
+                          {"artifact", o.output.string()},
+                          {"chunks_fetched", 0},
+                          {"bytes_fetched", 0},
+                          {"notes", {"pulled before"}}}
+                         .dump(2)
+                  << "\n";
+      } else if (!args.has("--quiet")) {
+        std::printf("%s: already at %s\n", ref.by_digest(ref.digest).c_str(), o.output.c_str());
+      }
+      return 0;
+    }
+  }
+  auto r = store::pull(ref, o, reporter);
   json doc = pull_document(r, reporter.notes);
   if (as_json) {
     std::cout << doc.dump(2) << "\n";
@@ -339,21 +378,18 @@ int cmd_import(const Args& args) {
 RemoteRestore open_for_restore(const Args& args, const std::string& reference) {
   auto o = pull_options(args);
   auto ref = remote_ref(reference);
-  const sfs::path pulled = sfs::absolute(args.get("--run-dir", "/run/gpusnap")) / "pulled";
-  sfs::create_directories(pulled);
-  sfs::permissions(pulled, sfs::perms::owner_all, sfs::perm_options::replace);
   RemoteRestore r;
   // Refused here, before any chunk, where the snapshot could not be restored.
   auto snap = store::read_remote(ref, o.transfer);
   check_restorable_here(args, Manifest::from_json(snap.layout.manifest));
-  const std::string key = store::digest_hex(snap.digest);
-  r.artifact = pulled / key;
-  if (sfs::exists(r.artifact / kManifestName)) {  // complete: it appears only by rename
-    store::BlobStore(o.cache).touch(key);
-    return r;
-  }
   ref.digest = snap.digest;  // the manifest just checked, whatever the tag names meanwhile
+  auto copy = store::node_copy(o.cache, sfs::path(args.get("--run-dir", "/run/gpusnap")) / "pulled",
+                               ref, [&] { return snap.layout; });
+  r.artifact = copy.path;
+  r.use = std::move(copy.use);
+  if (copy.found) return r;
   o.output = r.artifact;
+  o.output_in_cache = true;
   r.progress = std::make_unique<TransferReporter>(args.has("--json"), args.has("--quiet"));
   r.arriving = std::make_unique<store::StreamingPull>(ref, o, *r.progress);
   return r;
@@ -429,25 +465,45 @@ int list_cache(const Args& args) {
   }
   store::BlobStore cache(args.get("--cache"));
   json list = json::array();
+  uint64_t materialised = 0;
   for (const auto& s : cache.list()) {
+    materialised += s.materialised_bytes;
     list.push_back({{"key", s.key},
                     {"reference", s.reference},
                     {"bytes", s.apparent_bytes},
                     {"stored_bytes", s.stored_bytes},
-                    {"last_used", s.last_used}});
+                    {"materialised", s.materialised.empty() ? json() : json(s.materialised)},
+                    {"materialised_bytes", s.materialised_bytes},
+                    {"in_use", cache.in_use(s.key)},
+                    {"last_used", s.last_used},
+                    {"last_used_utc", utc::at(s.last_used)}});
   }
-  const uint64_t held = cache.blob_bytes();
+  const uint64_t chunks = cache.blob_bytes();
   if (args.has("--json")) {
-    std::cout << json{{"cache", cache.root().string()}, {"bytes", held}, {"snapshots", list}}.dump(
-                     2)
+    // bytes: what the node holds for the cache, the figure its budget bounds.
+    std::cout << json{{"cache", cache.root().string()},
+                      {"bytes", chunks + materialised},
+                      {"chunk_bytes", chunks},
+                      {"materialised_bytes", materialised},
+                      {"snapshots", list}}
+                     .dump(2)
               << "\n";
     return 0;
   }
-  std::printf("node cache %s: %s of chunks\n", cache.root().c_str(), fs::human_bytes(held).c_str());
+  std::printf("node cache %s: %s (%s of chunks, %s materialised for restore)\n",
+              cache.root().c_str(), fs::human_bytes(chunks + materialised).c_str(),
+              fs::human_bytes(chunks).c_str(), fs::human_bytes(materialised).c_str());
   for (const auto& s : list) {
-    std::printf("  %s  %10s  %s\n", s["key"].get<std::string>().substr(0, 12).c_str(),
-                fs::human_bytes(s["bytes"].get<uint64_t>()).c_str(),
-                s["reference"].get<std::string>().c_str());
+    std::printf(
+        "  %s  %10s  last used %s%s  %s\n", s["key"].get<std::string>().substr(0, 12).c_str(),
+        fs::human_bytes(s["bytes"].get<uint64_t>()).c_str(),
+        s["last_used_utc"].get<std::string>().c_str(), s["in_use"].get<bool>() ? " (in use)" : "",
+        s["reference"].get<std::string>().c_str());
+    if (!s["materialised"].is_null()) {
+      std::printf("                materialised at %s (%s)\n",
+                  s["materialised"].get<std::string>().c_str(),
+                  fs::human_bytes(s["materialised_bytes"].get<uint64_t>()).c_str());
+    }
   }
   return 0;
 }

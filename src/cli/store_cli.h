@@ -11,6 +11,7 @@
 
 #include "common/args.h"
 #include "gpusnap/phases.h"
+#include "store/blob_store.h"
 #include "store/stream.h"
 
 namespace gpusnap::cli {
@@ -41,6 +42,8 @@ bool is_remote(const std::string& artifact);
 // and its pull starts, for the restore to use as it arrives (gpusnap/restore.h,
 // ArrivingArtifact).
 struct RemoteRestore {
+  // Held for the whole restore: the node cache's eviction leaves the snapshot's copy alone.
+  store::SnapshotUse use;
   std::filesystem::path artifact;                  // the final path
   std::unique_ptr<Reporter> progress;              // the pull's (declared first: outlives it)
   std::unique_ptr<store::StreamingPull> arriving;  // null when already here

@@ -6,9 +6,9 @@
 
 namespace gpusnap::utc {
 
-std::string now(Precision precision) {
-  timespec ts{};
-  ::clock_gettime(CLOCK_REALTIME, &ts);
+namespace {
+
+std::string format(const timespec& ts, Precision precision) {
   struct tm tm {};
   ::gmtime_r(&ts.tv_sec, &tm);
   char buf[64];
@@ -19,6 +19,18 @@ std::string now(Precision precision) {
   }
   std::snprintf(buf + n, sizeof buf - n, "Z");
   return buf;
+}
+
+}  // namespace
+
+std::string now(Precision precision) {
+  timespec ts{};
+  ::clock_gettime(CLOCK_REALTIME, &ts);
+  return format(ts, precision);
+}
+
+std::string at(int64_t seconds) {
+  return format(timespec{static_cast<time_t>(seconds), 0}, Precision::kSeconds);
 }
 
 }  // namespace gpusnap::utc

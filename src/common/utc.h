@@ -2,6 +2,7 @@
 // operations, the controller's Kubernetes objects and log lines): RFC 3339 in UTC.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace gpusnap::utc {
@@ -13,5 +14,7 @@ enum class Precision {
 
 // The current time. Never throws beyond std::bad_alloc.
 std::string now(Precision precision = Precision::kSeconds);
+// A time given in seconds since the epoch, to the second.
+std::string at(int64_t seconds);
 
 }  // namespace gpusnap::utc

@@ -15,6 +15,7 @@
 #include <set>
 
 #include "common/fs.h"
+#include "gpusnap/artifact.h"
 #include "gpusnap/error.h"
 #include "store/digest.h"
 
@@ -88,7 +89,59 @@ int64_t mtime_ns(const sfs::path& p) {
   return st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
 }
 
+// The blocks a tree's files occupy (a sparse host image counts what it holds, not its size).
+uint64_t allocated_bytes(const sfs::path& dir) {
+  uint64_t n = 0;
+  std::error_code ec;
+  for (sfs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    struct stat st {};
+    if (::lstat(it->path().c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
+      n += static_cast<uint64_t>(st.st_blocks) * 512;
+    }
+  }
+  return n;
+}
+
+// A record's materialised copy, when it names one the cache may count and remove: an absolute
+// path whose last component is the snapshot's key (what pull writes), nothing else.
+sfs::path materialised_of(const json& doc, const std::string& key) {
+  if (!doc.contains("materialised") || !doc["materialised"].is_string()) return {};
+  sfs::path p = doc["materialised"].get<std::string>();
+  if (!p.is_absolute() || p.filename() != key || p.lexically_normal() != p) return {};
+  return p;
+}
+
 }  // namespace
+
+std::multimap<std::string, ChunkLocation> chunk_locations(const Layout& layout,
+                                                          const sfs::path& root) {
+  std::multimap<std::string, ChunkLocation> out;
+  for (const auto& f : layout.files) {
+    for (const auto& e : f.extents) {
+      if (e.encoding == Encoding::kRaw)
+        out.emplace(e.digest, ChunkLocation{root / f.path, e.offset, e.length});
+    }
+  }
+  return out;
+}
+
+std::optional<std::string> read_located(const ChunkLocation& where, std::string_view digest) {
+  common::UniqueFd fd(::open(where.file.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd) return std::nullopt;
+  // A range with no data at all was never written (a killed pull's): no need to read it.
+  const off_t data = ::lseek(fd.get(), static_cast<off_t>(where.offset), SEEK_DATA);
+  if (data < 0 || static_cast<uint64_t>(data) >= where.offset + where.length) return std::nullopt;
+  std::string bytes(where.length, '\0');
+  for (size_t done = 0; done < bytes.size();) {
+    ssize_t n = ::pread(fd.get(), bytes.data() + done, bytes.size() - done,
+                        static_cast<off_t>(where.offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return std::nullopt;
+    done += static_cast<size_t>(n);
+  }
+  if (sha256_digest(bytes) != digest) return std::nullopt;
+  return bytes;
+}
 
 BlobStore::BlobStore(sfs::path root) : root_(std::move(root)) {
   if (root_.has_parent_path() && !sfs::is_directory(root_.parent_path())) {
@@ -98,6 +151,7 @@ BlobStore::BlobStore(sfs::path root) : root_(std::move(root)) {
   make_private_dir(root_ / "blobs");
   make_private_dir(root_ / "blobs" / "sha256");
   make_private_dir(root_ / "snapshots");
+  make_private_dir(root_ / "uses");
   make_private_dir(root_ / "tmp");
   lock_.reset(::open((root_ / "lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
   if (!lock_) throw sys_error("open " + (root_ / "lock").string(), errno);
@@ -187,11 +241,89 @@ uint64_t BlobStore::blob_bytes() const {
 }
 
 void BlobStore::record_snapshot(const std::string& key, const std::string& reference,
-                                const Layout& layout) {
+                                const Layout& layout, const sfs::path& materialised) {
   digest_hex(std::string(kSha256Prefix) + key);  // the key names a file: 64 hex digits only
   const auto path = root_ / "snapshots" / (key + ".json");
-  fs::write_file_durable(path, json{{"reference", reference}, {"layout", layout.to_json()}}.dump());
+  json doc{{"reference", reference}, {"layout", layout.to_json()}};
+  if (!materialised.empty()) {
+    doc["materialised"] = materialised.lexically_normal().string();
+  } else if (std::string text; fs::try_read_file(path, &text) && text.size() <= kMaxRecordBytes) {
+    // Pulled again to a directory of the caller's: the node's copy is still the node's.
+    const json before = json::parse(text, nullptr, false);
+    if (auto p = materialised_of(before, key); !p.empty()) doc["materialised"] = p.string();
+  }
+  fs::write_file_durable(path, doc.dump());
   ::chmod(path.c_str(), 0600);
+}
+
+bool BlobStore::recorded(const std::string& key) const {
+  digest_hex(std::string(kSha256Prefix) + key);
+  return ::access((root_ / "snapshots" / (key + ".json")).c_str(), F_OK) == 0;
+}
+
+sfs::path BlobStore::use_path(const std::string& key) const {
+  digest_hex(std::string(kSha256Prefix) + key);
+  return root_ / "uses" / key;
+}
+
+SnapshotUse BlobStore::use(const std::string& key) const {
+  const auto path = use_path(key);
+  for (;;) {
+    common::UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+    if (!fd) throw sys_error("open " + path.string(), errno);
+    while (::flock(fd.get(), LOCK_SH) != 0) {
+      if (errno != EINTR) throw sys_error("flock " + path.string(), errno);
+    }
+    // An eviction that held the lock before us unlinked the file: a lock on it protects
+    // nothing. Taken again on the file now at the path.
+    struct stat held {};
+    struct stat now {};
+    if (::fstat(fd.get(), &held) != 0) throw sys_error("stat " + path.string(), errno);
+    if (::stat(path.c_str(), &now) == 0 && now.st_ino == held.st_ino && now.st_dev == held.st_dev) {
+      return SnapshotUse(std::move(fd));
+    }
+  }
+}
+
+common::UniqueFd BlobStore::lock_unused(const std::string& key) const {
+  const auto path = use_path(key);
+  common::UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+  if (!fd) throw sys_error("open " + path.string(), errno);
+  while (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EWOULDBLOCK) return {};
+    if (errno != EINTR) throw sys_error("flock " + path.string(), errno);
+  }
+  return fd;
+}
+
+bool BlobStore::in_use(const std::string& key) const { return !lock_unused(key); }
+
+std::multimap<std::string, ChunkLocation> BlobStore::chunks_in_copies() const {
+  std::multimap<std::string, ChunkLocation> out;
+  for (const auto& s : list()) {
+    if (s.materialised.empty() || ::access((s.materialised / kManifestName).c_str(), F_OK) != 0) {
+      continue;
+    }
+    if (auto layout = snapshot(s.key)) out.merge(chunk_locations(*layout, s.materialised));
+  }
+  return out;
+}
+
+void BlobStore::remove_snapshot(const CachedSnapshot& s, common::UniqueFd lock) const {
+  sfs::path hidden;
+  if (!s.materialised.empty() && ::access(s.materialised.c_str(), F_OK) == 0) {
+    // Out of sight first (a restore looks for PULLED/HEX/manifest.json), then removed: a
+    // removal cut short leaves a hidden directory, never a half snapshot under its name.
+    hidden = s.materialised.parent_path() / ("." + s.key + ".evicted-" + fs::random_id());
+    if (::rename(s.materialised.c_str(), hidden.c_str()) != 0) {
+      throw sys_error("rename " + s.materialised.string(), errno);
+    }
+  }
+  std::error_code ec;
+  sfs::remove(root_ / "snapshots" / (s.key + ".json"), ec);
+  ::unlink(use_path(s.key).c_str());
+  lock.reset();
+  if (!hidden.empty()) fs::remove_tree_noexcept(hidden);
 }
 
 std::optional<Layout> BlobStore::snapshot(const std::string& key) const {
@@ -225,8 +357,17 @@ std::vector<CachedSnapshot> BlobStore::list() const {
       auto doc = json::parse(text);
       auto layout = Layout::from_json(doc.at("layout"));
       const int64_t used = mtime_ns(e.path());
-      out.push_back({name.substr(0, 64), doc.at("reference").get<std::string>(),
-                     layout.apparent_bytes(), layout.stored_bytes(), used / 1000000000LL, used});
+      const std::string key = name.substr(0, 64);
+      CachedSnapshot s{key,
+                       doc.at("reference").get<std::string>(),
+                       layout.apparent_bytes(),
+                       layout.stored_bytes(),
+                       used / 1000000000LL,
+                       used,
+                       materialised_of(doc, key),
+                       0};
+      if (!s.materialised.empty()) s.materialised_bytes = allocated_bytes(s.materialised);
+      out.push_back(std::move(s));
     } catch (const std::exception&) {
       continue;  // a damaged record is not listed; evict() removes its blobs
     }
@@ -244,27 +385,53 @@ EvictResult BlobStore::evict(uint64_t budget, const std::string& keep) {
   EvictResult r;
   try {
     auto snaps = list();  // most recent first
-    std::map<std::string, uint64_t> blob_sizes;
     std::vector<std::vector<BlobInfo>> blobs_of(snaps.size());
+    // The exclusive use lock of each snapshot nobody uses, held until it is kept or removed:
+    // a restore that starts meanwhile waits, then finds the snapshot gone and pulls it again.
+    std::vector<common::UniqueFd> unused(snaps.size());
     for (size_t i = 0; i < snaps.size(); ++i) {
       if (auto l = snapshot(snaps[i].key)) blobs_of[i] = l->blobs();
+      if (snaps[i].key != keep) unused[i] = lock_unused(snaps[i].key);
     }
-    // Keep snapshots most recent first while their blobs (each counted once) fit.
+    // The blobs there are: a snapshot's uncompressed chunks may be in its copy alone.
+    std::map<std::string, uint64_t> on_disk;
+    for (const auto& e : sfs::directory_iterator(root_ / "blobs" / "sha256")) {
+      std::error_code ec;
+      const auto size = e.file_size(ec);
+      if (!ec) on_disk[std::string(kSha256Prefix) + e.path().filename().string()] = size;
+    }
     std::set<std::string> kept_blobs;
     uint64_t kept = 0;
-    for (size_t i = 0; i < snaps.size(); ++i) {
-      uint64_t extra = 0;
+    auto cost = [&](size_t i) {
+      uint64_t extra = snaps[i].materialised_bytes;
       for (const auto& b : blobs_of[i]) {
-        if (!kept_blobs.count(b.digest)) extra += b.size;
+        auto it = on_disk.find(b.digest);
+        if (it != on_disk.end() && !kept_blobs.count(b.digest)) extra += it->second;
       }
-      if (snaps[i].key == keep || kept + extra <= budget) {
-        kept += extra;
-        for (const auto& b : blobs_of[i]) kept_blobs.insert(b.digest);
+      return extra;
+    };
+    auto keep_it = [&](size_t i) {
+      kept += cost(i);
+      for (const auto& b : blobs_of[i]) kept_blobs.insert(b.digest);
+    };
+    // What cannot leave is counted first; the others then stay, most recent first, while they
+    // fit beside it.
+    for (size_t i = 0; i < snaps.size(); ++i) {
+      if (unused[i]) continue;
+      keep_it(i);
+      if (snaps[i].key != keep) r.in_use.push_back(snaps[i].key);
+    }
+    for (size_t i = 0; i < snaps.size(); ++i) {
+      if (!unused[i]) continue;
+      if (kept + cost(i) <= budget) {
+        keep_it(i);
       } else {
-        sfs::remove(root_ / "snapshots" / (snaps[i].key + ".json"));
+        remove_snapshot(snaps[i], std::move(unused[i]));
         r.evicted.push_back(snaps[i].key);
       }
     }
+    // Only the snapshots over the budget that are in use are worth naming.
+    if (kept <= budget) r.in_use.clear();
     for (const auto& e : sfs::directory_iterator(root_ / "blobs" / "sha256")) {
       const std::string digest = std::string(kSha256Prefix) + e.path().filename().string();
       if (kept_blobs.count(digest)) continue;
@@ -279,6 +446,26 @@ EvictResult BlobStore::evict(uint64_t budget, const std::string& keep) {
     for (const auto& e : sfs::directory_iterator(root_ / "tmp")) {
       std::error_code ec;
       sfs::remove(e.path(), ec);
+    }
+    // Copies whose removal an eviction killed midway left under their hidden names.
+    std::set<sfs::path> copies_dirs;
+    for (const auto& snap : snaps) {
+      if (!snap.materialised.empty()) copies_dirs.insert(snap.materialised.parent_path());
+    }
+    for (const auto& dir : copies_dirs) {
+      std::error_code ec;
+      for (const auto& e : sfs::directory_iterator(dir, ec)) {
+        const std::string name = e.path().filename().string();
+        if (name.starts_with(".") && name.find(".evicted-") != std::string::npos) {
+          fs::remove_tree_noexcept(e.path());
+        }
+      }
+    }
+    // Use locks of snapshots no longer recorded (a pull that failed), unless held.
+    for (const auto& e : sfs::directory_iterator(root_ / "uses")) {
+      const std::string key = e.path().filename().string();
+      if (!valid_digest(std::string(kSha256Prefix) + key) || recorded(key)) continue;
+      if (auto lock = lock_unused(key)) ::unlink(e.path().c_str());
     }
     r.bytes_kept = kept;
   } catch (...) {

@@ -26,8 +26,9 @@ std::vector<args::FlagSpec> cache_flags() {
   return {{"--cache", "", "DIR",
            "the node cache of pulled snapshots (default " + std::string(kDefaultCache) + ")"},
           {"--cache-budget-mib", "", "MIB",
-           "keep the cache within MIB, least recently used snapshots leaving first "
-           "(default 65536)"}};
+           "keep what the node holds for pulled snapshots (chunks and the copies under "
+           "RUN_DIR/pulled) within MIB, least recently used leaving first, never one being "
+           "restored (default 65536)"}};
 }
 
 std::string cache_flag(const args::Args& args) { return args.get("--cache", kDefaultCache); }

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <exception>
 
 #include "artifact/writer.h"
 #include "common/fd.h"
@@ -57,6 +58,21 @@ void materialise(const Layout& layout, const sfs::path& dest, const BlobSource& 
                  const MaterialiseOptions& options, Reporter& reporter) {
   const Manifest manifest = Manifest::from_json(layout.manifest);
   artifact::ArtifactWriter writer(dest);
+  // Destroyed before the writer: on a failure it tells the writer to keep what was written.
+  class KeepOnFailure {
+   public:
+    KeepOnFailure(artifact::ArtifactWriter& writer, bool keep) : writer_(writer), keep_(keep) {}
+    KeepOnFailure(const KeepOnFailure&) = delete;
+    KeepOnFailure& operator=(const KeepOnFailure&) = delete;
+    ~KeepOnFailure() {
+      if (keep_ && std::uncaught_exceptions() > exceptions_) writer_.keep_staging();
+    }
+
+   private:
+    artifact::ArtifactWriter& writer_;
+    bool keep_;
+    int exceptions_ = std::uncaught_exceptions();
+  } keep_on_failure(writer, options.keep_partial);
   // Root-only: the artifact holds a process's memory.
   sfs::permissions(writer.staging(), sfs::perms::owner_all, sfs::perm_options::replace);
   Phases phases(reporter);

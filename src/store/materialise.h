@@ -35,6 +35,9 @@ struct MaterialiseOptions {
   // Order in which files are written: by default CRIU's images first, host images last (a
   // restore can start on the CPU images while GPU memory still arrives).
   std::string progress_name = "materialise";
+  // On a failure the staging directory stays, hidden, with what was written: a pull resumes
+  // from it (store/transfer.h). Otherwise it is removed.
+  bool keep_partial = false;
   ArrivalHooks arrival;
 };
 

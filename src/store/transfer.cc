@@ -1,9 +1,16 @@
 #include "store/transfer.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+
 #include <atomic>
+#include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 
+#include "artifact/writer.h"
+#include "common/fd.h"
 #include "common/fs.h"
 #include "gpusnap/error.h"
 #include "store/blob_store.h"
@@ -133,6 +140,45 @@ RemoteSnapshot read_remote_with(Registry& registry) {
   return {registry.ref(), digest, std::move(m), std::move(layout)};
 }
 
+// The staging directories that pulls of the same node copy left (killed, or failed with
+// MaterialiseOptions::keep_partial), locked for as long as their chunks may be read: no sweep
+// (ArtifactWriter::remove_stale_staging) removes a locked one. A staging directory a live
+// writer holds is locked by it and skipped. Those of other snapshots that nobody holds are
+// removed: what a node keeps of pulls that did not finish is the last one's (its owner's PID
+// says nothing here: an agent restarted in its own PID namespace has the same one).
+class Partials {
+ public:
+  explicit Partials(const std::filesystem::path& output) {
+    std::error_code ec;
+    const std::string name = output.filename().string();
+    for (const auto& e : std::filesystem::directory_iterator(output.parent_path(), ec)) {
+      const std::string entry = e.path().filename().string();
+      if (!artifact::ArtifactWriter::is_staging(entry)) continue;
+      common::UniqueFd fd(
+          ::open(e.path().c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+      if (!fd || ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) continue;
+      if (artifact::ArtifactWriter::is_staging_of(entry, name)) {
+        held_.emplace_back(e.path(), std::move(fd));
+      } else {
+        fs::remove_tree_noexcept(e.path());
+      }
+    }
+  }
+  std::vector<std::filesystem::path> dirs() const {
+    std::vector<std::filesystem::path> out;
+    for (const auto& [dir, fd] : held_) out.push_back(dir);
+    return out;
+  }
+  // Once the copy is complete: what they held is in it.
+  void remove() noexcept {
+    for (auto& [dir, fd] : held_) fs::remove_tree_noexcept(dir);
+    held_.clear();
+  }
+
+ private:
+  std::vector<std::pair<std::filesystem::path, common::UniqueFd>> held_;
+};
+
 }  // namespace
 
 SnapshotSizes SnapshotSizes::of(const Layout& layout) {
@@ -218,14 +264,29 @@ PullResult pull(const OciRef& ref, const PullOptions& o, Reporter& reporter) {
     if (o.check) o.check(Manifest::from_json(s.layout.manifest));
     return s;
   });
+  const std::string key = digest_hex(snap.digest);
+  if (o.output_in_cache && (!o.output.is_absolute() || o.output.filename() != key)) {
+    throw Error(ErrorKind::kInternal,
+                "the node's copy of " + key + " would be " + o.output.string(),
+                "pull a node's copy into an absolute PULLED/HEX, HEX its manifest's digest");
+  }
   BlobStore cache(o.cache);
   PullResult r;
+  // Where chunks already on this node lie besides blobs/: in the node copies there are, and,
+  // for a node copy, in what an earlier pull of it that was killed or failed left.
+  std::multimap<std::string, ChunkLocation> located = cache.chunks_in_copies();
+  std::optional<Partials> partials;
+  if (o.output_in_cache) {
+    partials.emplace(o.output);
+    for (const auto& dir : partials->dirs()) located.merge(chunk_locations(snap.layout, dir));
+  }
   std::atomic<uint64_t> fetched{0}, bytes_fetched{0}, cached{0}, bytes_cached{0};
   phases.run("fetch", [&] {
     MaterialiseOptions mo;
     mo.threads = o.transfer.jobs;
     mo.progress_name = "fetch";
     mo.arrival = o.arrival;
+    mo.keep_partial = o.output_in_cache;
     materialise(
         snap.layout, o.output,
         [&](const BlobInfo& b) {
@@ -239,18 +300,30 @@ PullResult pull(const OciRef& ref, const PullOptions& o, Reporter& reporter) {
               // Damaged in the cache (and removed there): fetched again below.
             }
           }
+          for (auto [at, end] = located.equal_range(b.digest); at != end; ++at) {
+            if (auto data = read_located(at->second, b.digest)) {
+              ++cached;
+              bytes_cached += data->size();
+              if (!o.output_in_cache) cache.put(b.digest, *data);
+              return std::move(*data);
+            }
+          }
           std::string data = registry.fetch_blob(b.digest, b.size);
-          cache.put(b.digest, data);
+          // Written once: an uncompressed chunk of a node copy is kept by the copy itself.
+          if (!o.output_in_cache || b.encoding != Encoding::kRaw) cache.put(b.digest, data);
           ++fetched;
           bytes_fetched += data.size();
           return data;
         },
         mo, reporter);
   });
-  const std::string key = digest_hex(snap.digest);
+  if (partials) partials->remove();
   phases.run("cache", [&] {
-    cache.record_snapshot(key, ref.by_digest(snap.digest), snap.layout);
-    r.evicted = cache.evict(o.cache_budget, key).evicted;
+    cache.record_snapshot(key, ref.by_digest(snap.digest), snap.layout,
+                          o.output_in_cache ? o.output : std::filesystem::path());
+    auto evicted = cache.evict(o.cache_budget, key);
+    r.evicted = std::move(evicted.evicted);
+    r.kept_in_use = std::move(evicted.in_use);
   });
   r.reference = ref.by_digest(snap.digest);
   r.digest = snap.digest;
@@ -262,6 +335,26 @@ PullResult pull(const OciRef& ref, const PullOptions& o, Reporter& reporter) {
   r.bytes_from_cache = bytes_cached;
   r.phases = phases.timings();
   return r;
+}
+
+NodeCopy node_copy(const std::filesystem::path& cache, const std::filesystem::path& copies,
+                   const OciRef& by_digest, const std::function<Layout()>& layout) {
+  namespace sfs = std::filesystem;
+  sfs::create_directories(copies);
+  sfs::permissions(copies, sfs::perms::owner_all, sfs::perm_options::replace);
+  const std::string key = digest_hex(by_digest.digest);
+  NodeCopy c{sfs::absolute(copies).lexically_normal() / key, {}, false};
+  // The cache's own lock is released on return, before the caller's pull: its eviction needs
+  // the cache alone.
+  BlobStore store(cache);
+  c.use = store.use(key);
+  if (!sfs::exists(c.path / kManifestName)) return c;  // complete only: it appears by rename
+  if (!store.recorded(key)) {
+    store.record_snapshot(key, by_digest.by_digest(by_digest.digest), layout(), c.path);
+  }
+  store.touch(key);
+  c.found = true;
+  return c;
 }
 
 ImportResult import_artifact(const std::filesystem::path& path, const std::filesystem::path& cache,

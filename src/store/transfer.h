@@ -16,9 +16,12 @@
 // push: open -> upload (chunk; per distinct chunk one POST that mounts it when the repository
 //       holds it and else starts its upload, then the PUT) -> manifest
 // pull: manifest (OCI manifest and layout; the caller's host check, before any chunk) ->
-//       fetch (chunks from the node cache, or from the registry checked against their digest
-//       as they arrive and kept in the cache; files written as chunks come) -> cache (record the
-//       snapshot, evict to the budget)
+//       fetch (chunks from the node cache (its blobs, the node copies there are, a dead pull's
+//       staging of the same copy), or from the registry checked against their digest as they
+//       arrive; files written as chunks come) -> cache (record the snapshot, evict to the
+//       budget). Into a node copy each uncompressed chunk is written once, into the copy, which
+//       then holds it for the cache; compressed ones (and every chunk of a pull into a caller's
+//       directory) are kept in the cache's blobs too.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +33,7 @@
 
 #include "gpusnap/artifact.h"
 #include "gpusnap/phases.h"
+#include "store/blob_store.h"
 #include "store/chunker.h"
 #include "store/layout.h"
 #include "store/materialise.h"
@@ -86,6 +90,14 @@ RemoteSnapshot read_remote(const OciRef& ref, const TransferOptions& options);
 struct PullOptions {
   TransferOptions transfer;
   std::filesystem::path output;  // must not exist
+  // The output is the node's copy for restore (RUN_DIR/pulled/HEX, named by the manifest's
+  // digest; node_copy() below): recorded with the snapshot, counted in the cache's budget and
+  // removed when the snapshot leaves the cache. Its uncompressed chunks are written there only
+  // (not to the cache's blobs as well); a pull that fails or is killed leaves its staging
+  // directory, hidden, and the next pull of the same copy reads the chunks it holds (each
+  // checked against its digest) instead of fetching them, then removes it. False for a
+  // directory of the caller's (`pull -o`): every chunk is kept in the cache's blobs.
+  bool output_in_cache = false;
   std::filesystem::path cache = "/var/lib/gpusnap/cache";
   uint64_t cache_budget = 64ull << 30;
   // Called with the snapshot's manifest before any chunk is fetched; throws to refuse (a host
@@ -105,10 +117,24 @@ struct PullResult {
   uint64_t chunks_from_cache = 0;
   uint64_t bytes_from_cache = 0;
   std::vector<std::string> evicted;
+  std::vector<std::string> kept_in_use;  // over the budget, but in use: kept
   std::vector<PhaseTiming> phases;
 };
 
 PullResult pull(const OciRef& ref, const PullOptions& options, Reporter& reporter);
+
+// The node's copy of the snapshot whose manifest has `digest`: COPIES/HEX (COPIES is
+// RUN_DIR/pulled), held in use from before it is looked for, so that no eviction removes it
+// while the caller uses it. `found`: complete there (touched as just used; recorded, with
+// `layout()`, when an older gpusnap left it uncounted). Otherwise the caller pulls into `path`
+// with PullOptions::output_in_cache. Creates COPIES (0700).
+struct NodeCopy {
+  std::filesystem::path path;
+  SnapshotUse use;
+  bool found = false;
+};
+NodeCopy node_copy(const std::filesystem::path& cache, const std::filesystem::path& copies,
+                   const OciRef& by_digest, const std::function<Layout()>& layout);
 
 // Adds a local artifact to the node's store (its chunks, each once). Returns the bytes it
 // added: what a second capture of the same workload costs the store.

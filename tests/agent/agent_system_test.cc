@@ -1193,8 +1193,11 @@ TEST_F(AgentsAndRegistry, AKilledPullLeavesNothingAndThePrefetchAgainResumes) {
   b_->kill();
   const auto pulled = b_dir_ / "run" / "pulled";
   for (const auto& name : entries(pulled)) EXPECT_EQ(name[0], '.') << name;  // staging only
+  const auto partial = entries(pulled);
+  ASSERT_FALSE(partial.empty());
   b_->start();
-  EXPECT_EQ(entries(pulled), std::vector<std::string>{});  // the dead pull's staging removed
+  // The dead pull's staging stays, hidden: its uncompressed chunks are written nowhere else.
+  EXPECT_EQ(entries(pulled), partial);
   auto op = b_->get("/v1/operations/" + id).doc;
   EXPECT_EQ(op["state"], "failed") << op.dump(2);
   // The phase is the pull's innermost (fetch, or the writing of the files it runs).
@@ -1209,6 +1212,10 @@ TEST_F(AgentsAndRegistry, AKilledPullLeavesNothingAndThePrefetchAgainResumes) {
   auto again = b_->run("/v1/prefetch", {{"reference", reference}});
   ASSERT_EQ(again["state"], "succeeded") << again.dump(2);
   EXPECT_GT(again["result"]["chunks_from_cache"].get<uint64_t>(), 0U) << again.dump(2);
+  // Read from the dead pull's staging, which then goes: the copy alone is left.
+  EXPECT_EQ(entries(pulled),
+            std::vector<std::string>{again["result"]["reference"].get<std::string>().substr(
+                again["result"]["reference"].get<std::string>().find("sha256:") + 7)});
   std::printf(
       "after the kill: %llu chunks fetched, %llu from the node cache\n",
       static_cast<unsigned long long>(again["result"]["chunks_fetched"].get<uint64_t>()),

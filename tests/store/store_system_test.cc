@@ -9,11 +9,15 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "common/fd.h"
 #include "common/fs.h"
+#include "common/subprocess.h"
+#include "criu/criu.h"
 #include "gpu/driver.h"
 #include "gpusnap/artifact.h"
 #include "store/registry.h"
@@ -71,6 +75,11 @@ size_t files_in(const sfs::path& dir) {
   if (!sfs::exists(dir)) return 0;
   return static_cast<size_t>(
       std::distance(sfs::directory_iterator(dir), sfs::directory_iterator()));
+}
+
+// A figure for the test log, as the GPU tests print theirs: "RESULT NAME JSON".
+void print_result(const std::string& name, const json& doc) {
+  std::printf("RESULT %s %s\n", name.c_str(), doc.dump().c_str());
 }
 
 mode_t mode_of(const sfs::path& p) {
@@ -396,11 +405,9 @@ TEST(StoreRegistry, SecondCaptureOfTheSameWorkloadAddsLittle) {
   EXPECT_EQ(da.at("new_bytes"), da.at("stored_bytes"));
   const double added = db.at("new_bytes").get<double>() / db.at("stored_bytes").get<double>();
   EXPECT_LE(added, 0.10) << b.out;
-  std::printf("RESULT dedup_second_capture %s\n", json{{"stored_bytes", db.at("stored_bytes")},
-                                                       {"new_bytes", db.at("new_bytes")},
-                                                       {"fraction_new", added}}
-                                                      .dump()
-                                                      .c_str());
+  print_result("dedup_second_capture", {{"stored_bytes", db.at("stored_bytes")},
+                                        {"new_bytes", db.at("new_bytes")},
+                                        {"fraction_new", added}});
 
   // The registry too: the second push uploads only what the first lacked.
   push(registry, first, "r/s:a");
@@ -445,6 +452,250 @@ TEST(StoreRegistry, NodeCacheKeepsItsBudgetLeastRecentlyUsedFirst) {
   // Pulled again, the evicted one is fetched again; the others were not touched.
   auto again = pull(0, "1000");
   EXPECT_GT(again.at("chunks_fetched").get<int>(), 0);
+}
+
+// The node cache's view (`gpusnap list --cache DIR --json`).
+json cache_list(const sfs::path& cache) {
+  auto r = gpusnap({"list", "--cache", cache.string(), "--json"});
+  if (r.exit_code != 0) throw std::runtime_error("list --cache: " + r.err);
+  return json::parse(r.out);
+}
+
+std::vector<std::string> listed_references(const json& list) {
+  std::vector<std::string> out;
+  for (const auto& s : list.at("snapshots")) out.push_back(s.at("reference"));
+  return out;
+}
+
+// What restore oci:// materialises under RUN_DIR/pulled counts in the cache's budget with the
+// chunks: three snapshots restored where the budget holds two. The least recently used leaves
+// with its copy; one whose restore is running stays, even as the least recently used.
+TEST(StoreRegistry, RestoreCopiesStayWithinTheCacheBudgetAndTheOneInUseStays) {
+  SKIP_WITHOUT_REGISTRY();
+  TempDir dir;
+  LocalRegistry registry(dir, {});
+  std::vector<Capture> caps;
+  std::vector<std::string> refs;
+  for (const char* seed : {"11", "22", "33"}) {
+    caps.push_back(capture(dir, std::string("s") + seed, "24", seed));
+    refs.push_back(push(registry, caps.back(), std::string("r/s:") + seed).at("reference"));
+  }
+  const auto cache = dir / "cache";
+  const auto run = dir / "run";
+  const auto pulled = run / "pulled";
+  auto key = [&](size_t i) { return refs[i].substr(refs[i].find("sha256:") + 7); };
+  // A restore of snapshot i from the registry: its copy answers with the snapshot's seed.
+  auto restore_args = [&](size_t i, const std::string& budget_mib) {
+    return std::vector<std::string>{"restore",
+                                    refs[i],
+                                    "--plain-http",
+                                    "--cache",
+                                    cache.string(),
+                                    "--run-dir",
+                                    run.string(),
+                                    "--publish",
+                                    std::to_string(caps[i].port),
+                                    "--cache-budget-mib",
+                                    budget_mib,
+                                    "--json",
+                                    "-q"};
+  };
+  auto restore = [&](size_t i, const std::string& budget_mib) {
+    auto r = gpusnap(restore_args(i, budget_mib));
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    auto doc = json::parse(r.out);
+    Copies copies{doc};
+    EXPECT_EQ(field(ask(copies.port(0), "INFO"), "seed"), caps[i].seed);
+    return doc;
+  };
+
+  restore(0, "100000");
+  const auto one = cache_list(cache);
+  ASSERT_EQ(one.at("snapshots").size(), 1u);
+  const auto& first = one.at("snapshots")[0];
+  // The copy restore made is the cache's: recorded where it is, and counted.
+  EXPECT_EQ(first.at("materialised"), (pulled / key(0)).string());
+  EXPECT_GT(first.at("materialised_bytes").get<uint64_t>(), 16ull << 20);
+  EXPECT_EQ(one.at("bytes").get<uint64_t>(),
+            one.at("chunk_bytes").get<uint64_t>() + one.at("materialised_bytes").get<uint64_t>());
+  EXPECT_FALSE(first.at("in_use").get<bool>());
+  // Room for two such snapshots, not three (their memory differs: other seeds).
+  const uint64_t budget_bytes = one.at("bytes").get<uint64_t>() * 5 / 2;
+  const std::string budget = std::to_string(budget_bytes >> 20);
+
+  // A restore of snapshot 0 held before CRIU's restore (a criu that waits while a gate file
+  // exists): the snapshot is in use for as long as the test keeps the gate.
+  const auto gate = dir / "gate";
+  const auto reached = dir / "reached";
+  const auto slow_criu = dir / "slow-criu";
+  fs::write_file(gate, "");
+  fs::write_file(slow_criu, "#!/bin/sh\nif [ \"$1\" = restore ]; then\n  : > " + reached.string() +
+                                "\n  while [ -e " + gate.string() +
+                                " ]; do sleep 0.05; done\nfi\nexec " + criu::locate("").path +
+                                " \"$@\"\n");
+  ::chmod(slow_criu.c_str(), 0700);
+  const auto held_out = dir / "held.out";
+  common::UniqueFd out_fd(::open(held_out.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  common::SpawnOptions o;
+  o.argv = restore_args(0, budget);
+  o.argv.insert(o.argv.begin(), gpusnap_bin());
+  o.argv.insert(o.argv.end(), {"--criu", slow_criu.string()});
+  o.stdout_fd = out_fd.get();
+  const auto held_err = dir / "held.err";
+  common::UniqueFd err_fd(::open(held_err.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  o.stderr_fd = err_fd.get();
+  common::Subprocess held(o);
+  // Whatever happens below, the held restore goes on and ends (its criu never left waiting).
+  struct OpenGate {
+    const sfs::path& gate;
+    common::Subprocess& held;
+    ~OpenGate() {
+      ::unlink(gate.c_str());
+      held.wait(std::chrono::seconds(60));
+    }
+  } open_gate{gate, held};
+  ASSERT_TRUE(eventually([&] { return sfs::exists(reached); }, std::chrono::seconds(60)));
+  EXPECT_TRUE(cache_list(cache).at("snapshots")[0].at("in_use").get<bool>());
+
+  // Snapshot 1 fits beside it; snapshot 2 does not fit beside both: snapshot 1 leaves, though
+  // snapshot 0 was used before it, because snapshot 0's restore is still running.
+  restore(1, budget);
+  EXPECT_EQ(listed_references(cache_list(cache)), (std::vector<std::string>{refs[1], refs[0]}));
+  restore(2, budget);
+  auto two = cache_list(cache);
+  EXPECT_EQ(listed_references(two), (std::vector<std::string>{refs[2], refs[0]}));
+  EXPECT_LE(two.at("bytes").get<uint64_t>(), budget_bytes);
+  EXPECT_FALSE(sfs::exists(pulled / key(1)));
+  EXPECT_TRUE(sfs::exists(pulled / key(0) / "manifest.json"));
+
+  // The held restore ends well: its copy has snapshot 0's memory.
+  ::unlink(gate.c_str());
+  auto status = held.wait(std::chrono::seconds(120));
+  ASSERT_TRUE(status && status->ok()) << fs::read_file(held_err);
+  {
+    Copies copies{json::parse(fs::read_file(held_out))};
+    EXPECT_EQ(field(ask(copies.port(0), "INFO"), "seed"), caps[0].seed);
+  }
+
+  // In use no more, snapshot 0 is the least recently used: snapshot 1, restored again, takes its
+  // place (fetched again: its chunks had left with it).
+  auto again = gpusnap(restore_args(1, budget));
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  Copies copies{json::parse(again.out)};
+  auto three = cache_list(cache);
+  EXPECT_EQ(listed_references(three), (std::vector<std::string>{refs[1], refs[2]}));
+  EXPECT_LE(three.at("bytes").get<uint64_t>(), budget_bytes);
+  EXPECT_FALSE(sfs::exists(pulled / key(0)));
+  EXPECT_TRUE(sfs::exists(pulled / key(2) / "manifest.json"));
+  // Nothing of the evicted snapshots is left in the run directory, hidden or not.
+  EXPECT_EQ(files_in(pulled), 2u);
+  for (const auto& s : three.at("snapshots")) {
+    EXPECT_EQ(mode_of(s.at("materialised").get<std::string>()), 0700u);
+  }
+}
+
+// The digests of a pushed snapshot's chunks stored compressed (media type ...+zstd).
+std::set<std::string> zstd_chunks(const json& manifest) {
+  std::set<std::string> out;
+  for (const auto& l : manifest.at("layers")) {
+    if (l.at("mediaType") == "application/vnd.gpusnap.chunk.v1+zstd") {
+      out.insert(l.at("digest").get<std::string>().substr(7));
+    }
+  }
+  return out;
+}
+
+std::set<std::string> names_in(const sfs::path& dir) {
+  std::set<std::string> out;
+  for (const auto& e : sfs::directory_iterator(dir)) out.insert(e.path().filename().string());
+  return out;
+}
+
+// Bytes allocated to the files under `dir` (0 when it does not exist).
+uint64_t allocated(const sfs::path& dir) {
+  uint64_t n = 0;
+  std::error_code ec;
+  for (sfs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    struct stat st {};
+    if (::lstat(it->path().c_str(), &st) == 0 && S_ISREG(st.st_mode)) n += st.st_blocks * 512ull;
+  }
+  return n;
+}
+
+// A pull into the node's copy (RUN_DIR/pulled/HEX, as restore oci:// and the agent make it)
+// writes each uncompressed chunk once, into the copy: the cache's blobs hold only compressed
+// ones. Killed, it resumes from what it had written; a snapshot sharing chunks with a copy
+// there reads them from it.
+TEST(StoreRegistry, ANodeCopyHoldsItsChunksOnceAndAKilledPullOfItResumes) {
+  SKIP_WITHOUT_REGISTRY();
+  TempDir dir;
+  LocalRegistry registry(dir, {});
+  auto snap = capture(dir, "snap", "48", "5");
+  const json pushed = push(registry, snap, "r/s:v1");
+  const size_t chunks = pushed.at("chunks");
+  const std::string key = pushed.at("digest").get<std::string>().substr(7);
+  const auto compressed = zstd_chunks(raw_manifest(registry, "r/s:v1"));
+  ASSERT_LT(compressed.size(), chunks) << "no uncompressed chunk to test";
+
+  const auto cache = dir / "cache";
+  const auto run = dir / "run";
+  const auto pulled = run / "pulled";
+  const auto blobs = cache / "blobs" / "sha256";
+  auto pull_args = [&](const std::string& ref) {
+    return std::vector<std::string>{
+        "pull", ref, "--run-dir", run.string(), "--cache", cache.string(), "--plain-http"};
+  };
+  {
+    // One chunk at a time at 16 MiB/s: killed once several chunks are in its staging directory.
+    common::SpawnOptions o;
+    o.argv = pull_args(registry.ref("r/s:v1"));
+    o.argv.insert(o.argv.begin(), gpusnap_bin());
+    o.argv.insert(o.argv.end(), {"--jobs", "1", "--max-rate-mib", "16", "-q"});
+    common::Subprocess slow(o);
+    ASSERT_TRUE(eventually([&] { return sfs::exists(pulled) && allocated(pulled) >= (12u << 20); },
+                           std::chrono::seconds(30)));
+    slow.kill(SIGKILL);
+    slow.wait();
+  }
+  ASSERT_FALSE(sfs::exists(pulled / key));
+  for (const auto& name : names_in(blobs)) EXPECT_TRUE(compressed.count(name)) << name;
+
+  auto args = pull_args(registry.ref("r/s:v1"));
+  args.push_back("--json");
+  auto again = gpusnap(args);
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  auto doc = json::parse(again.out);
+  EXPECT_EQ(doc.at("artifact"), (pulled / key).string());
+  EXPECT_GT(doc.at("chunks_from_cache").get<size_t>(), 2u) << "fetched again: " << again.out;
+  EXPECT_EQ(doc.at("chunks_fetched").get<size_t>() + doc.at("chunks_from_cache").get<size_t>(),
+            chunks);
+  EXPECT_EQ(contents(pulled / key), contents(snap.path));
+  EXPECT_EQ(mode_of(pulled / key), 0700u);
+  // Written once: nothing but the compressed chunks in the cache, nothing left of the killed
+  // pull beside the copy.
+  for (const auto& name : names_in(blobs)) EXPECT_TRUE(compressed.count(name)) << name;
+  EXPECT_EQ(names_in(pulled), std::set<std::string>{key});
+  auto list = cache_list(cache);
+  EXPECT_EQ(list.at("materialised_bytes").get<uint64_t>(), allocated(pulled / key));
+  // Pulled again: already there.
+  EXPECT_EQ(json::parse(gpusnap(args).out).at("chunks_fetched"), 0);
+
+  // A second capture of the same workload: what the first copy holds is read from it.
+  auto second = capture(dir, "second", "48", "5");
+  const json pushed2 = push(registry, second, "r/s:v2");
+  args = pull_args(registry.ref("r/s:v2"));
+  args.push_back("--json");
+  auto d2 = gpusnap(args);
+  ASSERT_EQ(d2.exit_code, 0) << d2.err;
+  auto doc2 = json::parse(d2.out);
+  const double fetched =
+      doc2.at("bytes_fetched").get<double>() / doc2.at("stored_bytes").get<double>();
+  EXPECT_LE(fetched, 0.25) << d2.out;
+  print_result("node_copy_dedup", {{"stored_bytes", doc2.at("stored_bytes")},
+                                   {"bytes_fetched", doc2.at("bytes_fetched")},
+                                   {"fraction_fetched", fetched}});
+  EXPECT_EQ(contents(pulled / pushed2.at("digest").get<std::string>().substr(7)),
+            contents(second.path));
 }
 
 TEST(StoreRegistry, AnotherGpuRefusesAfterTheManifestAlone) {

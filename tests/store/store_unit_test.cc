@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <random>
 #include <set>
+#include <thread>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -291,6 +292,69 @@ TEST(Store, ADamagedChunkInTheCacheIsRemovedAndReported) {
               "chunk " + digest + " in the node cache does not match its digest");
   }
   EXPECT_FALSE(blobs.has(digest));
+}
+
+// Node copies (RUN_DIR/pulled/KEY) count in the cache's budget and leave with their snapshot,
+// least recently used first; a snapshot in use stays whatever the budget, and a record never
+// makes eviction remove a directory that is not named by its key.
+TEST(Store, EvictionTakesTheNodesCopyWithItsSnapshotAndLeavesOneInUse) {
+  TempDir dir;
+  auto src = make_artifact(dir / "src", 1 << 20, 1);
+  store::BlobStore cache(dir / "cache");
+  auto stored = chunk_into(src, cache);
+  const auto pulled = dir / "run" / "pulled";
+  sfs::create_directories(pulled);
+  // Three snapshots of the same bytes (their chunks shared, counted once), each with its copy.
+  std::vector<std::string> keys;
+  for (char c : {'a', 'b', 'c'}) {
+    keys.emplace_back(64, c);
+    sfs::copy(src, pulled / keys.back(), sfs::copy_options::recursive);
+    cache.record_snapshot(keys.back(), "oci://r/s:" + std::string(1, c), stored.layout,
+                          pulled / keys.back());
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // distinct last uses
+  }
+  auto listed = cache.list();
+  ASSERT_EQ(listed.size(), 3u);
+  EXPECT_EQ(listed[0].key, keys[2]);
+  const uint64_t copy = listed[0].materialised_bytes;
+  EXPECT_GT(copy, 4ull << 20);
+  const uint64_t chunks = cache.blob_bytes();
+  // Room for the chunks and two copies. With 'a' (the oldest) in use, 'b' leaves instead.
+  const uint64_t budget = chunks + 2 * copy + copy / 2;
+  {
+    auto in_use = cache.use(keys[0]);
+    EXPECT_TRUE(cache.in_use(keys[0]));
+    auto r = cache.evict(budget, keys[2]);
+    EXPECT_EQ(r.evicted, std::vector<std::string>{keys[1]});
+    EXPECT_LE(r.bytes_kept, budget);
+    EXPECT_FALSE(sfs::exists(pulled / keys[1]));
+    EXPECT_TRUE(sfs::exists(pulled / keys[0] / kManifestName));
+    // A budget that holds one copy: 'a' stays in use beyond it, named so.
+    r = cache.evict(chunks + copy, keys[2]);
+    EXPECT_EQ(r.evicted, std::vector<std::string>{});
+    EXPECT_EQ(r.in_use, std::vector<std::string>{keys[0]});
+  }
+  EXPECT_FALSE(cache.in_use(keys[0]));
+  // What an eviction killed while it removed a copy left under a hidden name goes too.
+  sfs::create_directories(pulled / ("." + keys[1] + ".evicted-0123") / "criu");
+  auto r = cache.evict(chunks + copy, keys[2]);
+  EXPECT_EQ(r.evicted, std::vector<std::string>{keys[0]});
+  EXPECT_FALSE(sfs::exists(pulled / keys[0]));
+  EXPECT_EQ(cache.blob_bytes(), chunks) << "chunks 'c' still uses left";
+  // Nothing hidden is left where the copies were, nor use locks of snapshots gone.
+  EXPECT_EQ(std::distance(sfs::directory_iterator(pulled), sfs::directory_iterator()), 1);
+  EXPECT_FALSE(sfs::exists(dir / "cache" / "uses" / keys[0]));
+  EXPECT_FALSE(sfs::exists(dir / "cache" / "uses" / keys[1]));
+
+  // A record naming a directory not named by its key (damaged, or written by hand): the
+  // snapshot leaves, the directory stays.
+  const std::string other(64, 'd');
+  sfs::create_directories(dir / "elsewhere");
+  cache.record_snapshot(other, "oci://r/s:d", stored.layout, dir / "elsewhere");
+  cache.touch(keys[2]);
+  r = cache.evict(0, keys[2]);
+  EXPECT_EQ(r.evicted, std::vector<std::string>{other});
+  EXPECT_TRUE(sfs::exists(dir / "elsewhere"));
 }
 
 }  // namespace
