@@ -78,12 +78,36 @@ rm -rf "$WORK/warm"
 
 RESULTS=$LOGS/runs.jsonl
 : >"$RESULTS"
+# The port of copy 0 in a restore's JSON, without starting a Python (whose start-up would
+# count in the time to the first answer).
+host_port() { grep -o '"host_port": *[0-9]*' "$1" | head -1 | grep -o '[0-9]*$'; }
+restore_and_check() {  # MODE ROUND ARTIFACT-NAME DISK-GBS: one restore, timed to the first answer
+  local mode=$1 round=$2 name=$3 disk_gbs=$4
+  local t1; t1=$(now)
+  "$GPUSNAP" restore "$WORK/$name" --publish "$(cat "$WORK/$name.port")" --json \
+    >"$LOGS/$mode-$round-restore.json" 2>"$LOGS/$mode-$round-restore.err"
+  local hport; hport=$(host_port "$LOGS/$mode-$round-restore.json")
+  local answer; answer=$(ask "$hport" CHECK)
+  local t_restore; t_restore=$(elapsed "$t1")
+  INITS+=("$(field "$LOGS/$mode-$round-restore.json" "['copies'][0]['init_pid']")")
+  local verify; verify=$(ask "$hport" VERIFY)
+  kill -9 "${INITS[-1]}" 2>/dev/null || true
+  python3 - "$mode" "$round" "$t_restore" "$answer" "$verify" "$(tier_bytes "$WORK/$name")" \
+    "$LOGS/$name-run.json" "$LOGS/$mode-$round-restore.json" "$disk_gbs" >>"$RESULTS" <<'PY'
+import json, sys
+mode, rnd, t, answer, verify, tb, run, restore, disk = sys.argv[1:]
+run, restore = json.load(open(run)), json.load(open(restore))
+print(json.dumps({"mode": mode, "round": int(rnd), "restore_to_answer_s": float(t), "answer": answer,
+                  "verify": verify, "tier_bytes": int(tb), "disk_read_gbs": json.loads(disk),
+                  "run": run, "restore": restore}))
+PY
+  echo "$mode round $round: restore to first correct answer $t_restore s ($answer; VERIFY $verify)" >&2
+}
 one() {  # one MODE ROUND: capture, restore, check
   local mode=$1 round=$2 name="$1-$2" flag
   [[ $mode == tier ]] && flag=--tier || flag=--no-tier
   "$GPUSNAP" run -o "$WORK/$name" --json -- python3 "$WORKLOAD" "$flag" --gib "$GIB" \
     --weights "$WEIGHTS" --ready-file "$WORK/$name.port" >"$LOGS/$name-run.json" 2>"$LOGS/$name-run.err"
-  local port; port=$(cat "$WORK/$name.port")
   local disk_gbs=null
   if [[ $COLD == 1 ]]; then
     sync
@@ -96,24 +120,12 @@ one() {  # one MODE ROUND: capture, restore, check
     fi
     echo 3 >/proc/sys/vm/drop_caches
   fi
-  local t1; t1=$(now)
-  "$GPUSNAP" restore "$WORK/$name" --publish "$port" --json >"$LOGS/$name-restore.json" 2>"$LOGS/$name-restore.err"
-  local hport; hport=$(field "$LOGS/$name-restore.json" "['copies'][0]['ports'][0]['host_port']")
-  local answer; answer=$(ask "$hport" CHECK)
-  local t_restore; t_restore=$(elapsed "$t1")
-  INITS+=("$(field "$LOGS/$name-restore.json" "['copies'][0]['init_pid']")")
-  local verify; verify=$(ask "$hport" VERIFY)
-  kill -9 "${INITS[-1]}" 2>/dev/null || true
-  python3 - "$mode" "$round" "$t_restore" "$answer" "$verify" "$(tier_bytes "$WORK/$name")" \
-    "$LOGS/$name-run.json" "$LOGS/$name-restore.json" "$disk_gbs" >>"$RESULTS" <<'PY'
-import json, sys
-mode, rnd, t, answer, verify, tb, run, restore, disk = sys.argv[1:]
-run, restore = json.load(open(run)), json.load(open(restore))
-print(json.dumps({"mode": mode, "round": int(rnd), "restore_to_answer_s": float(t), "answer": answer,
-                  "verify": verify, "tier_bytes": int(tb), "disk_read_gbs": json.loads(disk),
-                  "run": run, "restore": restore}))
-PY
-  echo "$mode round $round: restore to first correct answer $t_restore s ($answer; VERIFY $verify)" >&2
+  restore_and_check "$mode" "$round" "$name" "$disk_gbs"
+  # The tier's artifact restored again with its fill in the copy (no prefill), side by side.
+  if [[ $mode == tier ]]; then
+    if [[ $COLD == 1 ]]; then sync; echo 3 >/proc/sys/vm/drop_caches; fi
+    GPUSNAP_TIER_PREFILL=off restore_and_check tier-no-prefill "$round" "$name" "$disk_gbs"
+  fi
   rm -rf "$WORK/$name"
 }
 for round in $(seq 1 "$RUNS"); do
@@ -161,7 +173,8 @@ for r in runs:
                  "capture_s": round(capture, 3), "gpu_checkpoint_s": phase(cp, "gpu-checkpoint"),
                  "gpu_restore_s": phase(r["restore"], "gpu-restore"),
                  "drain_gbs": round(tb / drain / 1e9, 1) if tb and drain else None,
-                 "fill_gbs": round(tb / fill / 1e9, 1) if tb and fill else None,
+                 # With a prefill the copy's resume only takes the memory over: no fill rate.
+                 "fill_gbs": round(tb / fill / 1e9, 1) if tb and fill and r["mode"] != "tier" else None,
                  "disk_read_gbs": r["disk_read_gbs"], "ok": r["answer"].startswith("OK max_err=0 ")
                  and r["verify"].startswith("OK ")})
 json.dump({"gib": float(gib), "runs": runs, "rows": rows, "copies": copies},
@@ -172,7 +185,7 @@ with open(f"{outdir}/tier-{gib}.md", "w") as md:
     for r in rows:
         md.write(f"| {r['mode']} | {r['round']} | {r['restore_s']} | {r['capture_s']} | {r['gpu_checkpoint_s']} | "
                  f"{r['gpu_restore_s']} | {r['drain_gbs']} | {r['fill_gbs']} | {r['disk_read_gbs']} | {r['ok']} |\n")
-    for mode in ("transparent", "tier"):
+    for mode in ("transparent", "tier", "tier-no-prefill"):
         t = [r["restore_s"] for r in rows if r["mode"] == mode]
         if t:
             md.write(f"\n{mode}: median restore to answer {statistics.median(t)} s over {len(t)} runs\n")

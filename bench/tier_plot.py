@@ -17,7 +17,7 @@ def main():
     bars = []
     for measure, key, target in (("restore to answer", "restore_s", 1.0),
                                  ("capture", "capture_s", 2.0)):
-        for mode, colour in (("transparent", "#8a8a8a"), ("tier", "#2a6fdb")):
+        for mode, colour in (("transparent", "#8a8a8a"), ("tier", "#2a6fdb"), ("tier-no-prefill", "#9ecae1")):
             values = [r[key] for r in rows if r["mode"] == mode and r[key] is not None]
             if values:
                 bars.append((f"{measure}, {mode}", statistics.median(values), colour, target))

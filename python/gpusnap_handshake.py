@@ -70,6 +70,8 @@ class ResumeContext:
     gpu_map: dict = dataclasses.field(default_factory=dict)  # old GPU uuid -> new GPU uuid
     settings: dict = dataclasses.field(default_factory=dict)  # per-copy settings (str -> str)
     tier_dir: str = ""  # where the memory tier's files are (a copy: in the artifact); "" if none
+    # where gpusnap-tier-prefill offers this copy's memory tier filled ahead; "" if nowhere
+    tier_prefill_dir: str = ""
 
 
 @dataclasses.dataclass
@@ -196,7 +198,8 @@ def _parse_request(kind, data):
                                 artifact_id=artifact_id,
                                 gpu_map=_string_map(ctx, "gpu_map"),
                                 settings=_string_map(ctx, "settings"),
-                                tier_dir=_string(ctx, "tier_dir", "context."))
+                                tier_dir=_string(ctx, "tier_dir", "context."),
+                                tier_prefill_dir=_string(ctx, "tier_prefill_dir", "context."))
         return Request("resume", rid, context=context)
     except BadRequest as e:
         e.id = rid
@@ -377,8 +380,18 @@ class Client:
         cannot (the workload stays paused; a later resume retries). serve() calls it; the
         polling style calls it first when it handles a resume."""
         tier = self._tier()
-        if tier is not None and tier.drained:
-            tier.fill(request.context.tier_dir, request.context.gpu_map)
+        if tier is None or not tier.drained:
+            return
+        # Memory a prefill made and filled while the copy was restored is taken over first;
+        # whatever that does not cover (all of it, if it fails) the fill then copies itself.
+        prefill = request.context.tier_prefill_dir
+        if prefill and hasattr(tier, "adopt"):
+            try:
+                tier.adopt(prefill)
+            except TierError as e:
+                print(f"gpusnap handshake: the tier fills by itself: {e}", file=sys.stderr,
+                      flush=True)
+        tier.fill(request.context.tier_dir, request.context.gpu_map)
 
     # ---- the polling style ----------------------------------------------------------------
 
@@ -548,6 +561,9 @@ class MemoryTier:
         self._lib.gpusnap_tier_fill.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
                                                 ctypes.c_size_t]
         self._lib.gpusnap_tier_live_bytes.restype = ctypes.c_ulonglong
+        self._lib.gpusnap_tier_adopt.argtypes = [ctypes.c_char_p,
+                                                 ctypes.POINTER(ctypes.c_ulonglong),
+                                                 ctypes.c_char_p, ctypes.c_size_t]
 
     @property
     def drained(self):
@@ -561,6 +577,16 @@ class MemoryTier:
         error = ctypes.create_string_buffer(_ERROR_BYTES)
         if self._lib.gpusnap_tier_drain(os.fsencode(directory), error, _ERROR_BYTES) != 0:
             raise TierError(error.value.decode(errors="replace"))
+
+    def adopt(self, directory):
+        """Takes over the memory gpusnap-tier-prefill filled for this process (offered in
+        `directory`); returns the bytes taken. Raises TierError, having taken nothing."""
+        error = ctypes.create_string_buffer(_ERROR_BYTES)
+        adopted = ctypes.c_ulonglong(0)
+        if self._lib.gpusnap_tier_adopt(os.fsencode(directory), ctypes.byref(adopted), error,
+                                        _ERROR_BYTES) != 0:
+            raise TierError(error.value.decode(errors="replace"))
+        return adopted.value
 
     def fill(self, directory, gpu_map):
         error = ctypes.create_string_buffer(_ERROR_BYTES)

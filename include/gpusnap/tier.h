@@ -35,6 +35,14 @@ void tier_free(void* ptr, ssize_t size, int device, void* stream);
  * `tier_dir`), then releases the physical memory and keeps the addresses. On failure nothing is
  * released. */
 int gpusnap_tier_drain(const char* dir, char* error, size_t error_size);
+/* Takes over the memory gpusnap-tier-prefill made and filled for this process while the copy
+ * was restored, offered on the socket PID.sock in `dir` (the resume context's
+ * `tier_prefill_dir`); `*adopted` receives the bytes taken (0: nothing to take, or `dir` NULL or
+ * ""). On failure nothing it took stays mapped: gpusnap_tier_fill then fills everything. Call
+ * gpusnap_tier_fill afterwards in every case: it fills what is left and returns the tier to
+ * serving. */
+int gpusnap_tier_adopt(const char* dir, unsigned long long* adopted, char* error,
+                       size_t error_size);
 /* Maps memory at every address again and fills it from `dir` (NULL or "": the folder of the last
  * drain). `gpu_map` is "OLD=NEW;OLD=NEW" with GPU UUIDs (NULL or "": none). On failure nothing
  * stays mapped and the tier stays drained; calling it again retries. A no-op while serving. */

@@ -404,6 +404,16 @@ class Restore {
     if (arriving != nullptr) {
       phases_.run("await-criu-images", [&] { arriving->await_criu_images(); });
     }
+    // The tiers' fill done ahead, while CRIU and the driver restore the copies (engine/tier.h).
+    // Not for an artifact still arriving (its tier files are not there yet) nor a copy in a
+    // placeholder (the prefill's socket is not in its mounts).
+    std::optional<engine::TierPrefills> prefills;
+    if (gpu_plan.has_gpu_state && !artifact.manifest().control_dir.empty() && arriving == nullptr &&
+        !options_.into_container) {
+      std::map<std::string, std::string> gpu_map;
+      for (const auto& p : gpu_plan.pairs) gpu_map[p.old_uuid] = p.new_uuid;
+      prefills.emplace(options_.artifact, gpu_map, options_.replicas, options_.run_dir);
+    }
     std::vector<std::unique_ptr<Copy>> copies;
     phases_.run("criu-restore", [&] {
       for (int i = 0; i < options_.replicas; ++i) {
@@ -437,8 +447,13 @@ class Restore {
     }
     RestoreResult result;
     if (!artifact.manifest().control_dir.empty()) {
-      phases_.run("resume", [&] { resume(copies, artifact.manifest(), gpu_plan); });
+      phases_.run("resume", [&] {
+        resume(copies, artifact.manifest(), gpu_plan, prefills ? &*prefills : nullptr);
+      });
       result.handshake = true;
+    }
+    if (prefills) {
+      for (const auto& line : prefills->finish()) phases_.reporter().note(line);
     }
     phases_.run("release", [&] {
       for (auto& c : copies) {
@@ -454,7 +469,7 @@ class Restore {
  private:
   // Every copy is asked to resume with its own context, all at once; each must say RESUMED.
   void resume(std::vector<std::unique_ptr<Copy>>& copies, const Manifest& manifest,
-              const engine::GpuPlan& gpu_plan) {
+              const engine::GpuPlan& gpu_plan, const engine::TierPrefills* prefills) {
     nlohmann::json gpu_map = nlohmann::json::object();
     for (const auto& p : gpu_plan.pairs) gpu_map[p.old_uuid] = p.new_uuid;
     // Each copy's memory tier fills from the artifact itself (engine/tier.h).
@@ -473,7 +488,10 @@ class Restore {
                               {"artifact_id", manifest.id},
                               {"gpu_map", gpu_map},
                               {"settings", options_.settings},
-                              {"tier_dir", tier_dir}},
+                              {"tier_dir", tier_dir},
+                              {"tier_prefill_dir", prefills != nullptr
+                                                       ? prefills->context_dir(static_cast<int>(i))
+                                                       : nlohmann::json(std::string())}},
                              options_.handshake_timeout);
             handshake.clear_exchange();
           } catch (const Error& e) {

@@ -3,14 +3,24 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <fcntl.h>
+
 #include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
 #include <fstream>
+#include <optional>
+#include <random>
 #include <regex>
 #include <sstream>
 #include <string>
 #include <system_error>
 #include <vector>
 
+#include "common/fd.h"
+#include "common/fs.h"
+#include "common/subprocess.h"
 #include "gpusnap/error.h"
 
 namespace gpusnap::engine {
@@ -72,6 +82,7 @@ stdfs::path make_tier_dir(const stdfs::path& staging, pid_t pid) {
 TierContents check_tier_dir(const stdfs::path& dir) {
   static const std::regex kImage(R"(([0-9]{1,10})-w[0-9]{1,4}\.img)");
   static const std::regex kIndex(R"([0-9]{1,10}\.json)");
+  static const std::regex kLayout(R"([0-9]{1,10}\.layout)");
   TierContents contents;
   std::vector<stdfs::path> indexes;
   std::error_code ec;
@@ -89,8 +100,12 @@ TierContents check_tier_dir(const stdfs::path& dir) {
         throw bad_entry(dir, name, "an index larger than 1 MiB");
       }
       indexes.push_back(it->path());
+    } else if (std::regex_match(name, kLayout)) {
+      if (static_cast<uintmax_t>(st.st_size) > kMaxTierLayoutBytes) {
+        throw bad_entry(dir, name, "a layout larger than 64 MiB");
+      }
     } else if (!std::regex_match(name, kImage)) {
-      throw bad_entry(dir, name, "not a file of the tier (PID-wN.img or PID.json)");
+      throw bad_entry(dir, name, "not a file of the tier (PID-wN.img, PID.json or PID.layout)");
     }
   }
   if (ec) throw sys_error("cannot list " + dir.string(), ec.value());
@@ -158,6 +173,131 @@ json artifact_tier_dir(const stdfs::path& artifact, const Manifest& manifest) {
     if (f.path.rfind(prefix, 0) == 0) return (stdfs::absolute(artifact) / kTierDirName).string();
   }
   return std::string();
+}
+
+// ---- TierPrefills --------------------------------------------------------------------------
+
+struct TierPrefills::Running {
+  common::Subprocess process;
+  std::filesystem::path log;
+  std::string what;  // "copy N, process PID"
+};
+
+namespace {
+
+// The prefill program, or nothing.
+std::optional<stdfs::path> prefill_program() {
+  const char* given = std::getenv("GPUSNAP_TIER_PREFILL");
+  if (given != nullptr && std::string(given) == "off") return std::nullopt;
+  if (given != nullptr && *given != '\0') return stdfs::path(given);
+  std::error_code ec;
+  const auto exe = stdfs::read_symlink("/proc/self/exe", ec);
+  if (ec) return std::nullopt;
+  auto candidate = exe.parent_path() / "gpusnap-tier-prefill";
+  if (::access(candidate.c_str(), X_OK) != 0) return std::nullopt;
+  return candidate;
+}
+
+// The one GPU a process's tier is on (its index's "gpus"), or "" when it spans several.
+std::string tier_gpu(const stdfs::path& index) {
+  std::ifstream in(index);
+  try {
+    const json doc = json::parse(in);
+    const auto& gpus = doc.at("gpus");
+    if (gpus.size() != 1) return {};
+    return gpus.at(0).at("uuid").get<std::string>();
+  } catch (const json::exception&) {
+    return {};
+  }
+}
+
+}  // namespace
+
+TierPrefills::TierPrefills(const stdfs::path& artifact,
+                           const std::map<std::string, std::string>& gpu_map, int copies,
+                           const stdfs::path& run_dir) {
+  const auto program = prefill_program();
+  const stdfs::path tier = stdfs::absolute(artifact) / kTierDirName;
+  std::error_code ec;
+  if (!program || !stdfs::is_directory(tier, ec)) return;
+  std::vector<std::string> pids;
+  static const std::regex kLayout(R"(([0-9]{1,10})\.layout)");
+  for (stdfs::directory_iterator it(tier, ec), end; !ec && it != end; it.increment(ec)) {
+    std::smatch m;
+    const std::string name = it->path().filename().string();
+    if (std::regex_match(name, m, kLayout)) pids.push_back(m[1]);
+  }
+  if (pids.empty()) return;
+  // A folder of its own for this restore: root's, traversable, a socket per copy and process
+  // owned by the workload's user (who owns the tier's files).
+  std::random_device rd;
+  root_ =
+      run_dir / "prefill" / ("restore-" + std::to_string(::getpid()) + "-" + std::to_string(rd()));
+  stdfs::create_directories(root_.parent_path(), ec);
+  if (::mkdir(root_.c_str(), 0711) != 0) {
+    throw sys_error("cannot create " + root_.string(), errno);
+  }
+  for (int c = 0; c < copies; ++c) {
+    const auto dir = root_ / ("copy-" + std::to_string(c));
+    if (::mkdir(dir.c_str(), 0711) != 0) throw sys_error("cannot create " + dir.string(), errno);
+    bool any = false;
+    for (const auto& pid : pids) {
+      const auto index = tier / (pid + ".json");
+      const std::string recorded = tier_gpu(index);
+      struct stat st {};
+      if (recorded.empty() || ::stat(index.c_str(), &st) != 0) continue;
+      const auto mapped = gpu_map.find(recorded);
+      const std::string gpu = mapped != gpu_map.end() ? mapped->second : recorded;
+      const auto log = dir / (pid + ".log");
+      common::UniqueFd log_fd(::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+      if (log_fd.get() < 0) throw sys_error("cannot create " + log.string(), errno);
+      common::SpawnOptions o;
+      o.argv = {program->string(),
+                tier.string(),
+                pid,
+                (dir / (pid + ".sock")).string(),
+                gpu,
+                std::to_string(st.st_uid),
+                std::to_string(st.st_gid),
+                "60000"};
+      o.stderr_fd = log_fd.get();
+      auto run = std::make_unique<Running>(
+          Running{common::Subprocess(o), log, "copy " + std::to_string(c) + ", process " + pid});
+      running_.push_back(std::move(run));
+      any = true;
+    }
+    copy_dirs_.push_back(any ? dir : stdfs::path());
+  }
+}
+
+TierPrefills::~TierPrefills() {
+  running_.clear();  // each Subprocess kills and reaps a prefill still running
+  if (!root_.empty()) {
+    std::error_code ec;
+    stdfs::remove_all(root_, ec);
+  }
+}
+
+json TierPrefills::context_dir(int copy) const {
+  if (copy < 0 || static_cast<size_t>(copy) >= copy_dirs_.size()) return std::string();
+  return copy_dirs_[static_cast<size_t>(copy)].string();
+}
+
+std::vector<std::string> TierPrefills::finish() {
+  std::vector<std::string> lines;
+  for (auto& r : running_) {
+    // A prefill whose memory was taken exits at once; one still waiting was not taken.
+    auto status = r->process.wait(std::chrono::milliseconds(500));
+    if (!status) r->process.kill(SIGKILL);
+    std::string text;
+    (void)fs::try_read_file(r->log, &text);
+    while (!text.empty() && text.back() == '\n') text.pop_back();
+    if (const auto nl = text.rfind('\n'); nl != std::string::npos) text = text.substr(nl + 1);
+    lines.push_back("tier prefill (" + r->what +
+                    "): " + (text.empty() ? (status ? status->describe() : "stopped") : text));
+  }
+  running_.clear();
+  return lines;
 }
 
 }  // namespace gpusnap::engine

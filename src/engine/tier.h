@@ -11,8 +11,10 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -25,6 +27,8 @@ inline constexpr const char* kTierDirName = "tier";
 // Bounds on what a workload may leave there: it writes a few files per process.
 inline constexpr size_t kMaxTierEntries = 4096;
 inline constexpr uintmax_t kMaxTierIndexBytes = 1 << 20;
+// PID.layout (tier/layout.h): fixed-size records, 32 bytes per piece of at most a buffer.
+inline constexpr uintmax_t kMaxTierLayoutBytes = uintmax_t{64} << 20;
 
 // What the tier's index files (PID.json) say.
 struct TierContents {
@@ -38,7 +42,7 @@ struct TierContents {
 std::filesystem::path make_tier_dir(const std::filesystem::path& staging, pid_t pid);
 
 // After the workload answered `paused`: the folder must hold the tier's files alone, regular
-// files named PID-wN.img and PID.json (no links, folders or anything else), at most
+// files named PID-wN.img, PID.json and PID.layout (no links, folders or anything else), at most
 // kMaxTierEntries, every index well-formed and at most kMaxTierIndexBytes. Throws
 // Error(kHandshake) naming the first entry that is not so. An empty folder is removed (the
 // workload has no tier, or nothing in it), so that artifacts without a tier do not change.
@@ -55,5 +59,35 @@ nlohmann::json tier_member(const std::filesystem::path& dir);
 // The tier_dir member of a copy's resume context: ARTIFACT/tier as an absolute path (copies see
 // gpusnap's mounts) when the manifest lists files there, else "".
 nlohmann::json artifact_tier_dir(const std::filesystem::path& artifact, const Manifest& manifest);
+
+// The fill of the copies' memory tiers done ahead (tier/prefill.h): for every copy and every
+// process of the artifact with a tier layout, a gpusnap-tier-prefill started before CRIU
+// restores the copies, making and filling that memory on the GPU the copy will use while CRIU
+// and the driver restore it; at the resume the copy's tier takes it over. The program is found
+// by GPUSNAP_TIER_PREFILL (its path; "off": none), else beside gpusnap. Where none can run (no
+// program, a process whose tier spans several GPUs) the copies fill by themselves, as before.
+class TierPrefills {
+ public:
+  // `gpu_map`: old GPU UUID -> new, as the restore maps them. Starts the prefills.
+  TierPrefills(const std::filesystem::path& artifact,
+               const std::map<std::string, std::string>& gpu_map, int copies,
+               const std::filesystem::path& run_dir);
+  // Stops any prefill still running and removes their folder.
+  ~TierPrefills();
+  TierPrefills(const TierPrefills&) = delete;
+  TierPrefills& operator=(const TierPrefills&) = delete;
+
+  // The resume context's tier_prefill_dir for copy `copy`: "" when none runs for it.
+  nlohmann::json context_dir(int copy) const;
+  // After the resume: waits briefly for each prefill (it exits once its memory was taken),
+  // stops the others, and returns one line per prefill, from its own report.
+  std::vector<std::string> finish();
+
+ private:
+  struct Running;
+  std::filesystem::path root_;
+  std::vector<std::filesystem::path> copy_dirs_;
+  std::vector<std::unique_ptr<Running>> running_;
+};
 
 }  // namespace gpusnap::engine

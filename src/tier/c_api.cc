@@ -12,7 +12,9 @@
 #include <cerrno>
 #include <cstdio>
 
+#include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -152,6 +154,20 @@ int gpusnap_tier_drain(const char* dir, char* error, size_t error_size) {
       return;
     }
     t->drain(dir);
+  });
+}
+
+int gpusnap_tier_adopt(const char* dir, unsigned long long* adopted, char* error,
+                       size_t error_size) {
+  return guarded(error, error_size, [&] {
+    if (adopted != nullptr) *adopted = 0;
+    Tier* t = tier(false);
+    if (t == nullptr || dir == nullptr || *dir == '\0') return;
+    // The prefill's socket is named by the pid the tier drained under, which a restored copy
+    // keeps (its pid namespace is restored with it).
+    const auto socket = std::filesystem::path(dir) / (std::to_string(t->pid()) + ".sock");
+    const auto bytes = t->adopt(socket, std::chrono::seconds(30));
+    if (adopted != nullptr) *adopted = bytes;
   });
 }
 

@@ -66,6 +66,7 @@ constexpr CUresult CUDA_ERROR_OUT_OF_MEMORY = 2;
 
 constexpr int CU_MEM_ALLOCATION_TYPE_PINNED = 0x1;
 constexpr int CU_MEM_HANDLE_TYPE_NONE = 0x0;
+constexpr int CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1;
 constexpr int CU_MEM_LOCATION_TYPE_DEVICE = 0x1;
 constexpr int CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3;
 constexpr int CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 0x1;
@@ -148,6 +149,12 @@ struct Api {
   CUresult (*cuStreamIsCapturing)(CUstream, int*);
   CUresult (*cuMemcpyDtoHAsync_v2)(void*, CUdeviceptr, size_t, CUstream);
   CUresult (*cuMemcpyHtoDAsync_v2)(CUdeviceptr, const void*, size_t, CUstream);
+  CUresult (*cuDeviceGetCount)(int*);
+  CUresult (*cuMemExportToShareableHandle)(void*, CUmemGenericAllocationHandle, int,
+                                           unsigned long long);
+  CUresult (*cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle*, void*, int);
+  CUresult (*cuMemGetAllocationPropertiesFromHandle)(CUmemAllocationProp*,
+                                                     CUmemGenericAllocationHandle);
 };
 // NOLINTEND(google-runtime-int)
 
@@ -247,6 +254,10 @@ class CudaTierDriver final : public TierDriver {
     resolve("cuStreamIsCapturing", &api_.cuStreamIsCapturing);
     resolve("cuMemcpyDtoHAsync_v2", &api_.cuMemcpyDtoHAsync_v2);
     resolve("cuMemcpyHtoDAsync_v2", &api_.cuMemcpyHtoDAsync_v2);
+    resolve("cuDeviceGetCount", &api_.cuDeviceGetCount);
+    resolve("cuMemExportToShareableHandle", &api_.cuMemExportToShareableHandle);
+    resolve("cuMemImportFromShareableHandle", &api_.cuMemImportFromShareableHandle);
+    resolve("cuMemGetAllocationPropertiesFromHandle", &api_.cuMemGetAllocationPropertiesFromHandle);
   }
 
   std::size_t granularity(int device) override {
@@ -363,6 +374,51 @@ class CudaTierDriver final : public TierDriver {
     int status = CU_STREAM_CAPTURE_STATUS_NONE;
     check(api_.cuStreamIsCapturing(static_cast<CUstream>(stream), &status), "cuStreamIsCapturing");
     return status != CU_STREAM_CAPTURE_STATUS_NONE;
+  }
+
+  int device_count() override {
+    int n = 0;
+    check(api_.cuDeviceGetCount(&n), "cuDeviceGetCount");
+    return n;
+  }
+
+  bool create_shareable(int device, std::size_t size, Handle* handle) override {
+    CUmemAllocationProp prop = device_memory(device);
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    CUmemGenericAllocationHandle h = 0;
+    const CUresult r = api_.cuMemCreate(&h, size, &prop, 0);
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
+    check(r, "cuMemCreate");
+    *handle = h;
+    return true;
+  }
+
+  int export_fd(Handle handle) override {
+    int fd = -1;
+    check(
+        api_.cuMemExportToShareableHandle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+        "cuMemExportToShareableHandle");
+    return fd;
+  }
+
+  Handle import_fd(int fd) override {
+    CUmemGenericAllocationHandle h = 0;
+    // The descriptor travels in the pointer-sized argument, as cuda.h documents for POSIX.
+    // NOLINTNEXTLINE(performance-no-int-to-ptr)
+    void* os_handle = reinterpret_cast<void*>(static_cast<std::intptr_t>(fd));
+    check(api_.cuMemImportFromShareableHandle(&h, os_handle,
+                                              CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+          "cuMemImportFromShareableHandle");
+    return h;
+  }
+
+  int handle_device(Handle handle) override {
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-member-init): zeroed by the memset
+    CUmemAllocationProp prop;
+    std::memset(&prop, 0, sizeof(prop));
+    check(api_.cuMemGetAllocationPropertiesFromHandle(&prop, handle),
+          "cuMemGetAllocationPropertiesFromHandle");
+    return prop.location.id;
   }
 
   std::string device_uuid(int device) override {

@@ -1,9 +1,14 @@
 #include "tier/fake_tier_driver.h"
 
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+#include <cerrno>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
 #include <iterator>
+#include <set>
 #include <utility>
 
 #include "gpusnap/error.h"
@@ -68,9 +73,14 @@ void FakeTierDriver::clear_calls() {
 
 std::size_t FakeTierDriver::used(int device) const {
   std::lock_guard lock(mu_);
+  return used_locked(device);
+}
+
+std::size_t FakeTierDriver::used_locked(int device) const {
+  std::set<const Physical*> counted;  // memory imported under a second handle counts once
   std::size_t n = 0;
   for (const auto& [h, p] : physical_) {
-    if (p.device == device) n += p.bytes.size();
+    if (p->device == device && counted.insert(p.get()).second) n += p->bytes.size();
   }
   return n;
 }
@@ -111,7 +121,7 @@ bool FakeTierDriver::record(const std::string& name, const std::string& line) {
   const bool fail = f != faults_.end() && --f->second == 0;
   if (fail) faults_.erase(f);
   calls_.push_back(fail ? line + " failed" : line);
-  if (fail && name != "create") {
+  if (fail && name != "create" && name != "create_shareable") {
     throw Error(ErrorKind::kGpu, name + " failed: CUDA_ERROR_UNKNOWN (fake driver)");
   }
   return fail;
@@ -129,7 +139,7 @@ const unsigned char* FakeTierDriver::at(DevicePtr va, std::size_t size, const ch
     throw misuse(std::string(call) + " of unmapped " + hex(va));
   }
   if (!m->second.accessible) throw misuse(std::string(call) + " without access at " + hex(va));
-  const Physical& p = physical_.at(m->second.handle);
+  const Physical& p = *physical_.at(m->second.handle);
   return p.bytes.data() + (va - m->first);
 }
 
@@ -173,19 +183,27 @@ void FakeTierDriver::address_free(DevicePtr va, std::size_t size) noexcept {
 
 bool FakeTierDriver::create(int device, std::size_t size, Handle* handle) {
   std::lock_guard lock(mu_);
-  const std::string line = "create " + std::to_string(device) + " " + std::to_string(size);
-  check_device(device, "create");
-  std::size_t in_use = 0;
-  for (const auto& [h, p] : physical_) {
-    if (p.device == device) in_use += p.bytes.size();
-  }
-  if (in_use + size > memory_) {
+  return create_locked(device, size, handle, false);
+}
+
+bool FakeTierDriver::create_shareable(int device, std::size_t size, Handle* handle) {
+  std::lock_guard lock(mu_);
+  return create_locked(device, size, handle, true);
+}
+
+bool FakeTierDriver::create_locked(int device, std::size_t size, Handle* handle, bool shareable) {
+  const char* name = shareable ? "create_shareable" : "create";
+  const std::string line =
+      std::string(name) + " " + std::to_string(device) + " " + std::to_string(size);
+  check_device(device, name);
+  if (used_locked(device) + size > memory_) {
     calls_.push_back(line + " out-of-memory");
     return false;
   }
-  if (record("create", line)) return false;
+  if (record(name, line)) return false;  // a fault on create: out of memory
   *handle = next_handle_++;
-  physical_[*handle] = Physical{device, std::vector<unsigned char>(size, kUndefined)};
+  physical_[*handle] = std::make_shared<Physical>(
+      Physical{device, std::vector<unsigned char>(size, kUndefined), shareable});
   return true;
 }
 
@@ -199,7 +217,7 @@ void FakeTierDriver::map(DevicePtr va, std::size_t size, Handle handle) {
   std::lock_guard lock(mu_);
   record("map", "map " + hex(va));
   auto p = physical_.find(handle);
-  if (p == physical_.end() || p->second.bytes.size() != size) throw misuse("map of " + hex(va));
+  if (p == physical_.end() || p->second->bytes.size() != size) throw misuse("map of " + hex(va));
   auto r = reservations_.upper_bound(va);
   if (r == reservations_.begin()) throw misuse("map outside a reservation at " + hex(va));
   r = std::prev(r);
@@ -218,7 +236,7 @@ void FakeTierDriver::set_access(DevicePtr va, std::size_t size, int device) {
   record("set_access", "set_access " + hex(va) + " " + std::to_string(device));
   auto m = mappings_.find(va);
   if (m == mappings_.end() || m->second.size != size) throw misuse("set_access at " + hex(va));
-  if (physical_.at(m->second.handle).device != device) {
+  if (physical_.at(m->second.handle)->device != device) {
     throw misuse("set_access for device " + std::to_string(device) + " at " + hex(va));
   }
   m->second.accessible = true;
@@ -321,6 +339,44 @@ bool FakeTierDriver::capturing(Stream stream) {
   std::lock_guard lock(mu_);
   auto s = streams_.find(stream);
   return s != streams_.end() && s->second;
+}
+
+int FakeTierDriver::device_count() {
+  std::lock_guard lock(mu_);
+  return static_cast<int>(uuids_.size());
+}
+
+int FakeTierDriver::export_fd(Handle handle) {
+  std::lock_guard lock(mu_);
+  record("export_fd", "export_fd " + std::to_string(handle));
+  auto p = physical_.find(handle);
+  if (p == physical_.end() || !p->second->shareable) {
+    throw misuse("export_fd of handle " + std::to_string(handle));
+  }
+  const int fd = ::memfd_create("fake-tier-export", MFD_CLOEXEC);
+  struct stat st {};
+  if (fd < 0 || ::fstat(fd, &st) != 0) throw sys_error("memfd_create", errno);
+  exported_[st.st_ino] = p->second;
+  return fd;
+}
+
+Handle FakeTierDriver::import_fd(int fd) {
+  std::lock_guard lock(mu_);
+  record("import_fd", "import_fd");
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) throw misuse("import_fd of a closed descriptor");
+  auto e = exported_.find(st.st_ino);
+  if (e == exported_.end()) throw misuse("import_fd of a descriptor nobody exported");
+  const Handle h = next_handle_++;
+  physical_[h] = e->second;
+  return h;
+}
+
+int FakeTierDriver::handle_device(Handle handle) {
+  std::lock_guard lock(mu_);
+  auto p = physical_.find(handle);
+  if (p == physical_.end()) throw misuse("handle_device of handle " + std::to_string(handle));
+  return p->second->device;
 }
 
 std::string FakeTierDriver::device_uuid(int device) {

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -74,11 +75,20 @@ class FakeTierDriver final : public TierDriver {
   void stream_synchronize(Stream stream) override;
   bool capturing(Stream stream) override;
   std::string device_uuid(int device) override;
+  int device_count() override;
+  bool create_shareable(int device, std::size_t size, Handle* handle) override;
+  // A memfd standing for the exported memory: import_fd() of it (or of a descriptor passed on
+  // from it, over a Unix socket as between two processes) reaches the same bytes, in this
+  // driver only.
+  int export_fd(Handle handle) override;
+  Handle import_fd(int fd) override;
+  int handle_device(Handle handle) override;
 
  private:
   struct Physical {
     int device = 0;
     std::vector<unsigned char> bytes;
+    bool shareable = false;
   };
   struct Mapping {
     std::size_t size = 0;
@@ -88,6 +98,8 @@ class FakeTierDriver final : public TierDriver {
 
   // Records `line`; throws (or, for create, returns true = "fail") when a fault is due.
   bool record(const std::string& name, const std::string& line);
+  bool create_locked(int device, std::size_t size, Handle* handle, bool shareable);
+  std::size_t used_locked(int device) const;
   unsigned char* at(DevicePtr va, std::size_t size, const char* call);
   const unsigned char* at(DevicePtr va, std::size_t size, const char* call) const;
   void check_device(int device, const char* call) const;
@@ -95,7 +107,9 @@ class FakeTierDriver final : public TierDriver {
   mutable std::mutex mu_;
   std::size_t memory_;
   std::vector<std::string> uuids_;
-  std::map<Handle, Physical> physical_;
+  // Handles share their Physical after an import, as the driver's handles share memory.
+  std::map<Handle, std::shared_ptr<Physical>> physical_;
+  std::map<std::uint64_t, std::shared_ptr<Physical>> exported_;  // by the memfd's inode
   std::map<DevicePtr, std::size_t> reservations_;
   std::map<DevicePtr, Mapping> mappings_;
   std::map<void*, std::vector<unsigned char>> host_;

@@ -13,6 +13,7 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -23,6 +24,7 @@
 #include <tuple>
 #include <vector>
 
+#include "tier/layout.h"
 #include "tier/tier_driver.h"
 
 namespace gpusnap::tier {
@@ -66,6 +68,14 @@ struct TransferReport {
   double map_seconds = 0;
 };
 
+// Copies `pieces` from a drain's files in `dir` (files[piece.file]) to device memory already
+// mapped at the pieces' addresses, on up to settings.streams workers with two pinned buffers
+// each, and waits for every copy. Returns the slowest worker's time to pin its buffers. Used by
+// Tier::fill and by a prefill (tier/prefill.h).
+double fill_from_files(TierDriver& driver, const TierSettings& settings,
+                       const std::filesystem::path& dir, const std::vector<std::string>& files,
+                       const std::vector<FilePiece>& pieces);
+
 class Tier {
  public:
   // `pid` names the files (PID-wK.img, PID.json): several processes may drain into one folder.
@@ -96,8 +106,18 @@ class Tier {
   TransferReport fill(const std::filesystem::path& dir,
                       const std::map<std::string, std::string>& gpu_map);
 
+  // Takes over the physical memory a gpusnap-tier-prefill made and filled for this process
+  // (tier/prefill.h), offered on the Unix socket `socket`: maps it at every segment's address.
+  // Afterwards fill() finds nothing left to copy and only returns the tier to serving. Returns
+  // the bytes taken over; 0 while serving. Throws Error when the offer does not match the
+  // segments or the memory is on another device than the segment's, or the socket fails or
+  // says nothing within `timeout`; then nothing it took stays mapped, and fill() does it all.
+  std::size_t adopt(const std::filesystem::path& socket, std::chrono::milliseconds timeout);
+
   TierState state() const;
   TierStats stats() const;
+  // The pid the tier's files are named by.
+  pid_t pid() const { return pid_; }
   // The folder of the last drain.
   std::filesystem::path drained_to() const;
 
@@ -119,14 +139,8 @@ class Tier {
   };
   // Free blocks, best fit first: (pool small?, device, stream, size, address).
   using FreeKey = std::tuple<bool, int, Stream, std::size_t, DevicePtr>;
-  // A piece of live memory and where the drain put it.
-  struct Piece {
-    DevicePtr va = 0;
-    std::size_t size = 0;
-    int device = 0;
-    std::size_t file = 0;  // index into files_
-    std::uint64_t offset = 0;
-  };
+  // A piece of live memory and where the drain put it (file: an index into files_).
+  using Piece = FilePiece;
 
   DevicePtr allocate_locked(std::size_t size, int device, Stream stream);
   Segment& new_segment(std::size_t size, int device, Stream stream, bool small);
@@ -147,6 +161,10 @@ class Tier {
   double run_fill_workers(const std::vector<Piece>& pieces, const std::filesystem::path& dir);
   void write_index(const std::filesystem::path& dir, const std::vector<std::string>& files,
                    const std::vector<Piece>& pieces, std::size_t bytes) const;
+  // PID.layout beside the index (tier/layout.h).
+  void write_layout_file(const std::filesystem::path& dir, const std::vector<Piece>& pieces,
+                         std::size_t files) const;
+  std::filesystem::path layout_path(const std::filesystem::path& dir) const;
   void check_gpu_map(const std::map<std::string, std::string>& gpu_map);
   // Maps the listed segments and fills the pieces that fall in them; on failure unmaps what it
   // mapped and rethrows.

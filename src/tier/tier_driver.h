@@ -66,6 +66,20 @@ class TierDriver {
   // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" of `device`, as NVML and the handshake's gpu_map
   // write it.
   virtual std::string device_uuid(int device) = 0;
+  // How many devices this process sees (cuDeviceGetCount).
+  virtual int device_count() = 0;
+
+  // Handing physical memory to another process (tier/prefill.h): memory made by one process
+  // that another maps at its own addresses, through a POSIX file descriptor.
+  // create() of memory that can be exported (requested handle type: a file descriptor).
+  virtual bool create_shareable(int device, std::size_t size, Handle* handle) = 0;
+  // A new descriptor for `handle` (cuMemExportToShareableHandle); the caller closes it.
+  virtual int export_fd(Handle handle) = 0;
+  // A handle of this process for the memory behind `fd` (cuMemImportFromShareableHandle); the
+  // caller still closes `fd`, and releases the handle like any other.
+  virtual Handle import_fd(int fd) = 0;
+  // The device, in this process's numbering, whose memory `handle` is.
+  virtual int handle_device(Handle handle) = 0;
 };
 
 // The real driver, by dlopen of libcuda.so.1. Throws Error(kEnvironment) when the library or

@@ -33,7 +33,9 @@
 #include <utility>
 #include <vector>
 
+#include "common/fd.h"
 #include "gpusnap/error.h"
+#include "tier/handover.h"
 #include "tier/tier.h"
 
 namespace gpusnap::tier {
@@ -276,10 +278,12 @@ TransferReport Tier::drain(const std::filesystem::path& dir) {
   try {
     report.buffer_seconds = run_drain_workers(pieces, dir, files);
     for (const Piece& p : pieces) report.bytes += p.size;
+    write_layout_file(dir, pieces, files.size());
     write_index(dir, files, pieces, report.bytes);
   } catch (...) {
     std::error_code ec;
     for (const auto& f : files) std::filesystem::remove(dir / f, ec);
+    std::filesystem::remove(layout_path(dir), ec);
     std::filesystem::remove(dir / (std::to_string(pid_) + ".json"), ec);
     throw;
   }
@@ -310,6 +314,7 @@ TransferReport Tier::drain(const std::filesystem::path& dir) {
     }
     std::error_code ec;
     for (const auto& f : files) std::filesystem::remove(dir / f, ec);
+    std::filesystem::remove(layout_path(dir), ec);
     std::filesystem::remove(dir / (std::to_string(pid_) + ".json"), ec);
     throw Error(e.kind(), std::string("memory tier: releasing GPU memory failed: ") + e.what(),
                 "the workload keeps its memory and serves; see the driver's error");
@@ -383,6 +388,19 @@ double Tier::run_drain_workers(std::vector<Piece>& pieces, const std::filesystem
       throw file_error("cannot write", path, err);
   }
   return pinning;
+}
+
+std::filesystem::path Tier::layout_path(const std::filesystem::path& dir) const {
+  return dir / (std::to_string(pid_) + ".layout");
+}
+
+void Tier::write_layout_file(const std::filesystem::path& dir, const std::vector<Piece>& pieces,
+                             std::size_t files) const {
+  TierLayout layout;
+  for (const auto& [va, s] : segments_) layout.segments.push_back({va, s.size, s.device});
+  layout.pieces = pieces;
+  layout.files = files;
+  write_layout(layout_path(dir), layout);
 }
 
 void Tier::write_index(const std::filesystem::path& dir, const std::vector<std::string>& files,
@@ -476,14 +494,12 @@ void Tier::check_gpu_map(const std::map<std::string, std::string>& gpu_map) {
     const std::string& expected = m != gpu_map.end() ? m->second : recorded;
     const std::string now = driver_.device_uuid(device);
     if (now != expected) {
-      throw Error(ErrorKind::kIncompatible,
-                  "memory tier: device " + std::to_string(device) + " is " + now +
-                      ", but its memory was captured on " + recorded +
-                      (m != gpu_map.end() ? " and mapped to " + expected : std::string()),
+      std::string what = "memory tier: device " + std::to_string(device) + " is " + now;
+      what += ", but its memory was captured on " + recorded;
+      if (m != gpu_map.end()) what += " and mapped to " + expected;
+      throw Error(ErrorKind::kIncompatible, what,
                   "restore with a --gpu-map that sends " + recorded +
-                      " to the GPU the copy sees "
-                      "as device " +
-                      std::to_string(device));
+                      " to the GPU the copy sees as device " + std::to_string(device));
     }
   }
 }
@@ -516,41 +532,124 @@ void Tier::refill(const std::vector<DevicePtr>& todo, const std::filesystem::pat
   }
 }
 
-double Tier::run_fill_workers(const std::vector<Piece>& pieces, const std::filesystem::path& dir) {
+std::size_t Tier::adopt(const std::filesystem::path& socket, std::chrono::milliseconds timeout) {
+  std::lock_guard lock(mu_);
+  if (state_ == TierState::kServing) return 0;
+  std::vector<DevicePtr> todo;
+  for (const auto& [va, s] : segments_) {
+    if (!s.mapped) todo.push_back(va);
+  }
+  const common::UniqueFd conn = connect_for_handover(socket, timeout);
+  std::vector<OfferedSegment> offer = receive_offer(conn.get(), todo.size());
+  // The offer must be these segments exactly: the prefill read the layout this tier wrote.
+  if (offer.size() != todo.size()) {
+    send_answer(conn.get(), false);
+    throw Error(ErrorKind::kInternal,
+                "memory tier: the prefill offers " + std::to_string(offer.size()) +
+                    " segments, the tier has " + std::to_string(todo.size()) + " to fill");
+  }
+  const DeviceScope scope(driver_, device_uuids_);
+  std::vector<DevicePtr> adopted;
+  std::size_t bytes = 0;
+  try {
+    for (std::size_t i = 0; i < offer.size(); ++i) {
+      Segment& s = segments_.at(todo[i]);
+      if (offer[i].va != s.va || offer[i].size != s.size) {
+        throw Error(ErrorKind::kInternal,
+                    "memory tier: the prefill offers another segment at " + std::to_string(i));
+      }
+      const Handle h = driver_.import_fd(offer[i].fd.get());
+      try {
+        // Memory on another GPU would be reached across the bus: not what the copy runs on.
+        if (const int on = driver_.handle_device(h); on != s.device) {
+          throw Error(ErrorKind::kInternal, "memory tier: the prefill's memory is on device " +
+                                                std::to_string(on) + ", the segment's on " +
+                                                std::to_string(s.device));
+        }
+        driver_.map(s.va, s.size, h);
+        try {
+          driver_.set_access(s.va, s.size, s.device);
+        } catch (...) {
+          driver_.unmap(s.va, s.size);
+          throw;
+        }
+      } catch (...) {
+        try {
+          driver_.release(h);
+        } catch (...) {  // NOLINT(bugprone-empty-catch): the first failure is the one reported
+        }
+        throw;
+      }
+      s.handle = h;
+      s.mapped = true;
+      adopted.push_back(s.va);
+      bytes += s.size;
+    }
+  } catch (...) {
+    for (DevicePtr va : adopted) {
+      try {
+        unmap_segment(segments_.at(va));
+      } catch (...) {  // NOLINT(bugprone-empty-catch): the adoption's own failure is reported
+      }
+    }
+    send_answer(conn.get(), false);
+    throw;
+  }
+  send_answer(conn.get(), true);
+  if (settings_.log) {
+    std::fprintf(stderr, "gpusnap-tier: adopted %zu bytes in %zu segments from %s\n", bytes,
+                 adopted.size(), socket.c_str());
+  }
+  return bytes;
+}
+
+double fill_from_files(TierDriver& driver, const TierSettings& settings,
+                       const std::filesystem::path& dir, const std::vector<std::string>& files,
+                       const std::vector<FilePiece>& pieces) {
   std::vector<Fd> fds;
-  for (const auto& name : files_) {
+  for (const auto& name : files) {
     const auto path = dir / name;
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) throw file_error("cannot open", path, errno);
     fds.emplace_back(fd);
   }
   const std::size_t n =
-      std::min(pieces.size(), static_cast<std::size_t>(std::max(1, settings_.streams)));
+      std::min(pieces.size(), static_cast<std::size_t>(std::max(1, settings.streams)));
   std::atomic<std::size_t> next{0};
   std::atomic<bool> stop{false};
   const double pinning = run_with_buffers(
-      driver_, settings_.buffer_bytes, n, pieces, stop, [&](std::size_t, WorkerResources& r) {
+      driver, settings.buffer_bytes, n, pieces, stop, [&](std::size_t, WorkerResources& r) {
         Stream in_flight = nullptr;  // the stream of the copy issued last, not yet waited for
         int b = 0;
         for (;;) {
           const std::size_t i = stop ? pieces.size() : next.fetch_add(1);
-          const Piece* p = i < pieces.size() ? &pieces[i] : nullptr;
+          const FilePiece* p = i < pieces.size() ? &pieces[i] : nullptr;
           // While the copy engine moves the other buffer, this one is read from the file.
           Stream stream = nullptr;
           if (p != nullptr) {
             stream = r.on(p->device);  // a context first: pinned memory is allocated in one
-            read_all(fds[p->file].get(), dir / files_[p->file], r.buffer(b), p->size, p->offset);
+            if (p->file >= fds.size()) {
+              throw Error(ErrorKind::kBadArtifact,
+                          "memory tier: a piece names file " + std::to_string(p->file) + " of " +
+                              std::to_string(fds.size()),
+                          "the artifact is damaged: capture it again");
+            }
+            read_all(fds[p->file].get(), dir / files[p->file], r.buffer(b), p->size, p->offset);
           }
-          if (in_flight != nullptr) driver_.stream_synchronize(in_flight);
+          if (in_flight != nullptr) driver.stream_synchronize(in_flight);
           in_flight = nullptr;
           if (p == nullptr) break;
-          driver_.copy_to_device(p->va, r.buffer(b), p->size, stream);
+          driver.copy_to_device(p->va, r.buffer(b), p->size, stream);
           in_flight = stream;
           b = 1 - b;
         }
       });
   // Each worker waited for its own last copy; nothing of the fill is in flight.
   return pinning;
+}
+
+double Tier::run_fill_workers(const std::vector<Piece>& pieces, const std::filesystem::path& dir) {
+  return fill_from_files(driver_, settings_, dir, files_, pieces);
 }
 
 }  // namespace gpusnap::tier

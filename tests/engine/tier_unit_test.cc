@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/fs.h"
 #include "gpusnap/error.h"
 #include "testing/unit.h"
 
@@ -70,7 +71,8 @@ TEST_F(TierDirTest, AnythingButTheTiersFilesIsRefused) {
   write(tier / "notes.txt", "x");
   EXPECT_EQ(std::string(catch_error([&] { check_tier_dir(tier); }).what()),
             "the workload left " + (tier / "notes.txt").string() +
-                " in its memory tier's folder: not a file of the tier (PID-wN.img or PID.json)");
+                " in its memory tier's folder: not a file of the tier (PID-wN.img, PID.json or "
+                "PID.layout)");
 }
 
 TEST_F(TierDirTest, AnIndexMustMatchTheFilesThere) {
@@ -123,6 +125,62 @@ TEST(TierMemory, CopiesAreToldTheArtifactsFolderOnlyWhenItHoldsTierFiles) {
   EXPECT_EQ(artifact_tier_dir("/srv/a", m), "/srv/a/tier");
   EXPECT_EQ(artifact_tier_dir("rel", m),
             (std::filesystem::current_path() / "rel" / "tier").string());
+}
+
+// gpusnap's side of the fill done ahead: a prefill per copy and per process with a layout, told
+// the artifact's folder, the process, a socket in the copy's own folder, the GPU the copy maps
+// its memory to and the owner of the tier's files; each copy's context names its folder; the
+// prefills' reports come back as notes; nothing is left behind. The program is a stand-in
+// script here (the real one needs a GPU; docs/gpu-validation.md).
+TEST(TierPrefills, OnePerCopyAndProcessToldWhereAndOnWhichGpu) {
+  TempDir artifact;
+  TempDir run;
+  std::filesystem::create_directories(artifact / "tier");
+  write(
+      artifact / "tier" / "7.json",
+      R"({"format":"gpusnap-tier","version":1,"pid":7,"bytes":8,"files":[],"gpus":[{"uuid":"GPU-a","bytes":8}]})");
+  write(artifact / "tier" / "7.layout", "x");
+  // Process 9's tier spans two GPUs: no prefill for it, its copies fill by themselves.
+  write(artifact / "tier" / "9.json", kIndex);
+  write(artifact / "tier" / "9.layout", "x");
+  const auto script = run / "prefill.sh";
+  write(script, "#!/bin/sh\necho \"$@\" >> " + (run / "calls").string() +
+                    "\necho \"prefill of $2 on $4 done\" >&2\n");
+  ASSERT_EQ(::chmod(script.c_str(), 0755), 0);
+  ::setenv("GPUSNAP_TIER_PREFILL", script.c_str(), 1);
+  std::filesystem::path root;
+  {
+    TierPrefills prefills(artifact.path(), {{"GPU-a", "GPU-z"}}, 2, run / "state");
+    const std::string copy0 = prefills.context_dir(0).get<std::string>();
+    const std::string copy1 = prefills.context_dir(1).get<std::string>();
+    ASSERT_FALSE(copy0.empty());
+    EXPECT_NE(copy0, copy1);
+    EXPECT_EQ(prefills.context_dir(2).get<std::string>(), "");
+    root = std::filesystem::path(copy0).parent_path();
+    const auto lines = prefills.finish();
+    ASSERT_EQ(lines.size(), 2u);
+    EXPECT_EQ(lines[0], "tier prefill (copy 0, process 7): prefill of 7 on GPU-z done");
+    std::string calls;
+    ASSERT_TRUE(fs::try_read_file(run / "calls", &calls));
+    struct stat st {};
+    ASSERT_EQ(::stat((artifact / "tier" / "7.json").c_str(), &st), 0);
+    const std::string owner = std::to_string(st.st_uid) + " " + std::to_string(st.st_gid);
+    const std::string tier = std::filesystem::absolute(artifact / "tier").string();
+    EXPECT_NE(calls.find(tier + " 7 " + copy0 + "/7.sock GPU-z " + owner + " 60000\n"),
+              std::string::npos)
+        << calls;
+    EXPECT_NE(calls.find(tier + " 7 " + copy1 + "/7.sock GPU-z " + owner + " 60000\n"),
+              std::string::npos)
+        << calls;
+    EXPECT_EQ(calls.find(" 9 "), std::string::npos) << calls;
+  }
+  EXPECT_FALSE(std::filesystem::exists(root)) << "the prefills' folder outlived the restore";
+  // Switched off: none, and the copies' contexts name nothing.
+  ::setenv("GPUSNAP_TIER_PREFILL", "off", 1);
+  TierPrefills none(artifact.path(), {}, 1, run / "state");
+  EXPECT_EQ(none.context_dir(0).get<std::string>(), "");
+  EXPECT_TRUE(none.finish().empty());
+  ::unsetenv("GPUSNAP_TIER_PREFILL");
 }
 
 }  // namespace

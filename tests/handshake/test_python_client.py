@@ -485,6 +485,34 @@ class MemoryTierClientTest(ControlDir):
                                ("fill", "/artifact/tier", {"GPU-a": "GPU-b"}),
                                ("on_resume", True, "/artifact/tier")])
 
+    def resume_with_a_prefill(self, adopt_error):
+        class AdoptingTier(RecordingTier):
+            def adopt(self, directory):
+                self.log.append(("adopt", directory))
+                if adopt_error:
+                    raise hs.TierError(adopt_error)
+                return 1 << 20
+
+        log = []
+        self.serve(AdoptingTier(log), log)
+        self.put("pause", {"id": "p1", "tier_dir": "/staging/tier"})
+        self.wait_answer("paused", "p1")
+        self.put("resume", {"id": "r1", "context": {
+            "restored": True, "tier_dir": "/artifact/tier",
+            "tier_prefill_dir": "/run/gpusnap/prefill/copy-0"}})
+        self.wait_answer("resumed", "r1")
+        # Taken over or not, the fill runs (it copies what is left) and the copy resumes.
+        self.assertEqual(log, [("on_pause",), ("drain", "/staging/tier"),
+                               ("adopt", "/run/gpusnap/prefill/copy-0"),
+                               ("fill", "/artifact/tier", {}),
+                               ("on_resume", True, "/artifact/tier")])
+
+    def test_a_prefill_is_taken_over_before_the_fill(self):
+        self.resume_with_a_prefill(None)
+
+    def test_a_prefill_that_fails_is_only_said_and_the_fill_does_it_all(self):
+        self.resume_with_a_prefill("the prefill's memory is on device 1")
+
     def test_a_pause_without_tier_dir_drains_nothing(self):
         log = []
         self.serve(RecordingTier(log), log)

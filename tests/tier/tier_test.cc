@@ -252,7 +252,8 @@ TEST_F(TierTest, DrainThenFillPutsBackEveryLiveByteAtTheSameAddress) {
   EXPECT_EQ(driver.host_allocations(), 0u);
   EXPECT_EQ(driver.streams(), 0u);
   EXPECT_EQ(files_in(dir.path()),
-            (std::vector<std::string>{"4242-w0.img", "4242-w1.img", "4242-w2.img", "4242.json"}));
+            (std::vector<std::string>{"4242-w0.img", "4242-w1.img", "4242-w2.img", "4242.json",
+                                      "4242.layout"}));
   std::uintmax_t on_disk = 0;
   for (int k = 0; k < 3; ++k)
     on_disk += std::filesystem::file_size(dir / ("4242-w" + std::to_string(k) + ".img"));
@@ -511,12 +512,15 @@ TEST_F(TierTest, AGraphsBlocksAreDrainedAndFilledLikeAnyOther) {
   expect_pattern(g, kMiB, 8);
 }
 
-TEST_F(TierTest, DrainingNothingWritesOnlyTheIndex) {
+TEST_F(TierTest, DrainingNothingWritesOnlyTheIndexAndAnEmptyLayout) {
   void* p = alloc(kMiB);
   tier->free(p);
   const TransferReport r = tier->drain(dir.path());
   EXPECT_EQ(r.bytes, 0u);
-  EXPECT_EQ(files_in(dir.path()), (std::vector<std::string>{"4242.json"}));
+  EXPECT_EQ(files_in(dir.path()), (std::vector<std::string>{"4242.json", "4242.layout"}));
+  const TierLayout layout = read_layout(dir / "4242.layout");
+  EXPECT_TRUE(layout.segments.empty());
+  EXPECT_TRUE(layout.pieces.empty());
   EXPECT_EQ(driver.reservations(), 0u);
   tier->fill(dir.path(), {});
   EXPECT_EQ(tier->state(), TierState::kServing);

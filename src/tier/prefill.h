@@ -1,0 +1,60 @@
+// The fill of a copy's memory tier done ahead, in a process of its own, while the copy is
+// still being restored (docs/design.md, "The memory tier"): gpusnap-tier-prefill reads the
+// layout the drain left (tier/layout.h), makes physical memory for every segment on the GPU the
+// copy will run on, fills it from the artifact's files at line rate, and offers it to the copy
+// (tier/handover.h). At its resume the copy's tier maps that memory at its own addresses
+// (Tier::adopt) instead of filling: the fill leaves the restore's critical path, where it
+// followed CRIU's restore and the driver's.
+#pragma once
+
+#include <cstddef>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "tier/layout.h"
+#include "tier/tier.h"
+#include "tier/tier_driver.h"
+
+namespace gpusnap::tier {
+
+class Prefill {
+ public:
+  // `layout` as read_layout() returns it from DIR/PID.layout (segments sorted, pieces inside);
+  // `files` the drain's files in order (PID-wK.img); `device` the GPU, in this process's numbering,
+  // the copy runs this memory on.
+  Prefill(TierDriver& driver, TierSettings settings, TierLayout layout, std::filesystem::path dir,
+          std::vector<std::string> files, int device);
+  // Unmaps and releases everything it made; the copy's imported handles keep their memory.
+  ~Prefill();
+  Prefill(const Prefill&) = delete;
+  Prefill& operator=(const Prefill&) = delete;
+
+  // Makes shareable memory for every segment, maps it at addresses of this process, and copies
+  // every piece into it. Throws Error (out of GPU memory: kGpu), having released what it made.
+  TransferReport fill();
+  // Offers the memory on the connection `sock` (tier/handover.h) and waits for the copy's
+  // answer: true once the copy has mapped it.
+  bool hand_over(int sock);
+
+ private:
+  struct Made {
+    LayoutSegment segment;  // in the copy
+    DevicePtr here = 0;     // where this process maps it
+    Handle handle = 0;
+    bool mapped = false;
+  };
+  void release_all() noexcept;
+
+  TierDriver& driver_;
+  const TierSettings settings_;
+  const TierLayout layout_;
+  const std::filesystem::path dir_;
+  const std::vector<std::string> files_;
+  const int device_;
+  DevicePtr base_ = 0;
+  std::size_t reserved_ = 0;
+  std::vector<Made> made_;
+};
+
+}  // namespace gpusnap::tier

@@ -1,0 +1,97 @@
+// gpusnap-tier-prefill: started by `gpusnap restore` for every copy and every process whose
+// memory tier the artifact holds, before CRIU restores the copy (tier/prefill.h).
+//
+//   gpusnap-tier-prefill DIR PID SOCKET GPU-UUID UID GID TIMEOUT-MS
+//
+// Listens on SOCKET at once (owned by UID:GID, the workload's user, mode 0600), fills PID's
+// memory from DIR on the GPU with GPU-UUID, then offers it to the first connection and exits
+// once the copy has mapped it (0), or when anything fails or nobody takes the memory within
+// TIMEOUT-MS (non-zero: the copy's tier then fills by itself). One line on stderr says what it
+// did. The settings of the workload's tier apply (GPUSNAP_TIER_STREAMS, ...).
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "common/fd.h"
+#include "gpusnap/error.h"
+#include "tier/handover.h"
+#include "tier/layout.h"
+#include "tier/prefill.h"
+
+namespace {
+
+using gpusnap::Error;
+using gpusnap::ErrorKind;
+namespace tier = gpusnap::tier;
+
+int device_with_uuid(tier::TierDriver& driver, const std::string& uuid) {
+  for (int d = 0; d < driver.device_count(); ++d) {
+    if (driver.device_uuid(d) == uuid) return d;
+  }
+  throw Error(ErrorKind::kIncompatible, "no GPU " + uuid + " here");
+}
+
+int run(const std::vector<std::string>& a) {
+  const std::filesystem::path dir = a[0];
+  const std::string& pid = a[1];
+  const std::filesystem::path socket = a[2];
+  const auto timeout = std::chrono::milliseconds(std::stol(a[6]));
+  // Listening before anything else: the copy may connect while the memory is still filled,
+  // and then waits for the offer.
+  gpusnap::common::UniqueFd listener = tier::listen_for_handover(socket);
+  if (::chown(socket.c_str(), static_cast<uid_t>(std::stoul(a[4])),
+              static_cast<gid_t>(std::stoul(a[5]))) != 0) {
+    throw gpusnap::sys_error("chown " + socket.string(), errno);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  auto driver = tier::open_cuda_tier_driver();
+  const int device = device_with_uuid(*driver, a[3]);
+  tier::TierLayout layout = tier::read_layout(dir / (pid + ".layout"));
+  std::vector<std::string> files;
+  for (std::size_t k = 0; k < layout.files; ++k)
+    files.push_back(pid + "-w" + std::to_string(k) + ".img");
+  tier::Prefill prefill(*driver, tier::TierSettings::from_environment(), std::move(layout), dir,
+                        files, device);
+  const auto report = prefill.fill();
+  const double filled_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  pollfd p{listener.get(), POLLIN, 0};
+  if (::poll(&p, 1, static_cast<int>(timeout.count())) != 1) {
+    throw Error(ErrorKind::kTimeout, "nobody took the memory within " + a[6] + " ms");
+  }
+  gpusnap::common::UniqueFd conn(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+  if (conn.get() < 0) throw gpusnap::sys_error("accept", errno);
+  const bool taken = prefill.hand_over(conn.get());
+  std::fprintf(stderr,
+               "gpusnap-tier-prefill: %zu bytes of %s filled in %.3f s (%.1f GB/s copying, "
+               "ready %.3f s after start), %s\n",
+               report.bytes, pid.c_str(), report.seconds,
+               report.seconds > 0 ? static_cast<double>(report.bytes) / report.seconds / 1e9 : 0.0,
+               filled_s, taken ? "taken by the copy" : "refused by the copy");
+  ::unlink(socket.c_str());
+  return taken ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 8) {
+    std::fprintf(stderr, "usage: gpusnap-tier-prefill DIR PID SOCKET GPU-UUID UID GID TIMEOUT-MS "
+                         "(started by gpusnap restore)\n");
+    return 2;
+  }
+  try {
+    return run(std::vector<std::string>(argv + 1, argv + argc));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gpusnap-tier-prefill: %s\n", e.what());
+    if (argc == 8) ::unlink(argv[3]);
+    return 1;
+  }
+}

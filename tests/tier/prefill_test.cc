@@ -1,0 +1,208 @@
+// The fill done ahead (tier/prefill.h) and its handover (tier/handover.h, Tier::adopt) against
+// the fake driver, whose exported memory a second handle reaches as the driver's does across
+// processes: the drain's layout, a prefill that makes and fills the memory from the files, the
+// tier taking it over without copying a byte, and every refusal leaving the tier to fill by
+// itself. The layout reader's checks on damaged files too.
+#include "tier/prefill.h"
+
+#include <sys/socket.h>
+
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/fd.h"
+#include "gpusnap/error.h"
+#include "testing/unit.h"
+#include "tier/fake_tier_driver.h"
+#include "tier/handover.h"
+#include "tier/layout.h"
+#include "tier/tier.h"
+
+namespace gpusnap::tier {
+namespace {
+
+using namespace gpusnap::testing;  // testing/unit.h
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+constexpr pid_t kPid = 4343;
+
+DevicePtr va(void* p) { return reinterpret_cast<DevicePtr>(p); }
+
+class PrefillTest : public ::testing::Test {
+ protected:
+  PrefillTest() : driver(2, 128 * kMiB), tier(driver, settings(), kPid) {}
+
+  static TierSettings settings() {
+    TierSettings s;
+    s.streams = 3;
+    s.buffer_bytes = kMiB;
+    return s;
+  }
+
+  // Three allocations with their own bytes, drained into `dir`.
+  void fill_and_drain() {
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      blocks.push_back(tier.allocate(sizes[i], 0, nullptr));
+      const auto w = words(sizes[i], static_cast<unsigned>(i));
+      driver.write(va(blocks[i]), w.data(), sizes[i]);
+    }
+    tier.drain(dir.path());
+  }
+  static std::vector<std::uint64_t> words(std::size_t size, unsigned seed) {
+    std::vector<std::uint64_t> w(size / 8);
+    for (std::size_t i = 0; i < w.size(); ++i) w[i] = (seed + 7) * 0x9E3779B97F4A7C15ULL ^ i;
+    return w;
+  }
+  void expect_contents() {
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      std::vector<std::uint64_t> got(sizes[i] / 8);
+      driver.read(va(blocks[i]), got.data(), sizes[i]);
+      EXPECT_TRUE(got == words(sizes[i], static_cast<unsigned>(i))) << "block " << i;
+    }
+  }
+  std::vector<std::string> files(const TierLayout& layout) const {
+    std::vector<std::string> names;
+    for (std::size_t k = 0; k < layout.files; ++k) {
+      names.push_back(std::to_string(kPid) + "-w" + std::to_string(k) + ".img");
+    }
+    return names;
+  }
+  std::unique_ptr<Prefill> prefill_on(int device) {
+    TierLayout layout = read_layout(dir / (std::to_string(kPid) + ".layout"));
+    auto names = files(layout);
+    return std::make_unique<Prefill>(driver, settings(), std::move(layout), dir.path(), names,
+                                     device);
+  }
+  // Serves one handover of `prefill` on the socket, as gpusnap-tier-prefill does.
+  std::future<bool> serve(Prefill& prefill) {
+    listener = listen_for_handover(socket());
+    return std::async(std::launch::async, [this, &prefill] {
+      common::UniqueFd conn(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      return conn.get() >= 0 && prefill.hand_over(conn.get());
+    });
+  }
+  std::filesystem::path socket() const { return sockets / (std::to_string(kPid) + ".sock"); }
+
+  FakeTierDriver driver;
+  Tier tier;
+  TempDir dir;
+  TempDir sockets;
+  common::UniqueFd listener;
+  const std::vector<std::size_t> sizes = {3 * kMiB + 4096, 40 * kMiB, 8192};
+  std::vector<void*> blocks;
+};
+
+TEST_F(PrefillTest, TheTierTakesOverWhatThePrefillFilledAndCopiesNothing) {
+  fill_and_drain();
+  auto prefill = prefill_on(0);
+  const TransferReport filled = prefill->fill();
+  EXPECT_EQ(filled.bytes, 3 * kMiB + 4096 + 40 * kMiB + 8192);
+  auto taken = serve(*prefill);
+  driver.clear_calls();
+  const std::size_t adopted = tier.adopt(socket(), std::chrono::seconds(5));
+  EXPECT_TRUE(taken.get());
+  EXPECT_EQ(adopted, tier.stats().reserved_bytes);
+  EXPECT_EQ(tier.state(), TierState::kReleased);  // until fill() returns it to serving
+  tier.fill(dir.path(), {});
+  EXPECT_EQ(tier.state(), TierState::kServing);
+  EXPECT_TRUE(driver.calls_named("copy_to_device").empty());
+  EXPECT_TRUE(driver.calls_named("create").empty());
+  EXPECT_EQ(driver.calls_named("import_fd").size(), 3u);
+  // The prefill lets go of its own handles and mappings; the tier's keep the memory.
+  prefill.reset();
+  expect_contents();
+  EXPECT_EQ(driver.used(0), tier.stats().reserved_bytes);
+  // And the next capture drains the adopted memory as any other.
+  TempDir again;
+  tier.drain(again.path());
+  EXPECT_EQ(driver.handles(), 0u);
+  tier.fill(again.path(), {});
+  expect_contents();
+}
+
+TEST_F(PrefillTest, MemoryOnAnotherDeviceIsRefusedAndTheFillDoesItAll) {
+  fill_and_drain();
+  auto prefill = prefill_on(1);
+  prefill->fill();
+  auto taken = serve(*prefill);
+  EXPECT_THROW(tier.adopt(socket(), std::chrono::seconds(5)), Error);
+  EXPECT_FALSE(taken.get());             // the prefill hears the refusal
+  EXPECT_EQ(driver.mappings(), 1u * 3);  // the prefill's own three; none of the tier's
+  prefill.reset();
+  EXPECT_EQ(driver.mappings(), 0u);
+  tier.fill(dir.path(), {});
+  expect_contents();
+}
+
+TEST_F(PrefillTest, NoPrefillOrOneThatEndsEarlyLeavesTheTierDrainedForTheFill) {
+  fill_and_drain();
+  EXPECT_THROW(tier.adopt(socket(), std::chrono::seconds(1)), Error);  // nothing listens
+  listener = listen_for_handover(socket());
+  auto hang_up = std::async(std::launch::async, [this] {
+    common::UniqueFd conn(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+  });
+  EXPECT_THROW(tier.adopt(socket(), std::chrono::seconds(5)), Error);
+  hang_up.get();
+  EXPECT_EQ(tier.state(), TierState::kReleased);
+  EXPECT_EQ(driver.mappings(), 0u);
+  tier.fill(dir.path(), {});
+  expect_contents();
+}
+
+TEST_F(PrefillTest, AnOfferForOtherSegmentsIsRefused) {
+  fill_and_drain();
+  listener = listen_for_handover(socket());
+  auto liar = std::async(std::launch::async, [this] {
+    common::UniqueFd conn(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    std::vector<OfferedSegment> offer;
+    offer.push_back({0x1000, 2 * kMiB, common::UniqueFd(::dup(0))});
+    send_offer(conn.get(), offer);
+    return receive_answer(conn.get());
+  });
+  EXPECT_THROW(tier.adopt(socket(), std::chrono::seconds(5)), Error);
+  EXPECT_FALSE(liar.get());
+  tier.fill(dir.path(), {});
+  expect_contents();
+}
+
+TEST_F(PrefillTest, ADamagedLayoutIsABadArtifact) {
+  fill_and_drain();
+  const auto path = dir / (std::to_string(kPid) + ".layout");
+  std::string bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  auto expect_refused = [&](std::string damaged, const std::string& why) {
+    const auto bad = dir / "bad.layout";
+    std::ofstream(bad, std::ios::binary | std::ios::trunc) << damaged;
+    try {
+      read_layout(bad);
+      ADD_FAILURE() << "accepted a layout with " << why;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact) << why;
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+    }
+  };
+  expect_refused("XXXXXXXX" + bytes.substr(8), "no magic");
+  expect_refused(bytes.substr(0, bytes.size() - 8), "counts that do not match");
+  std::string moved = bytes;
+  // The first piece's address (after the header and the segments) moved far past its segment.
+  const TierLayout layout = read_layout(path);
+  const std::size_t first_piece = 32 + layout.segments.size() * 24;
+  const std::uint64_t far = 0x10;
+  std::memcpy(moved.data() + first_piece, &far, sizeof far);
+  expect_refused(moved, "a piece out of range");
+  expect_refused(std::string(72ull << 20, '\0'), "not a layout file of at most 64 MiB");
+}
+
+}  // namespace
+}  // namespace gpusnap::tier
