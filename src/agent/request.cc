@@ -41,6 +41,12 @@ long int_field(const json& body, const std::string& key, long min, long max) {
   return v.get<long>();
 }
 
+// handshake_timeout_s of a checkpoint or restore request: 1 s to a day, when given.
+std::optional<long> handshake_timeout(const json& body) {
+  if (!body.contains("handshake_timeout_s")) return std::nullopt;
+  return int_field(body, "handshake_timeout_s", 1, 86400);
+}
+
 bool bool_field(const json& body, const std::string& key) {
   const auto& v = body.at(key);
   if (!v.is_boolean())
@@ -157,9 +163,7 @@ CheckpointRequest parse_checkpoint_request(const json& body) {
   if (pid) r.pid = static_cast<pid_t>(int_field(body, "pid", 1, 1L << 22));
   if (container) r.container = container_field(body, "container");
   if (body.contains("leave_running")) r.leave_running = bool_field(body, "leave_running");
-  if (body.contains("handshake_timeout_s")) {
-    r.handshake_timeout_s = int_field(body, "handshake_timeout_s", 1, 86400);
-  }
+  r.handshake_timeout_s = handshake_timeout(body);
   return r;
 }
 
@@ -203,9 +207,7 @@ RestoreRequest parse_restore_request(const json& body) {
     }
   }
   if (body.contains("publish")) r.publish = string_list(body, "publish");
-  if (body.contains("handshake_timeout_s")) {
-    r.handshake_timeout_s = int_field(body, "handshake_timeout_s", 1, 86400);
-  }
+  r.handshake_timeout_s = handshake_timeout(body);
   return r;
 }
 

@@ -14,6 +14,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <string>
 
 #include "gpusnap/error.h"
@@ -269,7 +270,12 @@ void Tier::map_segment(Segment& s) {
                     " on device " + std::to_string(s.device) + " for " + hex(s.va),
                 "restore onto a GPU with more free memory, or fewer copies onto one GPU");
   }
+  map_handle(s, h, [](Handle) {});
+}
+
+void Tier::map_handle(Segment& s, Handle h, const std::function<void(Handle)>& check) {
   try {
+    check(h);
     driver_.map(s.va, s.size, h);
     try {
       driver_.set_access(s.va, s.size, s.device);

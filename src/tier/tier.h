@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
@@ -149,6 +150,9 @@ class Tier {
   bool trim_locked();
   void destroy_segment(DevicePtr key) noexcept;
   void map_segment(Segment& s);
+  // Maps `h` whole at the segment's address for its device, after `check(h)`; on any failure
+  // (the check's too) releases `h` and leaves the segment unmapped.
+  void map_handle(Segment& s, Handle h, const std::function<void(Handle)>& check);
   void unmap_segment(Segment& s);
   void insert_free(DevicePtr addr, const Block& b);
   void erase_free(DevicePtr addr, const Block& b);

@@ -558,30 +558,14 @@ std::size_t Tier::adopt(const std::filesystem::path& socket, std::chrono::millis
         throw Error(ErrorKind::kInternal,
                     "memory tier: the prefill offers another segment at " + std::to_string(i));
       }
-      const Handle h = driver_.import_fd(offer[i].fd.get());
-      try {
+      map_handle(s, driver_.import_fd(offer[i].fd.get()), [&](Handle h) {
         // Memory on another GPU would be reached across the bus: not what the copy runs on.
         if (const int on = driver_.handle_device(h); on != s.device) {
           throw Error(ErrorKind::kInternal, "memory tier: the prefill's memory is on device " +
                                                 std::to_string(on) + ", the segment's on " +
                                                 std::to_string(s.device));
         }
-        driver_.map(s.va, s.size, h);
-        try {
-          driver_.set_access(s.va, s.size, s.device);
-        } catch (...) {
-          driver_.unmap(s.va, s.size);
-          throw;
-        }
-      } catch (...) {
-        try {
-          driver_.release(h);
-        } catch (...) {  // NOLINT(bugprone-empty-catch): the first failure is the one reported
-        }
-        throw;
-      }
-      s.handle = h;
-      s.mapped = true;
+      });
       adopted.push_back(s.va);
       bytes += s.size;
     }
