@@ -53,3 +53,13 @@ def serve(port, ready_file, commands, banner="", on_quit=None):
         return handler() if handler else "ERR unknown command"
 
     serve_lines(srv, handle, on_quit)
+
+
+def add_tier_workload_arguments(parser):
+    """The arguments every memory-tier test workload takes: --port (0: any), --ready-file, and
+    --tier (the default) / --no-tier."""
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--ready-file")
+    parser.add_argument("--tier", dest="tier", action="store_true", default=True)
+    parser.add_argument("--no-tier", dest="tier", action="store_false")
+

@@ -24,10 +24,7 @@ def parse_args():
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--ready-file")
-    p.add_argument("--tier", dest="tier", action="store_true", default=True)
-    p.add_argument("--no-tier", dest="tier", action="store_false")
+    line_server.add_tier_workload_arguments(p)
     return p.parse_args()
 
 

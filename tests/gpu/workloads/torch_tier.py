@@ -32,11 +32,8 @@ def parse_args():
     p = argparse.ArgumentParser()
     p.add_argument("--gib", type=float, default=4.0)
     p.add_argument("--dim", type=int, default=8192)
-    p.add_argument("--port", type=int, default=0)
     p.add_argument("--weights", required=True)
-    p.add_argument("--ready-file")
-    p.add_argument("--tier", dest="tier", action="store_true", default=True)
-    p.add_argument("--no-tier", dest="tier", action="store_false")
+    line_server.add_tier_workload_arguments(p)
     return p.parse_args()
 
 
