@@ -663,6 +663,21 @@ class TierGroup:
                 raise TierError(f"{e} (the ranks drained before it were filled back)") from e
             done.append(m)
 
+    def adopt(self, directory):
+        """Every member takes over what a prefill filled for it (each rank's own socket in
+        `directory`); raises TierError naming the members that could not, once all were tried:
+        fill() then fills what they did not take."""
+        failed, taken = [], 0
+        for m in self.members:
+            if m.drained and hasattr(m, "adopt"):
+                try:
+                    taken += m.adopt(directory) or 0
+                except Exception as e:  # noqa: BLE001 - the fill does what was not taken
+                    failed.append(str(e))
+        if failed:
+            raise TierError("; ".join(failed))
+        return taken
+
     def fill(self, directory, gpu_map):
         first = None
         for m in self.members:
@@ -742,6 +757,9 @@ class RankTier:
         self.call("drain", dir=os.fsdecode(directory))
         self._drained = True
 
+    def adopt(self, directory):
+        return int(self.call("adopt", dir=os.fsdecode(directory)) or 0)
+
     def fill(self, directory, gpu_map):
         self.call("fill", dir=os.fsdecode(directory or ""), gpu_map=dict(gpu_map or {}))
         self._drained = False
@@ -776,6 +794,8 @@ def _answer_rank_request(sock, request, tier, handlers):
                 raise TierError("gpusnap memory tier: this rank has no tier")
             t.fill(request["dir"], request.get("gpu_map") or {})
             result = None
+        elif op == "adopt":
+            result = t.adopt(request["dir"]) if t is not None and hasattr(t, "adopt") else 0
         elif op == "live_bytes":
             result = t.live_bytes if t is not None else 0
         elif op in handlers:

@@ -615,6 +615,32 @@ class RankTierTest(unittest.TestCase):
                                ("fill", "/t", {}), ("fill", "/t", {})])
         self.assertFalse(group.drained)
 
+    def test_every_rank_takes_over_its_prefill_and_one_that_cannot_is_named(self):
+        class AdoptingTier(RecordingTier):
+            def __init__(self, log, name, error=None):
+                super().__init__(log)
+                self.name, self.error = name, error
+
+            def adopt(self, directory):
+                self.log.append(("adopt", self.name, directory))
+                if self.error:
+                    raise hs.TierError(self.error)
+                return 2
+
+        log = []
+        group = hs.TierGroup([AdoptingTier(log, "rank 0"),
+                              self.rank(AdoptingTier(log, "rank 1", "no prefill for rank 1")),
+                              self.rank(AdoptingTier(log, "rank 2"))])
+        group.drain("/t")
+        with self.assertRaises(hs.TierError) as e:
+            group.adopt("/p")
+        self.assertIn("no prefill for rank 1", str(e.exception))
+        self.assertEqual([entry for entry in log if entry[0] == "adopt"],
+                         [("adopt", "rank 0", "/p"), ("adopt", "rank 1", "/p"),
+                          ("adopt", "rank 2", "/p")])
+        group.fill("/t", {})  # fills what was not taken (here: every member records its fill)
+        self.assertFalse(group.drained)
+
     def test_a_failed_fill_is_raised_after_every_rank_was_tried(self):
         log = []
         group = hs.TierGroup([RecordingTier(log, fill_error="bad file"),
