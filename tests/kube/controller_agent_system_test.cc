@@ -34,6 +34,7 @@
 #include "testing/containerd.h"
 #include "testing/containers.h"
 #include "testing/harness.h"
+#include "testing/node_network.h"
 
 namespace gpusnap::testing {
 namespace {
@@ -67,6 +68,7 @@ class Program {
     process_.emplace(o);
   }
   bool running() { return !process_->poll().has_value(); }
+  pid_t pid() const { return process_->pid(); }
   // SIGTERM, as the kubelet stops a container; the exit status.
   std::optional<common::ExitStatus> stop() {
     process_->kill(SIGTERM);
@@ -110,6 +112,7 @@ class ControllerAndRealAgent : public ::testing::Test {
                                   "--run-dir",
                                   (dir_ / "run").string()};
     argv.insert(argv.end(), agent_args_.begin(), agent_args_.end());
+    if (agent_node_ != nullptr) argv = agent_node_->enter(argv);
     agent_ = std::make_unique<Program>(argv, dir_ / "agent.log");
     ASSERT_TRUE(eventually([&] { return !agent_->running() || answers(socket()); }, 30s));
     ASSERT_TRUE(agent_->running()) << agent_->log();
@@ -239,6 +242,7 @@ class ControllerAndRealAgent : public ::testing::Test {
   // Container ids are global to the runtime root; a prefix keeps a rerun clear of leftovers.
   std::string prefix_ = "gpusnap-kube-" + fs::random_id().substr(0, 6) + "-";
   std::vector<std::string> agent_args_;  // more flags for start_agent()
+  const Node* agent_node_ = nullptr;     // start_agent() runs it on that node
   std::unique_ptr<Program> agent_;
   std::unique_ptr<Program> controller_;
 };
@@ -510,8 +514,15 @@ TEST_F(ControllerAndRealAgent, CapturesAndRestoresPodsThatContainerdRuns) {
 TEST_F(ControllerAndRealAgent, ARestorePodOnANodeWithoutTheSnapshotPullsItFromTheRegistry) {
   SKIP_WITHOUT_RUNC();
   if (auto why = LocalRegistry::blocker()) GTEST_SKIP() << "skipped: " << *why;
-  LocalRegistry registry(dir_, {});
+  if (auto why = NodeNetwork::blocker()) GTEST_SKIP() << "skipped: " << *why;
+  // Two nodes, each agent in its node's network namespace, the registry at the host's address
+  // on their links (testing/node_network.h); the controllers reach their agents by socket.
+  NodeNetwork nodes(2);
+  LocalRegistry::Options at_host;
+  at_host.address = nodes.host_address();
+  LocalRegistry registry(dir_, at_host);
   const std::string repository = registry.ref("snapshots");
+  agent_node_ = &nodes.node(0);
   agent_args_ = {"--registry", repository, "--registry-plain-http", "--cache",
                  (dir_ / "cache").string()};
   auto source = run_container("source", shimmed_workload());
@@ -527,12 +538,18 @@ TEST_F(ControllerAndRealAgent, ARestorePodOnANodeWithoutTheSnapshotPullsItFromTh
   stdfs::create_directories(b / "control");
   const std::string b_socket = (b / "agent.sock").string();
   Program b_agent(
-      {build_path("gpusnap-agent"), "--socket", b_socket, "--storage", (b / "snapshots").string(),
-       "--state-dir", (b / "state").string(), "--run-dir", (b / "run").string(), "--registry",
-       repository, "--registry-plain-http", "--cache", (b / "cache").string()},
+      nodes.node(1).enter({build_path("gpusnap-agent"), "--socket", b_socket, "--storage",
+                           (b / "snapshots").string(), "--state-dir", (b / "state").string(),
+                           "--run-dir", (b / "run").string(), "--registry", repository,
+                           "--registry-plain-http", "--cache", (b / "cache").string()}),
       b / "agent.log");
   ASSERT_TRUE(eventually([&] { return !b_agent.running() || answers(b_socket); }, 30s));
   ASSERT_TRUE(b_agent.running()) << b_agent.log();
+  // Each agent on its own node: neither in the host's network namespace nor in the other's.
+  EXPECT_EQ(net_namespace_of(agent_->pid()), nodes.node(0).inode());
+  EXPECT_EQ(net_namespace_of(b_agent.pid()), nodes.node(1).inode());
+  EXPECT_NE(nodes.node(0).inode(), net_namespace_of(::getpid()));
+  EXPECT_NE(nodes.node(1).inode(), net_namespace_of(::getpid()));
   Program b_controller(
       {build_path("src/kube/gpusnap-controller"), "--node", "node-b", "--api-server", server_.url(),
        "--token-file", (dir_ / "token").string(), "--agent-socket", b_socket, "--runtime-root",
