@@ -412,7 +412,12 @@ class Restore {
         !options_.into_container) {
       std::map<std::string, std::string> gpu_map;
       for (const auto& p : gpu_plan.pairs) gpu_map[p.old_uuid] = p.new_uuid;
-      prefills.emplace(options_.artifact, gpu_map, options_.replicas, options_.run_dir);
+      try {
+        prefills.emplace(options_.artifact, gpu_map, options_.replicas, options_.run_dir);
+      } catch (const Error& e) {
+        // Only slower without it: each copy then fills its tier itself.
+        phases_.reporter().note(std::string("tier prefill not started: ") + e.what());
+      }
     }
     std::vector<std::unique_ptr<Copy>> copies;
     phases_.run("criu-restore", [&] {

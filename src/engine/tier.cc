@@ -228,6 +228,19 @@ TierPrefills::TierPrefills(const stdfs::path& artifact,
     if (std::regex_match(name, m, kLayout)) pids.push_back(m[1]);
   }
   if (pids.empty()) return;
+  try {
+    start(*program, tier, pids, gpu_map, copies, run_dir);
+  } catch (...) {
+    stop_all();  // no destructor runs for a constructor that throws
+    throw;
+  }
+}
+
+void TierPrefills::start(const stdfs::path& program, const stdfs::path& tier,
+                         const std::vector<std::string>& pids,
+                         const std::map<std::string, std::string>& gpu_map, int copies,
+                         const stdfs::path& run_dir) {
+  std::error_code ec;
   // A folder of its own for this restore: root's, traversable, a socket per copy and process
   // owned by the workload's user (who owns the tier's files).
   std::random_device rd;
@@ -252,7 +265,7 @@ TierPrefills::TierPrefills(const stdfs::path& artifact,
       common::UniqueFd log_fd(::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
       if (log_fd.get() < 0) throw sys_error("cannot create " + log.string(), errno);
       common::SpawnOptions o;
-      o.argv = {program->string(),
+      o.argv = {program.string(),
                 tier.string(),
                 pid,
                 (dir / (pid + ".sock")).string(),
@@ -270,11 +283,15 @@ TierPrefills::TierPrefills(const stdfs::path& artifact,
   }
 }
 
-TierPrefills::~TierPrefills() {
+TierPrefills::~TierPrefills() { stop_all(); }
+
+void TierPrefills::stop_all() noexcept {
   running_.clear();  // each Subprocess kills and reaps a prefill still running
+  copy_dirs_.clear();
   if (!root_.empty()) {
     std::error_code ec;
     stdfs::remove_all(root_, ec);
+    root_.clear();
   }
 }
 

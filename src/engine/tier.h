@@ -85,6 +85,11 @@ class TierPrefills {
 
  private:
   struct Running;
+  void start(const std::filesystem::path& program, const std::filesystem::path& tier,
+             const std::vector<std::string>& pids,
+             const std::map<std::string, std::string>& gpu_map, int copies,
+             const std::filesystem::path& run_dir);
+  void stop_all() noexcept;
   std::filesystem::path root_;
   std::vector<std::filesystem::path> copy_dirs_;
   std::vector<std::unique_ptr<Running>> running_;

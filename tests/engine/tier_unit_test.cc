@@ -183,5 +183,25 @@ TEST(TierPrefills, OnePerCopyAndProcessToldWhereAndOnWhichGpu) {
   ::unsetenv("GPUSNAP_TIER_PREFILL");
 }
 
+// A prefill folder that cannot be made: the constructor says so (the restore then goes on
+// without prefills, a note saying why) and leaves nothing started.
+TEST(TierPrefills, AFolderThatCannotBeMadeStartsNone) {
+  TempDir artifact;
+  TempDir run;
+  std::filesystem::create_directories(artifact / "tier");
+  write(
+      artifact / "tier" / "7.json",
+      R"({"format":"gpusnap-tier","version":1,"pid":7,"bytes":8,"files":[],"gpus":[{"uuid":"GPU-a","bytes":8}]})");
+  write(artifact / "tier" / "7.layout", "x");
+  const auto script = run / "prefill.sh";
+  write(script, "#!/bin/sh\necho started >> " + (run / "calls").string() + "\n");
+  ASSERT_EQ(::chmod(script.c_str(), 0755), 0);
+  write(run / "state", "a file where the run directory should be");
+  ::setenv("GPUSNAP_TIER_PREFILL", script.c_str(), 1);
+  EXPECT_THROW(TierPrefills(artifact.path(), {}, 2, run / "state"), Error);
+  ::unsetenv("GPUSNAP_TIER_PREFILL");
+  EXPECT_FALSE(std::filesystem::exists(run / "calls"));
+}
+
 }  // namespace
 }  // namespace gpusnap::engine
