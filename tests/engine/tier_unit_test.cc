@@ -127,6 +127,15 @@ TEST(TierMemory, CopiesAreToldTheArtifactsFolderOnlyWhenItHoldsTierFiles) {
             (std::filesystem::current_path() / "rel" / "tier").string());
 }
 
+// An artifact's tier/ with process PID's index (its memory on GPU-a alone) and layout.
+void drained_on_one_gpu(const TempDir& artifact, const std::string& pid) {
+  std::filesystem::create_directories(artifact / "tier");
+  write(artifact / "tier" / (pid + ".json"),
+        R"({"format":"gpusnap-tier","version":1,"pid":)" + pid +
+            R"(,"bytes":8,"files":[],"gpus":[{"uuid":"GPU-a","bytes":8}]})");
+  write(artifact / "tier" / (pid + ".layout"), "x");
+}
+
 // gpusnap's side of the fill done ahead: a prefill per copy and per process with a layout, told
 // the artifact's folder, the process, a socket in the copy's own folder, the GPU the copy maps
 // its memory to and the owner of the tier's files; each copy's context names its folder; the
@@ -135,11 +144,7 @@ TEST(TierMemory, CopiesAreToldTheArtifactsFolderOnlyWhenItHoldsTierFiles) {
 TEST(TierPrefills, OnePerCopyAndProcessToldWhereAndOnWhichGpu) {
   TempDir artifact;
   TempDir run;
-  std::filesystem::create_directories(artifact / "tier");
-  write(
-      artifact / "tier" / "7.json",
-      R"({"format":"gpusnap-tier","version":1,"pid":7,"bytes":8,"files":[],"gpus":[{"uuid":"GPU-a","bytes":8}]})");
-  write(artifact / "tier" / "7.layout", "x");
+  drained_on_one_gpu(artifact, "7");
   // Process 9's tier spans two GPUs: no prefill for it, its copies fill by themselves.
   write(artifact / "tier" / "9.json", kIndex);
   write(artifact / "tier" / "9.layout", "x");
@@ -188,11 +193,7 @@ TEST(TierPrefills, OnePerCopyAndProcessToldWhereAndOnWhichGpu) {
 TEST(TierPrefills, AFolderThatCannotBeMadeStartsNone) {
   TempDir artifact;
   TempDir run;
-  std::filesystem::create_directories(artifact / "tier");
-  write(
-      artifact / "tier" / "7.json",
-      R"({"format":"gpusnap-tier","version":1,"pid":7,"bytes":8,"files":[],"gpus":[{"uuid":"GPU-a","bytes":8}]})");
-  write(artifact / "tier" / "7.layout", "x");
+  drained_on_one_gpu(artifact, "7");
   const auto script = run / "prefill.sh";
   write(script, "#!/bin/sh\necho started >> " + (run / "calls").string() + "\n");
   ASSERT_EQ(::chmod(script.c_str(), 0755), 0);
