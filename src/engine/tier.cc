@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -198,6 +199,16 @@ std::optional<stdfs::path> prefill_program() {
   return candidate;
 }
 
+// Whether every folder from / down to `dir` may be traversed by any user.
+bool searchable_by_all(const stdfs::path& dir) {
+  for (stdfs::path p = dir; !p.empty(); p = p.parent_path()) {
+    struct stat st {};
+    if (::stat(p.c_str(), &st) != 0 || (st.st_mode & S_IXOTH) == 0) return false;
+    if (p == p.root_path()) break;
+  }
+  return true;
+}
+
 // The one GPU a process's tier is on (its index's "gpus"), or "" when it spans several.
 std::string tier_gpu(const stdfs::path& index) {
   std::ifstream in(index);
@@ -258,7 +269,13 @@ void TierPrefills::start(const stdfs::path& program, const stdfs::path& tier,
       const auto index = tier / (pid + ".json");
       const std::string recorded = tier_gpu(index);
       struct stat st {};
-      if (recorded.empty() || ::stat(index.c_str(), &st) != 0) continue;
+      // A workload that could not reach the socket would fill by itself beside the prefill's
+      // memory, twice the GPU memory at once: not for a user other than root who cannot
+      // traverse to the folder.
+      if (recorded.empty() || ::stat(index.c_str(), &st) != 0 ||
+          (st.st_uid != 0 && !searchable_by_all(dir))) {
+        continue;
+      }
       const auto mapped = gpu_map.find(recorded);
       const std::string gpu = mapped != gpu_map.end() ? mapped->second : recorded;
       const auto log = dir / (pid + ".log");
@@ -302,9 +319,12 @@ json TierPrefills::context_dir(int copy) const {
 
 std::vector<std::string> TierPrefills::finish() {
   std::vector<std::string> lines;
+  // A prefill whose memory was taken exits at once; one still waiting was not taken. One
+  // short grace for all of them: this runs before the restore returns.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
   for (auto& r : running_) {
-    // A prefill whose memory was taken exits at once; one still waiting was not taken.
-    auto status = r->process.wait(std::chrono::milliseconds(500));
+    auto status = r->process.wait(std::chrono::duration_cast<std::chrono::milliseconds>(std::max(
+        deadline - std::chrono::steady_clock::now(), std::chrono::steady_clock::duration{})));
     if (!status) r->process.kill(SIGKILL);
     std::string text;
     (void)fs::try_read_file(r->log, &text);
