@@ -217,6 +217,11 @@ pid_t Subprocess::release() {
   return pid;
 }
 
+void reap_in_background(Subprocess child) {
+  if (!child.running()) return;
+  std::thread([c = std::move(child)]() mutable { (void)c.wait(); }).detach();
+}
+
 RunResult run_capture(const std::vector<std::string>& argv, std::chrono::milliseconds timeout) {
   Pipe out = Pipe::make();
   SpawnOptions o;

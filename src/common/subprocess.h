@@ -60,6 +60,11 @@ class Subprocess {
   std::optional<ExitStatus> status_;
 };
 
+// Leaves a child that is ending to a thread of its own that reaps it: for one whose exit is
+// slow (a GPU context torn down) and whose end nobody needs to wait for. Should this process
+// end first, the child is killed with it (kill_with_parent) or reaped by init.
+void reap_in_background(Subprocess child);
+
 // Runs a command to completion, capturing stdout and stderr together.
 struct RunResult {
   ExitStatus status;

@@ -458,7 +458,9 @@ class Restore {
       result.handshake = true;
     }
     if (prefills) {
-      for (const auto& line : prefills->finish()) phases_.reporter().note(line);
+      // Each prefill's report: what it filled, and whether its copy took the memory.
+      const auto lines = phases_.run("tier-prefills", [&] { return prefills->finish(); });
+      for (const auto& line : lines) phases_.reporter().note(line);
     }
     phases_.run("release", [&] {
       for (auto& c : copies) {

@@ -1,5 +1,6 @@
 #include "engine/tier.h"
 
+#include <poll.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -181,7 +182,8 @@ json artifact_tier_dir(const stdfs::path& artifact, const Manifest& manifest) {
 struct TierPrefills::Running {
   common::Subprocess process;
   std::filesystem::path log;
-  std::string what;  // "copy N, process PID"
+  std::string what;       // "copy N, process PID"
+  common::UniqueFd done;  // read end: end of file once the prefill has said what it did
 };
 
 namespace {
@@ -197,6 +199,26 @@ std::optional<stdfs::path> prefill_program() {
   auto candidate = exe.parent_path() / "gpusnap-tier-prefill";
   if (::access(candidate.c_str(), X_OK) != 0) return std::nullopt;
   return candidate;
+}
+
+// The number the prefill's `done` pipe has in it (tier/prefill_main.cc, DONE-FD).
+constexpr int kPrefillDoneFd = 3;
+
+// Waits until `fd` reads end of file (its writer closed it or ended), or `deadline`. Anything
+// written on it is read and ignored.
+bool wait_for_end_of_file(int fd, std::chrono::steady_clock::time_point deadline) {
+  char buf[64];
+  for (;;) {
+    const auto left =
+        std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    pollfd p{fd, POLLIN, 0};
+    const int n = ::poll(&p, 1, static_cast<int>(std::max<int64_t>(left.count(), 0)));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    const ssize_t got = ::read(fd, buf, sizeof buf);
+    if (got == 0) return true;
+    if (got < 0 && errno != EINTR && errno != EAGAIN) return true;
+  }
 }
 
 // Whether every folder from / down to `dir` may be traversed by any user.
@@ -281,6 +303,7 @@ void TierPrefills::start(const stdfs::path& program, const stdfs::path& tier,
       const auto log = dir / (pid + ".log");
       common::UniqueFd log_fd(::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
       if (log_fd.get() < 0) throw sys_error("cannot create " + log.string(), errno);
+      auto done = common::Pipe::make();
       common::SpawnOptions o;
       o.argv = {program.string(),
                 tier.string(),
@@ -289,10 +312,13 @@ void TierPrefills::start(const stdfs::path& program, const stdfs::path& tier,
                 gpu,
                 std::to_string(st.st_uid),
                 std::to_string(st.st_gid),
-                "60000"};
+                "60000",
+                std::to_string(kPrefillDoneFd)};
       o.stderr_fd = log_fd.get();
-      auto run = std::make_unique<Running>(
-          Running{common::Subprocess(o), log, "copy " + std::to_string(c) + ", process " + pid});
+      o.keep_fds = {{done.write.get(), kPrefillDoneFd}};
+      auto run = std::make_unique<Running>(Running{common::Subprocess(o), log,
+                                                   "copy " + std::to_string(c) + ", process " + pid,
+                                                   std::move(done.read)});
       running_.push_back(std::move(run));
       any = true;
     }
@@ -319,19 +345,22 @@ json TierPrefills::context_dir(int copy) const {
 
 std::vector<std::string> TierPrefills::finish() {
   std::vector<std::string> lines;
-  // A prefill whose memory was taken exits at once; one still waiting was not taken. One
-  // short grace for all of them: this runs before the restore returns.
+  // A prefill whose memory was taken says so at once and closes its end of `done`; one still
+  // waiting was not taken. One short grace for all of them: this runs before the restore
+  // returns. What follows the report is the prefill's exit, which tears down a CUDA context
+  // and unmaps the memory it made (tens of milliseconds for 16 GiB): nobody waits for it.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
   for (auto& r : running_) {
-    auto status = r->process.wait(std::chrono::duration_cast<std::chrono::milliseconds>(std::max(
-        deadline - std::chrono::steady_clock::now(), std::chrono::steady_clock::duration{})));
-    if (!status) r->process.kill(SIGKILL);
+    const bool said = wait_for_end_of_file(r->done.get(), deadline);
+    auto status = r->process.poll();
     std::string text;
     (void)fs::try_read_file(r->log, &text);
     while (!text.empty() && text.back() == '\n') text.pop_back();
     if (const auto nl = text.rfind('\n'); nl != std::string::npos) text = text.substr(nl + 1);
     lines.push_back("tier prefill (" + r->what +
                     "): " + (text.empty() ? (status ? status->describe() : "stopped") : text));
+    if (said) common::reap_in_background(std::move(r->process));
+    // Otherwise its Subprocess, cleared below, kills and reaps it.
   }
   running_.clear();
   return lines;

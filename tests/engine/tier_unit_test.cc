@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <string>
 
@@ -171,10 +172,10 @@ TEST(TierPrefills, OnePerCopyAndProcessToldWhereAndOnWhichGpu) {
     ASSERT_EQ(::stat((artifact / "tier" / "7.json").c_str(), &st), 0);
     const std::string owner = std::to_string(st.st_uid) + " " + std::to_string(st.st_gid);
     const std::string tier = std::filesystem::absolute(artifact / "tier").string();
-    EXPECT_NE(calls.find(tier + " 7 " + copy0 + "/7.sock GPU-z " + owner + " 60000\n"),
+    EXPECT_NE(calls.find(tier + " 7 " + copy0 + "/7.sock GPU-z " + owner + " 60000 3\n"),
               std::string::npos)
         << calls;
-    EXPECT_NE(calls.find(tier + " 7 " + copy1 + "/7.sock GPU-z " + owner + " 60000\n"),
+    EXPECT_NE(calls.find(tier + " 7 " + copy1 + "/7.sock GPU-z " + owner + " 60000 3\n"),
               std::string::npos)
         << calls;
     EXPECT_EQ(calls.find(" 9 "), std::string::npos) << calls;
@@ -185,6 +186,56 @@ TEST(TierPrefills, OnePerCopyAndProcessToldWhereAndOnWhichGpu) {
   TierPrefills none(artifact.path(), {}, 1, run / "state");
   EXPECT_EQ(none.context_dir(0).get<std::string>(), "");
   EXPECT_TRUE(none.finish().empty());
+  ::unsetenv("GPUSNAP_TIER_PREFILL");
+}
+
+// finish() takes a prefill's word, not its exit: one that reported and closed its DONE-FD is
+// left to end by itself (its exit tears down a CUDA context: nobody waits for that), and is
+// reaped; one that says nothing within the grace is killed.
+TEST(TierPrefills, TheReportIsWaitedForNotTheExitAndASilentPrefillIsStopped) {
+  TempDir artifact;
+  TempDir run;
+  drained_on_one_gpu(artifact, "7");
+  const auto pid_file = run / "pid";
+  // Reports, says done on its DONE-FD ($8), then takes 3 s to end.
+  const auto slow_exit = run / "slow-exit.sh";
+  write(slow_exit, "#!/bin/sh\necho $$ > " + pid_file.string() +
+                       "\necho \"taken by the copy\" >&2\neval \"exec $8>&-\"\nsleep 3\n");
+  ASSERT_EQ(::chmod(slow_exit.c_str(), 0755), 0);
+  ::setenv("GPUSNAP_TIER_PREFILL", slow_exit.c_str(), 1);
+  {
+    TierPrefills prefills(artifact.path(), {}, 1, run / "state");
+    const auto t0 = std::chrono::steady_clock::now();
+    while (!std::filesystem::exists(pid_file)) ::usleep(10000);
+    const auto lines = prefills.finish();
+    const auto waited = std::chrono::steady_clock::now() - t0;
+    ASSERT_EQ(lines.size(), 1u);
+    EXPECT_EQ(lines[0], "tier prefill (copy 0, process 7): taken by the copy");
+    EXPECT_LT(waited, std::chrono::milliseconds(1500)) << "finish() waited for the exit";
+  }
+  std::string text;
+  ASSERT_TRUE(fs::try_read_file(pid_file, &text));
+  const auto proc = "/proc/" + std::to_string(std::stoi(text));
+  EXPECT_TRUE(std::filesystem::exists(proc)) << "the prefill was killed, not left to end";
+  // Reaped in the background once it ends: not even a zombie is left.
+  for (int i = 0; i < 100 && std::filesystem::exists(proc); ++i) ::usleep(100000);
+  EXPECT_FALSE(std::filesystem::exists(proc)) << "the prefill was not reaped";
+
+  // Says nothing: stopped after the grace, its line says so.
+  const auto silent = run / "silent.sh";
+  write(silent, "#!/bin/sh\necho $$ > " + pid_file.string() + "\nexec sleep 60\n");
+  ASSERT_EQ(::chmod(silent.c_str(), 0755), 0);
+  ::setenv("GPUSNAP_TIER_PREFILL", silent.c_str(), 1);
+  std::filesystem::remove(pid_file);
+  {
+    TierPrefills prefills(artifact.path(), {}, 1, run / "state");
+    while (!std::filesystem::exists(pid_file)) ::usleep(10000);
+    const auto lines = prefills.finish();
+    ASSERT_EQ(lines.size(), 1u);
+    EXPECT_EQ(lines[0], "tier prefill (copy 0, process 7): stopped");
+  }
+  ASSERT_TRUE(fs::try_read_file(pid_file, &text));
+  EXPECT_FALSE(std::filesystem::exists("/proc/" + std::to_string(std::stoi(text))));
   ::unsetenv("GPUSNAP_TIER_PREFILL");
 }
 
