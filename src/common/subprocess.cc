@@ -8,6 +8,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <stddef.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -71,6 +72,12 @@ std::vector<sock_filter> io_uring_filter() {
     if (ppid != parent && ppid != 0) ::_exit(127);
   }
   if (o.new_session) ::setsid();
+  if (!o.bind_mounts.empty()) {
+    if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) ::_exit(124);
+    for (const auto& [source, target] : o.bind_mounts) {
+      if (::mount(source.c_str(), target.c_str(), nullptr, MS_BIND, nullptr) != 0) ::_exit(124);
+    }
+  }
   // Move every source fd above the highest target first so dup2 order cannot clobber one.
   int high = 1000;
   for (auto& [src, dst] : plan.moves) {
@@ -145,6 +152,9 @@ Subprocess::Subprocess(const SpawnOptions& o) {
   }
   std::sort(plan.kept.begin(), plan.kept.end());
   if (o.deny_io_uring) plan.filter = io_uring_filter();
+  if (!o.bind_mounts.empty() && (o.clone_flags & CLONE_NEWNS) == 0) {
+    throw Error(ErrorKind::kInternal, "spawn: bind mounts need a mount namespace of its own");
+  }
   pid_t parent = ::getpid();
   if (o.clone_flags != 0) {
     // clone with namespace flags but fork semantics (no new stack: the child gets a copy).

@@ -23,6 +23,10 @@ struct SpawnOptions {
   bool kill_with_parent = true;  // PR_SET_PDEATHSIG(SIGKILL)
   bool new_session = false;      // setsid(): no terminal signals from ours
   int clone_flags = 0;           // CLONE_NEW* namespaces for the child
+  // With CLONE_NEWNS in clone_flags: {source, target} folders bound over their targets in the
+  // child's own mount namespace before it runs the program (every mount made private first, so
+  // nothing reaches the parent's namespace).
+  std::vector<std::pair<std::string, std::string>> bind_mounts;
   // Refuse io_uring to the child and its descendants (seccomp: io_uring_setup fails with
   // ENOSYS, as on a kernel without it), so libraries fall back to plain system calls and the
   // process stays capturable by CRIU.

