@@ -226,6 +226,33 @@ def release_cached_gpu_memory():
     return max(0, before - after)
 
 
+def _resident_bytes():
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def release_free_host_memory():
+    """Gives the C heap's free pages back to the kernel (glibc's malloc_trim(0)): memory a
+    workload freed after loading (file buffers, CPU copies of weights) otherwise stays resident
+    in the heap, and a capture carries it and every copy's restore re-creates it page by page.
+    Returns the resident bytes given back, or None without glibc."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    before = _resident_bytes()
+    trim(0)
+    after = _resident_bytes()
+    if before is None or after is None:
+        return None
+    return max(0, before - after)
+
+
 def _relative_sleep(seconds):
     # select() with a relative timeout: see the module docstring.
     select.select([], [], [], seconds)
@@ -409,8 +436,9 @@ class Client:
 
     def answer_paused(self, request_id):
         """In-flight work done, memory released, no more GPU work until resume. Frees PyTorch's
-        cached free GPU memory first (unless the client was made without release_cached_memory)
-        and tells gpusnap how much, as "released_bytes"."""
+        cached free GPU memory first and tells gpusnap how much, as "released_bytes", then gives
+        the C heap's free pages back to the kernel (unless the client was made without
+        release_cached_memory)."""
         if not self.enabled:
             return
         body = {"id": request_id}
@@ -421,6 +449,7 @@ class Client:
                     body["released_bytes"] = released
             except Exception:  # noqa: BLE001 - a failed release costs only artifact bytes
                 pass
+            release_free_host_memory()
         with self._lock:
             self._answer("pause", request_id, "paused", body)
             self._paused = True
