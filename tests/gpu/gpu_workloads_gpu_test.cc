@@ -510,6 +510,33 @@ TEST(MemoryTier, WorkloadWithoutTheTierIsCapturedAsBefore) {
   EXPECT_FALSE(std::filesystem::exists(dir / "notier" / "tier"));
 }
 
+// transformers' LlamaForCausalLM of Llama-3-8B's width (4 of its 32 layers: 3.7 GB of bf16
+// weights) on the tier: greedy generate() after the restore gives the tokens it gave before
+// the capture, token for token, with the weights carried by the tier's files (and, where
+// gpusnap-tier-prefill is beside gpusnap, filled ahead of the copy's resume).
+TEST(MemoryTier, TransformersLlamaGeneratesTheSameTokensAfterRestore) {
+  SKIP_WITHOUT_GPU(1);
+  TempDir dir;
+  const auto ready = dir / "llama.port";
+  auto run = gpusnap({"run", "-o", (dir / "llama").string(), "--json", "--", "python3",
+                      build_path("tests/llama_tier.py"), "--tier", "--layers", "4", "--ready-file",
+                      ready.string()},
+                     std::chrono::minutes(10));
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_GE(tier_bytes(dir / "llama"), 3ull << 30);
+  std::string port_text;
+  ASSERT_TRUE(fs::try_read_file(ready, &port_text));
+  auto rs = gpusnap({"restore", (dir / "llama").string(), "--publish",
+                     std::to_string(std::stoi(port_text)), "--json"});
+  ASSERT_EQ(rs.exit_code, 0) << rs.err;
+  Copies copies{json::parse(rs.out)};
+  record("tier-llama-checkpoint", json::parse(run.out));
+  record("tier-llama-restore", copies.doc);
+  auto check = ask(copies.port(0), "CHECK", std::chrono::seconds(120));
+  EXPECT_EQ(check.substr(0, 10), "OK tokens=") << check;
+  EXPECT_NE(check.find(" same=1 "), std::string::npos) << check;
+}
+
 std::vector<std::string> torch_tp(int ranks, double gib, bool nccl_defaults = false) {
   std::vector<std::string> argv = {"python3", build_path("tests/torch_tp.py"),
                                    "--ranks", std::to_string(ranks),
