@@ -21,8 +21,8 @@
 #             graph replayed, bit-exact against the answer computed before the capture);
 #             phases from --json; `resume` is the tier's fill (files -> GPU) on the tier path;
 #             VERIFY (every weight against the file, untimed) must answer OK
-#   copies    BENCH_COPIES (default "2 4"): that many copies of the tier artifact restored at
-#             once onto GPU 0, wall time to every copy's correct CHECK
+#   copies    BENCH_COPIES (default "2 4"; "" for none): that many copies of the tier artifact
+#             restored at once onto GPU 0, wall time to every copy's correct CHECK
 # Drain and fill rates are the tier's bytes over those phases; GPUSNAP_TIER_LOG=1 also has the
 # workload print them on its stderr (the run's log).
 # Needs: BUILD (default build) with gpusnap, libgpusnap-preload.so, libgpusnap-tier.so and
@@ -31,7 +31,7 @@ set -euo pipefail
 GIB=${1:?GIB}; OUTDIR=${2:?OUTDIR}; STORE=${3:-}
 BUILD=${BUILD:-build}
 RUNS=${BENCH_RUNS:-3}
-COPIES=${BENCH_COPIES:-2 4}
+COPIES=${BENCH_COPIES-2 4}
 COLD=${BENCH_COLD:-0}
 GPUSNAP=$(readlink -f "$BUILD/gpusnap")
 WORKLOAD=$(readlink -f "$BUILD/tests/torch_tier.py")
@@ -86,22 +86,25 @@ restore_and_check() {  # MODE ROUND ARTIFACT-NAME DISK-GBS: one restore, timed t
   local t1; t1=$(now)
   "$GPUSNAP" restore "$WORK/$name" --publish "$(cat "$WORK/$name.port")" --json \
     >"$LOGS/$mode-$round-restore.json" 2>"$LOGS/$mode-$round-restore.err"
+  local t2; t2=$(now)
   local hport; hport=$(host_port "$LOGS/$mode-$round-restore.json")
   local answer; answer=$(ask "$hport" CHECK)
   local t_restore; t_restore=$(elapsed "$t1")
+  local t_command; t_command=$(python3 -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 3))" "$t1" "$t2")
   INITS+=("$(field "$LOGS/$mode-$round-restore.json" "['copies'][0]['init_pid']")")
   local verify; verify=$(ask "$hport" VERIFY)
   kill -9 "${INITS[-1]}" 2>/dev/null || true
   python3 - "$mode" "$round" "$t_restore" "$answer" "$verify" "$(tier_bytes "$WORK/$name")" \
-    "$LOGS/$name-run.json" "$LOGS/$mode-$round-restore.json" "$disk_gbs" >>"$RESULTS" <<'PY'
+    "$LOGS/$name-run.json" "$LOGS/$mode-$round-restore.json" "$disk_gbs" "$t_command" >>"$RESULTS" <<'PY'
 import json, sys
-mode, rnd, t, answer, verify, tb, run, restore, disk = sys.argv[1:]
+mode, rnd, t, answer, verify, tb, run, restore, disk, tc = sys.argv[1:]
 run, restore = json.load(open(run)), json.load(open(restore))
-print(json.dumps({"mode": mode, "round": int(rnd), "restore_to_answer_s": float(t), "answer": answer,
+print(json.dumps({"mode": mode, "round": int(rnd), "restore_to_answer_s": float(t),
+                  "restore_command_s": float(tc), "answer": answer,
                   "verify": verify, "tier_bytes": int(tb), "disk_read_gbs": json.loads(disk),
                   "run": run, "restore": restore}))
 PY
-  echo "$mode round $round: restore to first correct answer $t_restore s ($answer; VERIFY $verify)" >&2
+  echo "$mode round $round: restore to first correct answer $t_restore s (the command $t_command s; $answer; VERIFY $verify)" >&2
 }
 one() {  # one MODE ROUND: capture, restore, check
   local mode=$1 round=$2 name="$1-$2" flag
@@ -133,10 +136,11 @@ for round in $(seq 1 "$RUNS"); do
 done
 
 # Several copies of one tier artifact at once, onto GPU 0.
-"$GPUSNAP" run -o "$WORK/multi" --json -- python3 "$WORKLOAD" --tier --gib "$GIB" \
-  --weights "$WEIGHTS" --ready-file "$WORK/multi.port" >"$LOGS/multi-run.json" 2>"$LOGS/multi-run.err"
 MULTI=$LOGS/copies.jsonl
 : >"$MULTI"
+[[ -z ${COPIES// /} ]] || "$GPUSNAP" run -o "$WORK/multi" --json -- python3 "$WORKLOAD" --tier \
+  --gib "$GIB" --weights "$WEIGHTS" --ready-file "$WORK/multi.port" >"$LOGS/multi-run.json" \
+  2>"$LOGS/multi-run.err"
 for n in $COPIES; do
   t1=$(now)
   if "$GPUSNAP" restore "$WORK/multi" --replicas "$n" --publish "$(cat "$WORK/multi.port")" --json \
@@ -170,6 +174,7 @@ for r in runs:
     tb = r["tier_bytes"]
     drain, fill = phase(cp, "pause"), phase(r["restore"], "resume")
     rows.append({"mode": r["mode"], "round": r["round"], "restore_s": r["restore_to_answer_s"],
+                 "restore_command_s": r.get("restore_command_s"),
                  "capture_s": round(capture, 3), "gpu_checkpoint_s": phase(cp, "gpu-checkpoint"),
                  "gpu_restore_s": phase(r["restore"], "gpu-restore"),
                  "drain_gbs": round(tb / drain / 1e9, 1) if tb and drain else None,
@@ -180,10 +185,10 @@ for r in runs:
 json.dump({"gib": float(gib), "runs": runs, "rows": rows, "copies": copies},
           open(f"{outdir}/tier-{gib}.json", "w"), indent=1)
 with open(f"{outdir}/tier-{gib}.md", "w") as md:
-    md.write(f"| path | round | restore to answer (s) | capture (s) | gpu-checkpoint | gpu-restore | drain GB/s | fill GB/s | disk GB/s | bit-exact |\n")
-    md.write("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
+    md.write(f"| path | round | restore to answer (s) | the command (s) | capture (s) | gpu-checkpoint | gpu-restore | drain GB/s | fill GB/s | disk GB/s | bit-exact |\n")
+    md.write("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
     for r in rows:
-        md.write(f"| {r['mode']} | {r['round']} | {r['restore_s']} | {r['capture_s']} | {r['gpu_checkpoint_s']} | "
+        md.write(f"| {r['mode']} | {r['round']} | {r['restore_s']} | {r['restore_command_s']} | {r['capture_s']} | {r['gpu_checkpoint_s']} | "
                  f"{r['gpu_restore_s']} | {r['drain_gbs']} | {r['fill_gbs']} | {r['disk_read_gbs']} | {r['ok']} |\n")
     for mode in ("transparent", "tier", "tier-no-prefill"):
         t = [r["restore_s"] for r in rows if r["mode"] == mode]
