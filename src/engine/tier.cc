@@ -348,7 +348,7 @@ std::vector<std::string> TierPrefills::finish() {
   // A prefill whose memory was taken says so at once and closes its end of `done`; one still
   // waiting was not taken. One short grace for all of them: this runs before the restore
   // returns. What follows the report is the prefill's exit, which tears down a CUDA context
-  // and unmaps the memory it made (tens of milliseconds for 16 GiB): nobody waits for it.
+  // and unmaps the memory it made: nobody waits for it.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
   for (auto& r : running_) {
     const bool said = wait_for_end_of_file(r->done.get(), deadline);
