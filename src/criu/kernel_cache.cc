@@ -25,7 +25,9 @@ namespace {
 namespace stdfs = std::filesystem;
 
 // CRIU's cache is a fixed-size structure of under a KiB; anything far larger is not one.
-constexpr uintmax_t kMaxCacheBytes = 1 << 20;
+constexpr size_t kMaxCacheBytes = 1 << 20;
+// A boot id, CRIU's path and its version.
+constexpr size_t kMaxStampBytes = 4096;
 
 bool on_tmpfs(const char* path) {
   struct statfs s {};
@@ -88,12 +90,11 @@ bool make_cache(const Binary& criu, const std::string& stamp) {
   o.bind_mounts = {{scratch.path().string(), "/run"}};
   common::Subprocess check(o);
   if (!check.wait(std::chrono::seconds(20))) return false;  // killed and reaped by `check`
-  const auto made = scratch.path() / "criu.kdat";
-  std::error_code ec;
-  const auto size = stdfs::file_size(made, ec);
-  if (ec || size == 0 || size > kMaxCacheBytes) return false;
   std::string bytes;
-  if (!fs::try_read_file(made, &bytes)) return false;
+  if (!fs::try_read_regular_file(scratch.path() / "criu.kdat", &bytes, kMaxCacheBytes) ||
+      bytes.empty()) {
+    return false;
+  }
   write_atomically(kKernelCache, bytes);
   write_atomically(kKernelCacheStamp, stamp);
   return true;
@@ -109,9 +110,8 @@ bool keep_kernel_cache(const Binary& criu) {
     const std::string stamp = id + " " + criu.path + " " + criu.version + "\n";
     std::string recorded;
     struct stat cache {};
-    struct stat st {};
-    if (::stat(kKernelCache, &cache) == 0 && ::stat(kKernelCacheStamp, &st) == 0 &&
-        st.st_size <= 4096 && fs::try_read_file(kKernelCacheStamp, &recorded) &&
+    if (::stat(kKernelCache, &cache) == 0 &&
+        fs::try_read_regular_file(kKernelCacheStamp, &recorded, kMaxStampBytes) &&
         recorded == stamp) {
       return false;
     }
