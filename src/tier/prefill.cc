@@ -2,6 +2,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
 #include <utility>
 
 #include "common/fd.h"
@@ -34,6 +39,89 @@ void Prefill::release_all() noexcept {
   base_ = 0;
 }
 
+namespace {
+
+// How far the making of the memory has got, for the workers that copy into it: a piece is
+// copied once the segment that holds it is mapped, so the copies start with the first segment
+// instead of after the last (making and mapping 17 GB took 0.13-0.37 s on the H200, all of it
+// before the first copy).
+class MadeSoFar {
+ public:
+  void one_more() {
+    {
+      std::lock_guard lock(mu_);
+      ++mapped_;
+    }
+    changed_.notify_all();
+  }
+  // The making stopped short (it failed, or the workers did): nobody waits for more.
+  void stopped() {
+    {
+      std::lock_guard lock(mu_);
+      stopped_ = true;
+    }
+    changed_.notify_all();
+  }
+  // Blocks until segment `index` (in the order they are made) is mapped. Throws when the making
+  // stopped before it: the maker's own error is what the fill reports.
+  void wait_for(std::size_t index) {
+    std::unique_lock lock(mu_);
+    changed_.wait(lock, [&] { return mapped_ > index || stopped_; });
+    if (mapped_ <= index) {
+      throw Error(ErrorKind::kGpu, "memory tier prefill: the memory was not made");
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable changed_;
+  std::size_t mapped_ = 0;
+  bool stopped_ = false;
+};
+
+}  // namespace
+
+void Prefill::make(const std::stop_token& stop, const std::function<void()>& mapped_one) {
+  driver_.use_device(device_);  // a thread of its own: no context is current in it
+  DevicePtr at = base_;
+  for (const auto& s : layout_.segments) {
+    if (stop.stop_requested()) return;
+    Made m{s, at, 0, false};
+    if (!driver_.create_shareable(device_, s.size, &m.handle)) {
+      throw Error(ErrorKind::kGpu,
+                  "memory tier prefill: out of GPU memory on device " + std::to_string(device_));
+    }
+    made_.push_back(m);
+    driver_.map(at, s.size, m.handle);
+    made_.back().mapped = true;
+    driver_.set_access(at, s.size, device_);
+    at += s.size;
+    mapped_one();
+  }
+}
+
+Prefill::PlacedPieces Prefill::place_pieces() const {
+  PlacedPieces placed{layout_.pieces, std::vector<std::size_t>(layout_.pieces.size())};
+  // In address order, the order the segments are made in: the first copies wait the least.
+  std::sort(placed.pieces.begin(), placed.pieces.end(),
+            [](const FilePiece& a, const FilePiece& b) { return a.va < b.va; });
+  std::vector<DevicePtr> here(layout_.segments.size());
+  for (std::size_t k = 0, at = 0; k < here.size(); at += layout_.segments[k].size, ++k) {
+    here[k] = base_ + at;
+  }
+  for (std::size_t i = 0; i < placed.pieces.size(); ++i) {
+    auto& p = placed.pieces[i];
+    // The segment holding the piece: read_layout sorted them and checked there is one.
+    const auto s = std::upper_bound(layout_.segments.begin(), layout_.segments.end(), p.va,
+                                    [](DevicePtr va, const LayoutSegment& x) { return va < x.va; });
+    const auto k = static_cast<std::size_t>(s - layout_.segments.begin()) - 1;
+    placed.segment_of[i] = k;
+    p.va = here[k] + (p.va - layout_.segments[k].va);
+    p.device = device_;
+  }
+  return placed;
+}
+
 TransferReport Prefill::fill() {
   const auto t0 = std::chrono::steady_clock::now();
   TransferReport report;
@@ -43,32 +131,36 @@ TransferReport Prefill::fill() {
     // its address in the copy moved by one constant per segment.
     for (const auto& s : layout_.segments) reserved_ += s.size;
     base_ = driver_.reserve(reserved_, driver_.granularity(device_));
-    DevicePtr at = base_;
-    for (const auto& s : layout_.segments) {
-      Made m{s, at, 0, false};
-      if (!driver_.create_shareable(device_, s.size, &m.handle)) {
-        throw Error(ErrorKind::kGpu,
-                    "memory tier prefill: out of GPU memory on device " + std::to_string(device_));
+    const PlacedPieces placed = place_pieces();
+    for (const auto& p : placed.pieces) report.bytes += p.size;
+    // The memory is made on a thread of its own while the workers read the files and copy
+    // each piece as soon as its segment is mapped.
+    MadeSoFar made_so_far;
+    std::exception_ptr making_failed;
+    double making_seconds = 0;
+    std::jthread maker([&](const std::stop_token& stop) {
+      try {
+        make(stop, [&] { made_so_far.one_more(); });
+        making_seconds =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      } catch (...) {
+        making_failed = std::current_exception();
       }
-      made_.push_back(m);
-      driver_.map(at, s.size, m.handle);
-      made_.back().mapped = true;
-      driver_.set_access(at, s.size, device_);
-      at += s.size;
+      made_so_far.stopped();
+    });
+    try {
+      report.buffer_seconds =
+          fill_from_files(driver_, settings_, dir_, files_, placed.pieces,
+                          [&](std::size_t i) { made_so_far.wait_for(placed.segment_of[i]); });
+    } catch (...) {
+      maker.request_stop();
+      maker.join();
+      if (making_failed) std::rethrow_exception(making_failed);
+      throw;
     }
-    report.map_seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::vector<FilePiece> pieces = layout_.pieces;
-    for (auto& p : pieces) {
-      // The segment holding the piece: read_layout sorted them and checked there is one.
-      auto m = std::upper_bound(made_.begin(), made_.end(), p.va,
-                                [](DevicePtr va, const Made& x) { return va < x.segment.va; });
-      --m;
-      p.va = m->here + (p.va - m->segment.va);
-      p.device = device_;
-      report.bytes += p.size;
-    }
-    report.buffer_seconds = fill_from_files(driver_, settings_, dir_, files_, pieces);
+    maker.join();
+    if (making_failed) std::rethrow_exception(making_failed);  // no piece waited for the rest
+    report.map_seconds = making_seconds;
     driver_.synchronize(device_);
   } catch (...) {
     driver_.leave_device();

@@ -9,6 +9,8 @@
 
 #include <cstddef>
 #include <filesystem>
+#include <functional>
+#include <stop_token>
 #include <string>
 #include <vector>
 
@@ -31,7 +33,8 @@ class Prefill {
   Prefill& operator=(const Prefill&) = delete;
 
   // Makes shareable memory for every segment, maps it at addresses of this process, and copies
-  // every piece into it. Throws Error (out of GPU memory: kGpu), having released what it made.
+  // every piece into it, each piece as soon as its segment is mapped. Throws Error (out of GPU
+  // memory: kGpu), having released what it made.
   TransferReport fill();
   // Offers the memory on the connection `sock` (tier/handover.h) and waits for the copy's
   // answer: true once the copy has mapped it.
@@ -44,6 +47,17 @@ class Prefill {
     Handle handle = 0;
     bool mapped = false;
   };
+  // The layout's pieces at their addresses in this process (base_ plus the segment's offset), in
+  // address order, and the index of the segment each lies in.
+  struct PlacedPieces {
+    std::vector<FilePiece> pieces;
+    std::vector<std::size_t> segment_of;
+  };
+  PlacedPieces place_pieces() const;
+  // Makes, maps and opens to this device the memory of every segment in address order, each at
+  // base_ plus its offset, calling `mapped_one` after each; stops early when `stop` is requested.
+  // Runs on a thread of its own while the workers copy (fill()). Throws Error (kGpu).
+  void make(const std::stop_token& stop, const std::function<void()>& mapped_one);
   void release_all() noexcept;
 
   TierDriver& driver_;

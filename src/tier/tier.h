@@ -72,10 +72,13 @@ struct TransferReport {
 // Copies `pieces` from a drain's files in `dir` (files[piece.file]) to device memory already
 // mapped at the pieces' addresses, on up to settings.streams workers with two pinned buffers
 // each, and waits for every copy. Returns the slowest worker's time to pin its buffers. Used by
-// Tier::fill and by a prefill (tier/prefill.h).
+// Tier::fill and by a prefill (tier/prefill.h). `before_copy(i)`, when given, is called on a
+// worker once piece i is read and before it is copied: a prefill waits there for the piece's
+// memory to be mapped; what it throws fails the fill.
 double fill_from_files(TierDriver& driver, const TierSettings& settings,
                        const std::filesystem::path& dir, const std::vector<std::string>& files,
-                       const std::vector<FilePiece>& pieces);
+                       const std::vector<FilePiece>& pieces,
+                       const std::function<void(std::size_t)>& before_copy = nullptr);
 
 class Tier {
  public:

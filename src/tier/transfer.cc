@@ -589,7 +589,8 @@ std::size_t Tier::adopt(const std::filesystem::path& socket, std::chrono::millis
 
 double fill_from_files(TierDriver& driver, const TierSettings& settings,
                        const std::filesystem::path& dir, const std::vector<std::string>& files,
-                       const std::vector<FilePiece>& pieces) {
+                       const std::vector<FilePiece>& pieces,
+                       const std::function<void(std::size_t)>& before_copy) {
   std::vector<Fd> fds;
   for (const auto& name : files) {
     const auto path = dir / name;
@@ -623,6 +624,7 @@ double fill_from_files(TierDriver& driver, const TierSettings& settings,
           if (in_flight != nullptr) driver.stream_synchronize(in_flight);
           in_flight = nullptr;
           if (p == nullptr) break;
+          if (before_copy) before_copy(i);
           driver.copy_to_device(p->va, r.buffer(b), p->size, stream);
           in_flight = stream;
           b = 1 - b;

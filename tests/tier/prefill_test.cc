@@ -7,6 +7,7 @@
 
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -126,6 +127,73 @@ TEST_F(PrefillTest, TheTierTakesOverWhatThePrefillFilledAndCopiesNothing) {
   EXPECT_EQ(driver.handles(), 0u);
   tier.fill(again.path(), {});
   expect_contents();
+}
+
+// The prefill makes the memory on a thread of its own while its workers copy: every copy goes to
+// memory already mapped and opened (the fake throws on any other), and a layout whose pieces are
+// not in address order is filled as well.
+TEST_F(PrefillTest, EveryPieceIsCopiedIntoMemoryAlreadyMappedWhileTheRestIsMade) {
+  fill_and_drain();
+  const auto path = dir / (std::to_string(kPid) + ".layout");
+  TierLayout layout = read_layout(path);
+  std::reverse(layout.pieces.begin(), layout.pieces.end());
+  write_layout(path, layout);
+  // Rounds to give the maker and the workers many interleavings; the fake throws at a copy into
+  // memory not yet mapped or opened.
+  for (int round = 0; round < 20; ++round) {
+    driver.clear_calls();
+    const TransferReport filled = prefill_on(0)->fill();
+    EXPECT_EQ(filled.bytes, 3 * kMiB + 4096 + 40 * kMiB + 8192);
+    EXPECT_EQ(driver.calls_named("create_shareable").size(), 3u);
+    EXPECT_EQ(driver.entered(), 0);
+  }
+  EXPECT_EQ(driver.mappings(), 0u);  // each round's prefill let go of what it made
+  auto prefill = prefill_on(0);
+  prefill->fill();
+  auto taken = serve(*prefill);
+  tier.adopt(socket(), std::chrono::seconds(5));
+  EXPECT_TRUE(taken.get());
+  prefill.reset();
+  tier.fill(dir.path(), {});
+  expect_contents();
+}
+
+// Making the memory fails half-way (out of GPU memory on the second segment): the workers
+// waiting for it stop, the error says why, and the prefill has released everything it made.
+TEST_F(PrefillTest, OutOfMemoryWhileMakingStopsTheCopiesAndReleasesEverything) {
+  fill_and_drain();
+  const std::size_t handles = driver.handles();
+  const std::size_t reservations = driver.reservations();
+  auto prefill = prefill_on(0);
+  driver.fail_next("create_shareable", 2);
+  try {
+    prefill->fill();
+    ADD_FAILURE() << "a prefill without memory succeeded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kGpu);
+    EXPECT_NE(std::string(e.what()).find("out of GPU memory"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(driver.handles(), handles);
+  EXPECT_EQ(driver.mappings(), 0u);
+  EXPECT_EQ(driver.reservations(), reservations);
+  EXPECT_EQ(driver.host_allocations(), 0u);
+  EXPECT_EQ(driver.entered(), 0);
+  tier.fill(dir.path(), {});  // the copy fills by itself
+  expect_contents();
+}
+
+// A copy fails while the memory is still being made: the making stops, the copy's error is the
+// one reported, and nothing the prefill made is left.
+TEST_F(PrefillTest, ACopyThatFailsStopsTheMakingAndReleasesEverything) {
+  fill_and_drain();
+  const std::size_t handles = driver.handles();
+  auto prefill = prefill_on(0);
+  driver.fail_next("copy_to_device", 1);
+  EXPECT_THROW(prefill->fill(), Error);
+  EXPECT_EQ(driver.handles(), handles);
+  EXPECT_EQ(driver.mappings(), 0u);
+  EXPECT_EQ(driver.host_allocations(), 0u);
+  EXPECT_EQ(driver.entered(), 0);
 }
 
 TEST_F(PrefillTest, MemoryOnAnotherDeviceIsRefusedAndTheFillDoesItAll) {
