@@ -22,7 +22,9 @@ allocates its GPU memory through libgpusnap-tier.so, and the client then moves t
 itself: at a pause, after on_pause(), it drains every live allocation into the folder gpusnap
 names (the request's tier_dir) and releases the GPU memory, keeping every address; at a resume,
 before on_resume(), it maps the memory again at the same addresses and fills it. CUDA graphs and
-every tensor stay valid. Nothing else in the workload changes.
+every tensor stay valid. Nothing else in the workload changes. A workload started by
+`gpusnap run --memory-tier` needs not even that line: gpusnap's sitecustomize calls
+use_memory_tier() as soon as the workload has imported torch.
 
 Why it is built this way:
 - Every message is a file, written NAME.tmp then renamed to NAME, and read by path. Nothing is
@@ -639,7 +641,15 @@ def use_memory_tier(library=None):
     except ImportError as e:
         raise TierError(f"gpusnap memory tier: PyTorch is not importable ({e}); a workload "
                         "without PyTorch allocates with tier_malloc itself") from e
-    tier = MemoryTier(path)
+    # Under `gpusnap run --memory-tier` that import may have installed the tier already (the
+    # hook of gpusnap's sitecustomize runs at the end of torch's import): once per process.
+    if _installed_tier is not None:
+        return _installed_tier
+    try:
+        tier = MemoryTier(path)
+    except OSError as e:
+        raise TierError(f"gpusnap memory tier: cannot load {path} ({e}); set "
+                        f"{TIER_LIBRARY_VARIABLE} to gpusnap's {TIER_LIBRARY_NAME}") from e
     try:
         allocator = torch.cuda.memory.CUDAPluggableAllocator(path, "tier_malloc", "tier_free")
         torch.cuda.memory.change_current_allocator(allocator)

@@ -253,9 +253,16 @@ int cmd_run(const Args& args) {
   if (args.rest().empty()) throw args.usage_error("run needs a command after --");
   CheckpointOptions o = capture_options(args);
   auto ready_timeout = std::chrono::seconds(args.get_int("--ready-timeout", 600, 1, 86400));
-  engine::LaunchedWorkload workload(args.rest(), "/run/gpusnap");
+  engine::LaunchOptions launch;
+  launch.memory_tier = args.has("--memory-tier");
+  engine::LaunchedWorkload workload(args.rest(), "/run/gpusnap", launch);
   out.reporter->note("launched pid " + std::to_string(workload.pid()) + ", output in " +
                      workload.log().string());
+  if (launch.memory_tier) {
+    out.reporter->note("memory tier: the workload's Python installs it when it imports torch (" +
+                       (workload.python_site() / "sitecustomize.py").string() +
+                       "; a failure is one line in its output)");
+  }
   engine::Handshake handshake(workload.control_dir());
   Phases phases(*out.reporter);
   try {
@@ -360,14 +367,20 @@ std::vector<Command> commands() {
         kHelp},
        cmd_checkpoint},
       {"run",
-       "gpusnap run -o ARTIFACT [--leave-running] -- COMMAND [ARGS...]",
+       "gpusnap run -o ARTIFACT [--leave-running] [--memory-tier] -- COMMAND [ARGS...]",
        "Launch a workload so that it can be captured (own session, output to a log, io_uring\n"
        "refused, a handshake directory in $GPUSNAP_CONTROL_DIR, libgpusnap-preload.so in\n"
        "LD_PRELOAD for a faster GPU checkpoint, XLA_PYTHON_CLIENT_PREALLOCATE=false unless set,\n"
        "as JAX with preallocation dies at the GPU checkpoint), wait until it says READY, pause\n"
-       "it, capture it, then stop it or, with --leave-running, resume it.",
+       "it, capture it, then stop it or, with --leave-running, resume it.\n"
+       "--memory-tier: a PyTorch workload speaking the handshake in Python gets the memory tier\n"
+       "without calling use_memory_tier(): gpusnap's Python folder goes first on its PYTHONPATH\n"
+       "(found by $GPUSNAP_PYTHON_SITE, else python/ beside gpusnap, else /opt/gpusnap/python)\n"
+       "with GPUSNAP_MEMORY_TIER=1, and the tier is installed when it imports torch.",
        {{"--output", "-o", "ARTIFACT", "artifact directory to create (must not exist)"},
         {"--leave-running", "", "", "resume the workload after the capture"},
+        {"--memory-tier", "", "",
+         "have a Python workload install the memory tier when it imports torch"},
         kGroup,
         {"--ready-timeout", "", "SECONDS", "how long it may take to say READY (default 600)"},
         {"--handshake-timeout", "", "SECONDS", "how long it may take to pause (default 60)"},

@@ -10,18 +10,26 @@
 #include "engine/handshake.h"
 #include "engine/preflight.h"
 #include "engine/preload.h"
+#include "engine/python_site.h"
 #include "gpusnap/error.h"
 
 namespace gpusnap::engine {
 
 LaunchedWorkload::LaunchedWorkload(const std::vector<std::string>& argv,
-                                   const std::filesystem::path& run_dir) {
+                                   const std::filesystem::path& run_dir,
+                                   const LaunchOptions& options) {
   if (argv.empty()) {
     throw Error(ErrorKind::kUsage, "no command to run",
                 "give it after --: gpusnap run -o ART -- CMD");
   }
-  // First, as it may refuse (a library named that is not there): nothing is made before.
+  // First, as they may refuse (a library or folder named that is not there): nothing is made
+  // before.
   auto preload = preload_environment();
+  std::vector<std::string> tier_env;
+  if (options.memory_tier) {
+    python_site_ = find_python_site();
+    tier_env = memory_tier_environment(python_site_);
+  }
   auto dir = std::filesystem::absolute(run_dir) / "launched" / fs::random_id().substr(0, 12);
   control_dir_ = dir / "control";
   log_ = dir / "output.log";
@@ -34,6 +42,7 @@ LaunchedWorkload::LaunchedWorkload(const std::vector<std::string>& argv,
   // The driver's checkpoint of this workload then populates its host memory in parallel.
   if (preload) o.env_add.push_back(*preload);
   for (auto& setting : capturable_environment()) o.env_add.push_back(std::move(setting));
+  for (auto& setting : tier_env) o.env_add.push_back(std::move(setting));
   o.stdout_fd = log.get();
   o.stderr_fd = log.get();
   // A service's life: no terminal (so no shell-job restore), not killed with gpusnap.

@@ -20,6 +20,7 @@
 #include "common/fs.h"
 #include "common/proc.h"
 #include "common/subprocess.h"
+#include "engine/python_site.h"
 #include "testing/harness.h"
 
 namespace gpusnap::testing {
@@ -417,19 +418,21 @@ TEST(Handshake, CheckpointSaysWhenItCapturesWithoutTheHandshake) {
   EXPECT_NE(cp.err.find("does not speak the workload handshake"), std::string::npos) << cp.err;
 }
 
+// The workloads `gpusnap run` has launched (their folders under /run/gpusnap/launched).
+size_t launched() {
+  std::error_code ec;
+  size_t n = 0;
+  for (std::filesystem::directory_iterator it("/run/gpusnap/launched", ec), end; !ec && it != end;
+       it.increment(ec)) {
+    ++n;
+  }
+  return n;
+}
+
 TEST(Handshake, RunRefusesAPreloadLibraryThatIsNotThere) {
   SKIP_WITHOUT_CRIU();
   TempDir dir;
   auto snap = dir / "snap";
-  auto launched = [] {
-    std::error_code ec;
-    size_t n = 0;
-    for (std::filesystem::directory_iterator it("/run/gpusnap/launched", ec), end; !ec && it != end;
-         it.increment(ec)) {
-      ++n;
-    }
-    return n;
-  };
   size_t before = launched();
   auto r = common::run_capture({"/usr/bin/env",
                                 "GPUSNAP_PRELOAD_LIBRARY=/nonexistent/libgpusnap-preload.so",
@@ -440,6 +443,69 @@ TEST(Handshake, RunRefusesAPreloadLibraryThatIsNotThere) {
                           "which cannot be read"),
             std::string::npos)
       << r.output;
+  EXPECT_FALSE(std::filesystem::exists(snap));
+  EXPECT_EQ(launched(), before);  // no launch directory left behind
+}
+
+// `gpusnap run --memory-tier`: a Python workload that speaks the handshake and never calls
+// use_memory_tier() gets the tier at its `import torch` (PyTorch's stand-in here, on the
+// PYTHONPATH gpusnap was started with, kept after gpusnap's folder), through build/python found
+// beside the built gpusnap; the real libgpusnap-tier.so, found beside libgpusnap-preload.so in
+// LD_PRELOAD, is the allocator and the tier the client drains (nothing allocated, nothing to drain
+// on a CPU). The GPU test is MemoryTier.GpusnapRunInstallsTheTierWithoutTheOneLine.
+TEST(Handshake, RunWithMemoryTierInstallsTheTierWhenThePythonWorkloadImportsTorch) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  const auto report_path = dir / "report.json";
+  const auto standin = build_path("tests/torch_standin");
+  ScopedEnv python_path("PYTHONPATH", standin);
+  ScopedEnv torch_log("TORCH_STANDIN_LOG", (dir / "torch.log").string());
+  ScopedEnv no_site(engine::kPythonSiteEnv, "");
+  auto run = gpusnap({"run", "--memory-tier", "-o", (dir / "snap").string(), "--json",
+                      "--ready-timeout", "30", "--", "python3",
+                      build_path("tests/tier_site_probe.py"), "--report", report_path.string()});
+  std::string text;
+  ASSERT_TRUE(fs::try_read_file(report_path, &text)) << run.err;
+  const json report = json::parse(text);
+  TreeKiller source{report["pid"].get<pid_t>()};  // a failed capture leaves it running
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  const std::string site = build_path("python");
+  EXPECT_EQ(report["PYTHONPATH"], site + ":" + standin);
+  EXPECT_EQ(report["GPUSNAP_MEMORY_TIER"], "1");
+  const std::string library = build_path("libgpusnap-tier.so");
+  // Installed once, after torch's own code ran.
+  EXPECT_EQ(report["torch_log"],
+            json({"import-begin", "import-end", "allocator " + library + " tier_malloc tier_free",
+                  "change_current_allocator"}));
+  // The client drains and fills that tier, and the workload's gpusnap_handshake is the folder's,
+  // though a copy lies beside its script (sys.path[0]): torch was imported first.
+  EXPECT_EQ(report["tier_path"], library);
+  EXPECT_EQ(report["handshake_file"], site + "/gpusnap_handshake.py");
+  EXPECT_TRUE(std::filesystem::exists(build_path("tests/gpusnap_handshake.py")));
+  const json doc = json::parse(run.out);
+  EXPECT_TRUE(doc["handshake"].get<bool>());
+  EXPECT_NE(doc["notes"].dump().find(
+                "memory tier: the workload's Python installs it when it imports torch (" + site +
+                "/sitecustomize.py;"),
+            std::string::npos)
+      << doc["notes"];
+}
+
+TEST(Handshake, RunWithMemoryTierRefusesAMissingPythonSiteFolder) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  auto snap = dir / "snap";
+  size_t before = launched();
+  ScopedEnv site(engine::kPythonSiteEnv, (dir / "no-such-folder").string());
+  auto run = gpusnap({"run", "--memory-tier", "-o", snap.string(), "--", "python3", "-c", "1"});
+  EXPECT_EQ(run.exit_code, 2) << run.err;  // a usage error, before anything starts
+  EXPECT_EQ(run.err, "gpusnap: error: GPUSNAP_PYTHON_SITE names " +
+                         (dir / "no-such-folder").string() +
+                         ", which holds no readable sitecustomize.py and gpusnap_handshake.py "
+                         "(fix: point GPUSNAP_PYTHON_SITE at gpusnap's Python folder (python/ "
+                         "beside gpusnap in a build tree, /opt/gpusnap/python on a node), or run "
+                         "without --memory-tier and call gpusnap_handshake.use_memory_tier() in "
+                         "the workload)\n");
   EXPECT_FALSE(std::filesystem::exists(snap));
   EXPECT_EQ(launched(), before);  // no launch directory left behind
 }

@@ -431,17 +431,25 @@ TEST(KvCache, TheCacheNeverEntersTheArtifactAndTheGraphReplaysAfterRestore) {
 
 // ---- The memory tier (docs/design.md, "The memory tier") -----------------------------------
 
-// `gpusnap run` of tests/torch_tier.py holding `gib` GiB of weights, with or without the tier:
+// How tests/torch_tier.py gets its memory tier: none, its own use_memory_tier() call, or
+// `gpusnap run --memory-tier` installing it when the workload imports torch.
+enum class TierRoute { kNone, kOneLine, kGpusnapRun };
+
+// `gpusnap run` of tests/torch_tier.py holding `gib` GiB of weights, with the tier by `route`:
 // captured at READY through the handshake. Returns the run's JSON (null on failure).
-json run_tier_worker(const TempDir& dir, const std::string& name, double gib, bool tier) {
+json run_tier_worker(const TempDir& dir, const std::string& name, double gib, TierRoute route) {
   const char* weights = std::getenv("GPUSNAP_TEST_WEIGHTS");
   auto ready = dir / (name + ".port");
-  auto run = gpusnap({"run", "-o", (dir / name).string(), "--json", "--", "python3",
-                      build_path("tests/torch_tier.py"), tier ? "--tier" : "--no-tier", "--gib",
-                      std::to_string(gib), "--weights",
-                      weights != nullptr ? weights : (dir / "weights.bin").string(), "--ready-file",
-                      ready.string()},
-                     std::chrono::minutes(10));
+  std::vector<std::string> args = {"run", "-o", (dir / name).string(), "--json"};
+  if (route == TierRoute::kGpusnapRun) args.emplace_back("--memory-tier");
+  const char* tier_flag = route == TierRoute::kNone      ? "--no-tier"
+                          : route == TierRoute::kOneLine ? "--tier"
+                                                         : "--tier-by-gpusnap";
+  args.insert(args.end(), {"--", "python3", build_path("tests/torch_tier.py"), tier_flag, "--gib",
+                           std::to_string(gib), "--weights",
+                           weights != nullptr ? weights : (dir / "weights.bin").string(),
+                           "--ready-file", ready.string()});
+  auto run = gpusnap(args, std::chrono::minutes(10));
   EXPECT_EQ(run.exit_code, 0) << run.err;
   return run.exit_code == 0 ? json::parse(run.out) : json();
 }
@@ -459,12 +467,14 @@ uint64_t tier_bytes(const std::filesystem::path& artifact) {
   return bytes;
 }
 
-// Captures the tier workload, restores one copy (with `restore_args`), and checks that every
-// weight is bit-exact and the CUDA graph captured before the checkpoint replays to its answer.
+// Captures the tier workload (its tier by `route`), restores one copy (with `restore_args`), and
+// checks that every weight is bit-exact and the CUDA graph captured before the checkpoint
+// replays to its answer.
 void tier_round_trip(const std::string& name, double gib,
-                     const std::vector<std::string>& restore_args = {}) {
+                     const std::vector<std::string>& restore_args = {},
+                     TierRoute route = TierRoute::kOneLine) {
   TempDir dir;
-  auto run = run_tier_worker(dir, name, gib, true);
+  auto run = run_tier_worker(dir, name, gib, route);
   ASSERT_FALSE(run.is_null());
   EXPECT_TRUE(run["handshake"].get<bool>());
   const auto artifact = dir / name;
@@ -501,10 +511,18 @@ TEST(MemoryTier, RestoredOntoAnotherGpuWithGpuMap) {
   tier_round_trip("tier-2gib-remap", 2, {"--gpu-map", "0=1"});
 }
 
+// The same workload without the call to use_memory_tier(): `gpusnap run --memory-tier` has its
+// Python install the tier at `import torch` (python/gpusnap_site/sitecustomize.py), and the
+// weights go through the tier's files as with the one line.
+TEST(MemoryTier, GpusnapRunInstallsTheTierWithoutTheOneLine) {
+  SKIP_WITHOUT_GPU(1);
+  tier_round_trip("tier-4gib-by-gpusnap", 4, {}, TierRoute::kGpusnapRun);
+}
+
 TEST(MemoryTier, WorkloadWithoutTheTierIsCapturedAsBefore) {
   SKIP_WITHOUT_GPU(1);
   TempDir dir;
-  auto run = run_tier_worker(dir, "notier", 1, false);
+  auto run = run_tier_worker(dir, "notier", 1, TierRoute::kNone);
   ASSERT_FALSE(run.is_null());
   EXPECT_EQ(tier_bytes(dir / "notier"), 0u);
   EXPECT_FALSE(std::filesystem::exists(dir / "notier" / "tier"));

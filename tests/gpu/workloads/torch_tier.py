@@ -3,7 +3,10 @@ memory tier: for the tier's GPU tests and its benchmark against the transparent 
 
 With --tier (the default) it calls gpusnap_handshake.use_memory_tier() before anything touches
 CUDA, so every tensor (weights, activations, the CUDA graph's memory) comes from
-libgpusnap-tier.so; with --no-tier the same program runs on PyTorch's own allocator. It loads
+libgpusnap-tier.so; with --no-tier the same program runs on PyTorch's own allocator. With
+--tier-by-gpusnap it does not call use_memory_tier() but expects the tier that
+`gpusnap run --memory-tier` installs when it imports torch (it exits 3 when there is none), and
+uses the handshake client exactly as with --tier. It loads
 --gib GiB of bf16 weights from a file, captures the forward pass in a CUDA graph, computes the
 answer once, says READY over the handshake, and serves line commands on TCP 127.0.0.1:--port:
 
@@ -34,16 +37,28 @@ def parse_args():
     p.add_argument("--dim", type=int, default=8192)
     p.add_argument("--weights", required=True)
     line_server.add_tier_workload_arguments(p)
+    p.add_argument("--tier-by-gpusnap", action="store_true",
+                   help="the tier installed by `gpusnap run --memory-tier`, not by this program")
     return p.parse_args()
 
 
 def main():
     args = parse_args()
-    tier = gpusnap_handshake.use_memory_tier() if args.tier else None  # before any allocation
+    by_gpusnap = args.tier and args.tier_by_gpusnap
+    # Before any allocation; under --tier-by-gpusnap, gpusnap's sitecustomize does it at the
+    # import of torch below.
+    tier = gpusnap_handshake.use_memory_tier() if args.tier and not by_gpusnap else None
     # The workload itself is torch_graph.py's; importing it imports torch, which allocates
     # nothing on the GPU yet.
     import torch  # noqa: PLC0415
     import torch_graph  # noqa: PLC0415
+
+    if by_gpusnap:
+        tier = gpusnap_handshake._installed_tier  # what the client drains and fills
+        if tier is None:
+            print("torch_tier: --tier-by-gpusnap, and no tier was installed at `import torch` "
+                  "(run it with `gpusnap run --memory-tier`)", file=sys.stderr, flush=True)
+            return 3
 
     layers = max(1, int(args.gib * (1 << 30) / (args.dim * args.dim * 2)))
     per_layer = args.dim * args.dim * 2
