@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <functional>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -168,6 +169,16 @@ struct VerifyOptions {
   Reporter* reporter = nullptr;
 };
 
+// Which files a verification reads (paths relative to the root). By default every file.
+struct VerifyScope {
+  // Files whose bytes are left to the caller, who checks them another way (their presence and
+  // size are still checked): a restore compares the sums its prefills compute as they read the
+  // tier's files (Artifact::compare).
+  std::set<std::string> deferred;
+  // When not empty, only these files are checked (nothing else, not even for presence).
+  std::set<std::string> only;
+};
+
 // An artifact opened for reading. open() performs the format checks (manifest present and
 // well-formed, a known format version, every listed file present with its size); bytes are
 // checked only by verify().
@@ -181,7 +192,11 @@ class Artifact {
 
   // Re-reads every byte and compares it with the manifest. Returns the problems found; empty
   // means the artifact is intact.
-  std::vector<VerifyProblem> verify(const VerifyOptions& options = {}) const;
+  std::vector<VerifyProblem> verify(const VerifyOptions& options = {},
+                                    const VerifyScope& scope = {}) const;
+  // Compares a file's checksums computed by whoever read it with the manifest's: the problems,
+  // as verify() names them; empty when they match.
+  std::vector<VerifyProblem> compare(const FileRecord& got) const;
 
  private:
   std::filesystem::path root_;

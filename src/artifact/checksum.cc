@@ -24,19 +24,6 @@ namespace gpusnap {
 
 namespace {
 
-std::string hex128(const XXH128_hash_t& h) {
-  char buf[33];
-  std::snprintf(buf, sizeof buf, "%016llx%016llx", static_cast<unsigned long long>(h.high64),
-                static_cast<unsigned long long>(h.low64));
-  return buf;
-}
-
-}  // namespace
-
-std::string artifact::ChunkHash::hex() const { return hex128(XXH3_128bits_digest(state_.get())); }
-
-namespace {
-
 struct ChunkTask {
   size_t file;
   size_t chunk;
@@ -120,7 +107,7 @@ std::vector<FileRecord> checksum_tree(const std::filesystem::path& root, uint64_
             options.reporter->progress("checksum", done, total);
           }
         }
-        rec.chunks[tasks[i].chunk] = hex128(XXH3_128bits_digest(state.get()));
+        rec.chunks[tasks[i].chunk] = artifact::ChunkHash::hex_of(XXH3_128bits_digest(state.get()));
       } catch (const Error& e) {
         std::lock_guard lock(error_mutex);
         if (!first_error) first_error = e;

@@ -6,6 +6,7 @@
 #include <xxhash.h>
 
 #include <cstddef>
+#include <cstdio>
 #include <memory>
 #include <string>
 
@@ -17,7 +18,13 @@ class ChunkHash {
   void reset() { XXH3_128bits_reset(state_.get()); }
   void update(const void* data, size_t size) { XXH3_128bits_update(state_.get(), data, size); }
   // The digest of what was added since the last reset, as the manifest writes it.
-  std::string hex() const;
+  std::string hex() const { return hex_of(XXH3_128bits_digest(state_.get())); }
+  static std::string hex_of(const XXH128_hash_t& h) {
+    char buf[33];
+    std::snprintf(buf, sizeof buf, "%016llx%016llx", static_cast<unsigned long long>(h.high64),
+                  static_cast<unsigned long long>(h.low64));
+    return buf;
+  }
 
  private:
   std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state_;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -446,35 +447,58 @@ Artifact Artifact::open(const std::filesystem::path& root) {
   return a;
 }
 
-std::vector<VerifyProblem> Artifact::verify(const VerifyOptions& options) const {
-  auto problems = artifact::unexpected_entries(root_, manifest_);
-  auto actual = checksum_tree(root_, manifest_.chunk_bytes, options);
-  std::map<std::string, const FileRecord*> expected;
-  for (const auto& f : manifest_.files) expected[f.path] = &f;
+std::vector<VerifyProblem> Artifact::verify(const VerifyOptions& options,
+                                            const VerifyScope& scope) const {
+  std::vector<VerifyProblem> problems;
+  if (scope.only.empty()) problems = artifact::unexpected_entries(root_, manifest_);
+  // A file left out (deferred, or not one of `only`) is given its manifest's checksums, which
+  // checksum_tree takes instead of reading it when its size is the manifest's.
+  std::vector<FileRecord> left_out;
+  for (const auto& f : manifest_.files) {
+    if (scope.deferred.count(f.path) != 0 ||
+        (!scope.only.empty() && scope.only.count(f.path) == 0)) {
+      left_out.push_back(f);
+    }
+  }
+  auto actual = checksum_tree(root_, manifest_.chunk_bytes, options, left_out);
+  std::set<std::string> listed;
+  for (const auto& f : manifest_.files) listed.insert(f.path);
   for (const auto& got : actual) {
     if (got.path == kManifestName) continue;
-    auto it = expected.find(got.path);
-    if (it == expected.end()) {
+    if (!scope.only.empty() && scope.only.count(got.path) == 0) continue;
+    if (listed.erase(got.path) == 0) {
       problems.push_back({got.path, "not listed in the manifest"});
       continue;
     }
-    const FileRecord& want = *it->second;
-    expected.erase(it);
-    if (got.size != want.size) {
-      problems.push_back({got.path, "size " + std::to_string(got.size) + ", expected " +
-                                        std::to_string(want.size)});
-      continue;
-    }
-    for (size_t c = 0; c < got.chunks.size(); ++c) {
-      if (c >= want.chunks.size() || got.chunks[c] != want.chunks[c]) {
-        uint64_t begin = c * manifest_.chunk_bytes;
-        uint64_t end = std::min(got.size, begin + manifest_.chunk_bytes);
-        problems.push_back({got.path, "checksum mismatch in bytes " + std::to_string(begin) + "-" +
-                                          std::to_string(end)});
-      }
+    for (auto& p : compare(got)) problems.push_back(std::move(p));
+  }
+  for (const auto& path : listed) {
+    if (scope.only.empty() || scope.only.count(path) != 0) problems.push_back({path, "missing"});
+  }
+  return problems;
+}
+
+std::vector<VerifyProblem> Artifact::compare(const FileRecord& got) const {
+  const auto want = std::find_if(manifest_.files.begin(), manifest_.files.end(),
+                                 [&](const FileRecord& f) { return f.path == got.path; });
+  if (want == manifest_.files.end()) return {{got.path, "not listed in the manifest"}};
+  if (got.size != want->size) {
+    return {{got.path,
+             "size " + std::to_string(got.size) + ", expected " + std::to_string(want->size)}};
+  }
+  std::vector<VerifyProblem> problems;
+  for (size_t c = 0; c < got.chunks.size(); ++c) {
+    if (c >= want->chunks.size() || got.chunks[c] != want->chunks[c]) {
+      uint64_t begin = c * manifest_.chunk_bytes;
+      uint64_t end = std::min(got.size, begin + manifest_.chunk_bytes);
+      problems.push_back({got.path, "checksum mismatch in bytes " + std::to_string(begin) + "-" +
+                                        std::to_string(end)});
     }
   }
-  for (const auto& [path, rec] : expected) problems.push_back({path, "missing"});
+  if (got.chunks.size() < want->chunks.size()) {
+    problems.push_back({got.path, "checksums of " + std::to_string(got.chunks.size()) + " of " +
+                                      std::to_string(want->chunks.size()) + " chunks"});
+  }
   return problems;
 }
 

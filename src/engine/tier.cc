@@ -12,9 +12,11 @@
 #include <csignal>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <optional>
 #include <random>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <system_error>
@@ -184,6 +186,8 @@ struct TierPrefills::Running {
   std::filesystem::path log;
   std::string what;       // "copy N, process PID"
   common::UniqueFd done;  // read end: end of file once the prefill has said what it did
+  std::string pid;
+  common::UniqueFd sums;  // read end: the checksums of what it read, then end of file
 };
 
 namespace {
@@ -201,8 +205,32 @@ std::optional<stdfs::path> prefill_program() {
   return candidate;
 }
 
-// The number the prefill's `done` pipe has in it (tier/prefill_main.cc, DONE-FD).
+// The numbers the prefill's `done` and `sums` pipes have in it (tier/prefill_main.cc, DONE-FD
+// and SUMS-FD).
 constexpr int kPrefillDoneFd = 3;
+constexpr int kPrefillSumsFd = 4;
+
+// Reads `fd` until end of file, `deadline` or more than `limit` bytes. Returns the text when it
+// reached end of file within both.
+std::optional<std::string> read_to_end(int fd, std::chrono::steady_clock::time_point deadline,
+                                       size_t limit) {
+  std::string text;
+  char buf[16384];
+  for (;;) {
+    const auto left =
+        std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    pollfd p{fd, POLLIN, 0};
+    const int n = ::poll(&p, 1, static_cast<int>(std::max<int64_t>(left.count(), 0)));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return std::nullopt;
+    const ssize_t got = ::read(fd, buf, sizeof buf);
+    if (got < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (got < 0) return std::nullopt;
+    if (got == 0) return text;
+    text.append(buf, static_cast<size_t>(got));
+    if (text.size() > limit) return std::nullopt;
+  }
+}
 
 // Waits until `fd` reads end of file (its writer closed it or ended), or `deadline`. Anything
 // written on it is read and ignored.
@@ -248,7 +276,8 @@ std::string tier_gpu(const stdfs::path& index) {
 
 TierPrefills::TierPrefills(const stdfs::path& artifact,
                            const std::map<std::string, std::string>& gpu_map, int copies,
-                           const stdfs::path& run_dir) {
+                           const stdfs::path& run_dir, uint64_t chunk_bytes)
+    : copies_(copies), chunk_bytes_(chunk_bytes) {
   const auto program = prefill_program();
   const stdfs::path tier = stdfs::absolute(artifact) / kTierDirName;
   std::error_code ec;
@@ -262,7 +291,7 @@ TierPrefills::TierPrefills(const stdfs::path& artifact,
   }
   if (pids.empty()) return;
   try {
-    start(*program, tier, pids, gpu_map, copies, run_dir);
+    start(*program, tier, pids, gpu_map, copies, run_dir, chunk_bytes);
   } catch (...) {
     stop_all();  // no destructor runs for a constructor that throws
     throw;
@@ -272,7 +301,7 @@ TierPrefills::TierPrefills(const stdfs::path& artifact,
 void TierPrefills::start(const stdfs::path& program, const stdfs::path& tier,
                          const std::vector<std::string>& pids,
                          const std::map<std::string, std::string>& gpu_map, int copies,
-                         const stdfs::path& run_dir) {
+                         const stdfs::path& run_dir, uint64_t chunk_bytes) {
   std::error_code ec;
   // A folder of its own for this restore: root's, traversable, a socket per copy and process
   // owned by the workload's user (who owns the tier's files).
@@ -304,6 +333,9 @@ void TierPrefills::start(const stdfs::path& program, const stdfs::path& tier,
       common::UniqueFd log_fd(::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
       if (log_fd.get() < 0) throw sys_error("cannot create " + log.string(), errno);
       auto done = common::Pipe::make();
+      auto sums = common::Pipe::make();
+      // Room for every line at once (a few KiB per file): the prefill never waits on gpusnap.
+      (void)::fcntl(sums.write.get(), F_SETPIPE_SZ, 1 << 20);
       common::SpawnOptions o;
       o.argv = {program.string(),
                 tier.string(),
@@ -313,12 +345,14 @@ void TierPrefills::start(const stdfs::path& program, const stdfs::path& tier,
                 std::to_string(st.st_uid),
                 std::to_string(st.st_gid),
                 "60000",
-                std::to_string(kPrefillDoneFd)};
+                std::to_string(kPrefillDoneFd),
+                std::to_string(kPrefillSumsFd),
+                std::to_string(chunk_bytes)};
       o.stderr_fd = log_fd.get();
-      o.keep_fds = {{done.write.get(), kPrefillDoneFd}};
-      auto run = std::make_unique<Running>(Running{common::Subprocess(o), log,
-                                                   "copy " + std::to_string(c) + ", process " + pid,
-                                                   std::move(done.read)});
+      o.keep_fds = {{done.write.get(), kPrefillDoneFd}, {sums.write.get(), kPrefillSumsFd}};
+      auto run = std::make_unique<Running>(
+          Running{common::Subprocess(o), log, "copy " + std::to_string(c) + ", process " + pid,
+                  std::move(done.read), pid, std::move(sums.read)});
       running_.push_back(std::move(run));
       any = true;
     }
@@ -341,6 +375,92 @@ void TierPrefills::stop_all() noexcept {
 json TierPrefills::context_dir(int copy) const {
   if (copy < 0 || static_cast<size_t>(copy) >= copy_dirs_.size()) return std::string();
   return copy_dirs_[static_cast<size_t>(copy)].string();
+}
+
+std::set<std::string> TierPrefills::files_read(const Manifest& manifest) const {
+  if (chunk_bytes_ == 0) return {};     // no sums asked for: verify reads every file
+  std::map<std::string, int> prefills;  // per process
+  for (const auto& r : running_) ++prefills[r->pid];
+  std::set<std::string> files;
+  static const std::regex kDrainFile(R"(tier/([0-9]{1,10})-w[0-9]{1,4}\.img)");
+  for (const auto& f : manifest.files) {
+    std::smatch m;
+    if (std::regex_match(f.path, m, kDrainFile) && prefills[m[1]] == copies_) files.insert(f.path);
+  }
+  return files;
+}
+
+std::vector<TierPrefills::Sums> TierPrefills::checksums(
+    std::chrono::steady_clock::time_point deadline) {
+  std::vector<Sums> all;
+  if (chunk_bytes_ == 0) return all;
+  for (auto& r : running_) {
+    if (!r->sums) continue;
+    const auto text = read_to_end(r->sums.get(), deadline, kMaxPrefillSumsBytes);
+    r->sums.reset();
+    if (!text) continue;
+    if (auto files = parse_prefill_sums(*text, r->pid, chunk_bytes_)) {
+      all.push_back({r->what, std::move(*files)});
+    }
+  }
+  return all;
+}
+
+std::vector<VerifyProblem> verify_prefilled(const Artifact& artifact, TierPrefills& prefills,
+                                            const std::set<std::string>& files,
+                                            std::chrono::steady_clock::time_point deadline) {
+  std::vector<VerifyProblem> problems;
+  std::map<std::string, int> summed;
+  for (const auto& sums : prefills.checksums(deadline)) {
+    for (const auto& f : sums.files) {
+      if (files.count(f.path) == 0) continue;
+      for (auto p : artifact.compare(f)) {
+        p.problem += " (as the tier prefill of " + sums.what + " read it)";
+        problems.push_back(std::move(p));
+      }
+      ++summed[f.path];
+    }
+  }
+  VerifyScope unread;
+  for (const auto& f : files) {
+    if (summed[f] < prefills.copies()) unread.only.insert(f);
+  }
+  if (!unread.only.empty()) {
+    for (auto& p : artifact.verify({}, unread)) problems.push_back(std::move(p));
+  }
+  return problems;
+}
+
+std::optional<std::vector<FileRecord>> parse_prefill_sums(const std::string& text,
+                                                          const std::string& pid,
+                                                          uint64_t chunk_bytes) {
+  if (text.size() > kMaxPrefillSumsBytes || chunk_bytes == 0) return std::nullopt;
+  static const std::regex kName(R"([0-9]{1,10}-w[0-9]{1,4}\.img)");
+  static const std::regex kHex(R"([0-9a-f]{32})");
+  std::vector<FileRecord> files;
+  std::set<std::string> names;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    std::istringstream words(line);
+    std::string name;
+    std::string size;
+    words >> name >> size;
+    if (!std::regex_match(name, kName) || name.rfind(pid + "-w", 0) != 0 ||
+        !names.insert(name).second || size.empty() || size.size() > 15 ||
+        size.find_first_not_of("0123456789") != std::string::npos) {
+      return std::nullopt;
+    }
+    FileRecord rec{"tier/" + name, std::stoull(size), {}};
+    const uint64_t chunks = std::max<uint64_t>(1, (rec.size + chunk_bytes - 1) / chunk_bytes);
+    for (std::string hex; words >> hex;) {
+      if (!std::regex_match(hex, kHex) || rec.chunks.size() >= chunks) return std::nullopt;
+      rec.chunks.push_back(hex);
+    }
+    if (rec.chunks.size() != chunks) return std::nullopt;
+    files.push_back(std::move(rec));
+  }
+  if (!text.empty() && text.back() != '\n') return std::nullopt;  // cut short
+  return files;
 }
 
 std::vector<std::string> TierPrefills::finish() {

@@ -8,11 +8,13 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -68,10 +70,12 @@ nlohmann::json artifact_tier_dir(const std::filesystem::path& artifact, const Ma
 // program, a process whose tier spans several GPUs) the copies fill by themselves, as before.
 class TierPrefills {
  public:
-  // `gpu_map`: old GPU UUID -> new, as the restore maps them. Starts the prefills.
+  // `gpu_map`: old GPU UUID -> new, as the restore maps them; `chunk_bytes`: the manifest's
+  // checksum chunk, for the sums the prefills compute as they read (0: none). Starts the
+  // prefills.
   TierPrefills(const std::filesystem::path& artifact,
                const std::map<std::string, std::string>& gpu_map, int copies,
-               const std::filesystem::path& run_dir);
+               const std::filesystem::path& run_dir, uint64_t chunk_bytes = 0);
   // Stops any prefill still running and removes their folder.
   ~TierPrefills();
   TierPrefills(const TierPrefills&) = delete;
@@ -79,6 +83,21 @@ class TierPrefills {
 
   // The resume context's tier_prefill_dir for copy `copy`: "" when none runs for it.
   nlohmann::json context_dir(int copy) const;
+
+  // The drain files of the manifest ("tier/PID-wK.img") that every copy's prefill reads: with
+  // chunk_bytes, their bytes are checked by the sums the prefills compute as they read them
+  // (checksums()) instead of being read a second time beside CRIU's restore.
+  std::set<std::string> files_read(const Manifest& manifest) const;
+  // Each prefill's checksums of the files it read, as it read them for its copy (its SUMS-FD,
+  // tier/prefill_main.cc), waiting for each until `deadline`. A prefill that fails, ends or
+  // writes anything malformed gives none; `copies` says how many prefills read each file.
+  struct Sums {
+    std::string what;  // "copy N, process PID"
+    std::vector<FileRecord> files;
+  };
+  std::vector<Sums> checksums(std::chrono::steady_clock::time_point deadline);
+  int copies() const { return copies_; }
+
   // After the resume: waits briefly for each prefill (it exits once its memory was taken),
   // stops the others, and returns one line per prefill, from its own report.
   std::vector<std::string> finish();
@@ -88,11 +107,31 @@ class TierPrefills {
   void start(const std::filesystem::path& program, const std::filesystem::path& tier,
              const std::vector<std::string>& pids,
              const std::map<std::string, std::string>& gpu_map, int copies,
-             const std::filesystem::path& run_dir);
+             const std::filesystem::path& run_dir, uint64_t chunk_bytes);
   void stop_all() noexcept;
   std::filesystem::path root_;
+  int copies_ = 0;
+  uint64_t chunk_bytes_ = 0;
   std::vector<std::filesystem::path> copy_dirs_;
   std::vector<std::unique_ptr<Running>> running_;
 };
+
+// The check of the tier's `files` the prefills read (TierPrefills::files_read), by the sums each
+// computed as it read them for its copy: every sum must match the manifest's, and a file for
+// which some copy's prefill gave none by `deadline` (it failed: that copy fills from the file
+// itself) is read here, as Artifact::verify would. Returns the problems, as verify() names them.
+std::vector<VerifyProblem> verify_prefilled(const Artifact& artifact, TierPrefills& prefills,
+                                            const std::set<std::string>& files,
+                                            std::chrono::steady_clock::time_point deadline);
+
+// What a prefill writes on its SUMS-FD: a line per file it read whole, "NAME SIZE HEX...", NAME
+// one of process `pid`'s drain files (PID-wK.img), SIZE its bytes, then the XXH3-128 of each
+// chunk of `chunk_bytes`, as the manifest writes them. Returns the records with their paths in the
+// artifact (tier/NAME); nothing when any line is malformed, a name repeats or the text is over
+// kMaxPrefillSumsBytes.
+inline constexpr size_t kMaxPrefillSumsBytes = 4 << 20;
+std::optional<std::vector<FileRecord>> parse_prefill_sums(const std::string& text,
+                                                          const std::string& pid,
+                                                          uint64_t chunk_bytes);
 
 }  // namespace gpusnap::engine

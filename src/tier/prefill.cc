@@ -7,8 +7,10 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <tuple>
 #include <utility>
 
+#include "artifact/chunk_hash.h"
 #include "common/fd.h"
 #include "gpusnap/error.h"
 #include "tier/handover.h"
@@ -16,13 +18,15 @@
 namespace gpusnap::tier {
 
 Prefill::Prefill(TierDriver& driver, TierSettings settings, TierLayout layout,
-                 std::filesystem::path dir, std::vector<std::string> files, int device)
+                 std::filesystem::path dir, std::vector<std::string> files, int device,
+                 std::uint64_t chunk_bytes)
     : driver_(driver),
       settings_(settings),
       layout_(std::move(layout)),
       dir_(std::move(dir)),
       files_(std::move(files)),
-      device_(device) {}
+      device_(device),
+      chunk_bytes_(chunk_bytes) {}
 
 Prefill::~Prefill() { release_all(); }
 
@@ -79,6 +83,39 @@ class MadeSoFar {
   bool stopped_ = false;
 };
 
+// Checksums one file in the artifact's chunks from the pieces read out of it, which one worker
+// gives it in the order of their offsets.
+class FileHasher {
+ public:
+  FileHasher(FileSums& sums, std::uint64_t chunk_bytes) : sums_(sums), chunk_(chunk_bytes) {}
+  void add(std::uint64_t offset, const void* data, std::size_t size) {
+    if (offset != sums_.size) sums_.complete = false;  // a gap or an overlap: not the file's sums
+    if (!sums_.complete) return;
+    const auto* p = static_cast<const unsigned char*>(data);
+    while (size > 0) {
+      const std::uint64_t room = chunk_ - sums_.size % chunk_;
+      const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(room, size));
+      hash_.update(p, take);
+      p += take;
+      size -= take;
+      sums_.size += take;
+      if (sums_.size % chunk_ == 0) {
+        sums_.chunks.push_back(hash_.hex());
+        hash_.reset();
+      }
+    }
+  }
+  // The last chunk, when the file does not end on a chunk's boundary (an empty file has one).
+  void finish() {
+    if (sums_.size % chunk_ != 0 || sums_.size == 0) sums_.chunks.push_back(hash_.hex());
+  }
+
+ private:
+  FileSums& sums_;
+  std::uint64_t chunk_;
+  artifact::ChunkHash hash_;
+};
+
 }  // namespace
 
 void Prefill::make(const std::stop_token& stop, const std::function<void()>& mapped_one) {
@@ -102,9 +139,14 @@ void Prefill::make(const std::stop_token& stop, const std::function<void()>& map
 
 Prefill::PlacedPieces Prefill::place_pieces() const {
   PlacedPieces placed{layout_.pieces, std::vector<std::size_t>(layout_.pieces.size())};
-  // In address order, the order the segments are made in: the first copies wait the least.
+  // In address order, the order the segments are made in, so that the first copies wait the
+  // least; when checksummed, each file's in the order of its bytes (the drain wrote every file in
+  // address order: the same order).
   std::sort(placed.pieces.begin(), placed.pieces.end(),
-            [](const FilePiece& a, const FilePiece& b) { return a.va < b.va; });
+            [this](const FilePiece& a, const FilePiece& b) {
+              if (chunk_bytes_ > 0) return std::tie(a.file, a.offset) < std::tie(b.file, b.offset);
+              return a.va < b.va;
+            });
   std::vector<DevicePtr> here(layout_.segments.size());
   for (std::size_t k = 0, at = 0; k < here.size(); at += layout_.segments[k].size, ++k) {
     here[k] = base_ + at;
@@ -133,9 +175,26 @@ TransferReport Prefill::fill() {
     base_ = driver_.reserve(reserved_, driver_.granularity(device_));
     const PlacedPieces placed = place_pieces();
     for (const auto& p : placed.pieces) report.bytes += p.size;
+    // Each file is read by one worker, from its first byte to its last, and checksummed as it
+    // is read: its bytes are read once, for the GPU and for gpusnap's check.
+    FillHooks hooks;
+    std::vector<FileHasher> hashers;
+    if (chunk_bytes_ > 0) {
+      sums_.assign(files_.size(), FileSums{});
+      hashers.reserve(files_.size());
+      for (std::size_t f = 0; f < files_.size(); ++f) {
+        sums_[f].name = files_[f];
+        hashers.emplace_back(sums_[f], chunk_bytes_);
+      }
+      hooks.one_worker_per_file = true;
+      hooks.read = [&](std::size_t i, std::uint64_t offset, const void* data, std::size_t size) {
+        hashers.at(placed.pieces[i].file).add(offset, data, size);
+      };
+    }
     // The memory is made on a thread of its own while the workers read the files and copy
     // each piece as soon as its segment is mapped.
     MadeSoFar made_so_far;
+    hooks.before_copy = [&](std::size_t i) { made_so_far.wait_for(placed.segment_of[i]); };
     std::exception_ptr making_failed;
     double making_seconds = 0;
     std::jthread maker([&](const std::stop_token& stop) {
@@ -150,8 +209,7 @@ TransferReport Prefill::fill() {
     });
     try {
       report.buffer_seconds =
-          fill_from_files(driver_, settings_, dir_, files_, placed.pieces,
-                          [&](std::size_t i) { made_so_far.wait_for(placed.segment_of[i]); });
+          fill_from_files(driver_, settings_, dir_, files_, placed.pieces, hooks);
     } catch (...) {
       maker.request_stop();
       maker.join();
@@ -160,6 +218,7 @@ TransferReport Prefill::fill() {
     }
     maker.join();
     if (making_failed) std::rethrow_exception(making_failed);  // no piece waited for the rest
+    for (auto& h : hashers) h.finish();
     report.map_seconds = making_seconds;
     driver_.synchronize(device_);
   } catch (...) {

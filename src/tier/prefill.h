@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <filesystem>
 #include <functional>
 #include <stop_token>
@@ -20,13 +21,24 @@
 
 namespace gpusnap::tier {
 
+// A drain file's checksums as the prefill read it: XXH3-128 of each `chunk_bytes` of the file,
+// hex, as the artifact's manifest records them. gpusnap compares them with the manifest instead of
+// reading the file a second time (docs/design.md, "The fill done ahead"). `complete` only when
+// the pieces covered the file from its first byte without a gap: only then are they the file's.
+struct FileSums {
+  std::string name;
+  std::uint64_t size = 0;  // bytes hashed, from the first
+  std::vector<std::string> chunks;
+  bool complete = true;
+};
+
 class Prefill {
  public:
   // `layout` as read_layout() returns it from DIR/PID.layout (segments sorted, pieces inside);
   // `files` the drain's files in order (PID-wK.img); `device` the GPU, in this process's numbering,
-  // the copy runs this memory on.
+  // the copy runs this memory on; `chunk_bytes` the artifact's checksum chunk (0: no sums).
   Prefill(TierDriver& driver, TierSettings settings, TierLayout layout, std::filesystem::path dir,
-          std::vector<std::string> files, int device);
+          std::vector<std::string> files, int device, std::uint64_t chunk_bytes = 0);
   // Unmaps and releases everything it made; the copy's imported handles keep their memory.
   ~Prefill();
   Prefill(const Prefill&) = delete;
@@ -36,6 +48,8 @@ class Prefill {
   // every piece into it, each piece as soon as its segment is mapped. Throws Error (out of GPU
   // memory: kGpu), having released what it made.
   TransferReport fill();
+  // After fill(), with chunk_bytes: the checksums of every file, as read for the copy.
+  const std::vector<FileSums>& sums() const { return sums_; }
   // Offers the memory on the connection `sock` (tier/handover.h) and waits for the copy's
   // answer: true once the copy has mapped it.
   bool hand_over(int sock);
@@ -66,6 +80,8 @@ class Prefill {
   const std::filesystem::path dir_;
   const std::vector<std::string> files_;
   const int device_;
+  const std::uint64_t chunk_bytes_;
+  std::vector<FileSums> sums_;
   DevicePtr base_ = 0;
   std::size_t reserved_ = 0;
   std::vector<Made> made_;

@@ -1,19 +1,25 @@
 // gpusnap-tier-prefill: started by `gpusnap restore` for every copy and every process whose
 // memory tier the artifact holds, before CRIU restores the copy (tier/prefill.h).
 //
-//   gpusnap-tier-prefill DIR PID SOCKET GPU-UUID UID GID TIMEOUT-MS DONE-FD
+//   gpusnap-tier-prefill DIR PID SOCKET GPU-UUID UID GID TIMEOUT-MS DONE-FD SUMS-FD CHUNK-BYTES
 //
 // Listens on SOCKET at once (owned by UID:GID, the workload's user, mode 0600), fills PID's
 // memory from DIR on the GPU with GPU-UUID, then offers it to the first connection and exits
 // once the copy has mapped it (0), or when anything fails or nobody takes the memory within
 // TIMEOUT-MS (non-zero: the copy's tier then fills by itself). One line on stderr says what it
 // did; then it closes DONE-FD (-1: none), before its exit tears its CUDA context down, so that
-// gpusnap knows the outcome without waiting for that teardown. The settings of the workload's
-// tier apply (GPUSNAP_TIER_BUFFER_MIB, ...), but with 8 workers (GPUSNAP_TIER_PREFILL_STREAMS).
+// gpusnap knows the outcome without waiting for that teardown. Once filled, and before it offers
+// the memory, it writes on SUMS-FD (-1: none) the checksums of the files it read, in chunks of
+// CHUNK-BYTES (0: none), one line per file read whole, "NAME SIZE HEX...", and closes it: gpusnap
+// compares them with the manifest instead of reading the files again. The settings of the
+// workload's tier apply (GPUSNAP_TIER_BUFFER_MIB, ...), with 16 workers
+// (GPUSNAP_TIER_PREFILL_STREAMS).
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/types.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -46,14 +52,34 @@ void close_done_fd(const std::string& text) {
   if (fd > 2) ::close(fd);
 }
 
-// The workload's tier settings, but 8 workers instead of its 16: the prefill shares the machine
-// with CRIU's and the driver's restores of the copy. On the H200 (16 GiB) 8 filled as fast beside
-// them (24-29 GB/s either way) and the copy's first answer came no later (median 1.00 s over
-// eight restores, against 1.02 s with 16; docs/benchmarks.md), with half the cores left to the
-// restores, and to the other copies' prefills. GPUSNAP_TIER_PREFILL_STREAMS (1-64) sets it.
+// Writes the checksums of every file read whole on `fd_text`'s descriptor, then closes it.
+void write_sums(const std::string& fd_text, const std::vector<tier::FileSums>& sums) {
+  const int fd = std::stoi(fd_text);
+  if (fd <= 2) return;
+  std::string text;
+  for (const auto& f : sums) {
+    if (!f.complete) continue;  // gpusnap reads that one itself
+    text += f.name + " " + std::to_string(f.size);
+    for (const auto& c : f.chunks) text += " " + c;
+    text += "\n";
+  }
+  for (std::size_t at = 0; at < text.size();) {
+    const ssize_t n = ::write(fd, text.data() + at, text.size() - at);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;  // gpusnap is gone or stopped listening: it reads the files itself
+    at += static_cast<std::size_t>(n);
+  }
+  ::close(fd);
+}
+
+// The workload's tier settings, with 16 workers (GPUSNAP_TIER_PREFILL_STREAMS, 1-64): each
+// reads its own files and checksums them as it reads, so the work per byte is CPU work. On the
+// H200 (16 GiB, docs/benchmarks.md, exp17) 16 filled in 0.55-0.72 s beside CRIU's and the
+// driver's restores, 8 in 0.86-1.03 s; the copy's first answer came after 0.89-1.03 s (median
+// 0.95 s) with 16, against 0.94-1.03 s when gpusnap read the files a second time to verify them.
 tier::TierSettings prefill_settings() {
   auto settings = tier::TierSettings::from_environment();
-  settings.streams = 8;
+  settings.streams = 16;
   // NOLINTNEXTLINE(concurrency-mt-unsafe): read once, before any thread starts
   if (const char* text = std::getenv("GPUSNAP_TIER_PREFILL_STREAMS"); text != nullptr) {
     char* end = nullptr;
@@ -82,8 +108,10 @@ int run(const std::vector<std::string>& a) {
   std::vector<std::string> files;
   for (std::size_t k = 0; k < layout.files; ++k)
     files.push_back(pid + "-w" + std::to_string(k) + ".img");
-  tier::Prefill prefill(*driver, prefill_settings(), std::move(layout), dir, files, device);
+  tier::Prefill prefill(*driver, prefill_settings(), std::move(layout), dir, files, device,
+                        std::stoull(a[9]));
   const auto report = prefill.fill();
+  write_sums(a[8], prefill.sums());
   const double filled_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   pollfd p{listener.get(), POLLIN, 0};
@@ -111,9 +139,9 @@ int run(const std::vector<std::string>& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 9) {
+  if (argc != 11) {
     std::fprintf(stderr, "usage: gpusnap-tier-prefill DIR PID SOCKET GPU-UUID UID GID TIMEOUT-MS "
-                         "DONE-FD (started by gpusnap restore)\n");
+                         "DONE-FD SUMS-FD CHUNK-BYTES (started by gpusnap restore)\n");
     return 2;
   }
   try {

@@ -69,16 +69,27 @@ struct TransferReport {
   double map_seconds = 0;
 };
 
+// What a prefill (tier/prefill.h) adds to a fill from files; the copy's own fill needs none.
+struct FillHooks {
+  // Called on a worker with piece i's bytes as they are read, a slice of at most kReadSlice at a
+  // time (`offset` in its file), while the slice is still in the core's cache; before its copy.
+  static constexpr std::size_t kReadSlice = std::size_t{1} << 20;
+  std::function<void(std::size_t i, std::uint64_t offset, const void* data, std::size_t size)> read;
+  // Called on a worker once piece i is read and before it is copied: a prefill waits there for
+  // the piece's memory to be mapped. What it throws fails the fill.
+  std::function<void(std::size_t i)> before_copy;
+  // Each file's pieces go to one worker, in the order they are given, instead of every worker
+  // taking the next piece: `read` then sees each file's pieces in that order.
+  bool one_worker_per_file = false;
+};
+
 // Copies `pieces` from a drain's files in `dir` (files[piece.file]) to device memory already
 // mapped at the pieces' addresses, on up to settings.streams workers with two pinned buffers
 // each, and waits for every copy. Returns the slowest worker's time to pin its buffers. Used by
-// Tier::fill and by a prefill (tier/prefill.h). `before_copy(i)`, when given, is called on a
-// worker once piece i is read and before it is copied: a prefill waits there for the piece's
-// memory to be mapped; what it throws fails the fill.
+// Tier::fill and by a prefill (tier/prefill.h).
 double fill_from_files(TierDriver& driver, const TierSettings& settings,
                        const std::filesystem::path& dir, const std::vector<std::string>& files,
-                       const std::vector<FilePiece>& pieces,
-                       const std::function<void(std::size_t)>& before_copy = nullptr);
+                       const std::vector<FilePiece>& pieces, const FillHooks& hooks = {});
 
 class Tier {
  public:

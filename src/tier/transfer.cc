@@ -587,10 +587,54 @@ std::size_t Tier::adopt(const std::filesystem::path& socket, std::chrono::millis
   return bytes;
 }
 
+namespace {
+
+// Reads piece `i` into `buffer`; with a read hook, a slice at a time, each given to the hook as
+// soon as it is read (still in the cache: a prefill checksums it there).
+void read_piece(int fd, const std::filesystem::path& path, const FilePiece& p, std::size_t i,
+                void* buffer, const FillHooks& hooks) {
+  if (!hooks.read) {
+    read_all(fd, path, buffer, p.size, p.offset);
+    return;
+  }
+  auto* at = static_cast<unsigned char*>(buffer);
+  for (std::size_t done = 0; done < p.size;) {
+    const std::size_t n = std::min(FillHooks::kReadSlice, p.size - done);
+    read_all(fd, path, at + done, n, p.offset + done);
+    hooks.read(i, p.offset + done, at + done, n);
+    done += n;
+  }
+}
+
+// Which piece a fill's worker copies next: the next of all (every worker takes from one counter),
+// or the next of the files given to that worker alone (FillHooks::one_worker_per_file).
+class PieceQueue {
+ public:
+  PieceQueue(const std::vector<FilePiece>& pieces, std::size_t workers, bool by_file)
+      : size_(pieces.size()) {
+    if (!by_file) return;
+    own_.resize(workers);
+    for (std::size_t i = 0; i < pieces.size(); ++i) own_[pieces[i].file % workers].push_back(i);
+    taken_.assign(workers, 0);
+  }
+  // The index of worker k's next piece; size() when there is none left.
+  std::size_t next(std::size_t k) {
+    if (own_.empty()) return next_.fetch_add(1);
+    return taken_[k] < own_[k].size() ? own_[k][taken_[k]++] : size_;
+  }
+
+ private:
+  std::size_t size_;
+  std::atomic<std::size_t> next_{0};
+  std::vector<std::vector<std::size_t>> own_;  // by worker, when by file
+  std::vector<std::size_t> taken_;             // each touched by its own worker only
+};
+
+}  // namespace
+
 double fill_from_files(TierDriver& driver, const TierSettings& settings,
                        const std::filesystem::path& dir, const std::vector<std::string>& files,
-                       const std::vector<FilePiece>& pieces,
-                       const std::function<void(std::size_t)>& before_copy) {
+                       const std::vector<FilePiece>& pieces, const FillHooks& hooks) {
   std::vector<Fd> fds;
   for (const auto& name : files) {
     const auto path = dir / name;
@@ -600,14 +644,14 @@ double fill_from_files(TierDriver& driver, const TierSettings& settings,
   }
   const std::size_t n =
       std::min(pieces.size(), static_cast<std::size_t>(std::max(1, settings.streams)));
-  std::atomic<std::size_t> next{0};
+  PieceQueue queue(pieces, n, hooks.one_worker_per_file);
   std::atomic<bool> stop{false};
   const double pinning = run_with_buffers(
-      driver, settings.buffer_bytes, n, pieces, stop, [&](std::size_t, WorkerResources& r) {
+      driver, settings.buffer_bytes, n, pieces, stop, [&](std::size_t k, WorkerResources& r) {
         Stream in_flight = nullptr;  // the stream of the copy issued last, not yet waited for
         int b = 0;
         for (;;) {
-          const std::size_t i = stop ? pieces.size() : next.fetch_add(1);
+          const std::size_t i = stop ? pieces.size() : queue.next(k);
           const FilePiece* p = i < pieces.size() ? &pieces[i] : nullptr;
           // While the copy engine moves the other buffer, this one is read from the file.
           Stream stream = nullptr;
@@ -619,12 +663,12 @@ double fill_from_files(TierDriver& driver, const TierSettings& settings,
                               std::to_string(fds.size()),
                           "the artifact is damaged: capture it again");
             }
-            read_all(fds[p->file].get(), dir / files[p->file], r.buffer(b), p->size, p->offset);
+            read_piece(fds[p->file].get(), dir / files[p->file], *p, i, r.buffer(b), hooks);
           }
           if (in_flight != nullptr) driver.stream_synchronize(in_flight);
           in_flight = nullptr;
           if (p == nullptr) break;
-          if (before_copy) before_copy(i);
+          if (hooks.before_copy) hooks.before_copy(i);
           driver.copy_to_device(p->va, r.buffer(b), p->size, stream);
           in_flight = stream;
           b = 1 - b;

@@ -373,4 +373,38 @@ TEST_F(ChecksumTest, VerifyReportsSizeChangedAfterOpen) {
 }
 
 }  // namespace
+// A scope leaves a file's bytes to the caller (deferred: its size is still checked) or checks
+// some files alone (only: nothing else, not even what is unlisted); compare() checks sums that
+// someone else computed as they read the file, by the same rules.
+TEST_F(ChecksumTest, VerifyInAScopeAndSumsComparedFromElsewhere) {
+  Artifact a = seal();
+  const auto intact = checksum_tree(root, kChunk, VerifyOptions{1, nullptr});
+  flip_byte(root / "criu/pages-1.img", kChunk + 1);
+  write(root / "criu/extra.img", "smuggled");
+  VerifyScope deferred;
+  deferred.deferred = {"criu/pages-1.img"};
+  auto problems = a.verify({}, deferred);
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_EQ(problems[0].path, "criu/extra.img");
+  VerifyScope only;
+  only.only = {"criu/pages-1.img"};
+  problems = a.verify({}, only);
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_EQ(problems[0].problem, "checksum mismatch in bytes 4096-8192");
+  stdfs::resize_file(root / "criu/pages-1.img", kChunk);
+  problems = a.verify({}, deferred);
+  ASSERT_EQ(problems.size(), 2u);  // the unlisted file, and the deferred one's size
+  EXPECT_EQ(problems[1].problem, "size 4096, expected 12298");
+
+  EXPECT_TRUE(a.compare(find(intact, "criu/pages-1.img")).empty());
+  auto read_wrong = find(intact, "criu/pages-1.img");
+  read_wrong.chunks[2] = std::string(32, '0');
+  problems = a.compare(read_wrong);
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_EQ(problems[0].problem, "checksum mismatch in bytes 8192-12288");
+  read_wrong.size = 1;
+  EXPECT_EQ(a.compare(read_wrong).at(0).problem, "size 1, expected 12298");
+  EXPECT_EQ(a.compare(FileRecord{"criu/none", 1, {}}).at(0).problem, "not listed in the manifest");
+}
+
 }  // namespace gpusnap

@@ -7,11 +7,13 @@
 
 #include <chrono>
 #include <filesystem>
+#include <set>
 #include <string>
 
 #include <gtest/gtest.h>
 
 #include "common/fs.h"
+#include "gpusnap/artifact.h"
 #include "gpusnap/error.h"
 #include "testing/unit.h"
 
@@ -172,10 +174,10 @@ TEST(TierPrefills, OnePerCopyAndProcessToldWhereAndOnWhichGpu) {
     ASSERT_EQ(::stat((artifact / "tier" / "7.json").c_str(), &st), 0);
     const std::string owner = std::to_string(st.st_uid) + " " + std::to_string(st.st_gid);
     const std::string tier = std::filesystem::absolute(artifact / "tier").string();
-    EXPECT_NE(calls.find(tier + " 7 " + copy0 + "/7.sock GPU-z " + owner + " 60000 3\n"),
+    EXPECT_NE(calls.find(tier + " 7 " + copy0 + "/7.sock GPU-z " + owner + " 60000 3 4 0\n"),
               std::string::npos)
         << calls;
-    EXPECT_NE(calls.find(tier + " 7 " + copy1 + "/7.sock GPU-z " + owner + " 60000 3\n"),
+    EXPECT_NE(calls.find(tier + " 7 " + copy1 + "/7.sock GPU-z " + owner + " 60000 3 4 0\n"),
               std::string::npos)
         << calls;
     EXPECT_EQ(calls.find(" 9 "), std::string::npos) << calls;
@@ -237,6 +239,123 @@ TEST(TierPrefills, TheReportIsWaitedForNotTheExitAndASilentPrefillIsStopped) {
   ASSERT_TRUE(fs::try_read_file(pid_file, &text));
   EXPECT_FALSE(std::filesystem::exists("/proc/" + std::to_string(std::stoi(text))));
   ::unsetenv("GPUSNAP_TIER_PREFILL");
+}
+
+// What a prefill writes on its SUMS-FD is read strictly: any line out of form, a file of another
+// process, a repeated file, a count of chunks that does not fit the size, or text cut short gives
+// nothing (gpusnap then reads the files itself).
+TEST(TierPrefills, ItsSumsAreReadStrictly) {
+  const std::string h1(32, 'a');
+  const std::string h2(32, 'b');
+  auto ok =
+      parse_prefill_sums("7-w0.img 10 " + h1 + "\n7-w1.img 5 " + h1 + " " + h2 + "\n", "7", 4);
+  EXPECT_FALSE(ok.has_value());  // 5 bytes in chunks of 4 are 2 chunks, but 10 bytes are 3
+  ok = parse_prefill_sums("7-w0.img 8 " + h1 + " " + h2 + "\n7-w1.img 0 " + h1 + "\n", "7", 4);
+  ASSERT_TRUE(ok.has_value());
+  ASSERT_EQ(ok->size(), 2u);
+  EXPECT_EQ((*ok)[0].path, "tier/7-w0.img");
+  EXPECT_EQ((*ok)[0].size, 8u);
+  EXPECT_EQ((*ok)[0].chunks, (std::vector<std::string>{h1, h2}));
+  EXPECT_EQ((*ok)[1].chunks.size(), 1u);  // an empty file has one chunk, as in the manifest
+  EXPECT_TRUE(parse_prefill_sums("", "7", 4).has_value());  // it read nothing whole
+  for (const std::string& bad : std::vector<std::string>{
+           "8-w0.img 4 " + h1 + "\n", "7-w0.img 4 " + h1 + "\n7-w0.img 4 " + h1 + "\n",
+           "7-w0.img 4 " + h1, "7-w0.img 4 " + h1 + " " + h2 + "\n", "7-w0.img 4 XYZ\n",
+           "7-w0.img -4 " + h1 + "\n", "../7-w0.img 4 " + h1 + "\n", "7-w0.img 4\n",
+           "7-w0.img 99999999999999999 " + h1 + "\n", "7-w0.img 4 " + h1.substr(1) + "A\n"}) {
+    EXPECT_FALSE(parse_prefill_sums(bad, "7", 4).has_value()) << bad;
+  }
+  EXPECT_FALSE(parse_prefill_sums(std::string(kMaxPrefillSumsBytes + 1, '\n'), "7", 4));
+  EXPECT_FALSE(parse_prefill_sums("7-w0.img 4 " + h1 + "\n", "7", 0));
+}
+
+// An artifact whose tier/ holds process 7's drain file (16 KiB in chunks of 4 KiB), its index and
+// layout; sealed into a manifest as the writer does.
+class PrefilledArtifact : public ::testing::Test {
+ protected:
+  static constexpr uint64_t kChunk = 4096;
+  PrefilledArtifact() {
+    drained_on_one_gpu(artifact, "7");
+    std::string bytes;
+    for (int i = 0; i < 4 * 4096; ++i) bytes.push_back(static_cast<char>(i * 7));
+    write(artifact / "tier" / "7-w0.img", bytes);
+    Manifest m;
+    m.id = "prefilled";
+    m.chunk_bytes = kChunk;
+    m.files = checksum_tree(artifact.path(), kChunk);
+    write(artifact / kManifestName, m.to_json().dump());
+  }
+  // The sums line of tier/7-w0.img as it is on disk now.
+  std::string sums_line() const {
+    for (const auto& f : checksum_tree(artifact.path(), kChunk)) {
+      if (f.path != "tier/7-w0.img") continue;
+      std::string line = "7-w0.img " + std::to_string(f.size);
+      for (const auto& c : f.chunks) line += " " + c;
+      return line + "\n";
+    }
+    return {};
+  }
+  // A stand-in prefill that writes `text` on its SUMS-FD ($9) and ends.
+  void prefill_writes(const std::string& text) {
+    const auto script = run / "prefill.sh";
+    write(run / "sums", text);
+    write(script, "#!/bin/sh\neval \"cat " + (run / "sums").string() + " >&$9\"\n");
+    ASSERT_EQ(::chmod(script.c_str(), 0755), 0);
+    ::setenv("GPUSNAP_TIER_PREFILL", script.c_str(), 1);
+  }
+  void damage() {
+    std::string bytes;
+    ASSERT_TRUE(fs::try_read_file(artifact / "tier" / "7-w0.img", &bytes));
+    bytes[5000] ^= 1;
+    write(artifact / "tier" / "7-w0.img", bytes);
+  }
+  std::vector<VerifyProblem> check(int copies) {
+    TierPrefills prefills(artifact.path(), {}, copies, run / "state", kChunk);
+    const Artifact opened = Artifact::open(artifact.path());
+    const auto files = prefills.files_read(opened.manifest());
+    EXPECT_EQ(files, (std::set<std::string>{"tier/7-w0.img"}));
+    // Beside CRIU's restore the file is left out; its size is still checked.
+    VerifyScope scope;
+    scope.deferred = files;
+    EXPECT_TRUE(opened.verify({}, scope).empty());
+    auto problems = verify_prefilled(opened, prefills, files,
+                                     std::chrono::steady_clock::now() + std::chrono::seconds(10));
+    prefills.finish();
+    return problems;
+  }
+  ~PrefilledArtifact() override { ::unsetenv("GPUSNAP_TIER_PREFILL"); }
+  TempDir artifact;
+  TempDir run;
+};
+
+// The sums each prefill computed as it read the file for its copy are what is checked: a prefill
+// that read the manifest's bytes passes, one that read other bytes refuses the restore, naming
+// the file, the bytes and the copy.
+TEST_F(PrefilledArtifact, EachPrefillsSumsAreCheckedAgainstTheManifest) {
+  prefill_writes(sums_line());
+  EXPECT_TRUE(check(2).empty());
+  damage();  // what a prefill reads now is not what the manifest says
+  prefill_writes(sums_line());
+  const auto problems = check(1);
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_EQ(problems[0].path, "tier/7-w0.img");
+  EXPECT_EQ(problems[0].problem,
+            "checksum mismatch in bytes 4096-8192 (as the tier prefill of copy 0, process 7 read "
+            "it)");
+}
+
+// A prefill that gives no sums (it failed, or wrote nonsense): its copy fills from the file
+// itself, so gpusnap reads the file, and finds it intact or damaged.
+TEST_F(PrefilledArtifact, AFileWithoutEveryPrefillsSumsIsReadByGpusnap) {
+  prefill_writes("");
+  EXPECT_TRUE(check(2).empty());
+  prefill_writes("nonsense\n");
+  EXPECT_TRUE(check(1).empty());
+  damage();
+  prefill_writes("");
+  const auto problems = check(1);
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_EQ(problems[0].problem, "checksum mismatch in bytes 4096-8192");
 }
 
 // A prefill folder that cannot be made: the constructor says so (the restore then goes on

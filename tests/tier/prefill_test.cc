@@ -20,6 +20,7 @@
 #include <gtest/gtest.h>
 
 #include "common/fd.h"
+#include "gpusnap/artifact.h"
 #include "gpusnap/error.h"
 #include "testing/unit.h"
 #include "tier/fake_tier_driver.h"
@@ -194,6 +195,43 @@ TEST_F(PrefillTest, ACopyThatFailsStopsTheMakingAndReleasesEverything) {
   EXPECT_EQ(driver.mappings(), 0u);
   EXPECT_EQ(driver.host_allocations(), 0u);
   EXPECT_EQ(driver.entered(), 0);
+}
+
+// With the artifact's chunk size, the prefill checksums each file as it reads it: the sums are
+// what the artifact's own checksums of those files say, and a file its pieces do not cover from
+// the first byte is not claimed.
+TEST_F(PrefillTest, TheSumsOfWhatItReadIsTheArtifactsChecksumOfEachFile) {
+  fill_and_drain();
+  TierLayout layout = read_layout(dir / (std::to_string(kPid) + ".layout"));
+  const auto names = files(layout);
+  ASSERT_GE(names.size(), 2u);
+  const auto records = checksum_tree(dir.path(), kMiB);
+  auto record_of = [&](const std::string& name) -> const FileRecord* {
+    for (const auto& r : records) {
+      if (r.path == name) return &r;
+    }
+    return nullptr;
+  };
+  Prefill prefill(driver, settings(), layout, dir.path(), names, 0, kMiB);
+  prefill.fill();
+  ASSERT_EQ(prefill.sums().size(), names.size());
+  for (const auto& sums : prefill.sums()) {
+    SCOPED_TRACE(sums.name);
+    const FileRecord* want = record_of(sums.name);
+    ASSERT_NE(want, nullptr);
+    EXPECT_TRUE(sums.complete);
+    EXPECT_EQ(sums.size, want->size);
+    EXPECT_EQ(sums.chunks, want->chunks);
+  }
+  // The first piece of file 0 left out of the layout: file 0 is not read from its first byte.
+  const auto first = std::find_if(layout.pieces.begin(), layout.pieces.end(),
+                                  [](const FilePiece& p) { return p.file == 0 && p.offset == 0; });
+  ASSERT_NE(first, layout.pieces.end());
+  layout.pieces.erase(first);
+  Prefill partial(driver, settings(), layout, dir.path(), names, 0, kMiB);
+  partial.fill();
+  EXPECT_FALSE(partial.sums().at(0).complete);
+  EXPECT_TRUE(partial.sums().at(1).complete);
 }
 
 TEST_F(PrefillTest, MemoryOnAnotherDeviceIsRefusedAndTheFillDoesItAll) {
