@@ -90,15 +90,20 @@ void fsync_path(const std::filesystem::path& path) {
 }
 
 void write_file_durable(const std::filesystem::path& path, const std::string& data) {
+  // A name of this writer's own (two gpusnap processes may write the same file at once), made
+  // root's only from its first instant: what gpusnap records is nobody else's to read.
   auto tmp = path;
-  tmp += ".tmp";
-  {
-    common::UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  tmp += ".tmp-" + std::to_string(::getpid()) + "-" + random_id().substr(0, 8);
+  try {
+    common::UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
     if (!fd) throw sys_error("create " + tmp.string(), errno);
     write_all(fd.get(), data, tmp.string());
     if (::fsync(fd.get()) != 0) throw sys_error("fsync " + tmp.string(), errno);
+    if (::rename(tmp.c_str(), path.c_str()) != 0) throw sys_error("rename " + tmp.string(), errno);
+  } catch (...) {
+    ::unlink(tmp.c_str());
+    throw;
   }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) throw sys_error("rename " + tmp.string(), errno);
   fsync_path(path.parent_path().empty() ? "." : path.parent_path());
 }
 

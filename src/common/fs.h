@@ -20,7 +20,8 @@ bool try_read_file(const std::filesystem::path& path, std::string* out);
 // FIFO would block the reader), EFBIG past `max_bytes`.
 bool try_read_regular_file(const std::filesystem::path& path, std::string* out, size_t max_bytes);
 void write_file(const std::filesystem::path& path, const std::string& data);
-// Atomic and durable: tmp + fsync + rename + fsync(dir).
+// Atomic and durable: a temporary file of this writer's own beside `path` (mode 0600), fsync,
+// rename, fsync of the folder. Nothing is left behind when it fails.
 void write_file_durable(const std::filesystem::path& path, const std::string& data);
 void fsync_path(const std::filesystem::path& path);
 // fsync of every regular file under root, then of every directory, deepest first.

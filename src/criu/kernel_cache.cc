@@ -1,6 +1,5 @@
 #include "criu/kernel_cache.h"
 
-#include <fcntl.h>
 #include <linux/magic.h>
 #include <sched.h>
 #include <sys/stat.h>
@@ -13,7 +12,6 @@
 #include <string>
 #include <system_error>
 
-#include "common/fd.h"
 #include "common/fs.h"
 #include "common/subprocess.h"
 #include "gpusnap/error.h"
@@ -39,26 +37,6 @@ std::string boot_id() {
   if (!fs::try_read_file("/proc/sys/kernel/random/boot_id", &id)) return {};
   while (!id.empty() && (id.back() == '\n' || id.back() == ' ')) id.pop_back();
   return id;
-}
-
-// Writes `bytes` to `path` through a temporary name beside it (root's, 0600), then renames it:
-// a CRIU starting meanwhile reads the old file or the new one, never half of one.
-void write_atomically(const stdfs::path& path, const std::string& bytes) {
-  const auto tmp = path.string() + ".tmp-" + std::to_string(::getpid());
-  {
-    common::UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
-    if (!fd) throw sys_error("cannot create " + tmp, errno);
-    if (::write(fd.get(), bytes.data(), bytes.size()) != static_cast<ssize_t>(bytes.size())) {
-      const int e = errno;
-      ::unlink(tmp.c_str());
-      throw sys_error("cannot write " + tmp, e);
-    }
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int e = errno;
-    ::unlink(tmp.c_str());
-    throw sys_error("cannot rename " + tmp, e);
-  }
 }
 
 // The folder on /dev/shm CRIU writes its cache into, removed with this object.
@@ -95,8 +73,10 @@ bool make_cache(const Binary& criu, const std::string& stamp) {
       bytes.empty()) {
     return false;
   }
-  write_atomically(kKernelCache, bytes);
-  write_atomically(kKernelCacheStamp, stamp);
+  // Through a temporary name and a rename: a CRIU starting meanwhile reads the old file or the
+  // new one, never half of one.
+  fs::write_file_durable(kKernelCache, bytes);
+  fs::write_file_durable(kKernelCacheStamp, stamp);
   return true;
 }
 

@@ -253,7 +253,6 @@ void BlobStore::record_snapshot(const std::string& key, const std::string& refer
     if (auto p = materialised_of(before, key); !p.empty()) doc["materialised"] = p.string();
   }
   fs::write_file_durable(path, doc.dump());
-  ::chmod(path.c_str(), 0600);
 }
 
 bool BlobStore::recorded(const std::string& key) const {

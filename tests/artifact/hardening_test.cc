@@ -5,8 +5,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -24,9 +26,9 @@ namespace {
 
 using namespace gpusnap::testing;  // testing/unit.h
 namespace stdfs = std::filesystem;
-using nlohmann::json;
 using artifact::ArtifactWriter;
 using artifact::WriterOptions;
+using nlohmann::json;
 
 TEST(UntrustedJson, RefusesNestingBeyondTheLimitWithoutRecursing) {
   // 160 KB that crashed the agent (a stack overflow in dump()).
@@ -61,6 +63,43 @@ TEST(UntrustedFile, ReadsOnlyBoundedRegularFiles) {
   EXPECT_EQ(errno, EINVAL);
   EXPECT_FALSE(fs::try_read_regular_file(dir.path() / "link", &text, 1000));
   EXPECT_EQ(errno, ELOOP);
+}
+
+// What gpusnap records durably (journals, the store's records, CRIU's kernel cache) is root's
+// alone from its first byte whatever the umask, two writers of one file never meet in one
+// temporary file, and a write that fails leaves nothing beside the file.
+TEST(DurableFile, IsRootOnlyAtomicAndLeavesNothingBehind) {
+  TempDir dir;
+  const auto path = dir.path() / "record.json";
+  const mode_t old = ::umask(0);
+  fs::write_file_durable(path, "first");
+  ::umask(old);
+  struct stat st {};
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0600u);
+  // Writers at once: every write lands whole.
+  std::vector<std::string> contents;
+  for (int w = 0; w < 4; ++w)
+    contents.push_back(std::string(100000 + w, static_cast<char>('a' + w)));
+  {
+    std::vector<std::jthread> writers;
+    for (int w = 0; w < 4; ++w) {
+      writers.emplace_back([&, w] {
+        for (int i = 0; i < 25; ++i) fs::write_file_durable(path, contents[static_cast<size_t>(w)]);
+      });
+    }
+  }
+  std::string text;
+  ASSERT_TRUE(fs::try_read_file(path, &text));
+  EXPECT_NE(std::find(contents.begin(), contents.end(), text), contents.end());
+  // A rename that fails (a folder is in the way): an error, and no temporary file left.
+  stdfs::create_directory(dir.path() / "taken");
+  write(dir.path() / "taken" / "x", "");
+  EXPECT_THROW(fs::write_file_durable(dir.path() / "taken", "data"), Error);
+  std::vector<std::string> names;
+  for (const auto& e : stdfs::directory_iterator(dir.path())) names.push_back(e.path().filename());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"record.json", "taken"}));
 }
 
 TEST(FullDisk, IsTheEnvironmentsFaultWithAHint) {
