@@ -12,6 +12,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <optional>
 #include <random>
@@ -210,11 +211,12 @@ std::optional<stdfs::path> prefill_program() {
 constexpr int kPrefillDoneFd = 3;
 constexpr int kPrefillSumsFd = 4;
 
-// Reads `fd` until end of file, `deadline` or more than `limit` bytes. Returns the text when it
-// reached end of file within both.
-std::optional<std::string> read_to_end(int fd, std::chrono::steady_clock::time_point deadline,
-                                       size_t limit) {
-  std::string text;
+// How reading a pipe to its end ended.
+enum class PipeEnd { kEndOfFile, kStopped, kReadError };
+
+// Reads `fd` until end of file, `deadline`, or `take` (given every byte read) answers false.
+PipeEnd read_until_end(int fd, std::chrono::steady_clock::time_point deadline,
+                       const std::function<bool(const char*, size_t)>& take) {
   char buf[16384];
   for (;;) {
     const auto left =
@@ -222,31 +224,32 @@ std::optional<std::string> read_to_end(int fd, std::chrono::steady_clock::time_p
     pollfd p{fd, POLLIN, 0};
     const int n = ::poll(&p, 1, static_cast<int>(std::max<int64_t>(left.count(), 0)));
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return std::nullopt;
+    if (n <= 0) return PipeEnd::kStopped;
     const ssize_t got = ::read(fd, buf, sizeof buf);
     if (got < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-    if (got < 0) return std::nullopt;
-    if (got == 0) return text;
-    text.append(buf, static_cast<size_t>(got));
-    if (text.size() > limit) return std::nullopt;
+    if (got < 0) return PipeEnd::kReadError;
+    if (got == 0) return PipeEnd::kEndOfFile;
+    if (!take(buf, static_cast<size_t>(got))) return PipeEnd::kStopped;
   }
+}
+
+// The text on `fd` up to its end, when it came before `deadline` and within `limit` bytes.
+std::optional<std::string> read_to_end(int fd, std::chrono::steady_clock::time_point deadline,
+                                       size_t limit) {
+  std::string text;
+  const PipeEnd end = read_until_end(fd, deadline, [&](const char* data, size_t size) {
+    text.append(data, size);
+    return text.size() <= limit;
+  });
+  if (end != PipeEnd::kEndOfFile) return std::nullopt;
+  return text;
 }
 
 // Waits until `fd` reads end of file (its writer closed it or ended), or `deadline`. Anything
 // written on it is read and ignored.
 bool wait_for_end_of_file(int fd, std::chrono::steady_clock::time_point deadline) {
-  char buf[64];
-  for (;;) {
-    const auto left =
-        std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-    pollfd p{fd, POLLIN, 0};
-    const int n = ::poll(&p, 1, static_cast<int>(std::max<int64_t>(left.count(), 0)));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    const ssize_t got = ::read(fd, buf, sizeof buf);
-    if (got == 0) return true;
-    if (got < 0 && errno != EINTR && errno != EAGAIN) return true;
-  }
+  return read_until_end(fd, deadline, [](const char*, size_t) { return true; }) !=
+         PipeEnd::kStopped;
 }
 
 // Whether every folder from / down to `dir` may be traversed by any user.
