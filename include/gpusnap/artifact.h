@@ -199,6 +199,9 @@ class Artifact {
   std::vector<VerifyProblem> compare(const FileRecord& got) const;
 
  private:
+  // compare() with the manifest's record of the file already found.
+  std::vector<VerifyProblem> compare_with(const FileRecord& want, const FileRecord& got) const;
+
   std::filesystem::path root_;
   Manifest manifest_;
 };

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -58,14 +59,15 @@ std::vector<FileRecord> checksum_tree(const std::filesystem::path& root, uint64_
 
   std::vector<ChunkTask> tasks;
   uint64_t total = 0;
+  // By path: a verification scoped to a few files passes every other file's record here.
+  std::map<std::string, const FileRecord*> known_by_path;
+  for (const auto& k : known) known_by_path.emplace(k.path, &k);
   for (size_t f = 0; f < files.size(); ++f) {
     // A file whose checksums its writer already computed, at the size it has now, is not read.
-    auto same = std::find_if(known.begin(), known.end(), [&](const FileRecord& k) {
-      return k.path == files[f].path && k.size == files[f].size &&
-             k.chunks.size() == files[f].chunks.size();
-    });
-    if (same != known.end()) {
-      files[f].chunks = same->chunks;
+    const auto same = known_by_path.find(files[f].path);
+    if (same != known_by_path.end() && same->second->size == files[f].size &&
+        same->second->chunks.size() == files[f].chunks.size()) {
+      files[f].chunks = same->second->chunks;
       continue;
     }
     for (size_t c = 0; c < files[f].chunks.size(); ++c) tasks.push_back({f, c});

@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <fstream>
 #include <map>
-#include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -461,18 +460,20 @@ std::vector<VerifyProblem> Artifact::verify(const VerifyOptions& options,
     }
   }
   auto actual = checksum_tree(root_, manifest_.chunk_bytes, options, left_out);
-  std::set<std::string> listed;
-  for (const auto& f : manifest_.files) listed.insert(f.path);
+  std::map<std::string, const FileRecord*> listed;
+  for (const auto& f : manifest_.files) listed[f.path] = &f;
   for (const auto& got : actual) {
     if (got.path == kManifestName) continue;
     if (!scope.only.empty() && scope.only.count(got.path) == 0) continue;
-    if (listed.erase(got.path) == 0) {
+    const auto want = listed.find(got.path);
+    if (want == listed.end()) {
       problems.push_back({got.path, "not listed in the manifest"});
       continue;
     }
-    for (auto& p : compare(got)) problems.push_back(std::move(p));
+    for (auto& p : compare_with(*want->second, got)) problems.push_back(std::move(p));
+    listed.erase(want);
   }
-  for (const auto& path : listed) {
+  for (const auto& [path, record] : listed) {
     if (scope.only.empty() || scope.only.count(path) != 0) problems.push_back({path, "missing"});
   }
   return problems;
@@ -482,22 +483,27 @@ std::vector<VerifyProblem> Artifact::compare(const FileRecord& got) const {
   const auto want = std::find_if(manifest_.files.begin(), manifest_.files.end(),
                                  [&](const FileRecord& f) { return f.path == got.path; });
   if (want == manifest_.files.end()) return {{got.path, "not listed in the manifest"}};
-  if (got.size != want->size) {
-    return {{got.path,
-             "size " + std::to_string(got.size) + ", expected " + std::to_string(want->size)}};
+  return compare_with(*want, got);
+}
+
+std::vector<VerifyProblem> Artifact::compare_with(const FileRecord& want,
+                                                  const FileRecord& got) const {
+  if (got.size != want.size) {
+    return {
+        {got.path, "size " + std::to_string(got.size) + ", expected " + std::to_string(want.size)}};
   }
   std::vector<VerifyProblem> problems;
   for (size_t c = 0; c < got.chunks.size(); ++c) {
-    if (c >= want->chunks.size() || got.chunks[c] != want->chunks[c]) {
+    if (c >= want.chunks.size() || got.chunks[c] != want.chunks[c]) {
       uint64_t begin = c * manifest_.chunk_bytes;
       uint64_t end = std::min(got.size, begin + manifest_.chunk_bytes);
       problems.push_back({got.path, "checksum mismatch in bytes " + std::to_string(begin) + "-" +
                                         std::to_string(end)});
     }
   }
-  if (got.chunks.size() < want->chunks.size()) {
+  if (got.chunks.size() < want.chunks.size()) {
     problems.push_back({got.path, "checksums of " + std::to_string(got.chunks.size()) + " of " +
-                                      std::to_string(want->chunks.size()) + " chunks"});
+                                      std::to_string(want.chunks.size()) + " chunks"});
   }
   return problems;
 }
