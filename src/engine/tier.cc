@@ -280,7 +280,7 @@ std::string tier_gpu(const stdfs::path& index) {
 TierPrefills::TierPrefills(const stdfs::path& artifact,
                            const std::map<std::string, std::string>& gpu_map, int copies,
                            const stdfs::path& run_dir, uint64_t chunk_bytes)
-    : copies_(copies), chunk_bytes_(chunk_bytes) {
+    : chunk_bytes_(chunk_bytes) {
   const auto program = prefill_program();
   const stdfs::path tier = stdfs::absolute(artifact) / kTierDirName;
   std::error_code ec;
@@ -336,9 +336,17 @@ void TierPrefills::start(const stdfs::path& program, const stdfs::path& tier,
       common::UniqueFd log_fd(::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
       if (log_fd.get() < 0) throw sys_error("cannot create " + log.string(), errno);
       auto done = common::Pipe::make();
-      auto sums = common::Pipe::make();
-      // Room for every line at once (a few KiB per file): the prefill never waits on gpusnap.
-      (void)::fcntl(sums.write.get(), F_SETPIPE_SZ, 1 << 20);
+      // Only the first copy's prefills checksum what they read: every copy's prefill reads the
+      // same files, and one check of their bytes is what gpusnap's own verify gave (it read each
+      // file once for all copies). The others copy without hashing, so that copies restored at
+      // once do not hash the same bytes once each (exp20, docs/benchmarks.md).
+      const bool summing = c == 0 && chunk_bytes > 0;
+      std::optional<common::Pipe> sums;
+      if (summing) {
+        sums = common::Pipe::make();
+        // Room for every line at once (a few KiB per file): the prefill never waits on gpusnap.
+        (void)::fcntl(sums->write.get(), F_SETPIPE_SZ, 1 << 20);
+      }
       common::SpawnOptions o;
       o.argv = {program.string(),
                 tier.string(),
@@ -349,13 +357,14 @@ void TierPrefills::start(const stdfs::path& program, const stdfs::path& tier,
                 std::to_string(st.st_gid),
                 "60000",
                 std::to_string(kPrefillDoneFd),
-                std::to_string(kPrefillSumsFd),
-                std::to_string(chunk_bytes)};
+                summing ? std::to_string(kPrefillSumsFd) : "-1",
+                summing ? std::to_string(chunk_bytes) : "0"};
       o.stderr_fd = log_fd.get();
-      o.keep_fds = {{done.write.get(), kPrefillDoneFd}, {sums.write.get(), kPrefillSumsFd}};
+      o.keep_fds = {{done.write.get(), kPrefillDoneFd}};
+      if (summing) o.keep_fds.emplace_back(sums->write.get(), kPrefillSumsFd);
       auto run = std::make_unique<Running>(
           Running{common::Subprocess(o), log, "copy " + std::to_string(c) + ", process " + pid,
-                  std::move(done.read), pid, std::move(sums.read)});
+                  std::move(done.read), pid, summing ? std::move(sums->read) : common::UniqueFd()});
       running_.push_back(std::move(run));
       any = true;
     }
@@ -381,14 +390,16 @@ json TierPrefills::context_dir(int copy) const {
 }
 
 std::set<std::string> TierPrefills::files_read(const Manifest& manifest) const {
-  if (chunk_bytes_ == 0) return {};     // no sums asked for: verify reads every file
-  std::map<std::string, int> prefills;  // per process
-  for (const auto& r : running_) ++prefills[r->pid];
+  if (chunk_bytes_ == 0) return {};  // no sums asked for: verify reads every file
+  std::set<std::string> summing;     // processes whose files a prefill checksums
+  for (const auto& r : running_) {
+    if (r->sums) summing.insert(r->pid);
+  }
   std::set<std::string> files;
   static const std::regex kDrainFile(R"(tier/([0-9]{1,10})-w[0-9]{1,4}\.img)");
   for (const auto& f : manifest.files) {
     std::smatch m;
-    if (std::regex_match(f.path, m, kDrainFile) && prefills[m[1]] == copies_) files.insert(f.path);
+    if (std::regex_match(f.path, m, kDrainFile) && summing.count(m[1]) > 0) files.insert(f.path);
   }
   return files;
 }
@@ -413,7 +424,7 @@ std::vector<VerifyProblem> verify_prefilled(const Artifact& artifact, TierPrefil
                                             const std::set<std::string>& files,
                                             std::chrono::steady_clock::time_point deadline) {
   std::vector<VerifyProblem> problems;
-  std::map<std::string, int> summed;
+  std::set<std::string> summed;
   for (const auto& sums : prefills.checksums(deadline)) {
     for (const auto& f : sums.files) {
       if (files.count(f.path) == 0) continue;
@@ -421,12 +432,12 @@ std::vector<VerifyProblem> verify_prefilled(const Artifact& artifact, TierPrefil
         p.problem += " (as the tier prefill of " + sums.what + " read it)";
         problems.push_back(std::move(p));
       }
-      ++summed[f.path];
+      summed.insert(f.path);
     }
   }
   VerifyScope unread;
   for (const auto& f : files) {
-    if (summed[f] < prefills.copies()) unread.only.insert(f);
+    if (summed.count(f) == 0) unread.only.insert(f);
   }
   if (!unread.only.empty()) {
     for (auto& p : artifact.verify({}, unread)) problems.push_back(std::move(p));

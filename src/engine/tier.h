@@ -84,19 +84,19 @@ class TierPrefills {
   // The resume context's tier_prefill_dir for copy `copy`: "" when none runs for it.
   nlohmann::json context_dir(int copy) const;
 
-  // The drain files of the manifest ("tier/PID-wK.img") that every copy's prefill reads: with
-  // chunk_bytes, their bytes are checked by the sums the prefills compute as they read them
-  // (checksums()) instead of being read a second time beside CRIU's restore.
+  // The drain files of the manifest ("tier/PID-wK.img") that the first copy's prefills read and
+  // checksum (the other copies' prefills read the same files without): with chunk_bytes, their
+  // bytes are checked by the sums computed as they are read (checksums()) instead of being read
+  // a second time beside CRIU's restore.
   std::set<std::string> files_read(const Manifest& manifest) const;
-  // Each prefill's checksums of the files it read, as it read them for its copy (its SUMS-FD,
+  // The checksums of the files the first copy's prefills read, as they read them (their SUMS-FD,
   // tier/prefill_main.cc), waiting for each until `deadline`. A prefill that fails, ends or
-  // writes anything malformed gives none; `copies` says how many prefills read each file.
+  // writes anything malformed gives none.
   struct Sums {
     std::string what;  // "copy N, process PID"
     std::vector<FileRecord> files;
   };
   std::vector<Sums> checksums(std::chrono::steady_clock::time_point deadline);
-  int copies() const { return copies_; }
 
   // After the resume: waits briefly for each prefill (it exits once its memory was taken),
   // stops the others, and returns one line per prefill, from its own report.
@@ -110,16 +110,15 @@ class TierPrefills {
              const std::filesystem::path& run_dir, uint64_t chunk_bytes);
   void stop_all() noexcept;
   std::filesystem::path root_;
-  int copies_ = 0;
   uint64_t chunk_bytes_ = 0;
   std::vector<std::filesystem::path> copy_dirs_;
   std::vector<std::unique_ptr<Running>> running_;
 };
 
-// The check of the tier's `files` the prefills read (TierPrefills::files_read), by the sums each
-// computed as it read them for its copy: every sum must match the manifest's, and a file for
-// which some copy's prefill gave none by `deadline` (it failed: that copy fills from the file
-// itself) is read here, as Artifact::verify would. Returns the problems, as verify() names them.
+// The check of the tier's `files` the prefills read (TierPrefills::files_read), by the sums the
+// first copy's prefills computed as they read them: every sum must match the manifest's, and a
+// file they gave none for by `deadline` (one failed: its copy fills from the file itself) is read
+// here, as Artifact::verify would. Returns the problems, as verify() names them.
 std::vector<VerifyProblem> verify_prefilled(const Artifact& artifact, TierPrefills& prefills,
                                             const std::set<std::string>& files,
                                             std::chrono::steady_clock::time_point deadline);

@@ -108,7 +108,8 @@ int run(const std::vector<std::string>& a) {
   std::vector<std::string> files;
   for (std::size_t k = 0; k < layout.files; ++k)
     files.push_back(pid + "-w" + std::to_string(k) + ".img");
-  tier::Prefill prefill(*driver, prefill_settings(), std::move(layout), dir, files, device,
+  const auto settings = prefill_settings();
+  tier::Prefill prefill(*driver, settings, std::move(layout), dir, files, device,
                         std::stoull(a[9]));
   const auto report = prefill.fill();
   write_sums(a[8], prefill.sums());
@@ -121,14 +122,15 @@ int run(const std::vector<std::string>& a) {
   gpusnap::common::UniqueFd conn(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
   if (conn.get() < 0) throw gpusnap::sys_error("accept", errno);
   const bool taken = prefill.hand_over(conn.get());
-  std::fprintf(stderr,
-               "gpusnap-tier-prefill: %zu bytes of %s filled in %.3f s (%.1f GB/s copying; "
-               "making and mapping the memory %.3f s, pinning %.3f s; ready %.3f s after "
-               "start), %s\n",
-               report.bytes, pid.c_str(), report.seconds,
-               report.seconds > 0 ? static_cast<double>(report.bytes) / report.seconds / 1e9 : 0.0,
-               report.map_seconds, report.buffer_seconds, filled_s,
-               taken ? "taken by the copy" : "refused by the copy");
+  std::fprintf(
+      stderr,
+      "gpusnap-tier-prefill: %zu bytes of %s filled in %.3f s by %d workers (%.1f GB/s copying; "
+      "making and mapping the memory %.3f s, pinning %.3f s; ready %.3f s after "
+      "start), %s\n",
+      report.bytes, pid.c_str(), report.seconds, settings.streams,
+      report.seconds > 0 ? static_cast<double>(report.bytes) / report.seconds / 1e9 : 0.0,
+      report.map_seconds, report.buffer_seconds, filled_s,
+      taken ? "taken by the copy" : "refused by the copy");
   ::unlink(socket.c_str());
   // Before `prefill` and `driver` end: unmapping and releasing the memory and the context is
   // the slow part of the exit, and the copy no longer needs this process.

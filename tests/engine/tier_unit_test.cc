@@ -141,9 +141,11 @@ void drained_on_one_gpu(const TempDir& artifact, const std::string& pid) {
 
 // gpusnap's side of the fill done ahead: a prefill per copy and per process with a layout, told
 // the artifact's folder, the process, a socket in the copy's own folder, the GPU the copy maps
-// its memory to and the owner of the tier's files; each copy's context names its folder; the
-// prefills' reports come back as notes; nothing is left behind. The program is a stand-in
-// script here (the real one needs a GPU; docs/gpu-validation.md).
+// its memory to and the owner of the tier's files; only the first copy's prefill is given a
+// pipe for its checksums and the chunk to compute them in (the others read the same files);
+// each copy's context names its folder; the prefills' reports come back as notes; nothing is
+// left behind. The program is a stand-in script here (the real one needs a GPU;
+// docs/gpu-validation.md).
 TEST(TierPrefills, OnePerCopyAndProcessToldWhereAndOnWhichGpu) {
   TempDir artifact;
   TempDir run;
@@ -158,7 +160,7 @@ TEST(TierPrefills, OnePerCopyAndProcessToldWhereAndOnWhichGpu) {
   ::setenv("GPUSNAP_TIER_PREFILL", script.c_str(), 1);
   std::filesystem::path root;
   {
-    TierPrefills prefills(artifact.path(), {{"GPU-a", "GPU-z"}}, 2, run / "state");
+    TierPrefills prefills(artifact.path(), {{"GPU-a", "GPU-z"}}, 2, run / "state", 4096);
     const std::string copy0 = prefills.context_dir(0).get<std::string>();
     const std::string copy1 = prefills.context_dir(1).get<std::string>();
     ASSERT_FALSE(copy0.empty());
@@ -174,10 +176,10 @@ TEST(TierPrefills, OnePerCopyAndProcessToldWhereAndOnWhichGpu) {
     ASSERT_EQ(::stat((artifact / "tier" / "7.json").c_str(), &st), 0);
     const std::string owner = std::to_string(st.st_uid) + " " + std::to_string(st.st_gid);
     const std::string tier = std::filesystem::absolute(artifact / "tier").string();
-    EXPECT_NE(calls.find(tier + " 7 " + copy0 + "/7.sock GPU-z " + owner + " 60000 3 4 0\n"),
+    EXPECT_NE(calls.find(tier + " 7 " + copy0 + "/7.sock GPU-z " + owner + " 60000 3 4 4096\n"),
               std::string::npos)
         << calls;
-    EXPECT_NE(calls.find(tier + " 7 " + copy1 + "/7.sock GPU-z " + owner + " 60000 3 4 0\n"),
+    EXPECT_NE(calls.find(tier + " 7 " + copy1 + "/7.sock GPU-z " + owner + " 60000 3 -1 0\n"),
               std::string::npos)
         << calls;
     EXPECT_EQ(calls.find(" 9 "), std::string::npos) << calls;
@@ -295,11 +297,12 @@ class PrefilledArtifact : public ::testing::Test {
     }
     return {};
   }
-  // A stand-in prefill that writes `text` on its SUMS-FD ($9) and ends.
+  // A stand-in prefill that writes `text` on its SUMS-FD ($9; -1: none) and ends.
   void prefill_writes(const std::string& text) {
     const auto script = run / "prefill.sh";
     write(run / "sums", text);
-    write(script, "#!/bin/sh\neval \"cat " + (run / "sums").string() + " >&$9\"\n");
+    write(script,
+          "#!/bin/sh\n[ \"$9\" = -1 ] || eval \"cat " + (run / "sums").string() + " >&$9\"\n");
     ASSERT_EQ(::chmod(script.c_str(), 0755), 0);
     ::setenv("GPUSNAP_TIER_PREFILL", script.c_str(), 1);
   }
@@ -328,25 +331,27 @@ class PrefilledArtifact : public ::testing::Test {
   TempDir run;
 };
 
-// The sums each prefill computed as it read the file for its copy are what is checked: a prefill
-// that read the manifest's bytes passes, one that read other bytes refuses the restore, naming
-// the file, the bytes and the copy.
-TEST_F(PrefilledArtifact, EachPrefillsSumsAreCheckedAgainstTheManifest) {
+// The sums the first copy's prefill computed as it read the file are what is checked, once for
+// every copy: read as the manifest says, it passes; read otherwise, the restore is refused, once,
+// naming the file, the bytes and the copy whose prefill read them.
+TEST_F(PrefilledArtifact, TheFirstCopysSumsAreCheckedAgainstTheManifest) {
   prefill_writes(sums_line());
   EXPECT_TRUE(check(2).empty());
   damage();  // what a prefill reads now is not what the manifest says
   prefill_writes(sums_line());
-  const auto problems = check(1);
-  ASSERT_EQ(problems.size(), 1u);
-  EXPECT_EQ(problems[0].path, "tier/7-w0.img");
-  EXPECT_EQ(problems[0].problem,
-            "checksum mismatch in bytes 4096-8192 (as the tier prefill of copy 0, process 7 read "
-            "it)");
+  for (const int copies : {1, 3}) {
+    const auto problems = check(copies);
+    ASSERT_EQ(problems.size(), 1u) << copies << " copies";
+    EXPECT_EQ(problems[0].path, "tier/7-w0.img");
+    EXPECT_EQ(problems[0].problem,
+              "checksum mismatch in bytes 4096-8192 (as the tier prefill of copy 0, process 7 "
+              "read it)");
+  }
 }
 
 // A prefill that gives no sums (it failed, or wrote nonsense): its copy fills from the file
 // itself, so gpusnap reads the file, and finds it intact or damaged.
-TEST_F(PrefilledArtifact, AFileWithoutEveryPrefillsSumsIsReadByGpusnap) {
+TEST_F(PrefilledArtifact, AFileWithoutSumsIsReadByGpusnap) {
   prefill_writes("");
   EXPECT_TRUE(check(2).empty());
   prefill_writes("nonsense\n");
