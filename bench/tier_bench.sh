@@ -26,7 +26,8 @@
 # Drain and fill rates are the tier's bytes over those phases; GPUSNAP_TIER_LOG=1 also has the
 # workload print them on its stderr (the run's log).
 # Needs: BUILD (default build) with gpusnap, libgpusnap-preload.so, libgpusnap-tier.so and
-# tests/torch_tier.py; CRIU (GPUSNAP_CRIU or /opt/gpusnap/criu/criu); python3 with torch. No jq.
+# tests/torch_tier.py; CRIU (GPUSNAP_CRIU or /opt/gpusnap/criu/criu); python3 with torch;
+# nvidia-smi. No jq.
 set -euo pipefail
 GIB=${1:?GIB}; OUTDIR=${2:?OUTDIR}; STORE=${3:-}
 BUILD=${BUILD:-build}
@@ -65,6 +66,17 @@ field() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(eva
 ask() {  # ask PORT COMMAND
   exec 3<>"/dev/tcp/127.0.0.1/$1"; printf '%s\n' "$2" >&3; IFS= read -r r <&3; exec 3>&-; printf '%s' "$r"
 }
+# A killed copy gives its GPU memory back while the driver tears its context down (0.4-0.5 s
+# for four 17 GB copies on the H200, exp28). So that no restore below runs beside a teardown,
+# each first waits (at most 30 s) until no process holds the GPU, and says how long it waited.
+gpu_idle() {
+  local t; t=$(now)
+  for _ in $(seq 600); do
+    [[ -z $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null) ]] && break
+    sleep 0.05
+  done
+  echo "the GPU was free after $(elapsed "$t") s" >&2
+}
 tier_bytes() {  # bytes of ARTIFACT's files under tier/
   python3 -c "import json,sys; print(sum(f['size'] for f in json.load(open(sys.argv[1]+'/manifest.json'))['files'] if f['path'].startswith('tier/')))" "$1"
 }
@@ -83,6 +95,7 @@ RESULTS=$LOGS/runs.jsonl
 host_port() { grep -o '"host_port": *[0-9]*' "$1" | head -1 | grep -o '[0-9]*$'; }
 restore_and_check() {  # MODE ROUND ARTIFACT-NAME DISK-GBS: one restore, timed to the first answer
   local mode=$1 round=$2 name=$3 disk_gbs=$4
+  gpu_idle
   local t1; t1=$(now)
   "$GPUSNAP" restore "$WORK/$name" --publish "$(cat "$WORK/$name.port")" --json \
     >"$LOGS/$mode-$round-restore.json" 2>"$LOGS/$mode-$round-restore.err"
@@ -142,6 +155,7 @@ MULTI=$LOGS/copies.jsonl
   --gib "$GIB" --weights "$WEIGHTS" --ready-file "$WORK/multi.port" >"$LOGS/multi-run.json" \
   2>"$LOGS/multi-run.err"
 for n in $COPIES; do
+  gpu_idle
   t1=$(now)
   if "$GPUSNAP" restore "$WORK/multi" --replicas "$n" --publish "$(cat "$WORK/multi.port")" --json \
       >"$LOGS/copies-$n.json" 2>"$LOGS/copies-$n.err"; then
