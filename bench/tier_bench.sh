@@ -129,7 +129,7 @@ one() {  # one MODE ROUND: capture, restore, check
     sync
     if [[ $mode == tier ]]; then
       echo 3 >/proc/sys/vm/drop_caches
-      local t=$(now) b; b=$(tier_bytes "$WORK/$name")
+      local t b; t=$(now); b=$(tier_bytes "$WORK/$name")
       cat "$WORK/$name"/tier/*.img | dd of=/dev/null bs=16M iflag=direct status=none 2>/dev/null \
         || cat "$WORK/$name"/tier/*.img >/dev/null
       disk_gbs=$(python3 -c "import sys; print(round(int(sys.argv[1]) / float(sys.argv[2]) / 1e9, 2))" "$b" "$(elapsed "$t")")
@@ -142,7 +142,7 @@ one() {  # one MODE ROUND: capture, restore, check
     if [[ $COLD == 1 ]]; then sync; echo 3 >/proc/sys/vm/drop_caches; fi
     GPUSNAP_TIER_PREFILL=off restore_and_check tier-no-prefill "$round" "$name" "$disk_gbs"
   fi
-  rm -rf "$WORK/$name"
+  rm -rf "${WORK:?}/$name"
 }
 for round in $(seq 1 "$RUNS"); do
   if (( round % 2 )); then one transparent "$round"; one tier "$round"; else one tier "$round"; one transparent "$round"; fi
