@@ -156,8 +156,7 @@ ask() {
     "$2" 2>/dev/null || true
 }
 wait_ready() {
-  local i
-  for i in $(seq 600); do
+  for _ in $(seq 600); do
     [[ $(ask "$1" PING) == PONG ]] && return 0
     sleep 0.1
   done
@@ -217,7 +216,8 @@ record() {
   ROWS+=("$1|$2|$(secs "$3" "$4")|$(secs "$5" "$6")|$(du -sb "$7" | cut -f1)")
 }
 run_podman() {
-  local n=$1 tar=$WORK/podman-$n.tar t0 t1 t2 pid
+  local n=$1 t0 t1 t2 pid
+  local tar=$WORK/podman-$n.tar
   t0=$(now)
   podman container checkpoint --leave-running --print-stats --export "$tar" "bench-src-$TAG" \
     >"$LOGS/podman-checkpoint-$n.json"
@@ -236,7 +236,8 @@ run_podman() {
   rm -f "$tar"
 }
 run_gpusnap() {
-  local n=$1 out=$WORK/gpusnap-$n t0 t1 t2 ph
+  local n=$1 t0 t1 t2 ph
+  local out=$WORK/gpusnap-$n
   t0=$(now)
   "$GPUSNAP" checkpoint --container "bench-src-$TAG" -o "$out" --leave-running --json --quiet \
     >"$LOGS/gpusnap-checkpoint-$n.json"

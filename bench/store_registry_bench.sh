@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck disable=SC2154  # REG_PID_<name> is set by start_registry (printf -v) in store_registry_lib.sh
 # gpusnap push/pull against an OCI registry, side by side in one run with `skopeo copy` moving
 # the same bytes to and from the same registry, and with the registry disk's own read rate.
 # Also the dedup of a second capture of the same workload. Root (CRIU); needs docker-registry
@@ -21,7 +22,9 @@ MIB=${2:-4096}
 DEDUP_MIB=${3:-512}
 BUILD=${BUILD:-build}
 GPUSNAP=$(readlink -f "$BUILD/gpusnap")
+# shellcheck disable=SC2034  # WORKLOAD and REGISTRY are read by store_registry_lib.sh
 WORKLOAD=$(readlink -f "$BUILD/tests/gpusnap-test-workload")
+# shellcheck disable=SC2034
 REGISTRY=$(command -v docker-registry)
 source "$(dirname "$(readlink -f "$0")")/store_registry_lib.sh"
 mkdir -p "$OUT"

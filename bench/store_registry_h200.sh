@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck disable=SC2154  # REG_PID_<name> is set by start_registry (printf -v) in store_registry_lib.sh
 # gpusnap push/pull against a docker-registry on loopback, side by side in one run with
 # `skopeo copy` moving the same bytes, on a machine where nothing can be installed and nothing
 # outside can be reached (the GPU machine): every binary comes from a folder of carried files.
@@ -85,7 +86,9 @@ for b in gpusnap docker-registry skopeo; do
 done
 cp "$CARRY/gpusnap-test-workload" bin/ && chmod 0755 bin/gpusnap-test-workload
 GPUSNAP=$WORK/bin/gpusnap
+# shellcheck disable=SC2034  # WORKLOAD and REGISTRY are read by store_registry_lib.sh
 WORKLOAD=$WORK/bin/gpusnap-test-workload
+# shellcheck disable=SC2034
 REGISTRY=$WORK/bin/docker-registry
 # skopeo with its carried libraries and trust policy, as a program (`timeout` runs it).
 cat >bin/skopeo-carried <<SH

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared by store_registry_bench.sh (development machine) and store_registry_h200.sh (a machine
 # where nothing can be installed): a docker-registry on loopback, a capture of the test
 # workload, the same bytes as an OCI image layout for skopeo, and transfers timed with the CPU
