@@ -123,7 +123,7 @@ std::vector<FileRecord> checksum_tree(const std::filesystem::path& root, uint64_
   for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker);
   worker();
   pool.clear();
-  if (first_error) throw *first_error;
+  if (first_error) throw Error(*first_error);
   // Always end at total, even when there were no bytes to read (only empty files) or a file
   // shrank while it was read (verify reports that as a mismatch).
   if (options.reporter != nullptr) options.reporter->progress("checksum", total, total);

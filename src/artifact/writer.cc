@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <charconv>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
@@ -17,6 +19,14 @@
 namespace gpusnap::artifact {
 
 namespace {
+
+// The pid a record or staging name starts with; 0 when it does not start with one (a name
+// somebody else put there), which the callers skip.
+pid_t owner_pid(std::string_view name) {
+  pid_t pid = 0;
+  const auto [end, ec] = std::from_chars(name.data(), name.data() + name.size(), pid);
+  return ec == std::errc{} && end != name.data() ? pid : 0;
+}
 constexpr const char* kStagingTag = ".staging-";
 
 std::filesystem::path records_dir(const std::filesystem::path& run_dir) {
@@ -43,7 +53,7 @@ Error output_error(const std::filesystem::path& dir, int err) {
 
 }  // namespace
 
-ArtifactWriter::ArtifactWriter(std::filesystem::path final_path, WriterOptions options)
+ArtifactWriter::ArtifactWriter(const std::filesystem::path& final_path, WriterOptions options)
     : final_(std::filesystem::absolute(final_path).lexically_normal()),
       options_(std::move(options)) {
   if (final_.filename().empty()) final_ = final_.parent_path();
@@ -151,7 +161,7 @@ std::vector<std::string> ArtifactWriter::remove_abandoned_staging(
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(records_dir(run_dir), ec)) {
     const auto name = entry.path().filename().string();
-    const auto owner = static_cast<pid_t>(std::atoi(name.c_str()));
+    const pid_t owner = owner_pid(name);
     if (owner <= 0 || proc::exists(owner)) continue;  // still writing
     std::string dir;
     if (fs::try_read_file(entry.path(), &dir) && !dir.empty()) {
@@ -185,7 +195,7 @@ void ArtifactWriter::remove_stale_staging(const std::filesystem::path& dir) noex
     auto tag = name.rfind(kStagingTag);
     if (name.empty() || name[0] != '.' || tag == std::string::npos) continue;
     auto rest = name.substr(tag + std::string(kStagingTag).size());
-    pid_t owner = static_cast<pid_t>(std::atoi(rest.c_str()));
+    const pid_t owner = owner_pid(rest);
     if (owner <= 0) continue;
     remove_stale_staging_entry(entry.path(), owner);
   }

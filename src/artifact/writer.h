@@ -28,7 +28,7 @@ class ArtifactWriter {
   // artifact holds the workload's memory: it is root-only (0700 directories, 0600 files) from
   // the staging directory's first instant, whatever the umask; `group`, when given, may read
   // the committed artifact (WriterOptions::group).
-  explicit ArtifactWriter(std::filesystem::path final_path, WriterOptions options = {});
+  explicit ArtifactWriter(const std::filesystem::path& final_path, WriterOptions options = {});
   ArtifactWriter(const ArtifactWriter&) = delete;
   ArtifactWriter& operator=(const ArtifactWriter&) = delete;
   ~ArtifactWriter();

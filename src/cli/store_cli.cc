@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
@@ -66,10 +67,14 @@ class TransferReporter final : public Reporter {
                        .dump()
                        .c_str());
     } else if (::isatty(STDERR_FILENO) == 1) {
+      // Rounded by printf, not lround: gpusnap needs no libm, and runs in containers whose
+      // root holds only libc (tests/testing/containers.cc builds such a root).
+      std::array<char, 32> left_text{};
+      std::snprintf(left_text.data(), left_text.size(), "%.0f s", left);
       std::fprintf(stderr, "  %-22.*s %s of %s, %s/s, %s left    \r", static_cast<int>(name.size()),
                    name.data(), fs::human_bytes(done).c_str(), fs::human_bytes(total).c_str(),
                    fs::human_bytes(static_cast<uint64_t>(rate)).c_str(),
-                   left < 0 ? "?" : (std::to_string(static_cast<int>(left + 0.5)) + " s").c_str());
+                   left < 0 ? "?" : left_text.data());
     }
   }
   void note(std::string_view text) override {
@@ -431,6 +436,11 @@ int verify_remote(const Args& args, const std::string& reference) {
   o.output = tmp / ("verify-" + fs::random_id());
   struct Remove {
     sfs::path p;
+    explicit Remove(sfs::path path) : p(std::move(path)) {}
+    Remove(const Remove&) = delete;
+    Remove& operator=(const Remove&) = delete;
+    Remove(Remove&&) = delete;
+    Remove& operator=(Remove&&) = delete;
     ~Remove() { fs::remove_tree_noexcept(p); }
   } remove{o.output};
   // Every chunk is checked against its digest on the way in (exit 4 on the first that is not).

@@ -36,6 +36,7 @@ Args::Args(const std::string& command, const std::vector<FlagSpec>& specs,
     for (const auto& s : specs) {
       if (s.name == name || (!s.short_name.empty() && s.short_name == name)) spec = &s;
     }
+    // NOLINTNEXTLINE(performance-inefficient-string-concatenation): thrown once, ends the loop
     if (spec == nullptr) throw usage_error("unknown option " + name + " for " + command);
     if (spec->value_name.empty()) {
       if (inline_value) throw usage_error(spec->name + " takes no value");

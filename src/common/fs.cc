@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -116,7 +117,7 @@ void fsync_tree(const std::filesystem::path& root) {
       fsync_path(entry.path());
     }
   }
-  for (auto it = dirs.rbegin(); it != dirs.rend(); ++it) fsync_path(*it);
+  std::for_each(dirs.rbegin(), dirs.rend(), [](const auto& dir) { fsync_path(dir); });
 }
 
 void restrict_tree(const std::filesystem::path& root, std::optional<gid_t> group) {

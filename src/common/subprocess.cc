@@ -23,13 +23,14 @@
 #include "common/fd.h"
 #include "gpusnap/error.h"
 
-extern char** environ;
-
 namespace gpusnap::common {
 
 std::string ExitStatus::describe() const {
   if (exited) return "exited with code " + std::to_string(code);
-  return std::string("killed by signal ") + std::to_string(code) + " (" + ::strsignal(code) + ")";
+  // sigdescr_np, not strsignal: it returns a constant string and is safe beside other threads.
+  const char* what = ::sigdescr_np(code);
+  return std::string("killed by signal ") + std::to_string(code) + " (" +
+         (what != nullptr ? what : "unknown signal") + ")";
 }
 
 namespace {
@@ -105,7 +106,7 @@ std::vector<sock_filter> io_uring_filter() {
   for (int sig = 1; sig < NSIG; ++sig) ::signal(sig, SIG_DFL);
   sigset_t none;
   sigemptyset(&none);
-  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+  ::pthread_sigmask(SIG_SETMASK, &none, nullptr);
   if (o.deny_io_uring) {
     // Once set, no_new_privs and the filter hold for every descendant. Failure is fatal: the
     // caller asked for a capturable process.
@@ -168,7 +169,7 @@ Subprocess::Subprocess(const SpawnOptions& o) {
 }
 
 Subprocess::Subprocess(Subprocess&& other) noexcept
-    : pid_(std::exchange(other.pid_, -1)), status_(std::move(other.status_)) {}
+    : pid_(std::exchange(other.pid_, -1)), status_(other.status_) {}
 
 Subprocess::~Subprocess() {
   if (running()) {

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <charconv>
 #include <cstdlib>
 #include <fstream>
 #include <regex>
@@ -47,10 +48,24 @@ std::string find_on_path(const std::string& name) {
 
 }  // namespace
 
+std::optional<Version> parse_version(std::string_view version) {
+  const auto start = version.find_first_not_of(" \t");
+  if (start == std::string_view::npos) return std::nullopt;
+  const char* p = version.data() + start;
+  const char* const end = version.data() + version.size();
+  Version v;
+  auto [after_major, ec] = std::from_chars(p, end, v.major);
+  if (ec != std::errc{}) return std::nullopt;
+  if (after_major != end && *after_major == '.') {
+    if (std::from_chars(after_major + 1, end, v.minor).ec != std::errc{}) v.minor = 0;
+  }
+  return v;
+}
+
 bool version_at_least(const std::string& version, int major, int minor) {
-  int ma = 0, mi = 0;
-  if (std::sscanf(version.c_str(), "%d.%d", &ma, &mi) < 1) return false;
-  return ma > major || (ma == major && mi >= minor);
+  const auto v = parse_version(version);
+  if (!v) return false;
+  return v->major > major || (v->major == major && v->minor >= minor);
 }
 
 Binary locate(const std::string& explicit_path) {
@@ -170,7 +185,9 @@ std::vector<std::string> log_errors(const std::filesystem::path& log, size_t max
     if (line.find("RLIMIT_NOFILE") != std::string::npos) continue;
     errors.push_back(line);
   }
-  if (errors.size() > max_lines) errors.erase(errors.begin(), errors.end() - max_lines);
+  if (errors.size() > max_lines) {
+    errors.erase(errors.begin(), errors.end() - static_cast<std::ptrdiff_t>(max_lines));
+  }
   return errors;
 }
 

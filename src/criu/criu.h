@@ -7,7 +7,9 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace gpusnap::criu {
@@ -20,6 +22,14 @@ struct Binary {
 // Finds CRIU: `explicit_path`, then $GPUSNAP_CRIU, /opt/gpusnap/criu/criu, `criu` on PATH.
 // Throws Error(kEnvironment) naming the fix when none is found or it is older than 4.2.
 Binary locate(const std::string& explicit_path = {});
+// MAJOR[.MINOR] at the start of VERSION ("4.2.1" is 4.2), after any blanks; none when it does
+// not start with a number.
+struct Version {
+  int major = 0;
+  int minor = 0;
+};
+std::optional<Version> parse_version(std::string_view version);
+
 // "4.2.1" >= "4.2"?
 bool version_at_least(const std::string& version, int major, int minor);
 

@@ -55,9 +55,8 @@ void check_host_compatible(const Manifest& m, const HostFacts& here) {
                 "this host's CPU lacks instruction sets the source used: " + list,
                 "restore it on a host with the source's CPU model (" + m.host.cpu_model + ")");
   }
-  int major = 0, minor = 0;
-  std::sscanf(m.host.criu_version.c_str(), "%d.%d", &major, &minor);
-  if (!criu::version_at_least(here.criu_version, major, minor)) {
+  const auto wanted = criu::parse_version(m.host.criu_version).value_or(criu::Version{});
+  if (!criu::version_at_least(here.criu_version, wanted.major, wanted.minor)) {
     throw Error(ErrorKind::kIncompatible,
                 "artifact was written by CRIU " + m.host.criu_version + ", this host has CRIU " +
                     here.criu_version,

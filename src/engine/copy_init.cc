@@ -130,7 +130,7 @@ int supervise(pid_t root, const std::vector<ForwardSpec>& forwards) {
     if (::poll(fds.data(), fds.size(), -1) < 0 && errno != EINTR) return 1;
 
     if (fds[0].revents & POLLIN) {
-      struct signalfd_siginfo si;
+      signalfd_siginfo si{};
       while (::read(sfd.get(), &si, sizeof si) == sizeof si) {
         if (si.ssi_signo != SIGCHLD) ::kill(root, static_cast<int>(si.ssi_signo));
       }
@@ -252,7 +252,7 @@ void become_init() {
   sigset_t mask;
   sigemptyset(&mask);
   for (int sig : {SIGCHLD, SIGTERM, SIGINT, SIGHUP}) sigaddset(&mask, sig);
-  ::sigprocmask(SIG_BLOCK, &mask, nullptr);
+  ::pthread_sigmask(SIG_BLOCK, &mask, nullptr);
 }
 
 std::string to_json(const CopyInitSpec& spec) {

@@ -31,6 +31,7 @@ void for_each_parallel(const std::vector<pid_t>& pids, Fn fn) {
   std::mutex mutex;
   std::optional<Error> first;
   std::vector<std::jthread> threads;
+  threads.reserve(pids.size());
   for (pid_t pid : pids) {
     threads.emplace_back([&, pid] {
       try {
@@ -45,7 +46,7 @@ void for_each_parallel(const std::vector<pid_t>& pids, Fn fn) {
     });
   }
   threads.clear();
-  if (first) throw *first;
+  if (first) throw Error(*first);
 }
 
 std::filesystem::path journal_dir(const std::filesystem::path& run_dir) {

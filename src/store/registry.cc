@@ -124,6 +124,7 @@ Credentials find_credentials(const std::string& host, const std::string& explici
       continue;
     }
     auto damaged = [&](const std::string& why) {
+      // NOLINTNEXTLINE(performance-inefficient-string-concatenation): an error, built once
       return Error(ErrorKind::kUsage, "credentials file " + file + " is damaged: " + why,
                    "fix it or log in again (`skopeo login`)");
     };
@@ -287,6 +288,7 @@ static auto with_retries(const RegistryOptions& o, const std::string& what,
     } catch (const Transient& t) {
       if (attempt >= o.retries) {
         throw Error(ErrorKind::kEnvironment,
+                    // NOLINTNEXTLINE(performance-inefficient-string-concatenation): thrown once
                     where + ": cannot " + what + " after " + std::to_string(attempt + 1) +
                         " attempts: " + t.what,
                     "check that the registry runs and is reachable");

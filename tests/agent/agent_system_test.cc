@@ -782,8 +782,8 @@ TEST(AgentBadInput, InvalidUtf8IsTheCallersFault) {
   SKIP_WITHOUT_CRIU();
   TempDir dir;
   Agent agent(dir);
-  for (const std::string body : {std::string("{\"artifact\":\"a\xff\xfe\",\"pid\":5}"),
-                                 std::string("{\"\xc3\x28\":1}"), std::string("\xff")}) {
+  for (const std::string& body : {std::string("{\"artifact\":\"a\xff\xfe\",\"pid\":5}"),
+                                  std::string("{\"\xc3\x28\":1}"), std::string("\xff")}) {
     auto a = agent.request("POST", "/v1/checkpoints", nullptr, body);
     EXPECT_EQ(a.status, 400) << a.body;
     EXPECT_EQ(a.doc["error"]["kind"], "usage") << a.body;

@@ -291,7 +291,7 @@ TEST_F(ArtifactModeTest, RootOnlyWhateverTheUmask) {
 TEST_F(ArtifactModeTest, AGroupMayBeGrantedRead) {
   using Modes = std::vector<std::pair<std::string, mode_t>>;
   EXPECT_EQ(
-      modes_of_new_artifact({.group = 65534}),
+      modes_of_new_artifact({.group = 65534, .run_dir = {}}),
       (Modes{{"", 0750}, {"criu", 0750}, {"criu/pages-1.img", 0640}, {"manifest.json", 0640}}));
   struct stat st {};
   ASSERT_EQ(::stat((dir.path() / "snap/criu/pages-1.img").c_str(), &st), 0);
@@ -320,7 +320,7 @@ TEST(ArtifactWriterOutput, StagingOfAKilledWriterIsFoundThroughItsRecord) {
   stdfs::create_directories(out);
   // A live writer's staging and record are left alone.
   std::optional<ArtifactWriter> live;
-  live.emplace(out / "other", WriterOptions{.run_dir = run_dir});
+  live.emplace(out / "other", WriterOptions{.group = std::nullopt, .run_dir = run_dir});
   // What a gpusnap killed right after its mkdir leaves: its record and its staging directory.
   const pid_t dead = dead_pid();
   const auto staged = out / (".snap.staging-" + std::to_string(dead) + "-abcdef12");

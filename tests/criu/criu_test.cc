@@ -45,6 +45,26 @@ TEST(CriuVersionTest, AtLeast) {
   EXPECT_TRUE(version_at_least("0.0", 0, 0));
 }
 
+TEST(CriuVersionTest, ParsesMajorAndMinorFromTheStart) {
+  struct Case {
+    const char* text;
+    int major;
+    int minor;
+  };
+  for (const Case& c : {Case{"4.2.1", 4, 2}, Case{" 4.3", 4, 3}, Case{"5", 5, 0}, Case{"4.", 4, 0},
+                        Case{"4.x", 4, 0}, Case{"10.17-rc1", 10, 17}}) {
+    const auto v = parse_version(c.text);
+    ASSERT_TRUE(v.has_value()) << c.text;
+    EXPECT_EQ(v->major, c.major) << c.text;
+    EXPECT_EQ(v->minor, c.minor) << c.text;
+  }
+  // Text that does not start with a number, and a number too large for an int (an artifact's
+  // manifest is outside input): no version.
+  for (const char* text : {"", "   ", "v4.2", "four", "-", "99999999999.1"}) {
+    EXPECT_FALSE(parse_version(text).has_value()) << text;
+  }
+}
+
 TEST(CriuArgsTest, DumpKeepsTheSourceRunningAndCapturesServerState) {
   const Binary criu{"/opt/gpusnap/criu/criu", "4.2"};
   DumpOptions o;
