@@ -18,8 +18,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <charconv>
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -30,8 +30,8 @@
 #include <memory>
 #include <mutex>
 #include <stdexcept>
-#include <system_error>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -49,8 +49,8 @@ uint64_t bench_xxh3_128_avx2(const void* data, size_t size);
 namespace {
 
 constexpr uint64_t kMiB = 1ull << 20;
-constexpr size_t kReadBlock = 4 * kMiB;   // pread size, as gpusnap's checksum_tree
-constexpr uint64_t kChunk = 64 * kMiB;    // gpusnap's manifest chunk_bytes
+constexpr size_t kReadBlock = 4 * kMiB;  // pread size, as gpusnap's checksum_tree
+constexpr uint64_t kChunk = 64 * kMiB;   // gpusnap's manifest chunk_bytes
 
 // A failure: main prints it and exits with `code` (1: the benchmark failed, 2: bad usage).
 struct Failure : std::runtime_error {
@@ -79,14 +79,13 @@ inline void keep(uint64_t value) { asm volatile("" : : "r"(value) : "memory"); }
 double gb(uint64_t bytes) { return static_cast<double>(bytes) / 1e9; }
 
 double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 // CPU time of this thread (CLOCK_THREAD_CPUTIME_ID) or of the whole process: unlike wall time,
 // it does not grow while other work on a busy machine holds the cores.
 double cpu_seconds(clockid_t clock) {
-  struct timespec ts{};
+  struct timespec ts {};
   ::clock_gettime(clock, &ts);
   return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) / 1e9;
 }
@@ -237,8 +236,10 @@ Row time_file(const std::string& name, int reps, const std::string& path, uint64
     times.push_back(t.wall);
     cpu.push_back(t.cpu);
   }
-  Row row{name, std::to_string(size / kMiB / 1024) + " GiB file, page cache, pread 4 MiB",
-          threads, median(times), median(cpu), size, {}};
+  Row row{name,        std::to_string(size / kMiB / 1024) + " GiB file, page cache, pread 4 MiB",
+          threads,     median(times),
+          median(cpu), size,
+          {}};
   if (size % (1024 * kMiB) != 0) {
     row.input = std::to_string(size / kMiB) + " MiB file, page cache, pread 4 MiB";
   }
@@ -380,61 +381,61 @@ int run(int argc, char** argv) {
   auto* data = static_cast<uint8_t*>(mem);
   std::fprintf(stderr, "filling a %llu MiB buffer...\n",
                static_cast<unsigned long long>(buffer_mib));
-  auto seed =
-      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  auto seed = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   fill_random(reinterpret_cast<uint64_t*>(data), size / 8, seed);  // writes every page: faulted
 
   std::vector<Candidate> candidates;
   candidates.push_back({"XXH3-64", "", [](const uint8_t* p, size_t n) {
-    return static_cast<uint64_t>(XXH3_64bits(p, n));
-  }});
+                          return static_cast<uint64_t>(XXH3_64bits(p, n));
+                        }});
   candidates.push_back({"XXH3-128", "gpusnap's choice", [](const uint8_t* p, size_t n) {
-    XXH128_hash_t h = XXH3_128bits(p, n);
-    return static_cast<uint64_t>(h.low64 ^ h.high64);
-  }});
+                          XXH128_hash_t h = XXH3_128bits(p, n);
+                          return static_cast<uint64_t>(h.low64 ^ h.high64);
+                        }});
   if (__builtin_cpu_supports("avx2")) {
     candidates.push_back({"XXH3-128 (AVX2 build)",
                           "reference: header-only xxHash built with -mavx2, not what gpusnap links",
                           [](const uint8_t* p, size_t n) { return bench_xxh3_128_avx2(p, n); }});
   }
   candidates.push_back({"XXH64", "", [](const uint8_t* p, size_t n) {
-    return static_cast<uint64_t>(XXH64(p, n, 0));
-  }});
+                          return static_cast<uint64_t>(XXH64(p, n, 0));
+                        }});
 #if GPUSNAP_BENCH_HAVE_OPENSSL
-  candidates.push_back({"SHA-256", std::string("OpenSSL EVP, ") + OpenSSL_version(OPENSSL_VERSION),
-                        [](const uint8_t* p, size_t n) {
-    unsigned char md[EVP_MAX_MD_SIZE];
-    unsigned int len = 0;
-    EVP_MD_CTX* ctx = EVP_MD_CTX_new();
-    if (ctx == nullptr || EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr) != 1 ||
-        EVP_DigestUpdate(ctx, p, n) != 1 || EVP_DigestFinal_ex(ctx, md, &len) != 1) {
-      die("OpenSSL SHA-256 failed");
-    }
-    EVP_MD_CTX_free(ctx);
-    uint64_t v;
-    std::memcpy(&v, md, sizeof v);
-    return v;
-  }});
+  candidates.push_back(
+      {"SHA-256", std::string("OpenSSL EVP, ") + OpenSSL_version(OPENSSL_VERSION),
+       [](const uint8_t* p, size_t n) {
+         unsigned char md[EVP_MAX_MD_SIZE];
+         unsigned int len = 0;
+         EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+         if (ctx == nullptr || EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr) != 1 ||
+             EVP_DigestUpdate(ctx, p, n) != 1 || EVP_DigestFinal_ex(ctx, md, &len) != 1) {
+           die("OpenSSL SHA-256 failed");
+         }
+         EVP_MD_CTX_free(ctx);
+         uint64_t v;
+         std::memcpy(&v, md, sizeof v);
+         return v;
+       }});
 #else
   std::fprintf(stderr, "SHA-256: skipped (built without OpenSSL libcrypto)\n");
 #endif
 #if GPUSNAP_BENCH_HAVE_ZLIB
-  candidates.push_back({"CRC32", std::string("zlib ") + zlibVersion(),
-                        [](const uint8_t* p, size_t n) {
-    uLong crc = crc32(0L, Z_NULL, 0);
-    // zlib's length is a uInt: feed at most 1 GiB per call.
-    for (size_t off = 0; off < n;) {
-      size_t len = std::min<size_t>(n - off, 1u << 30);
-      crc = crc32(crc, p + off, static_cast<uInt>(len));
-      off += len;
-    }
-    return static_cast<uint64_t>(crc);
-  }});
+  candidates.push_back(
+      {"CRC32", std::string("zlib ") + zlibVersion(), [](const uint8_t* p, size_t n) {
+         uLong crc = crc32(0L, Z_NULL, 0);
+         // zlib's length is a uInt: feed at most 1 GiB per call.
+         for (size_t off = 0; off < n;) {
+           size_t len = std::min<size_t>(n - off, 1u << 30);
+           crc = crc32(crc, p + off, static_cast<uInt>(len));
+           off += len;
+         }
+         return static_cast<uint64_t>(crc);
+       }});
 #else
   std::fprintf(stderr, "CRC32: skipped (built without zlib)\n");
 #endif
-  std::vector<Candidate> reference = {{"memory read (no hash)", "reference: the ceiling",
-                                       read_words}};
+  std::vector<Candidate> reference = {
+      {"memory read (no hash)", "reference: the ceiling", read_words}};
 
   std::vector<Row> rows;
   std::string whole = std::to_string(buffer_mib) + " MiB buffer in memory";
@@ -458,19 +459,20 @@ int run(int argc, char** argv) {
     make_file(file_path, file_mib * kMiB, data, size);
     std::fprintf(stderr, "page-cache file, median of %d:\n", reps);
     for (int threads : {1, 2}) {
-      rows.push_back(time_file("pread only (no hash)", reps, file_path, file_mib * kMiB, threads,
-                               false));
-      rows.push_back(time_file("pread + XXH3-128", reps, file_path, file_mib * kMiB, threads,
-                               true));
+      rows.push_back(
+          time_file("pread only (no hash)", reps, file_path, file_mib * kMiB, threads, false));
+      rows.push_back(
+          time_file("pread + XXH3-128", reps, file_path, file_mib * kMiB, threads, true));
     }
   }
   ::munmap(mem, size);
 
-  struct utsname u{};
+  struct utsname u {};
   ::uname(&u);
   std::printf("Machine: %s, %u online CPU(s), kernel %s. xxHash %u.%u.%u, the static library "
               "gpusnap links. File in %s (%s). Load average at start %s, at end %s. Each row: "
-              "median of %d runs; GB = 10^9 bytes. GB/s is wall-clock; per CPU-second divides by the CPU time "
+              "median of %d runs; GB = 10^9 bytes. GB/s is wall-clock; per CPU-second divides by "
+              "the CPU time "
               "the benchmark itself used (the two differ when other work shares the cores).\n\n",
               cpu_model().c_str(), std::thread::hardware_concurrency(), u.release,
               XXH_VERSION_MAJOR, XXH_VERSION_MINOR, XXH_VERSION_RELEASE, dir.c_str(),

@@ -122,7 +122,8 @@ int main(int argc, char** argv) {
   if (json) std::printf("[\n");
   for (size_t i = 0; i < results.size(); ++i) {
     const auto& r = results[i];
-    double ratio = static_cast<double>(r.bytes) / static_cast<double>(std::max<uint64_t>(1, r.compressed));
+    double ratio =
+        static_cast<double>(r.bytes) / static_cast<double>(std::max<uint64_t>(1, r.compressed));
     double cmbs = static_cast<double>(r.bytes) / 1e6 / r.compress_s;
     double dmbs = static_cast<double>(r.bytes) / 1e6 / r.decompress_s;
     if (json) {

@@ -37,7 +37,8 @@ int main(int argc, char** argv) {
     if (stamped) (void)driver->state(pid);
     const long long start = now_ns();
     if (verb == "lock") {
-      driver->lock(pid, std::chrono::milliseconds(argc > 3 ? std::strtol(argv[3], nullptr, 10) : 10000));
+      driver->lock(pid,
+                   std::chrono::milliseconds(argc > 3 ? std::strtol(argv[3], nullptr, 10) : 10000));
     } else if (verb == "checkpoint") {
       driver->checkpoint(pid);
     } else if (verb == "restore") {

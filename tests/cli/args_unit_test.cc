@@ -164,10 +164,9 @@ TEST(ArgsTest, HelpListsEveryFlag) {
 TEST(ArgsTest, HelpPutsTheTextOfALongFlagOnTheNextLine) {
   const std::string help =
       format_help("u", "s", {{"--a-very-long-option-name", "", "VALUE", "its help"}});
-  EXPECT_EQ(help,
-            "usage: u\n\ns\n\noptions:\n"
-            "  --a-very-long-option-name VALUE\n" +
-                std::string(30, ' ') + "its help\n");
+  EXPECT_EQ(help, "usage: u\n\ns\n\noptions:\n"
+                  "  --a-very-long-option-name VALUE\n" +
+                      std::string(30, ' ') + "its help\n");
 }
 
 }  // namespace

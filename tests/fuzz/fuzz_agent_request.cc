@@ -1,6 +1,6 @@
 // The agent's request parsing on arbitrary bodies: what POST /v1/checkpoints, /v1/restores and
-// /v1/prefetch receive from any local caller (or any TCP caller with the token). Must throw Error or
-// succeed; what it accepts must become the engine's options without another exception.
+// /v1/prefetch receive from any local caller (or any TCP caller with the token). Must throw Error
+// or succeed; what it accepts must become the engine's options without another exception.
 #include <cstddef>
 #include <cstdint>
 #include <string>

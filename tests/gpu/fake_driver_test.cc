@@ -168,9 +168,8 @@ TEST_F(FakeDriverTest, FaultForAnyPidAndCustomError) {
   driver.lock(kPid, 1000ms);
   driver.checkpoint(kPid);
   Error e = catch_error([&] { driver.restore(kPid, {}); });
-  EXPECT_TRUE(Contains(e.what(),
-                       "cuCheckpointProcessRestore(pid 1234) failed: "
-                       "CUDA_ERROR_NOT_SUPPORTED"));
+  EXPECT_TRUE(Contains(e.what(), "cuCheckpointProcessRestore(pid 1234) failed: "
+                                 "CUDA_ERROR_NOT_SUPPORTED"));
   EXPECT_EQ(driver.peek_state(kPid), ProcessState::kFailed);
 }
 
