@@ -88,7 +88,8 @@ def transformers_generate(args):
 
     if args.cache_gib > 0:
         # A peak's worth of temporaries, freed: PyTorch keeps the blocks cached.
-        scratch = torch.empty(int(args.cache_gib * (1 << 30)), dtype=torch.uint8, device="cuda")
+        scratch = torch.empty(int(args.cache_gib * (1 << 30)), dtype=torch.uint8,  # noqa: F841
+                              device="cuda")
         del scratch
     return answer, transformers.__version__, "torch"
 
