@@ -41,8 +41,9 @@ struct BlobInfo {
   Encoding encoding = Encoding::kRaw;
 };
 
-// NOLINTNEXTLINE(bugprone-exception-escape): the implicit move reaches nlohmann::json's
-// assert_invariant(), which is not declared noexcept but throws nothing.
+// The implicit move reaches nlohmann::json's assert_invariant(), which is not declared
+// noexcept but throws nothing.
+// NOLINTNEXTLINE(bugprone-exception-escape)
 struct Layout {
   nlohmann::json manifest;  // the artifact's manifest.json
   std::vector<FileLayout> files;
