@@ -27,6 +27,7 @@ pid_t owner_pid(std::string_view name) {
   const auto [end, ec] = std::from_chars(name.data(), name.data() + name.size(), pid);
   return ec == std::errc{} && end != name.data() ? pid : 0;
 }
+
 constexpr const char* kStagingTag = ".staging-";
 
 std::filesystem::path records_dir(const std::filesystem::path& run_dir) {
