@@ -62,6 +62,8 @@ TierSettings TierSettings::from_environment() {
                    << 20;
   const char* log = std::getenv("GPUSNAP_TIER_LOG");  // NOLINT(concurrency-mt-unsafe): at load
   s.log = log != nullptr && std::string(log) == "1";
+  const char* stack = std::getenv("GPUSNAP_TIER_STACK");  // NOLINT(concurrency-mt-unsafe): at load
+  s.free_stacks = stack == nullptr || std::string(stack) != "keep";
   return s;
 }
 

@@ -11,10 +11,10 @@
 //    cuDeviceGetUuid -> cuDeviceGetUuid_v2. We ask dlsym for those names. The VMM calls
 //    (cuMemAddressReserve, cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease,
 //    cuMemAddressFree, cuMemGetAllocationGranularity), cuMemHostAlloc, cuMemFreeHost,
-//    cuStreamCreate, cuStreamSynchronize, cuStreamIsCapturing, cuCtxSynchronize, cuCtxSetCurrent
-//    and cuDevicePrimaryCtxRetain are not mapped. With CUDA_API_PER_THREAD_DEFAULT_STREAM cuda.h
-//    would map the copies to _ptsz variants: those differ only for the default stream, and the
-//    tier always passes a stream of its own.
+//    cuStreamCreate, cuStreamSynchronize, cuStreamIsCapturing, cuCtxSynchronize, cuCtxSetCurrent,
+//    cuCtxGetLimit, cuCtxSetLimit and cuDevicePrimaryCtxRetain are not mapped. With
+//    CUDA_API_PER_THREAD_DEFAULT_STREAM cuda.h would map the copies to _ptsz variants: those
+//    differ only for the default stream, and the tier always passes a stream of its own.
 //  - Contexts. PyTorch (through the CUDA runtime) works in each device's primary context. The
 //    tier retains the same primary context (cuDevicePrimaryCtxRetain: a reference, not a new
 //    context) and makes it current only in its own worker threads; on a workload's thread it
@@ -74,6 +74,7 @@ constexpr unsigned int CU_MEMHOSTALLOC_PORTABLE = 0x01;
 constexpr unsigned int CU_MEMHOSTREGISTER_PORTABLE = 0x01;
 constexpr unsigned int CU_STREAM_NON_BLOCKING = 0x1;
 constexpr int CU_STREAM_CAPTURE_STATUS_NONE = 0;
+constexpr int CU_LIMIT_STACK_SIZE = 0x00;  // CUlimit
 
 // typedef struct CUmemLocation_st { CUmemLocationType type; int id; } CUmemLocation;
 struct CUmemLocation {
@@ -129,6 +130,8 @@ struct Api {
   CUresult (*cuCtxPushCurrent_v2)(CUcontext);
   CUresult (*cuCtxPopCurrent_v2)(CUcontext*);
   CUresult (*cuCtxSynchronize)();
+  CUresult (*cuCtxGetLimit)(size_t*, int);
+  CUresult (*cuCtxSetLimit)(int, size_t);
   CUresult (*cuMemGetAllocationGranularity)(size_t*, const CUmemAllocationProp*, int);
   CUresult (*cuMemAddressReserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long);
   CUresult (*cuMemAddressFree)(CUdeviceptr, size_t);
@@ -236,6 +239,8 @@ class CudaTierDriver final : public TierDriver {
     resolve("cuCtxPushCurrent_v2", &api_.cuCtxPushCurrent_v2);
     resolve("cuCtxPopCurrent_v2", &api_.cuCtxPopCurrent_v2);
     resolve("cuCtxSynchronize", &api_.cuCtxSynchronize);
+    resolve("cuCtxGetLimit", &api_.cuCtxGetLimit);
+    resolve("cuCtxSetLimit", &api_.cuCtxSetLimit);
     resolve("cuMemGetAllocationGranularity", &api_.cuMemGetAllocationGranularity);
     resolve("cuMemAddressReserve", &api_.cuMemAddressReserve);
     resolve("cuMemAddressFree", &api_.cuMemAddressFree);
@@ -323,6 +328,24 @@ class CudaTierDriver final : public TierDriver {
     CUcontext popped = nullptr;
     (void)api_.cuCtxPopCurrent_v2(&popped);
     check(r, "cuCtxSynchronize");
+  }
+
+  std::size_t stack_limit(int device) override {
+    check(api_.cuCtxPushCurrent_v2(primary(device)), "cuCtxPushCurrent");
+    std::size_t bytes = 0;
+    const CUresult r = api_.cuCtxGetLimit(&bytes, CU_LIMIT_STACK_SIZE);
+    CUcontext popped = nullptr;
+    (void)api_.cuCtxPopCurrent_v2(&popped);
+    check(r, "cuCtxGetLimit(CU_LIMIT_STACK_SIZE)");
+    return bytes;
+  }
+
+  void set_stack_limit(int device, std::size_t bytes) override {
+    check(api_.cuCtxPushCurrent_v2(primary(device)), "cuCtxPushCurrent");
+    const CUresult r = api_.cuCtxSetLimit(CU_LIMIT_STACK_SIZE, bytes);
+    CUcontext popped = nullptr;
+    (void)api_.cuCtxPopCurrent_v2(&popped);
+    check(r, "cuCtxSetLimit(CU_LIMIT_STACK_SIZE)");
   }
 
   void* host_alloc(std::size_t size) override {

@@ -34,6 +34,7 @@ Error misuse(const std::string& what) {
 
 FakeTierDriver::FakeTierDriver(int devices, std::size_t memory) : memory_(memory) {
   for (int d = 0; d < devices; ++d) uuids_.push_back("GPU-fake-" + std::to_string(d));
+  stacks_.assign(uuids_.size(), 1024);
 }
 
 void FakeTierDriver::set_uuid(int device, std::string uuid) {
@@ -278,6 +279,21 @@ void FakeTierDriver::synchronize(int device) {
   std::lock_guard lock(mu_);
   record("synchronize", "synchronize " + std::to_string(device));
   check_device(device, "synchronize");
+}
+
+std::size_t FakeTierDriver::stack_limit(int device) {
+  std::lock_guard lock(mu_);
+  record("stack_limit", "stack_limit " + std::to_string(device));
+  check_device(device, "stack_limit");
+  return stacks_.at(static_cast<std::size_t>(device));
+}
+
+void FakeTierDriver::set_stack_limit(int device, std::size_t bytes) {
+  std::lock_guard lock(mu_);
+  record("set_stack_limit",
+         "set_stack_limit " + std::to_string(device) + " " + std::to_string(bytes));
+  check_device(device, "set_stack_limit");
+  stacks_.at(static_cast<std::size_t>(device)) = bytes;
 }
 
 void* FakeTierDriver::host_alloc(std::size_t size) {

@@ -36,7 +36,8 @@ class FakeTierDriver final : public TierDriver {
   // "set_access 0x7f0000000000 0", "unmap 0x7f0000000000", "release 3",
   // "address_free 0x7f0000000000", "synchronize 0", "copy_to_host 0x7f0000000000 1024",
   // "copy_to_device ...", "host_alloc 33554432", "host_free", "stream_create",
-  // "stream_destroy", "stream_synchronize". A failed call is recorded with " failed".
+  // "stream_destroy", "stream_synchronize", "stack_limit 0", "set_stack_limit 0 1024". A failed
+  // call is recorded with " failed".
   std::vector<std::string> calls() const;
   // The calls whose name (first word) is `name`.
   std::vector<std::string> calls_named(const std::string& name) const;
@@ -66,6 +67,9 @@ class FakeTierDriver final : public TierDriver {
   void synchronize(int device) override;
   // enter_device() calls not yet left: 0 after every drain and fill.
   int entered() const;
+  // Each device's stack starts at 1 KiB, the driver's default.
+  std::size_t stack_limit(int device) override;
+  void set_stack_limit(int device, std::size_t bytes) override;
   void* host_alloc(std::size_t size) override;
   void host_free(void* p) noexcept override;
   Stream stream_create() override;
@@ -107,6 +111,7 @@ class FakeTierDriver final : public TierDriver {
   mutable std::mutex mu_;
   std::size_t memory_;
   std::vector<std::string> uuids_;
+  std::vector<std::size_t> stacks_;  // by device
   // Handles share their Physical after an import, as the driver's handles share memory.
   std::map<Handle, std::shared_ptr<Physical>> physical_;
   std::map<std::uint64_t, std::shared_ptr<Physical>> exported_;  // by the memfd's inode

@@ -38,6 +38,10 @@ struct TierSettings {
   int streams = 16;                                 // drain and fill workers, one stream each
   std::size_t buffer_bytes = std::size_t{4} << 20;  // each of a worker's two pinned buffers
   bool log = false;                                 // one line per drain and fill on stderr
+  // Whether a drain frees the local memory behind the GPU threads' stacks and the fill puts it
+  // back (Tier::drain): 264 MiB of the ~760 MiB the driver's checkpoint carries beside the tier
+  // on the H200. GPUSNAP_TIER_STACK=keep leaves the stacks alone.
+  bool free_stacks = true;
 
   // GPUSNAP_TIER_STREAMS, GPUSNAP_TIER_BUFFER_MIB, GPUSNAP_TIER_LOG; out-of-range values keep
   // the default. GPUSNAP_TIER_PIN=alloc (read by the CUDA driver seam): pinned buffers from
@@ -67,6 +71,8 @@ struct TransferReport {
   // of its pinned buffers; creating and mapping (fill) or releasing (drain) physical memory.
   double buffer_seconds = 0;
   double map_seconds = 0;
+  // Setting the devices' stack sizes: to 0 after a drain, back before a fill.
+  double stack_seconds = 0;
 };
 
 // What a prefill (tier/prefill.h) adds to a fill from files; the copy's own fill needs none.
@@ -111,13 +117,16 @@ class Tier {
 
   // Writes every live block into `dir` (which must exist), then releases the physical memory.
   // On failure the files it made are removed, nothing is released, the tier keeps serving and
-  // the Error says why. Throws Error(kInternal) unless serving.
+  // the Error says why. Throws Error(kInternal) unless serving. Once released, it also sets the
+  // stack size of each device the tier uses to 0 (settings.free_stacks), remembering the size
+  // to put back; where the driver refuses, that device keeps its stack and the drain stands.
   TransferReport drain(const std::filesystem::path& dir);
   // Maps physical memory at every segment's address again and fills it from `dir` (empty: the
   // folder of the last drain). `gpu_map` maps the GPU UUIDs recorded at allocation to those the
-  // same device ordinals must have now (absent: unchanged). On failure what it mapped is
-  // released again and the tier stays drained, so that a later fill may retry. Nothing to do
-  // (returns an empty report) while serving.
+  // same device ordinals must have now (absent: unchanged). First it puts back the stack sizes
+  // the drain set to 0: a graph replayed with a smaller stack than its kernels need fails. On
+  // failure what it mapped is released again and the tier stays drained, so that a later fill
+  // may retry. Nothing to do (returns an empty report) while serving.
   TransferReport fill(const std::filesystem::path& dir,
                       const std::map<std::string, std::string>& gpu_map);
 
@@ -184,6 +193,11 @@ class Tier {
                          std::size_t files) const;
   std::filesystem::path layout_path(const std::filesystem::path& dir) const;
   void check_gpu_map(const std::map<std::string, std::string>& gpu_map);
+  // Sets each device's stack to 0, remembering its size in stacks_ (best effort: see drain()).
+  void free_stacks();
+  // Puts back what free_stacks() remembered; throws Error(kGpu) when the driver refuses or
+  // answers less, keeping stacks_ for a retry.
+  void restore_stacks();
   // Maps the listed segments and fills the pieces that fall in them; on failure unmaps what it
   // mapped and rethrows.
   // Adds its times to `report`.
@@ -200,6 +214,7 @@ class Tier {
   std::set<FreeKey> free_;
   std::map<int, std::string> device_uuids_;  // recorded at the device's first segment
   std::map<int, std::size_t> granularity_;
+  std::map<int, std::size_t> stacks_;  // device -> the stack size the last drain set to 0
   // What the last drain wrote.
   std::filesystem::path drained_dir_;
   std::vector<std::string> files_;

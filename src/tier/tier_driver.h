@@ -51,6 +51,13 @@ class TierDriver {
   // Waits for all work on `device` (its primary context: cuCtxSynchronize), from any thread,
   // leaving the calling thread's current context as it was.
   virtual void synchronize(int device) = 0;
+  // The per-thread stack size of `device`'s primary context (CU_LIMIT_STACK_SIZE: cuCtxGetLimit),
+  // and setting it (cuCtxSetLimit, which waits for the device's work first), from any thread,
+  // leaving its current context as it was. The driver backs that stack with local memory for
+  // every thread the GPU can hold at once (264 MiB for 1 KiB on the H200) and grows it, never
+  // shrinks it, when a kernel needs more: the size read is the one in use.
+  virtual std::size_t stack_limit(int device) = 0;
+  virtual void set_stack_limit(int device, std::size_t bytes) = 0;
 
   // Page-locked host memory usable from every context (cuMemHostAlloc, PORTABLE).
   virtual void* host_alloc(std::size_t size) = 0;

@@ -219,11 +219,11 @@ double seconds_since(Clock::time_point t0) {
 void log_line(const char* what, const TransferReport& r) {
   std::fprintf(stderr,
                "gpusnap-tier: %s %zu bytes, %zu pieces, %zu files in %.3f s (%.1f GB/s; pinned "
-               "buffers %.3f s, %s %.3f s)\n",
+               "buffers %.3f s, %s %.3f s, stacks %.3f s)\n",
                what, r.bytes, r.pieces, r.files, r.seconds,
                r.seconds > 0 ? static_cast<double>(r.bytes) / r.seconds / 1e9 : 0.0,
                r.buffer_seconds, std::strcmp(what, "drained") == 0 ? "release" : "map",
-               r.map_seconds);
+               r.map_seconds, r.stack_seconds);
 }
 
 }  // namespace
@@ -321,6 +321,11 @@ TransferReport Tier::drain(const std::filesystem::path& dir) {
   }
   state_ = TierState::kReleased;
   report.map_seconds = seconds_since(release_started);
+  if (settings_.free_stacks) {
+    const auto stacks_started = Clock::now();
+    free_stacks();
+    report.stack_seconds = seconds_since(stacks_started);
+  }
   report.pieces = pieces.size();
   report.files = files.size();
   report.seconds = seconds_since(t0);
@@ -469,11 +474,14 @@ TransferReport Tier::fill(const std::filesystem::path& dir,
   const DeviceScope scope(driver_, device_uuids_);
   const auto from = dir.empty() ? drained_dir_ : dir;
   check_gpu_map(gpu_map);
+  TransferReport report;
+  const auto stacks_started = Clock::now();
+  restore_stacks();  // before anything is mapped: on failure the tier stays drained as it was
+  report.stack_seconds = seconds_since(stacks_started);
   std::vector<DevicePtr> todo;
   for (const auto& [va, s] : segments_) {
     if (!s.mapped) todo.push_back(va);
   }
-  TransferReport report;
   refill(todo, from, report);
   // The next capture records the GPUs the memory is on now.
   for (auto& [device, uuid] : device_uuids_) {
@@ -500,6 +508,49 @@ void Tier::check_gpu_map(const std::map<std::string, std::string>& gpu_map) {
       throw Error(ErrorKind::kIncompatible, what,
                   "restore with a --gpu-map that sends " + recorded +
                       " to the GPU the copy sees as device " + std::to_string(device));
+    }
+  }
+}
+
+// The driver keeps local memory for every thread the GPU can hold at once times the stack size
+// (1 KiB by default, more once a kernel needed more: 264 MiB on the H200 at 1 KiB), and its
+// checkpoint saves and restores it like any memory: a third of what it carries beside a drained
+// tier. While drained nothing runs, so the stack can be 0; a kernel launched then still gets
+// what it needs (the driver grows the stack at a launch), but a CUDA graph's replay does not,
+// which is why the fill puts the size back before anything else.
+void Tier::free_stacks() {
+  for (const auto& [device, uuid] : device_uuids_) {
+    try {
+      const std::size_t bytes = driver_.stack_limit(device);
+      driver_.set_stack_limit(device, 0);
+      stacks_[device] = bytes;
+    } catch (const Error& e) {
+      // Only a smaller checkpoint is lost: the memory stays and the capture carries it.
+      if (settings_.log) {
+        std::fprintf(stderr, "gpusnap-tier: device %d keeps its stack: %s\n", device, e.what());
+      }
+    }
+  }
+}
+
+void Tier::restore_stacks() {
+  for (auto it = stacks_.begin(); it != stacks_.end(); it = stacks_.erase(it)) {
+    const auto [device, bytes] = *it;
+    std::string why;
+    try {
+      driver_.set_stack_limit(device, bytes);
+      const std::size_t now = driver_.stack_limit(device);
+      if (now < bytes) why = "the driver set " + std::to_string(now) + " bytes";
+    } catch (const Error& e) {
+      why = e.what();
+    }
+    if (!why.empty()) {
+      throw Error(ErrorKind::kGpu,
+                  "memory tier: putting back the " + std::to_string(bytes) +
+                      "-byte stack of the GPU threads on device " + std::to_string(device) +
+                      " failed: " + why,
+                  "the workload stays paused and its memory in the files; see the driver's error "
+                  "and resume again");
     }
   }
 }

@@ -377,6 +377,92 @@ TEST_F(TierTest, AFailedReleaseMapsBackWhatWasReleasedAndKeepsServing) {
   EXPECT_TRUE(files_in(dir.path()).empty());
 }
 
+// ---- the GPU threads' stacks ----------------------------------------------------------------
+
+TEST_F(TierTest, TheDrainFreesEachDevicesStackLastAndTheFillPutsItsSizeBackFirst) {
+  void* a = alloc(4 * kMiB, 0);
+  void* b = alloc(4 * kMiB, 1);
+  pattern(a, 4 * kMiB, 1);
+  pattern(b, 4 * kMiB, 2);
+  driver.set_stack_limit(1, 4096);  // as the driver does when a kernel needs a larger stack
+  driver.clear_calls();
+  tier->drain(dir.path());
+  auto calls = driver.calls();
+  EXPECT_LT(index_of(calls, "release", true), index_of(calls, "set_stack_limit"))
+      << "the stacks go only once the memory is safely in the files and released";
+  EXPECT_EQ(driver.calls_named("set_stack_limit"),
+            (std::vector<std::string>{"set_stack_limit 0 0", "set_stack_limit 1 0"}));
+  EXPECT_EQ(driver.stack_limit(0), 0u);
+  EXPECT_EQ(driver.stack_limit(1), 0u);
+
+  driver.clear_calls();
+  tier->fill(dir.path(), {});
+  calls = driver.calls();
+  EXPECT_EQ(driver.calls_named("set_stack_limit"),
+            (std::vector<std::string>{"set_stack_limit 0 1024", "set_stack_limit 1 4096"}));
+  EXPECT_LT(index_of(calls, "set_stack_limit", true), index_of(calls, "map"))
+      << "the sizes come back before any memory, so that a failure leaves the tier drained";
+  EXPECT_EQ(driver.stack_limit(0), 1024u);
+  EXPECT_EQ(driver.stack_limit(1), 4096u);
+  expect_pattern(a, 4 * kMiB, 1);
+  expect_pattern(b, 4 * kMiB, 2);
+
+  // The next capture starts from the sizes as they are then.
+  driver.set_stack_limit(0, 2048);
+  TempDir again;
+  tier->drain(again.path());
+  driver.clear_calls();
+  tier->fill({}, {});
+  EXPECT_EQ(driver.calls_named("set_stack_limit"),
+            (std::vector<std::string>{"set_stack_limit 0 2048", "set_stack_limit 1 4096"}));
+}
+
+TEST_F(TierTest, AStackTheDriverWillNotFreeIsKeptAndTheDrainStands) {
+  void* p = alloc(4 * kMiB);
+  pattern(p, 4 * kMiB, 5);
+  driver.fail_next("set_stack_limit");
+  const TransferReport r = tier->drain(dir.path());
+  EXPECT_EQ(r.bytes, 4 * kMiB);
+  EXPECT_EQ(tier->state(), TierState::kReleased);
+  EXPECT_EQ(driver.mappings(), 0u);
+  EXPECT_EQ(driver.stack_limit(0), 1024u);
+  driver.clear_calls();
+  tier->fill(dir.path(), {});
+  EXPECT_TRUE(driver.calls_named("set_stack_limit").empty()) << "nothing was changed to put back";
+  expect_pattern(p, 4 * kMiB, 5);
+}
+
+TEST_F(TierTest, AStackTheDriverWillNotPutBackRefusesTheFillBeforeAnyMemoryAndARetryWorks) {
+  void* p = alloc(4 * kMiB);
+  pattern(p, 4 * kMiB, 6);
+  tier->drain(dir.path());
+  driver.fail_next("set_stack_limit");
+  const Error e = catch_error([&] { tier->fill(dir.path(), {}); });
+  EXPECT_EQ(e.kind(), ErrorKind::kGpu);
+  EXPECT_EQ(std::string(e.what()),
+            "memory tier: putting back the 1024-byte stack of the GPU threads on device 0 failed: "
+            "set_stack_limit failed: CUDA_ERROR_UNKNOWN (fake driver)");
+  EXPECT_EQ(tier->state(), TierState::kReleased);
+  EXPECT_EQ(driver.mappings(), 0u) << "a copy never serves without what its graphs need";
+  EXPECT_EQ(driver.handles(), 0u);
+  tier->fill(dir.path(), {});
+  EXPECT_EQ(driver.stack_limit(0), 1024u);
+  expect_pattern(p, 4 * kMiB, 6);
+}
+
+TEST_F(TierTest, WithStacksKeptTheDrainAndFillLeaveThemAlone) {
+  TierSettings s = settings();
+  s.free_stacks = false;
+  tier = std::make_unique<Tier>(driver, s, kPid);
+  void* p = alloc(4 * kMiB);
+  pattern(p, 4 * kMiB, 7);
+  tier->drain(dir.path());
+  tier->fill(dir.path(), {});
+  EXPECT_TRUE(driver.calls_named("stack_limit").empty());
+  EXPECT_TRUE(driver.calls_named("set_stack_limit").empty());
+  expect_pattern(p, 4 * kMiB, 7);
+}
+
 TEST_F(TierTest, AllocatingWhileDrainedIsRefused) {
   alloc(kMiB);
   tier->drain(dir.path());
