@@ -30,34 +30,26 @@ std::string text_of(const json& doc, const char* key) {
                                                                       : std::string();
 }
 
-// What `skopeo inspect --raw` shows and what a node checks first.
-json annotations(const Layout& layout) {
-  const json& m = layout.manifest;
+// What `skopeo inspect --raw` shows and what a node checks first, from the typed manifest
+// (Manifest::from_json has validated every field it reads).
+json annotations(const Layout& layout, const Manifest& m) {
   std::string models;
   std::string driver = "none";
-  uint64_t gpu_bytes = 0;
-  if (m.contains("gpu") && m["gpu"].is_object()) {
-    driver = text_of(m["gpu"], "driver_version");
+  if (m.gpu) {
+    driver = m.gpu->driver_version;
     std::set<std::string> names;
-    if (m["gpu"].contains("gpus") && m["gpu"]["gpus"].is_array()) {
-      for (const auto& g : m["gpu"]["gpus"]) names.insert(text_of(g, "name"));
-    }
+    for (const GpuRecord& g : m.gpu->gpus) names.insert(g.name);
     for (const auto& n : names) models += (models.empty() ? "" : ",") + n;
   }
-  if (m.contains("processes") && m["processes"].is_array()) {
-    for (const auto& p : m["processes"]) {
-      if (p.contains("gpu_bytes") && p["gpu_bytes"].is_number_unsigned()) {
-        gpu_bytes += p["gpu_bytes"].get<uint64_t>();
-      }
-    }
-  }
-  return {{"org.opencontainers.image.created", text_of(m, "created")},
-          {"org.gpusnap.artifact.id", text_of(m, "id")},
-          {"org.gpusnap.version", text_of(m, "gpusnap_version")},
+  uint64_t gpu_bytes = 0;
+  for (const ProcessRecord& p : m.processes) gpu_bytes += p.gpu_bytes;
+  return {{"org.opencontainers.image.created", m.created},
+          {"org.gpusnap.artifact.id", m.id},
+          {"org.gpusnap.version", m.gpusnap_version},
           {"org.gpusnap.gpu.model", models.empty() ? "none" : models},
           {"org.gpusnap.gpu.driver", driver},
           {"org.gpusnap.gpu.bytes", std::to_string(gpu_bytes)},
-          {"org.gpusnap.host.arch", m.contains("host") ? text_of(m["host"], "arch") : ""},
+          {"org.gpusnap.host.arch", m.host.arch},
           {"org.gpusnap.bytes.apparent", std::to_string(layout.apparent_bytes())},
           {"org.gpusnap.bytes.data", std::to_string(layout.data_bytes())},
           {"org.gpusnap.bytes.stored", std::to_string(layout.stored_bytes())}};
@@ -73,14 +65,12 @@ std::string oci_architecture(const std::string& machine) {
 // The image config of a snapshot's manifest (version 2): an ordinary OCI image config, so that
 // plain `skopeo inspect` (which refuses any other config media type as "an artifact") shows
 // the snapshot, its annotations as Labels. Nothing reads it back: the layout is layer 0.
-std::string image_config(const Layout& layout, const json& labels) {
-  const json& m = layout.manifest;
-  json config = {{"architecture", oci_architecture(m.contains("host") ? text_of(m["host"], "arch")
-                                                                      : std::string())},
+std::string image_config(const Manifest& m, const json& labels) {
+  json config = {{"architecture", oci_architecture(m.host.arch)},
                  {"os", "linux"},
                  {"config", {{"Labels", labels}}},
                  {"rootfs", {{"type", "layers"}, {"diff_ids", json::array()}}}};
-  if (!text_of(m, "created").empty()) config["created"] = text_of(m, "created");
+  if (!m.created.empty()) config["created"] = m.created;
   return config.dump();
 }
 
@@ -218,9 +208,10 @@ PushResult push(const std::filesystem::path& path, const OciRef& ref, const Tran
   });
   phases.run("manifest", [&] {
     // Version 2 (layout_descriptor): the layout as layer 0, an image config for OCI tools.
-    const json labels = annotations(layout);
+    const Manifest m = Manifest::from_json(layout.manifest);
+    const json labels = annotations(layout, m);
     json layers = json::array();
-    for (const std::string& blob : {layout.to_json().dump(), image_config(layout, labels)}) {
+    for (const std::string& blob : {layout.to_json().dump(), image_config(m, labels)}) {
       const std::string d = sha256_digest(blob);
       if (!registry.blob_exists(d)) registry.upload_blob(d, blob);
       layers.push_back({{"mediaType", kConfigMediaType}, {"digest", d}, {"size", blob.size()}});
