@@ -154,7 +154,8 @@ class PausedWorkload {
                       timeout_);
     handshake_.clear_exchange();
   }
-  void release() {
+  // The source is about to be stopped: it is not asked to resume.
+  void commit() {
     done_ = true;
     handshake_.clear_exchange();
   }
@@ -348,8 +349,8 @@ class Checkpoint {
     manifest.checkpoint_phases = phases_.timings();
     writer.commit(manifest, phases_);
     if (!options_.leave_running) {
-      if (gpu) gpu->release();
-      if (paused) paused->release();
+      if (gpu) gpu->commit();
+      if (paused) paused->commit();
       phases_.run("stop", [&] { stop_tree(tree); });
     }
     guard->commit();

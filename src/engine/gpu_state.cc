@@ -288,7 +288,7 @@ void GpuCapture::resume_all() {
   }
 }
 
-void GpuCapture::release() { done_ = true; }
+void GpuCapture::commit() { done_ = true; }
 
 namespace {
 

@@ -54,7 +54,7 @@ std::vector<std::string> recover_entries_of(gpu::Driver& driver,
                                             const std::filesystem::path& run_dir,
                                             pid_t owner) noexcept;
 
-// The GPU side of one checkpoint. Destroying it before release() or resume_all() returns
+// The GPU side of one checkpoint. Destroying it before commit() or resume_all() returns
 // every process to RUNNING.
 class GpuCapture {
  public:
@@ -68,7 +68,7 @@ class GpuCapture {
   void lock_all();        // phase gpu-lock
   void checkpoint_all();  // phase gpu-checkpoint, one thread per process
   void resume_all();      // restore in place + unlock: the source keeps running
-  void release();         // the source is about to be stopped: nothing to undo
+  void commit();          // the source is about to be stopped: nothing to undo
   // The processes this capture killed because the driver marked them FAILED.
   const std::vector<pid_t>& killed() const { return killed_; }
 
