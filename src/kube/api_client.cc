@@ -5,6 +5,7 @@
 #include <httplib.h>
 
 #include "common/fs.h"
+#include "common/json.h"
 #include "gpusnap/error.h"
 
 namespace gpusnap::kube {
@@ -23,12 +24,11 @@ Error unreachable(const std::string& server, const std::string& method, const st
 
 json parse_body(const std::string& body) {
   if (body.empty()) return json::object();
-  try {
-    return json::parse(body);
-  } catch (const json::exception&) {
-    // A proxy or a server that is not the API server: keep the text for the message.
-    return json{{"kind", "Status"}, {"message", body.substr(0, 200)}};
-  }
+  // Bounded in depth like every document from outside (common/json.h): the objects read here
+  // are written out again into events and status.
+  if (auto doc = json_text::parse(body)) return std::move(*doc);
+  // A proxy or a server that is not the API server: keep the text for the message.
+  return json{{"kind", "Status"}, {"message", body.substr(0, 200)}};
 }
 
 }  // namespace
@@ -180,12 +180,12 @@ Response ApiClient::watch(const std::string& path, const std::function<bool(cons
         for (size_t nl; (nl = buffer.find('\n', start)) != std::string::npos; start = nl + 1) {
           std::string_view line(buffer.data() + start, nl - start);
           if (line.find_first_not_of(" \r\t") == std::string_view::npos) continue;
-          json event = json::parse(line, nullptr, /*allow_exceptions=*/false);
-          if (event.is_discarded()) {
+          std::optional<json> parsed = json_text::parse(line);
+          if (!parsed) {
             bad_line = true;
             return false;
           }
-          if (!on_event(event)) {
+          if (!on_event(*parsed)) {
             stopped_by_caller = true;
             return false;
           }

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <set>
 
+#include "common/json.h"
 #include "common/utc.h"
 #include "kube/objects.h"
 
@@ -800,7 +801,9 @@ void Controller::start_restore(const json& pod, const std::string& snap_name,
   call.into_container = {c.id, options_.runtime_root};
   std::string settings = annotation(pod, kSettingsAnnotation);
   if (!settings.empty()) {
-    json s = json::parse(settings, nullptr, false);
+    // A pod's annotation is anyone's text: parsed bounded in depth (common/json.h), since a
+    // value that is not a string is written out again below.
+    const json s = json_text::parse(settings).value_or(json());
     if (!s.is_object()) {
       set_restored(
           pod, "False", "InvalidSettings",

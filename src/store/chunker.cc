@@ -12,9 +12,11 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 
 #include "common/fd.h"
 #include "common/fs.h"
+#include "common/json.h"
 #include "gpusnap/error.h"
 #include "store/digest.h"
 #include "store/parallel.h"
@@ -160,13 +162,16 @@ Layout chunk_artifact(const Artifact& artifact, const ChunkingOptions& o, const 
   for (const auto& h : m.host_images) host_image_offset[h.file] = h.file_offset;
 
   Layout layout;
-  // The manifest as written, fields this version does not know included.
-  try {
-    layout.manifest = nlohmann::json::parse(fs::read_file(artifact.root() / kManifestName));
-  } catch (const nlohmann::json::exception&) {
+  // The manifest as written, fields this version does not know included; read bounded in depth
+  // like every artifact's (it is written out again into the layout).
+  std::string why;
+  std::optional<nlohmann::json> doc =
+      json_text::parse(fs::read_file(artifact.root() / kManifestName), &why);
+  if (!doc) {
     throw Error(ErrorKind::kBadArtifact,
-                (artifact.root() / kManifestName).string() + " is not JSON");
+                (artifact.root() / kManifestName).string() + " is not JSON: " + why);
   }
+  layout.manifest = std::move(*doc);
   std::vector<common::UniqueFd> fds;
   std::vector<Task> tasks;
   for (size_t i = 0; i < m.files.size(); ++i) {

@@ -5,6 +5,7 @@
 #include <map>
 #include <set>
 
+#include "common/json.h"
 #include "gpusnap/error.h"
 #include "store/digest.h"
 
@@ -90,7 +91,8 @@ Layout Layout::from_json(const json& doc) {
     throw bad("format is not '" + std::string(kLayoutFormat) + "'");
   }
   if (field<int>(doc, "version", "layout") != kLayoutVersion) {
-    throw bad("version " + doc.at("version").dump() + " is not " + std::to_string(kLayoutVersion));
+    throw bad("version " + json_text::brief(doc.at("version")) + " is not " +
+              std::to_string(kLayoutVersion));
   }
   Layout l;
   l.manifest = field<json>(doc, "manifest", "layout");

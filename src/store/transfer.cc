@@ -12,6 +12,7 @@
 #include "artifact/writer.h"
 #include "common/fd.h"
 #include "common/fs.h"
+#include "common/json.h"
 #include "gpusnap/error.h"
 #include "store/blob_store.h"
 #include "store/digest.h"
@@ -22,13 +23,6 @@ namespace gpusnap::store {
 namespace {
 
 using nlohmann::json;
-
-constexpr uint64_t kMaxConfigBytes = 256ull << 20;
-
-std::string text_of(const json& doc, const char* key) {
-  return doc.is_object() && doc.contains(key) && doc[key].is_string() ? doc[key].get<std::string>()
-                                                                      : std::string();
-}
 
 // What `skopeo inspect --raw` shows and what a node checks first, from the typed manifest
 // (Manifest::from_json has validated every field it reads).
@@ -74,60 +68,12 @@ std::string image_config(const Manifest& m, const json& labels) {
   return config.dump();
 }
 
-// The descriptor of a snapshot's layout in its OCI manifest, or why there is none.
-//   version 1: the config (application/vnd.gpusnap.snapshot.config.v1+json);
-//   version 2: an OCI image config, artifactType gpusnap's, and the layout as layer 0 with the
-//              media type version 1 gave the config.
-const json* layout_descriptor(const json& m, std::string& why) {
-  const json& config = m["config"];
-  const std::string type = text_of(config, "mediaType");
-  if (type == kConfigMediaType) return &config;
-  if (type != kOciImageConfigMediaType) {
-    why = "its config is '" + type.substr(0, 100) + "'";
-    return nullptr;
-  }
-  if (text_of(m, "artifactType") != kArtifactType || !m.contains("layers") ||
-      !m["layers"].is_array() || m["layers"].empty() ||
-      text_of(m["layers"][0], "mediaType") != kConfigMediaType) {
-    why = "an image whose first layer is not a gpusnap layout";
-    return nullptr;
-  }
-  return &m["layers"][0];
-}
-
 RemoteSnapshot read_remote_with(Registry& registry) {
   auto [body, digest] = registry.fetch_manifest();
   const std::string name = registry.ref().str();
-  auto not_ours = [&](const std::string& why) {
-    return Error(ErrorKind::kBadArtifact, name + " is not a gpusnap snapshot: " + why,
-                 "give a reference that `gpusnap push` wrote");
-  };
-  json m;
-  try {
-    m = json::parse(body);
-  } catch (const json::exception&) {
-    throw not_ours("its manifest is not JSON");
-  }
-  if (!m.is_object() || !m.contains("config") || !m["config"].is_object()) {
-    throw not_ours("its manifest has no config");
-  }
-  std::string why;
-  const json* found = layout_descriptor(m, why);
-  if (found == nullptr) throw not_ours(why);
-  const json& config = *found;
-  const std::string cdigest = text_of(config, "digest");
-  if (!valid_digest(cdigest) || !config.contains("size") || !config["size"].is_number_unsigned() ||
-      config["size"].get<uint64_t>() > kMaxConfigBytes) {
-    throw not_ours("its layout descriptor is malformed");
-  }
-  const std::string cbody = registry.fetch_blob(cdigest, config["size"].get<uint64_t>());
-  Layout layout;
-  try {
-    layout = Layout::from_json(json::parse(cbody));
-  } catch (const json::exception&) {
-    throw not_ours("its config is not JSON");
-  }
-  return {registry.ref(), digest, std::move(m), std::move(layout)};
+  SnapshotManifest m = read_snapshot_manifest(body, name);
+  Layout layout = read_snapshot_layout(registry.fetch_blob(m.layout_digest, m.layout_size), name);
+  return {registry.ref(), digest, std::move(m.doc), std::move(layout)};
 }
 
 // The staging directories that pulls of the same node copy left (killed, or failed with

@@ -38,15 +38,9 @@
 #include "store/layout.h"
 #include "store/materialise.h"
 #include "store/registry.h"
+#include "store/snapshot_manifest.h"
 
 namespace gpusnap::store {
-
-inline constexpr const char* kConfigMediaType = "application/vnd.gpusnap.snapshot.config.v1+json";
-inline constexpr const char* kChunkMediaType = "application/vnd.gpusnap.chunk.v1";
-inline constexpr const char* kChunkZstdMediaType = "application/vnd.gpusnap.chunk.v1+zstd";
-inline constexpr const char* kArtifactType = "application/vnd.gpusnap.snapshot.v1";
-inline constexpr const char* kOciManifestMediaType = "application/vnd.oci.image.manifest.v1+json";
-inline constexpr const char* kOciImageConfigMediaType = "application/vnd.oci.image.config.v1+json";
 
 // What a snapshot holds, in bytes and chunks (from its layout).
 struct SnapshotSizes {

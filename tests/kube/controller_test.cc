@@ -293,6 +293,27 @@ TEST_F(ControllerTest, RestorePodGetsItsConditionOnce) {
   EXPECT_TRUE(restored("elsewhere").empty());
 }
 
+// A pod's settings annotation is anyone's text: one nested deeper than gpusnap reads is refused
+// on that pod, and the controller goes on with the next.
+TEST_F(ControllerTest, SettingsNestedTooDeepAreRefusedOnThatPodAlone) {
+  captured_snapshot("llm", kNode);
+  agent_.add_artifact("default.llm");
+  start();
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  running_pod(
+      "deep", kNode, "ph1",
+      {{"gpusnap.io/snapshot", "llm"}, {"gpusnap.io/settings", R"({"role":)" + deep + "}"}});
+  ASSERT_TRUE(eventually([&] { return restored("deep").value("status", "") == "False"; }))
+      << restored("deep");
+  EXPECT_EQ(restored("deep")["reason"], "InvalidSettings");
+  EXPECT_EQ(restored("deep")["message"],
+            "annotation gpusnap.io/settings must be a JSON object of strings");
+  running_pod("next", kNode, "ph2", {{"gpusnap.io/snapshot", "llm"}});
+  ASSERT_TRUE(eventually([&] { return restored("next").value("status", "") == "True"; }))
+      << restored("next");
+  EXPECT_EQ(agent_.posts("/v1/restores").size(), 1U) << "only the second pod was restored";
+}
+
 // A restore pod that comes before its snapshot waits, and is restored once the snapshot is.
 TEST_F(ControllerTest, RestorePodWaitsForItsSnapshot) {
   start();

@@ -20,6 +20,7 @@
 #include "criu/criu.h"
 #include "gpu/driver.h"
 #include "gpusnap/artifact.h"
+#include "store/digest.h"
 #include "store/registry.h"
 #include "store/registry_fixture.h"
 #include "testing/harness.h"
@@ -297,6 +298,46 @@ TEST(StoreRegistry, TlsWithBasicAuth) {
                "--auth-file", (dir / "auth.json").string(), "--cache", (dir / "cache").string()});
   ASSERT_EQ(pull.exit_code, 0) << pull.err;
   EXPECT_EQ(contents(out), contents(snap.path));
+}
+
+// A registry is outside gpusnap's trust: its layout blob may nest JSON as deep as its size
+// allows. nlohmann-json parses that, but writing it out again recurses once per level; a node
+// agent that pulls must refuse it, not crash on it.
+TEST(StoreRegistry, ALayoutNestedDeepByAHostileRegistryIsRefusedWithoutACrash) {
+  SKIP_WITHOUT_REGISTRY();
+  TempDir dir;
+  LocalRegistry registry(dir, {});
+  push(registry, capture(dir, "snap", "16"), "r/s:v1");
+  json manifest = raw_manifest(registry, "r/s:v1");
+  store::RegistryOptions plain;
+  plain.plain_http = true;
+  store::Registry remote(store::OciRef::parse(registry.ref("r/s:deep")), plain);
+  const std::string layout_digest = manifest.at("layers").at(0).at("digest");
+  std::string layout = remote.fetch_blob(layout_digest, manifest.at("layers").at(0).at("size"));
+  // One more member of the snapshot's manifest, 200,000 levels deep (400 KB).
+  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  const auto at = layout.find("\"manifest\":{");
+  ASSERT_NE(at, std::string::npos) << layout.substr(0, 200);
+  layout.insert(at + 12, "\"note\":" + deep + ",");
+  const std::string digest = store::sha256_digest(layout);
+  remote.upload_blob(digest, layout);
+  manifest["layers"][0]["digest"] = digest;
+  manifest["layers"][0]["size"] = layout.size();
+  remote.put_manifest(manifest.dump(), "application/vnd.oci.image.manifest.v1+json");
+
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"pull", registry.ref("r/s:deep"), "-o", (dir / "pulled").string(),
+                                 "--plain-http", "--cache", (dir / "cache").string()},
+        std::vector<std::string>{"inspect", registry.ref("r/s:deep"), "--plain-http", "--json"}}) {
+    auto r = gpusnap(args);
+    EXPECT_EQ(r.exit_code, 4) << args[0] << ": " << r.err;
+    EXPECT_NE(r.err.find("gpusnap: error: " + registry.ref("r/s:deep") +
+                         " is not a gpusnap snapshot: its layout is not JSON: nested deeper "
+                         "than 64 levels"),
+              std::string::npos)
+        << args[0] << ": " << r.err;
+  }
+  EXPECT_FALSE(sfs::exists(dir / "pulled"));
 }
 
 TEST(StoreRegistry, CorruptBlobInTheRegistryIsRefusedAndNothingRestored) {

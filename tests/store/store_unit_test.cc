@@ -22,6 +22,7 @@
 #include "store/layout.h"
 #include "store/materialise.h"
 #include "store/registry.h"
+#include "store/snapshot_manifest.h"
 #include "testing/unit.h"
 
 namespace gpusnap::testing {
@@ -237,6 +238,80 @@ TEST(Store, LayoutRefusesPathsOutsideTheArtifactAndOverlaps) {
   auto bad_digest = doc;
   bad_digest["files"][0]["extents"][0][2] = "sha256:xyz";
   EXPECT_NE(message(bad_digest).find("not a sha256 digest"), std::string::npos);
+}
+
+// What a registry serves is read from bytes, bounded, and refused with the reason: each refusal
+// below is an exact message, and nothing nested deeper than 64 levels reaches a caller.
+TEST(SnapshotManifest, ReadsBothVersionsAndRefusesWhatIsNotASnapshotsManifest) {
+  const std::string digest = "sha256:" + std::string(64, 'a');
+  const json layout_layer = {
+      {"mediaType", store::kConfigMediaType}, {"digest", digest}, {"size", 1234}};
+  const json v2 = {{"schemaVersion", 2},
+                   {"mediaType", store::kOciManifestMediaType},
+                   {"artifactType", store::kArtifactType},
+                   {"config",
+                    {{"mediaType", store::kOciImageConfigMediaType},
+                     {"digest", "sha256:" + std::string(64, 'b')},
+                     {"size", 10}}},
+                   {"layers", json::array({layout_layer})}};
+  const json v1 = {{"schemaVersion", 2}, {"config", layout_layer}, {"layers", json::array()}};
+  for (const json& m : {v2, v1}) {
+    const auto read = store::read_snapshot_manifest(m.dump(), "r/s:v1");
+    EXPECT_EQ(read.layout_digest, digest);
+    EXPECT_EQ(read.layout_size, 1234u);
+    EXPECT_EQ(read.doc, m);
+  }
+  auto message = [](const std::string& body) -> std::string {
+    try {
+      store::read_snapshot_manifest(body, "r/s:v1");
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+      return e.what();
+    }
+    return "accepted";
+  };
+  const std::string prefix = "r/s:v1 is not a gpusnap snapshot: ";
+  EXPECT_EQ(message(std::string(100000, '[') + std::string(100000, ']')),
+            prefix + "its manifest is not JSON: nested deeper than 64 levels");
+  EXPECT_EQ(message("[1, 2]"), prefix + "its manifest has no config");
+  json image = v2;
+  image["config"]["mediaType"] = "application/vnd.docker.container.image.v1+json";
+  EXPECT_EQ(message(image.dump()),
+            prefix + "its config is 'application/vnd.docker.container.image.v1+json'");
+  json other = v2;
+  other["layers"] = json::array();
+  EXPECT_EQ(message(other.dump()), prefix + "an image whose first layer is not a gpusnap layout");
+  for (const json& bad_layer :
+       {json{{"mediaType", store::kConfigMediaType}, {"digest", "sha256:xyz"}, {"size", 1}},
+        json{{"mediaType", store::kConfigMediaType}, {"digest", digest}, {"size", -1}},
+        json{{"mediaType", store::kConfigMediaType},
+             {"digest", digest},
+             {"size", store::kMaxLayoutBytes + 1}}}) {
+    json m = v2;
+    m["layers"][0] = bad_layer;
+    EXPECT_EQ(message(m.dump()), prefix + "its layout descriptor is malformed") << bad_layer;
+  }
+}
+
+TEST(SnapshotManifest, ALayoutNestedTooDeepOrNotALayoutIsRefused) {
+  auto message = [](const std::string& body) -> std::string {
+    try {
+      store::read_snapshot_layout(body, "r/s:v1");
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+      return e.what();
+    }
+    return "accepted";
+  };
+  EXPECT_EQ(message(R"({"format":"gpusnap-layout","manifest":{"note":)" + std::string(70, '[') +
+                    std::string(70, ']') + "}}"),
+            "r/s:v1 is not a gpusnap snapshot: its layout is not JSON: nested deeper than 64 "
+            "levels");
+  EXPECT_EQ(message("{]"), "r/s:v1 is not a gpusnap snapshot: its layout is not JSON: "
+                           "[json.exception.parse_error.101] parse error at line 1, column 2: "
+                           "syntax error while parsing object key - unexpected ']'; expected "
+                           "string literal");
+  EXPECT_EQ(message("{}").rfind("bad snapshot layout: ", 0), 0u) << message("{}");
 }
 
 // The cache writes chunks with O_DIRECT where the filesystem takes it (whole blocks through an
