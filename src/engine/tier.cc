@@ -25,6 +25,7 @@
 
 #include "common/fd.h"
 #include "common/fs.h"
+#include "common/json.h"
 #include "common/subprocess.h"
 #include "gpusnap/error.h"
 
@@ -115,9 +116,11 @@ TierContents check_tier_dir(const stdfs::path& dir) {
   }
   if (ec) throw sys_error("cannot list " + dir.string(), ec.value());
   for (const auto& path : indexes) {
-    std::ifstream in(path);
+    std::string why;
+    const std::optional<json> parsed = json_text::parse(fs::read_file(path), &why);
+    if (!parsed) throw bad_entry(dir, path.filename().string(), "a malformed index (" + why + ")");
     try {
-      const json index = json::parse(in);
+      const json& index = *parsed;
       if (index.at("format") != "gpusnap-tier" || index.at("version") != 1) {
         throw bad_entry(dir, path.filename().string(), "an index of another format");
       }
@@ -262,13 +265,19 @@ bool searchable_by_all(const stdfs::path& dir) {
   return true;
 }
 
-// The one GPU a process's tier is on (its index's "gpus"), or "" when it spans several.
+// The one GPU a process's tier is on (its index's "gpus"), or "" when it spans several or the
+// index is not one gpusnap wrote: then no prefill starts and the copy fills by itself. Read from
+// an artifact before its checksums are checked, so bounded in size and depth.
 std::string tier_gpu(const stdfs::path& index) {
-  std::ifstream in(index);
+  std::error_code ec;
+  const uintmax_t size = stdfs::file_size(index, ec);
+  std::string text;
+  if (ec || size > kMaxTierIndexBytes || !fs::try_read_file(index, &text)) return {};
+  const std::optional<json> doc = json_text::parse(text);
   try {
-    const json doc = json::parse(in);
-    const auto& gpus = doc.at("gpus");
-    if (gpus.size() != 1) return {};
+    if (!doc) return {};
+    const auto& gpus = doc->at("gpus");
+    if (!gpus.is_array() || gpus.size() != 1) return {};
     return gpus.at(0).at("uuid").get<std::string>();
   } catch (const json::exception&) {
     return {};

@@ -193,6 +193,36 @@ TEST(TierPrefills, OnePerCopyAndProcessToldWhereAndOnWhichGpu) {
   ::unsetenv("GPUSNAP_TIER_PREFILL");
 }
 
+// The prefills start before the artifact's checksums are checked, so an index is read bounded:
+// one nested too deep or larger than an index can be starts no prefill (that copy fills by
+// itself, from files its own checks cover), and the others go on.
+TEST(TierPrefills, AnIndexNoCaptureWroteStartsNoPrefill) {
+  TempDir artifact;
+  TempDir run;
+  drained_on_one_gpu(artifact, "7");
+  drained_on_one_gpu(artifact, "8");
+  drained_on_one_gpu(artifact, "9");
+  write(artifact / "tier" / "8.json",
+        R"({"gpus":)" + std::string(100000, '[') + std::string(100000, ']') + "}");
+  write(artifact / "tier" / "9.json", R"({"gpus":[{"uuid":"GPU-a","bytes":8}],"pad":")" +
+                                          std::string(kMaxTierIndexBytes, 'x') + "\"}");
+  const auto script = run / "prefill.sh";
+  write(script, "#!/bin/sh\necho \"$2\" >> " + (run / "calls").string() +
+                    "\necho \"prefill of $2 done\" >&2\n");
+  ASSERT_EQ(::chmod(script.c_str(), 0755), 0);
+  ::setenv("GPUSNAP_TIER_PREFILL", script.c_str(), 1);
+  {
+    TierPrefills prefills(artifact.path(), {}, 1, run / "state");
+    const auto lines = prefills.finish();
+    ASSERT_EQ(lines.size(), 1u);
+    EXPECT_EQ(lines[0], "tier prefill (copy 0, process 7): prefill of 7 done");
+  }
+  std::string calls;
+  ASSERT_TRUE(fs::try_read_file(run / "calls", &calls));
+  EXPECT_EQ(calls, "7\n");
+  ::unsetenv("GPUSNAP_TIER_PREFILL");
+}
+
 // finish() takes a prefill's word, not its exit: one that reported and closed its DONE-FD is
 // left to end by itself (its exit tears down a CUDA context: nobody waits for that), and is
 // reaped; one that says nothing within the grace is killed.
