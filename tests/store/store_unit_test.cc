@@ -240,6 +240,18 @@ TEST(Store, LayoutRefusesPathsOutsideTheArtifactAndOverlaps) {
   EXPECT_NE(message(bad_digest).find("not a sha256 digest"), std::string::npos);
 }
 
+// What `read` throws: an Error of kind kBadArtifact, its message; "accepted" when it returns.
+template <typename Read>
+std::string refusal(Read read) {
+  try {
+    read();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+    return e.what();
+  }
+  return "accepted";
+}
+
 // What a registry serves is read from bytes, bounded, and refused with the reason: each refusal
 // below is an exact message, and nothing nested deeper than 64 levels reaches a caller.
 TEST(SnapshotManifest, ReadsBothVersionsAndRefusesWhatIsNotASnapshotsManifest) {
@@ -261,14 +273,8 @@ TEST(SnapshotManifest, ReadsBothVersionsAndRefusesWhatIsNotASnapshotsManifest) {
     EXPECT_EQ(read.layout_size, 1234u);
     EXPECT_EQ(read.doc, m);
   }
-  auto message = [](const std::string& body) -> std::string {
-    try {
-      store::read_snapshot_manifest(body, "r/s:v1");
-    } catch (const Error& e) {
-      EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
-      return e.what();
-    }
-    return "accepted";
+  auto message = [](const std::string& body) {
+    return refusal([&] { store::read_snapshot_manifest(body, "r/s:v1"); });
   };
   const std::string prefix = "r/s:v1 is not a gpusnap snapshot: ";
   EXPECT_EQ(message(std::string(100000, '[') + std::string(100000, ']')),
@@ -294,14 +300,8 @@ TEST(SnapshotManifest, ReadsBothVersionsAndRefusesWhatIsNotASnapshotsManifest) {
 }
 
 TEST(SnapshotManifest, ALayoutNestedTooDeepOrNotALayoutIsRefused) {
-  auto message = [](const std::string& body) -> std::string {
-    try {
-      store::read_snapshot_layout(body, "r/s:v1");
-    } catch (const Error& e) {
-      EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
-      return e.what();
-    }
-    return "accepted";
+  auto message = [](const std::string& body) {
+    return refusal([&] { store::read_snapshot_layout(body, "r/s:v1"); });
   };
   EXPECT_EQ(message(R"({"format":"gpusnap-layout","manifest":{"note":)" + std::string(70, '[') +
                     std::string(70, ']') + "}}"),
