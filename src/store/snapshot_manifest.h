@@ -24,6 +24,9 @@ inline constexpr const char* kOciImageConfigMediaType = "application/vnd.oci.ima
 // The largest layout blob a pull fetches (a layout lists every chunk of every file).
 inline constexpr uint64_t kMaxLayoutBytes = 256ull << 20;
 
+// The implicit move reaches nlohmann::json's assert_invariant(), which is not declared
+// noexcept but throws nothing (as for store::Layout).
+// NOLINTNEXTLINE(bugprone-exception-escape)
 struct SnapshotManifest {
   nlohmann::json doc;         // the OCI manifest, parsed
   std::string layout_digest;  // "sha256:..." of the layout blob
