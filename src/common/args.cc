@@ -3,6 +3,7 @@
 #include <grp.h>
 
 #include <cctype>
+#include <charconv>
 #include <cstdlib>
 
 #include "gpusnap/error.h"
@@ -95,7 +96,15 @@ long Args::get_int(const std::string& name, long fallback, long min, long max) c
 
 gid_t group_id(const std::string& flag, const std::string& name) {
   if (!name.empty() && name.find_first_not_of("0123456789") == std::string::npos) {
-    return static_cast<gid_t>(std::stoul(name));
+    // A number: a gid the kernel can hold. (gid_t)-1 means "no change" to chown, and a wider
+    // number must not wrap around to another group (4294967296 would be 0, root's).
+    uint32_t gid = 0;
+    const auto [end, ec] = std::from_chars(name.data(), name.data() + name.size(), gid);
+    if (ec != std::errc() || end != name.data() + name.size() || gid == UINT32_MAX) {
+      throw Error(ErrorKind::kUsage, flag + " " + name + " is not a group id",
+                  "give a group of this host, by name or by a number below 4294967295");
+    }
+    return static_cast<gid_t>(gid);
   }
   const group* g = ::getgrnam(name.c_str());  // NOLINT(concurrency-mt-unsafe): see the header
   if (g == nullptr) {

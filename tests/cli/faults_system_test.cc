@@ -83,6 +83,14 @@ TEST(BadCommandLine, RefusedBeforeAnyCapture) {
   expect_error(gpusnap({"checkpoint", "--pid", pid, "-o", "/proc/x", "--quiet"}), 2,
                "cannot create an artifact in /proc: No such file or directory (fix: choose an -o "
                "path in a writable directory of an ordinary filesystem)");
+  // A group number the kernel cannot hold is refused, not wrapped around (4294967296 would be
+  // 0, root's group) nor taken as chown's "no change".
+  for (const std::string gid : {"4294967295", "4294967296", "99999999999999999999999"}) {
+    expect_error(gpusnap({"checkpoint", "--pid", pid, "-o", out, "--group", gid}), 2,
+                 "--group " + gid +
+                     " is not a group id (fix: give a group of this host, by name or by a number "
+                     "below 4294967295)");
+  }
   stdfs::create_symlink(dir / "nowhere", dir / "dangling");
   const auto started = std::chrono::steady_clock::now();
   expect_error(gpusnap({"checkpoint", "--pid", pid, "-o", (dir / "dangling").string(), "-q"}), 2,

@@ -603,6 +603,13 @@ TEST_F(ControllerTest, TheProgramRefusesToRunWithoutANode) {
   auto j = common::run_capture({GPUSNAP_CONTROLLER_BIN, "--json", "--node", kNode, "--bogus"});
   EXPECT_EQ(j.status.code, 2);
   EXPECT_EQ(json::parse(j.output)["error"]["message"], "unknown option --bogus");
+  for (const std::string bad : {"abc", "-5", "5", "99999999999999999999", "2000ms"}) {
+    auto p = common::run_capture({GPUSNAP_CONTROLLER_BIN, "--node", kNode, "--poll-ms", bad});
+    EXPECT_EQ(p.status.code, 2) << bad;
+    EXPECT_EQ(p.output, "gpusnap-controller: error: --poll-ms must be a whole number from 10 to "
+                        "600000, not '" +
+                            bad + "' (fix: see gpusnap-controller --help)\n");
+  }
 }
 
 }  // namespace
