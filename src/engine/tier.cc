@@ -11,6 +11,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -116,8 +117,16 @@ TierContents check_tier_dir(const stdfs::path& dir) {
   }
   if (ec) throw sys_error("cannot list " + dir.string(), ec.value());
   for (const auto& path : indexes) {
+    // Bounded again as it is read: the workload may have grown the file since the listing.
+    std::string text;
+    if (!fs::try_read_regular_file(path, &text, kMaxTierIndexBytes)) {
+      throw bad_entry(dir, path.filename().string(),
+                      errno == EFBIG ? "an index larger than 1 MiB"
+                                     : std::string("an index that cannot be read (") +
+                                           std::strerror(errno) + ")");
+    }
     std::string why;
-    const std::optional<json> parsed = json_text::parse(fs::read_file(path), &why);
+    const std::optional<json> parsed = json_text::parse(text, &why);
     if (!parsed) throw bad_entry(dir, path.filename().string(), "a malformed index (" + why + ")");
     try {
       const json& index = *parsed;
@@ -269,10 +278,8 @@ bool searchable_by_all(const stdfs::path& dir) {
 // index is not one gpusnap wrote: then no prefill starts and the copy fills by itself. Read from
 // an artifact before its checksums are checked, so bounded in size and depth.
 std::string tier_gpu(const stdfs::path& index) {
-  std::error_code ec;
-  const uintmax_t size = stdfs::file_size(index, ec);
   std::string text;
-  if (ec || size > kMaxTierIndexBytes || !fs::try_read_file(index, &text)) return {};
+  if (!fs::try_read_regular_file(index, &text, kMaxTierIndexBytes)) return {};
   const std::optional<json> doc = json_text::parse(text);
   try {
     if (!doc) return {};
