@@ -2,9 +2,7 @@
 
 #include <grp.h>
 
-#include <cctype>
 #include <charconv>
-#include <cstdlib>
 
 #include "gpusnap/error.h"
 
@@ -79,17 +77,19 @@ std::vector<std::string> Args::all(const std::string& name) const {
 
 long Args::get_int(const std::string& name, long fallback, long min, long max) const {
   if (!has(name)) return fallback;
-  auto text = get(name);
-  char* end = nullptr;
-  long v = std::strtol(text.c_str(), &end, 10);
-  // strtol skips leading blanks and takes a '+': " 5" is not a number a user meant to type.
-  const bool plain = !text.empty() && (std::isdigit(static_cast<unsigned char>(text[0])) ||
-                                       (text[0] == '-' && text.size() > 1));
-  if (!plain || *end != '\0' || v < min || v > max) {
+  return whole_number(name, get(name), min, max, "see `gpusnap " + command_ + " --help`");
+}
+
+long whole_number(const std::string& flag, const std::string& text, long min, long max,
+                  const std::string& fix) {
+  // from_chars takes neither blanks nor a '+': " 5" is not a number a user meant to type.
+  long v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (text.empty() || ec != std::errc() || end != text.data() + text.size() || v < min || v > max) {
     throw Error(ErrorKind::kUsage,
-                name + " must be a whole number from " + std::to_string(min) + " to " +
+                flag + " must be a whole number from " + std::to_string(min) + " to " +
                     std::to_string(max) + ", not '" + text + "'",
-                "see `gpusnap " + command_ + " --help`");
+                fix);
   }
   return v;
 }

@@ -48,6 +48,12 @@ class Args {
   std::vector<std::string> rest_;
 };
 
+// `text`, the value of `flag`, as a whole number from `min` to `max` (digits with an optional
+// '-': no blanks, no '+'), or Error(kUsage) "FLAG must be a whole number from MIN to MAX, not
+// 'TEXT'" with `fix`.
+long whole_number(const std::string& flag, const std::string& text, long min, long max,
+                  const std::string& fix);
+
 // A group named by name or number, for a flag; Error(kUsage) naming the flag when there is no
 // such group. Not thread-safe (getgrnam): call it before starting threads.
 gid_t group_id(const std::string& flag, const std::string& name);

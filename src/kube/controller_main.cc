@@ -4,7 +4,6 @@
 #include <pthread.h>
 #include <signal.h>
 
-#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -12,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "common/args.h"
 #include "gpusnap/error.h"
 #include "kube/controller.h"
 
@@ -41,19 +41,6 @@ const char* const kUsage =
     "  --poll-ms N            how often running operations are followed (default 2000)\n"
     "  --json                 errors as JSON\n"
     "  --version              show the version\n";
-
-// A flag's value as a whole number from `min` to `max`, or a usage error naming it.
-long whole_number(const std::string& flag, const std::string& text, long min, long max) {
-  long v = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (text.empty() || ec != std::errc() || end != text.data() + text.size() || v < min || v > max) {
-    throw Error(ErrorKind::kUsage,
-                flag + " must be a whole number from " + std::to_string(min) + " to " +
-                    std::to_string(max) + ", not '" + text + "'",
-                "see gpusnap-controller --help");
-  }
-  return v;
-}
 
 }  // namespace
 
@@ -105,7 +92,8 @@ int main(int argc, char** argv) {
       else if (a == "--namespace")
         options.namespace_ = value();
       else if (a == "--poll-ms")
-        options.poll = std::chrono::milliseconds(whole_number(a, value(), 10, 600000));
+        options.poll = std::chrono::milliseconds(
+            gpusnap::args::whole_number(a, value(), 10, 600000, "see gpusnap-controller --help"));
       else
         throw Error(ErrorKind::kUsage, "unknown option " + a, "see gpusnap-controller --help");
     }
