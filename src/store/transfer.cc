@@ -12,7 +12,6 @@
 #include "artifact/writer.h"
 #include "common/fd.h"
 #include "common/fs.h"
-#include "common/json.h"
 #include "gpusnap/error.h"
 #include "store/blob_store.h"
 #include "store/digest.h"
