@@ -10,6 +10,7 @@
 #include <functional>
 #include <optional>
 #include <set>
+#include <stop_token>
 #include <string>
 #include <vector>
 
@@ -167,6 +168,9 @@ struct VerifyProblem {
 struct VerifyOptions {
   int threads = 0;  // 0: one per core
   Reporter* reporter = nullptr;
+  // Once requested, no further chunk is read and checksum_tree throws Error(kInternal): a
+  // capture that fails stops the checksums it runs in the background (engine/tier.h).
+  std::stop_token stop;
 };
 
 // Which files a verification reads (paths relative to the root). By default every file.

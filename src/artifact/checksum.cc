@@ -85,7 +85,7 @@ std::vector<FileRecord> checksum_tree(const std::filesystem::path& root, uint64_
     std::unique_ptr<char[]> buf(new char[kBuffer]);
     std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(),
                                                                    XXH3_freeState);
-    for (size_t i; (i = next.fetch_add(1)) < tasks.size();) {
+    for (size_t i; !options.stop.stop_requested() && (i = next.fetch_add(1)) < tasks.size();) {
       auto& rec = files[tasks[i].file];
       uint64_t begin = tasks[i].chunk * chunk_bytes;
       uint64_t end = std::min(rec.size, begin + chunk_bytes);
@@ -124,6 +124,9 @@ std::vector<FileRecord> checksum_tree(const std::filesystem::path& root, uint64_
   worker();
   pool.clear();
   if (first_error) throw Error(*first_error);
+  if (options.stop.stop_requested()) {
+    throw Error(ErrorKind::kInternal, "the checksums of " + root.string() + " were stopped");
+  }
   // Always end at total, even when there were no bytes to read (only empty files) or a file
   // shrank while it was read (verify reports that as a mismatch).
   if (options.reporter != nullptr) options.reporter->progress("checksum", total, total);

@@ -11,7 +11,6 @@
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
-#include <cstring>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -122,8 +121,7 @@ TierContents check_tier_dir(const stdfs::path& dir) {
     if (!fs::try_read_regular_file(path, &text, kMaxTierIndexBytes)) {
       throw bad_entry(dir, path.filename().string(),
                       errno == EFBIG ? "an index larger than 1 MiB"
-                                     : std::string("an index that cannot be read (") +
-                                           std::strerror(errno) + ")");
+                                     : "an index that cannot be read (" + errno_text(errno) + ")");
     }
     std::string why;
     const std::optional<json> parsed = json_text::parse(text, &why);
@@ -154,6 +152,25 @@ TierContents check_tier_dir(const stdfs::path& dir) {
   }
   if (contents.files == 0) stdfs::remove(dir, ec);
   return contents;
+}
+
+TierChecksums::TierChecksums(const stdfs::path& dir, uint64_t chunk_bytes, int threads)
+    : thread_([this, dir, chunk_bytes, threads](const std::stop_token& stop) {
+        try {
+          VerifyOptions options;
+          options.threads = threads;
+          options.stop = stop;
+          files_ = checksum_tree(dir, chunk_bytes, options);
+          for (auto& f : files_) f.path = std::string(kTierDirName) + "/" + f.path;
+        } catch (...) {
+          failure_ = std::current_exception();
+        }
+      }) {}
+
+std::vector<FileRecord> TierChecksums::join() {
+  thread_.join();
+  if (failure_) std::rethrow_exception(failure_);
+  return std::move(files_);
 }
 
 void add_tier_memory(std::optional<GpuFacts>& gpu, pid_t pid, const TierContents& tier) {

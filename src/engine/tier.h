@@ -10,12 +10,14 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <filesystem>
 #include <map>
 #include <memory>
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -49,6 +51,30 @@ std::filesystem::path make_tier_dir(const std::filesystem::path& staging, pid_t 
 // Error(kHandshake) naming the first entry that is not so. An empty folder is removed (the
 // workload has no tier, or nothing in it), so that artifacts without a tier do not change.
 TierContents check_tier_dir(const std::filesystem::path& dir);
+
+// The tier's files (complete once the workload answered `paused`) checksummed in the
+// background while CRIU's dump runs and leaves most cores idle: the capture's checksum phase
+// then reads CRIU's files alone. Measured on the H200 (docs/benchmarks.md, exp32): hashing inside
+// the drain instead made the drain, already bound by the CPU's writes into the files, as much
+// slower as the checksum phase got shorter.
+// The destructor stops the hashing (within a chunk per thread) and waits: a failed capture
+// resumes its workload without waiting for the rest.
+class TierChecksums {
+ public:
+  // `dir`: STAGING/tier as check_tier_dir() left it (not empty).
+  TierChecksums(const std::filesystem::path& dir, uint64_t chunk_bytes, int threads);
+  ~TierChecksums() = default;  // the thread is asked to stop, then joined
+  TierChecksums(const TierChecksums&) = delete;
+  TierChecksums& operator=(const TierChecksums&) = delete;
+  // Waits for the sums; the files' records with their paths in the artifact (tier/NAME), for
+  // ArtifactWriter::seal. Throws what the hashing threw (a file that cannot be read).
+  std::vector<FileRecord> join();
+
+ private:
+  std::vector<FileRecord> files_;
+  std::exception_ptr failure_;
+  std::jthread thread_;  // last: it stops and is joined before the members it writes go
+};
 
 // Adds the tier's memory to the GPU facts of the manifest (`gpu`, as describe_gpu_state wrote
 // it), to process `pid`'s entry, or to the first process's when `pid` has none: NVML no longer

@@ -230,12 +230,20 @@ std::map<std::string, uint64_t> tier_files(const std::filesystem::path& artifact
   return out;
 }
 
+bool has_phase(const json& report, const std::string& name) {
+  for (const auto& p : report.at("phases")) {
+    if (p.at("name") == name) return true;
+  }
+  return false;
+}
+
 // The stand-in (with `extra` arguments) started by `gpusnap run` and captured --leave-running
 // into `snap`: the source, killed with its tree at the end, and the port it serves on (0 when
 // the run failed, which the EXPECT has reported).
 struct StandInRun {
   TreeKiller source;
   uint16_t port = 0;
+  json report;  // the run's --json
 };
 StandInRun run_tier_standin(const TempDir& dir, const std::filesystem::path& snap,
                             const std::vector<std::string>& extra = {}) {
@@ -248,7 +256,8 @@ StandInRun run_tier_standin(const TempDir& dir, const std::filesystem::path& sna
   auto run = gpusnap(args);
   EXPECT_EQ(run.exit_code, 0) << run.err;
   if (run.exit_code != 0) return {};
-  return {TreeKiller{json::parse(run.out)["pid"].get<pid_t>()}, read_port(ready)};
+  const json report = json::parse(run.out);
+  return {TreeKiller{report["pid"].get<pid_t>()}, read_port(ready), report};
 }
 
 // `gpusnap verify` of `snap` (its tier files are checksummed like the rest), then two copies of
@@ -274,6 +283,9 @@ TEST(MemoryTierPlumbing, DrainedIntoTheArtifactChecksummedAndFilledByEachCopy) {
   EXPECT_EQ(field(info, "drains"), "1") << info;
   EXPECT_EQ(field(info, "fills"), "1") << info;
   EXPECT_NE(field(info, "tier_dir").find(".snap.staging-"), std::string::npos) << info;
+  // A source that runs on is not kept paused while its tier's files are hashed: they are read
+  // in the checksum phase, after its resume.
+  EXPECT_FALSE(has_phase(source.report, "tier-hash")) << source.report.dump();
   // The tier's files are the artifact's: listed, sized, checksummed; nothing else is in tier/.
   const std::string pid = field(info, "pid");
   EXPECT_EQ(
@@ -340,6 +352,9 @@ TEST(MemoryTierPlumbing, ADamagedTierFileRefusesTheRestore) {
   args.insert(args.end(), worker.begin(), worker.end());
   auto run = gpusnap(args);
   ASSERT_EQ(run.exit_code, 0) << run.err;
+  // The source stopped at the end: its tier's files were hashed beside CRIU's dump, and the
+  // capture waited for those sums before its seal.
+  EXPECT_TRUE(has_phase(json::parse(run.out), "tier-hash")) << run.out;
   const auto files = tier_files(snap);
   ASSERT_EQ(files.size(), 2u);
   const auto image = snap / files.begin()->first;

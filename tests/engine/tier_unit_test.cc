@@ -7,8 +7,11 @@
 
 #include <chrono>
 #include <filesystem>
+#include <map>
 #include <set>
+#include <stop_token>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -88,6 +91,44 @@ TEST_F(TierDirTest, AnIndexMustMatchTheFilesThere) {
   write(tier / "7.json", "{\"format\":\"gpusnap-tier\"");
   EXPECT_TRUE(Contains(catch_error([&] { check_tier_dir(tier); }).what(),
                        "in its memory tier's folder: a malformed index ("));
+}
+
+TEST_F(TierDirTest, ItsFilesAreHashedInTheBackgroundAsTheManifestWouldRecordThem) {
+  drained();
+  write(tier / "7.layout", std::string(5000, 'L'));
+  TierChecksums sums(tier, 4, 2);
+  const std::vector<FileRecord> got = sums.join();
+  // What the capture's checksum phase computes for the same files, under the artifact's paths.
+  std::map<std::string, FileRecord> expected;
+  for (FileRecord f : checksum_tree(staging.path(), 4)) expected[f.path] = f;
+  ASSERT_EQ(got.size(), 4u);
+  for (const auto& f : got) {
+    ASSERT_EQ(expected.count(f.path), 1u) << f.path;
+    EXPECT_EQ(f.size, expected[f.path].size) << f.path;
+    EXPECT_EQ(f.chunks, expected[f.path].chunks) << f.path;
+  }
+  EXPECT_EQ(got[0].path, "tier/7-w0.img");
+  EXPECT_EQ(got[0].chunks.size(), 2u);  // 8 bytes in chunks of 4
+}
+
+TEST_F(TierDirTest, AFileThatCannotBeReadFailsTheJoinAndAnUnjoinedHashingStops) {
+  drained();
+  std::filesystem::remove_all(tier);
+  TierChecksums gone(tier, 4, 2);
+  const Error e = catch_error([&] { gone.join(); });
+  EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+  EXPECT_TRUE(Contains(e.what(), "cannot list the files of " + tier.string())) << e.what();
+  // A capture that fails before the join destroys it with the hashing under way: it stops.
+  std::filesystem::create_directories(tier);
+  for (int i = 0; i < 8; ++i)
+    write(tier / ("7-w" + std::to_string(i) + ".img"), std::string(1 << 20, 'x'));
+  { TierChecksums unjoined(tier, 4096, 1); }
+  std::stop_source stop;
+  stop.request_stop();
+  VerifyOptions stopped;
+  stopped.stop = stop.get_token();
+  EXPECT_EQ(catch_error([&] { checksum_tree(tier, 4096, stopped); }).what(),
+            "the checksums of " + tier.string() + " were stopped");
 }
 
 TEST(TierMemory, IsCountedOnTheWorkloadsProcessForTheRestoresFreeMemoryCheck) {
