@@ -11,12 +11,12 @@
 //   host-images  that memory goes into files of the artifact (where the driver did not write
 //                it there itself), mapped back in place, privately (engine/host_images.h):
 //                CRIU then records the mapping, not the bytes; hashing goes on meanwhile
-//   host-images-hash  (only what the dump did not hide) the files the driver wrote, hashed
-//   tier-hash    (a memory tier, source stopped) the wait for the tier's files, hashed in the
-//                background since the dump began
 //   dump         CRIU dumps the tree into the staging directory (--leave-running)
 //   gpu-resume   with --leave-running: the source's GPU state goes back, unlocked
 //   resume       with --leave-running and the handshake: the source serves again
+//   host-images-hash  (only what the dump did not hide) the files the driver wrote, hashed
+//   tier-hash    (a memory tier, source stopped) the wait for the tier's files, hashed in the
+//                background since the dump began
 //   checksum     every staged file, in parallel
 //   settle       (CUDA processes only) every process still alive a moment (kSettle) after the
 //                driver's checkpoint, its GPU state where it should be: else nothing is
