@@ -45,6 +45,7 @@
 #include "common/proc.h"
 #include "common/utc.h"
 #include "container/enter.h"
+#include "container/mount.h"
 #include "container/runc.h"
 #include "criu/criu.h"
 #include "criu/kernel_cache.h"
@@ -211,6 +212,9 @@ class Checkpoint {
     // that even if gpusnap dies. Declared before the objects that roll back in-process, so that
     // on a failure it comes last and finds nothing left to do.
     std::optional<engine::CaptureGuard> guard;
+    // A container's workload drains its tier through this mount; it outlives the pause, whose
+    // resume (or rollback) fills back through it.
+    std::optional<container::MountInside> tier_mount;
     std::optional<PausedWorkload> paused;
     std::optional<engine::GpuCapture> gpu;
     std::optional<engine::TierChecksums> tier_sums;  // stopped first on a failure
@@ -228,11 +232,14 @@ class Checkpoint {
       phases_.run("pause", [&] {
         // The memory tier, if the workload has one, drains into STAGING/tier (engine/tier.h).
         const auto tier_dir = engine::make_tier_dir(writer.staging(), options_.pid);
-        pause(*handshake, {{"tier_dir", tier_dir.string()}});
+        const auto tier_path = reachable_tier_dir(tier_dir, tier_mount);
+        pause(*handshake, {{"tier_dir", tier_path.string()}});
         paused.emplace(std::move(*handshake), options_.pid, options_.handshake_timeout,
                        phases_.reporter());
         tier_ = engine::check_tier_dir(tier_dir);
-        paused->set_tier_dir(engine::tier_member(tier_dir));
+        paused->set_tier_dir(engine::tier_member(tier_dir).get<std::string>().empty()
+                                 ? std::string()
+                                 : tier_path.string());
       });
       manifest.control_dir = control_dir_.string();
     } else {
@@ -331,6 +338,7 @@ class Checkpoint {
       if (paused && options_.leave_running) {
         paused->set_artifact_id(manifest.id);
         phases_.run("resume", [&] { paused->resume(); });
+        tier_mount.reset();  // filled back: the workload reads the folder no more
       }
       if (hashing) {
         phases_.run("host-images-hash", [&] {
@@ -435,6 +443,23 @@ class Checkpoint {
                       ": it cannot be carried, so nothing was committed",
                   "gpusnap left the workload as it was, not stopped; see the driver's messages "
                   "in the kernel log (dmesg)");
+    }
+  }
+
+  // The tier's folder as the workload reaches it. A container's workload sees its own mounts
+  // only: the folder is mounted into its handshake directory (container/mount.h). Where that
+  // cannot be done, the host's path, which reaches the folder only when the container mounts the
+  // staging directory's volume at the same path; where it does not, the tier says so and its
+  // memory goes with the driver's checkpoint: slower, never wrong.
+  std::filesystem::path reachable_tier_dir(const std::filesystem::path& tier_dir,
+                                           std::optional<container::MountInside>& mount) {
+    if (!target_) return tier_dir;
+    try {
+      mount.emplace(options_.pid, tier_dir, control_dir_ / engine::kTierMountName, false);
+      return mount->path();
+    } catch (const Error& e) {
+      phases_.reporter().note(std::string("memory tier: ") + e.what());
+      return tier_dir;
     }
   }
 

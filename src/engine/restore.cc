@@ -37,6 +37,7 @@
 #include "common/proc.h"
 #include "common/subprocess.h"
 #include "container/enter.h"
+#include "container/mount.h"
 #include "container/runc.h"
 #include "criu/criu.h"
 #include "criu/kernel_cache.h"
@@ -390,11 +391,10 @@ class Restore {
       arriving = nullptr;
     }
     // The tiers' fill done ahead, while CRIU and the driver restore the copies (engine/tier.h).
-    // Not for an artifact still arriving (its tier files are not there yet) nor a copy in a
-    // placeholder (the prefill's socket is not in its mounts).
+    // Not for an artifact still arriving (its tier files are not there yet). A copy in a
+    // placeholder reaches the prefill's sockets through a mount (resume()).
     std::optional<engine::TierPrefills> prefills;
-    if (gpu_plan.has_gpu_state && !artifact.manifest().control_dir.empty() && arriving == nullptr &&
-        !options_.into_container) {
+    if (gpu_plan.has_gpu_state && !artifact.manifest().control_dir.empty() && arriving == nullptr) {
       std::map<std::string, std::string> gpu_map;
       for (const auto& p : gpu_plan.pairs) gpu_map[p.old_uuid] = p.new_uuid;
       try {
@@ -471,7 +471,7 @@ class Restore {
     RestoreResult result;
     if (!artifact.manifest().control_dir.empty()) {
       phases_.run("resume", [&] {
-        resume(copies, artifact.manifest(), gpu_plan, prefills ? &*prefills : nullptr);
+        resume(copies, artifact.manifest(), gpu_plan, prefills ? &*prefills : nullptr, into);
       });
       result.handshake = true;
     }
@@ -493,12 +493,27 @@ class Restore {
 
  private:
   // Every copy is asked to resume with its own context, all at once; each must say RESUMED.
+  // `into`: the placeholder's PID 1 for a copy restored into one, else 0.
   void resume(std::vector<std::unique_ptr<Copy>>& copies, const Manifest& manifest,
-              const engine::GpuPlan& gpu_plan, const engine::TierPrefills* prefills) {
+              const engine::GpuPlan& gpu_plan, const engine::TierPrefills* prefills, pid_t into) {
     nlohmann::json gpu_map = nlohmann::json::object();
     for (const auto& p : gpu_plan.pairs) gpu_map[p.old_uuid] = p.new_uuid;
-    // Each copy's memory tier fills from the artifact itself (engine/tier.h).
-    const nlohmann::json tier_dir = engine::artifact_tier_dir(options_.artifact, manifest);
+    // Each copy's memory tier fills from the artifact itself (engine/tier.h), or takes over
+    // what its prefill filled.
+    nlohmann::json tier_dir = engine::artifact_tier_dir(options_.artifact, manifest);
+    std::vector<nlohmann::json> prefill_dirs;
+    for (size_t i = 0; i < copies.size(); ++i) {
+      prefill_dirs.push_back(prefills != nullptr ? prefills->context_dir(static_cast<int>(i))
+                                                 : nlohmann::json(std::string()));
+    }
+    // A copy in a placeholder sees the placeholder's mounts only: both folders are mounted into
+    // its handshake directory, read-only, for the time of the resume.
+    std::optional<container::MountInside> tier_mount, prefill_mount;
+    if (into != 0) {
+      mount_for_placeholder(into, manifest, engine::kTierMountName, tier_dir, tier_mount);
+      mount_for_placeholder(into, manifest, engine::kPrefillMountName, prefill_dirs[0],
+                            prefill_mount);
+    }
     std::vector<std::optional<Error>> errors(copies.size());
     {
       std::vector<std::jthread> threads;
@@ -514,9 +529,7 @@ class Restore {
                               {"gpu_map", gpu_map},
                               {"settings", options_.settings},
                               {"tier_dir", tier_dir},
-                              {"tier_prefill_dir", prefills != nullptr
-                                                       ? prefills->context_dir(static_cast<int>(i))
-                                                       : nlohmann::json(std::string())}},
+                              {"tier_prefill_dir", prefill_dirs[i]}},
                              options_.handshake_timeout);
             handshake.clear_exchange();
           } catch (const Error& e) {
@@ -530,6 +543,24 @@ class Restore {
         throw Error(errors[i]->kind(), "copy " + std::to_string(i) + ": " + errors[i]->what(),
                     errors[i]->hint());
       }
+    }
+  }
+
+  // Mounts the host folder `dir` (when not "") at NAME in the placeholder's handshake
+  // directory and points `dir` there. Where that cannot be done, a note: the tier's folder keeps
+  // the host's path, which the copy reaches when the placeholder mounts the artifact's volume at
+  // the same path, and otherwise refuses to fill (gpusnap then kills the copy: never a copy with
+  // wrong memory); the prefill's folder is left out, and the copy fills by itself.
+  void mount_for_placeholder(pid_t into, const Manifest& manifest, const char* name,
+                             nlohmann::json& dir, std::optional<container::MountInside>& mount) {
+    const auto& host = dir.get_ref<const std::string&>();
+    if (host.empty()) return;
+    try {
+      mount.emplace(into, host, std::filesystem::path(manifest.control_dir) / name, true);
+      dir = mount->path().string();
+    } catch (const Error& e) {
+      phases_.reporter().note(std::string("memory tier: ") + e.what());
+      if (std::string(name) == engine::kPrefillMountName) dir = std::string();
     }
   }
 

@@ -28,6 +28,11 @@ namespace gpusnap::engine {
 
 // The tier's folder, relative to the staging directory and to the artifact.
 inline constexpr const char* kTierDirName = "tier";
+// A workload in a container reaches the tier's folder (and a copy its prefill's sockets) through
+// a mount of that name in its handshake directory, made for the pause or the resume
+// (container/mount.h).
+inline constexpr const char* kTierMountName = ".gpusnap-tier";
+inline constexpr const char* kPrefillMountName = ".gpusnap-tier-prefill";
 // Bounds on what a workload may leave there: it writes a few files per process.
 inline constexpr size_t kMaxTierEntries = 4096;
 inline constexpr uintmax_t kMaxTierIndexBytes = 1 << 20;

@@ -142,9 +142,9 @@ int gpusnap_tier_drain(const char* dir, char* error, size_t error_size) {
     }
     Tier* t = tier(false);
     if (t == nullptr) return;  // nothing allocated: nothing to drain
-    // A folder this process cannot see (a workload in a container without the artifact volume
-    // at the same path): the memory stays mapped and goes with the driver's checkpoint, as
-    // without the tier. Safe, only slower, so a note and not a failure.
+    // A folder this process cannot see (a workload in a container into which gpusnap could not
+    // mount it, container/mount.h): the memory stays mapped and goes with the driver's
+    // checkpoint, as without the tier. Safe, only slower, so a note and not a failure.
     struct stat st {};
     if (::stat(dir, &st) != 0 && errno == ENOENT) {
       std::fprintf(stderr,

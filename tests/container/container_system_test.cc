@@ -9,6 +9,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -230,6 +231,77 @@ TEST_F(ContainerTest, HandshakeWorkloadPausesAndResumesInThePlaceholderWithItsCo
   EXPECT_EQ(field(copy_info, "cache_mib"), "64") << copy_info;
   EXPECT_EQ(ask_in(placeholder->pid(), "INCR"), "2");
   EXPECT_EQ(ask_in(source->pid(), "INCR"), "2");
+}
+
+// Whether `path` is a mount point in the mount namespace of process `pid`.
+bool mounted_in(pid_t pid, const std::string& path) {
+  std::ifstream mountinfo("/proc/" + std::to_string(pid) + "/mountinfo");
+  for (std::string line; std::getline(mountinfo, line);) {
+    std::istringstream in(line);
+    std::string id, parent, dev, root, point;
+    in >> id >> parent >> dev >> root >> point;
+    if (point == path) return true;
+  }
+  return false;
+}
+
+// A workload with a memory tier in a container sees its own mounts only: gpusnap mounts the
+// tier's folder into the container's handshake directory for the pause and the resume, and the
+// artifact's tier folder into the placeholder's for the copy's resume; no volume of the
+// container is at the host's path. The stand-in tier (tests/workload/tier_standin.py: host
+// memory, files as libgpusnap-tier.so names them) drains and fills through those mounts.
+TEST_F(ContainerTest, MemoryTierDrainsAndFillsThroughAMountInTheHandshakeDirectory) {
+  SKIP_WITHOUT_RUNC();
+  const std::string port = std::to_string(kContainerPort);
+  auto source = start(
+      "source", make_python_bundle(dir_ / "source",
+                                   {kPythonBundleGpusnap, "init", "--", "/usr/bin/python3",
+                                    "/tests/tier_standin.py", "--mib", "16", "--port", port}));
+  ASSERT_TRUE(eventually([&] { return ask_in(source->pid(), "CHECK") == "OK"; }))
+      << "the workload did not answer in its container";
+  const std::string mount_point = "/control/.gpusnap-tier";
+
+  auto snap = dir_ / "snap";
+  auto cp = checkpoint(*source, snap);
+  ASSERT_EQ(cp.exit_code, 0) << cp.out << cp.err;
+  // The source drained into the mount and, running on, filled back from it.
+  auto info = ask_in(source->pid(), "INFO");
+  EXPECT_EQ(field(info, "drains"), "1") << info;
+  EXPECT_EQ(field(info, "fills"), "1") << info;
+  EXPECT_EQ(field(info, "tier_dir"), mount_point) << info;
+  EXPECT_EQ(ask_in(source->pid(), "CHECK"), "OK");
+  // Its files are the artifact's, listed and checksummed.
+  const std::string pid = field(info, "pid");
+  const std::string image = "tier/" + pid + "-w0.img";
+  ASSERT_TRUE(stdfs::exists(snap / image)) << info;
+  EXPECT_EQ(stdfs::file_size(snap / image), 16u << 20);
+  bool listed = false;
+  const json manifest = json::parse(fs::read_file(snap / "manifest.json"));  // the loop refers in
+  for (const auto& f : manifest.at("files")) {
+    listed |= f.at("path") == image;
+  }
+  EXPECT_TRUE(listed);
+  // The mount went with the resume, and its mount point with it.
+  const auto source_root = "/proc/" + std::to_string(source->pid()) + "/root";
+  EXPECT_FALSE(mounted_in(source->pid(), mount_point));
+  EXPECT_FALSE(stdfs::exists(source_root + mount_point));
+
+  auto placeholder = start(
+      "placeholder",
+      make_python_bundle(dir_ / "placeholder", {kPythonBundleGpusnap, "init", "--placeholder"}));
+  auto rs = restore(snap, *placeholder);
+  ASSERT_EQ(rs.exit_code, 0) << rs.out << rs.err;
+  restored_into(rs.out, placeholder->pid());
+  // The copy filled from the artifact, through the mount, before it answered RESUMED.
+  auto copy_info = ask_in(placeholder->pid(), "INFO");
+  EXPECT_EQ(field(copy_info, "restored"), "1") << copy_info;
+  EXPECT_EQ(field(copy_info, "tier_dir"), mount_point) << copy_info;
+  EXPECT_EQ(field(copy_info, "fills"), "1") << copy_info;  // captured before the source's fill
+  EXPECT_EQ(ask_in(placeholder->pid(), "CHECK"), "OK");
+  EXPECT_FALSE(mounted_in(placeholder->pid(), mount_point));
+  EXPECT_FALSE(
+      stdfs::exists("/proc/" + std::to_string(placeholder->pid()) + "/root" + mount_point));
+  EXPECT_EQ(ask_in(source->pid(), "CHECK"), "OK");
 }
 
 TEST(ContainerInit, RunsTheCommandAndExitsWithItsStatus) {

@@ -86,6 +86,40 @@ stdfs::path make_bundle(const stdfs::path& dir, const std::vector<std::string>& 
   return dir;
 }
 
+stdfs::path make_python_bundle(const stdfs::path& dir, const std::vector<std::string>& args) {
+  make_bundle(dir, args);
+  // The busybox root make_bundle() made gives way to the host's programs.
+  auto rootfs = dir / "rootfs";
+  stdfs::remove_all(rootfs);
+  for (const char* d : {"usr", "etc", "proc", "dev", "sys", "tmp", "control", "tests", "gpusnap"}) {
+    stdfs::create_directories(rootfs / d);
+  }
+  for (const char* link : {"bin", "lib", "lib64", "sbin"}) {
+    stdfs::create_symlink(std::string("usr/") + link, rootfs / link);
+  }
+  write(rootfs / "gpusnap/gpusnap", "");
+  write(rootfs / "gpusnap/libgpusnap-preload.so", "");
+  auto config = json::parse(fs::read_file(dir / "config.json"));
+  auto& mounts = config["mounts"];
+  for (auto& m : mounts) {
+    const auto dest = m.at("destination").get<std::string>();
+    if (dest.rfind("/bin/", 0) == 0) m["destination"] = "/gpusnap/" + dest.substr(5);
+  }
+  auto bind_ro = [&](const std::string& source, const std::string& destination) {
+    mounts.push_back({{"destination", destination},
+                      {"type", "bind"},
+                      {"source", source},
+                      {"options", {"rbind", "ro"}}});
+  };
+  bind_ro("/usr", "/usr");
+  bind_ro("/etc", "/etc");
+  bind_ro(stdfs::canonical(build_path("tests")).string(), "/tests");
+  config["process"]["env"].push_back("PYTHONPATH=/tests");
+  config["process"]["env"].push_back("PYTHONDONTWRITEBYTECODE=1");
+  write(dir / "config.json", config.dump(2));
+  return dir;
+}
+
 Container::Container(const stdfs::path& runtime_root, std::string id, const stdfs::path& bundle)
     : root_(runtime_root), id_(std::move(id)) {
   common::Pipe out = common::Pipe::make();

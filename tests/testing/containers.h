@@ -43,6 +43,14 @@ void make_rootfs(const std::filesystem::path& rootfs);
 std::filesystem::path make_bundle(const std::filesystem::path& dir,
                                   const std::vector<std::string>& args);
 
+// An OCI bundle in `dir` for a Python workload, as make_bundle() makes one but with the host's
+// /usr and /etc as its root filesystem (read-only binds, /bin, /lib, /lib64 and /sbin linked into
+// /usr as on a merged-/usr system), the built tests folder read-only at /tests (PYTHONPATH), and
+// gpusnap and libgpusnap-preload.so read-only in /gpusnap (/bin is the host's). Returns `dir`.
+std::filesystem::path make_python_bundle(const std::filesystem::path& dir,
+                                         const std::vector<std::string>& args);
+inline constexpr const char* kPythonBundleGpusnap = "/gpusnap/gpusnap";
+
 // A container run detached by runc, deleted (runc delete -f) whatever the test's outcome. Its
 // output goes into a pipe this object holds, as a runtime's shim would.
 class Container {

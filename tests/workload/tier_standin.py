@@ -4,13 +4,13 @@ the real Python handshake client, exactly as the tier does (docs/design.md, "The
 It lets the system tests run gpusnap's side of the tier (the folder, its checks, the manifest,
 verify, the resume contexts, the guardian) with real CRIU on a machine without a GPU.
 
-  python3 tier_standin.py --mib N [--drain-delay S] [--ranks R] [--ready-file PATH]
+  python3 tier_standin.py --mib N [--drain-delay S] [--ranks R] [--port N] [--ready-file PATH]
 
 --ranks R > 1 plays a tensor-parallel workload: R processes, each with its own tier, the first
 speaking the handshake for all (gpusnap_handshake.TierGroup), the others (forked children)
 reached over socketpairs (RankTier, serve_rank_tier).
 
-Serves line commands on TCP 127.0.0.1 (port in --ready-file):
+Serves line commands on TCP 127.0.0.1 (--port, or a free port named in --ready-file):
   CHECK -> OK ranks=<R> | FAIL ... | ERR drained    every rank's memory against its digest
   INFO  -> pid=<pid> restored=<0|1> copy=<i> tier_dir=<path> drains=<n> fills=<n>
            [rank_pids=<p,...> rank_fills=<n,...>]
@@ -104,6 +104,7 @@ def main():
     p.add_argument("--mib", type=int, default=16)
     p.add_argument("--drain-delay", type=float, default=0)
     p.add_argument("--ranks", type=int, default=1)
+    p.add_argument("--port", type=int, default=0)
     p.add_argument("--ready-file")
     args = p.parse_args()
     tier = StandInTier(args.mib, args.drain_delay)
@@ -116,7 +117,7 @@ def main():
         last = context
         return True
 
-    srv = line_server.listen()
+    srv = line_server.listen(args.port)
     hs = gpusnap_handshake.Client.from_environment(memory_tier=group)
     hs.serve(lambda: True, on_resume)
     hs.ready()
