@@ -179,6 +179,7 @@ common::ExitStatus run_inside(const EnterSpec& spec) {
   std::vector<char*> argv;
   for (const auto& a : spec.argv) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
+  const std::string last_pid = std::to_string(spec.last_pid);
 
   for (auto& [flag, fd] : before) {
     if (::setns(fd.get(), flag) != 0) {
@@ -212,6 +213,16 @@ common::ExitStatus run_inside(const EnterSpec& spec) {
       // (dup2 onto itself would leave close-on-exec set: hence the explicit fcntl)
       child_fail(fail, "set up descriptors");
     }
+    if (spec.last_pid > 0) {
+      // ns_last_pid is the writer's own PID namespace's, whichever procfs it is reached through:
+      // the host's (the container's /proc/sys is read-only).
+      int fd = ::openat(root.get(), "proc/sys/kernel/ns_last_pid", O_WRONLY | O_CLOEXEC);
+      if (fd < 0 ||
+          ::write(fd, last_pid.data(), last_pid.size()) != static_cast<ssize_t>(last_pid.size())) {
+        child_fail(fail, "set the PID namespace's last pid to " + last_pid);
+      }
+      ::close(fd);
+    }
     for (int fd : spec.inherit_fds) {
       int flags = ::fcntl(fd, F_GETFD);
       if (flags < 0 || ::fcntl(fd, F_SETFD, flags & ~FD_CLOEXEC) != 0) {
@@ -242,7 +253,8 @@ common::ExitStatus run_inside(const EnterSpec& spec) {
 std::string to_json(const EnterSpec& spec) {
   return nlohmann::json{
       {"target", spec.target},           {"argv", spec.argv}, {"output", spec.output.string()},
-      {"inherit_fds", spec.inherit_fds}, {"pid", spec.pid},   {"join_cgroups", spec.join_cgroups}}
+      {"inherit_fds", spec.inherit_fds}, {"pid", spec.pid},   {"join_cgroups", spec.join_cgroups},
+      {"last_pid", spec.last_pid}}
       .dump();
 }
 
@@ -255,6 +267,7 @@ int exec_main(const std::string& spec_json) {
   spec.inherit_fds = doc.at("inherit_fds").get<std::vector<int>>();
   spec.pid = doc.at("pid").get<pid_t>();
   spec.join_cgroups = doc.at("join_cgroups").get<bool>();
+  spec.last_pid = doc.value("last_pid", 0);
   common::ExitStatus status = run_inside(spec);
   return status.exited ? status.code : 128 + status.code;
 }

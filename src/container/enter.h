@@ -49,6 +49,11 @@ struct EnterSpec {
   // restored tree cannot need, since CRIU gives the restored processes their old pids there.
   pid_t pid = 0;
   bool join_cgroups = false;  // also move into the target's cgroups (the restored tree stays)
+  // Where the PID namespace's next pid is counted from (ns_last_pid), set by the program before
+  // it starts; 0 leaves it. A restore sets the highest id of the tree it restores: CRIU gives the
+  // tree's processes and threads their ids explicitly, but its own helpers take the next free
+  // ones, which would otherwise be the tree's thread ids and make their restore fail (EEXIST).
+  pid_t last_pid = 0;
 };
 
 // Runs spec.argv inside the target's namespaces and waits for it. Must be called by a

@@ -65,6 +65,10 @@ struct RestoreOptions {
 std::vector<std::string> restore_args(const Binary& criu, const RestoreOptions& options);
 
 // The lines of a CRIU log worth showing a person: its errors, without known harmless ones.
+// The highest pid or thread id of the tree an image folder holds: CRIU writes a core-ID.img for
+// every thread of every process it dumped. 0 when there is none.
+pid_t highest_task_id(const std::filesystem::path& images);
+
 std::vector<std::string> log_errors(const std::filesystem::path& log, size_t max_lines = 6);
 // One line for an error message: the most telling error of the log, or a fallback.
 std::string summarize_failure(const std::filesystem::path& log);

@@ -219,6 +219,7 @@ int restore_into_placeholder(const CopyInitSpec& spec) {
     enter.output = spec.criu_output;
     enter.inherit_fds = spec.inherit_fds;
     enter.pid = spec.criu_pid;
+    enter.last_pid = spec.last_pid;
     enter.join_cgroups = true;  // the restored tree counts against the placeholder's limits
     return container::run_inside(enter);
   });
@@ -267,7 +268,8 @@ std::string to_json(const CopyInitSpec& spec) {
                         {"handshake_target", spec.handshake_target.string()},
                         {"control_fd", spec.control_fd},
                         {"into_pid", spec.into_pid},
-                        {"criu_pid", spec.criu_pid}}
+                        {"criu_pid", spec.criu_pid},
+                        {"last_pid", spec.last_pid}}
       .dump();
 }
 
@@ -286,6 +288,7 @@ CopyInitSpec copy_init_spec_from_json(const std::string& text) {
   spec.control_fd = doc.at("control_fd").get<int>();
   spec.into_pid = doc.value("into_pid", 0);
   spec.criu_pid = doc.value("criu_pid", 0);
+  spec.last_pid = doc.value("last_pid", 0);
   return spec;
 }
 

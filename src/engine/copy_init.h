@@ -37,6 +37,7 @@ struct CopyInitSpec {
   // the placeholder adopts the restored root (container_init.h). Unreleased, we kill the tree.
   pid_t into_pid = 0;
   pid_t criu_pid = 0;
+  pid_t last_pid = 0;  // the highest id of the tree: the namespace's next pids come after it
 };
 
 // Runs in the cloned child; returns the exit code of the copy (the root's, or 1 on failure).

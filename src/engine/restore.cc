@@ -257,6 +257,7 @@ class Copy {
     inside.keep_cgroups = true;
     spec.into_pid = into_;
     spec.criu_pid = container::criu_pid_inside();
+    spec.last_pid = criu::highest_task_id(ro.images);
     return container::criu_argv_inside(criu, criu::restore_args(criu, inside));
   }
 
@@ -424,7 +425,10 @@ class Restore {
     if (options_.verify && gpu_plan.has_gpu_state && arriving == nullptr) {
       verify_in_background();
     } else if (options_.verify && !gpu_plan.has_gpu_state) {
-      phases_.run("verify", [&] { check(artifact.verify(VerifyOptions{0, &phases_.reporter()})); });
+      phases_.run("verify", [&] {
+        check(artifact.verify(
+            VerifyOptions{.threads = 0, .reporter = &phases_.reporter(), .stop = {}}));
+      });
     }
     WaitOnExit<std::vector<VerifyProblem>> verify_joiner{verifying};
     if (arriving != nullptr) {

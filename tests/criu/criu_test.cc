@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <optional>
 #include <string>
 #include <vector>
@@ -192,6 +193,7 @@ constexpr const char* kDumpLog =
     "(00.000010) Version: 4.2 (gitid 0)\n"
     "(00.000200) Error (criu/util.c:654): Can't raise RLIMIT_NOFILE to 1048576: Operation not "
     "permitted\n"
+    "(00.000300) Error (criu/tun.c:85): tun: Unable to create tun: No such file or directory\n"
     "(00.000500) Dumping path for 3 fd via self 7 [/tmp/a]\n"
     "(00.001) Error (criu/files-reg.c:99): File tmp/a has bad size\n"
     "(00.001100) Error (criu/cr-dump.c:1600): Dump files (pid: 42) failed with -1\n"
@@ -233,6 +235,16 @@ TEST_F(CriuLogTest, SummaryOfLogWithoutErrors) {
             "no error lines in its log");
   EXPECT_EQ(summarize_failure(dir.path() / "never-written.log"), "no error lines in its log");
   EXPECT_TRUE(log_errors(dir.path() / "never-written.log").empty());
+}
+
+TEST(CriuImages, HighestTaskIdIsTheLargestIdOfTheCoreImages) {
+  TempDir dir;
+  for (const char* name : {"core-7.img", "core-912.img", "core-88.img", "pstree.img", "core-.img",
+                           "core-12x.img", "mm-4000.img", "core-5000.img.tmp"}) {
+    std::ofstream(dir / name) << "x";
+  }
+  EXPECT_EQ(highest_task_id(dir.path()), 912);
+  EXPECT_EQ(highest_task_id(dir / "missing"), 0);
 }
 
 class CriuLocateTest : public ::testing::Test {

@@ -188,7 +188,7 @@ std::vector<std::string> shimmed_workload() {
           "--",           "/bin/gpusnap-test-workload",
           "--port",       std::to_string(kContainerPort),
           "--mib",        "16",
-          "--threads",    "2",
+          "--threads",    "48",
           "--children",   "1"};
 }
 

@@ -87,7 +87,9 @@ std::string namespace_of(pid_t pid, const char* ns);
 // namespaces, as the placeholder's child; 0 when the output names no copy.
 pid_t restored_into(const std::string& restore_json, pid_t placeholder_pid);
 
-// The test workload under the shim, as a source container runs it, and the placeholder.
+// The test workload under the shim, as a source container runs it, and the placeholder. Its 48
+// threads (as many as a PyTorch process has) make a restore into the placeholder need thread ids
+// that CRIU's helpers would otherwise take (container::EnterSpec::last_pid).
 std::vector<std::string> shimmed_workload();
 std::vector<std::string> placeholder_args();
 
