@@ -109,7 +109,8 @@ struct GpuFacts {
 struct RootfsFileRecord {
   std::string path;  // inside the container's root
   uint64_t size = 0;
-  std::string xxh3;  // 64-bit xxh3 of the content, hex
+  std::string xxh3;      // 64-bit xxh3 of the content, hex; "" when build_id identifies it
+  std::string build_id;  // an ELF's GNU build-id, hex (container/build_id.h); "" if none
 };
 
 // The container a workload was captured from.
@@ -166,6 +167,11 @@ struct VerifyProblem {
 };
 
 struct VerifyOptions {
+  // A constructor rather than an aggregate: callers name the first members they set.
+  VerifyOptions(int threads_ = 0,
+                Reporter* reporter_ = nullptr,  // NOLINT(google-explicit-constructor)
+                std::stop_token stop_ = {})
+      : threads(threads_), reporter(reporter_), stop(std::move(stop_)) {}
   int threads = 0;  // 0: one per core
   Reporter* reporter = nullptr;
   // Once requested, no further chunk is read and checksum_tree throws Error(kInternal): a

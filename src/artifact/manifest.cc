@@ -80,7 +80,9 @@ json gpu_json(const GpuFacts& g) {
 json container_json(const ContainerRecord& c) {
   json files = json::array();
   for (const auto& f : c.rootfs_files) {
-    files.push_back({{"path", f.path}, {"size", f.size}, {"xxh3", f.xxh3}});
+    json file = {{"path", f.path}, {"size", f.size}, {"xxh3", f.xxh3}};
+    if (!f.build_id.empty()) file["build_id"] = f.build_id;
+    files.push_back(std::move(file));
   }
   return {
       {"runtime", c.runtime}, {"runtime_root", c.runtime_root}, {"id", c.id}, {"bundle", c.bundle},
@@ -285,7 +287,9 @@ class ManifestReader {
     rec.bundle = text(c, "bundle");
     rec.rootfs = text(c, "rootfs");
     for (const auto& f : objects(c, "rootfs_files")) {
-      rec.rootfs_files.push_back({text(f, "path"), size(f, "size"), text(f, "xxh3")});
+      // build_id is younger than the format: absent, the content's xxh3 identifies the file.
+      rec.rootfs_files.push_back({text(f, "path"), size(f, "size"), text(f, "xxh3"),
+                                  f.contains("build_id") ? text(f, "build_id") : std::string()});
     }
     return rec;
   }

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cctype>
 #include <map>
 #include <set>
 
@@ -43,6 +44,31 @@ void check_count(size_t count, size_t max, const char* field) {
   }
 }
 
+// The files a placeholder must hold: absolute paths in the container's root, without ".." (they
+// are opened inside that root anyway, container/runc.cc), each identified by exactly one short
+// hex string.
+void check_rootfs_files(const std::vector<RootfsFileRecord>& files) {
+  check_count(files.size(), kMaxRootfsFiles, "container files");
+  auto hex = [](const std::string& s) {
+    return s.size() <= kMaxIdentityHex &&
+           std::all_of(s.begin(), s.end(), [](char c) { return std::isxdigit(c) != 0; });
+  };
+  for (const auto& f : files) {
+    const std::filesystem::path p(f.path);
+    const bool unsafe = f.path.size() > kMaxPathBytes || !p.is_absolute() ||
+                        f.path.find('\0') != std::string::npos ||
+                        std::any_of(p.begin(), p.end(),
+                                    [](const std::filesystem::path& part) { return part == ".."; });
+    if (unsafe) {
+      throw bad("manifest lists an unsafe container file '" + shown(f.path) + "'");
+    }
+    if (f.xxh3.empty() == f.build_id.empty() || !hex(f.xxh3) || !hex(f.build_id)) {
+      throw bad("manifest identifies the container file '" + shown(f.path) +
+                "' by neither one checksum nor one build-id");
+    }
+  }
+}
+
 }  // namespace
 
 void validate_manifest(const Manifest& m) {
@@ -71,6 +97,7 @@ void validate_manifest(const Manifest& m) {
                 shown(f.path) + ", whose size makes " + std::to_string(chunks) + " chunks");
     }
   }
+  if (m.container) check_rootfs_files(m.container->rootfs_files);
   for (const auto& i : m.host_images) {
     check_path(i.file, " for a host image");
     auto listed = sizes.find(i.file);

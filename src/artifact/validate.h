@@ -22,6 +22,8 @@ inline constexpr size_t kMaxProcesses = 1 << 16;
 inline constexpr size_t kMaxHostImages = 1 << 16;
 inline constexpr size_t kMaxPhases = 1024;
 inline constexpr size_t kMaxPathBytes = 4096;
+inline constexpr size_t kMaxRootfsFiles = 1 << 16;     // files a container's workload maps
+inline constexpr size_t kMaxIdentityHex = 128;         // an xxh3 or a build-id, in hex
 inline constexpr uint64_t kMaxFileBytes = 1ull << 50;  // 1 PiB
 // The manifest itself: a capture of 1000 processes with 10 TiB of images writes ~10 MB.
 inline constexpr uint64_t kMaxManifestBytes = 64ull << 20;

@@ -219,7 +219,7 @@ int cmd_verify(const Args& args) {
   auto a = Artifact::open(args.only_artifact());
   Phases phases(*out.reporter);
   auto problems = phases.run("verify", [&] {
-    return a.verify({.threads = 0, .reporter = out.reporter.get(), .stop = {}});
+    return a.verify({0, out.reporter.get()});
   });
   if (out.json) {
     json list = json::array();

@@ -1,7 +1,9 @@
 #include "container/runc.h"
 
 #include <fcntl.h>
+#include <linux/openat2.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -16,6 +18,7 @@
 #include "common/fd.h"
 #include "common/fs.h"
 #include "common/subprocess.h"
+#include "container/build_id.h"
 #include "container/runtime_root.h"
 #include "gpusnap/error.h"
 
@@ -94,14 +97,34 @@ void refuse_unusable(const State& state) {
 
 struct FileIdentity {
   uint64_t size = 0;
-  std::string xxh3;
+  std::string xxh3;      // of the whole content: a file that is not an ELF with a build-id
+  std::string build_id;  // an ELF's GNU build-id (container/build_id.h)
 };
 
-// Size and content checksum of a file, or nullopt when it cannot be read.
-std::optional<FileIdentity> identify(const std::string& path) {
-  common::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+// A container's root directory, as process `pid` sees it, for identify().
+common::UniqueFd open_root(pid_t pid) {
+  const auto path = "/proc/" + std::to_string(pid) + "/root";
+  common::UniqueFd fd(::open(path.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  if (!fd) throw sys_error("open " + path, errno);
+  return fd;
+}
+
+// Size and identity of the file at `path` in the container's root `root`, or nullopt when it
+// cannot be read. The path is resolved inside that root, its symbolic links and ".." included
+// (RESOLVE_IN_ROOT): a path from a manifest never reaches a file of the host.
+std::optional<FileIdentity> identify(int root, const std::string& path) {
+  open_how how{};
+  how.flags = O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK;
+  how.resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS;
+  common::UniqueFd fd(
+      static_cast<int>(::syscall(SYS_openat2, root, path.c_str(), &how, sizeof how)));
   struct stat st {};
   if (!fd || ::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) return std::nullopt;
+  FileIdentity id{static_cast<uint64_t>(st.st_size), "", ""};
+  if (auto build_id = gnu_build_id(fd.get())) {
+    id.build_id = *build_id;
+    return id;
+  }
   std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(),
                                                                  XXH3_freeState);
   XXH3_64bits_reset(state.get());
@@ -116,7 +139,8 @@ std::optional<FileIdentity> identify(const std::string& path) {
   char hex[17];
   std::snprintf(hex, sizeof hex, "%016llx",
                 static_cast<unsigned long long>(XXH3_64bits_digest(state.get())));
-  return FileIdentity{static_cast<uint64_t>(st.st_size), hex};
+  id.xxh3 = hex;
+  return id;
 }
 
 // The files a process maps (its executable, its libraries), as paths in its root.
@@ -227,11 +251,11 @@ ContainerRecord describe(const CaptureTarget& target, const std::vector<proc::Pr
                       target.state.rootfs.string(),
                       {},
                       target.state.runtime_root.string()};
-  auto root = "/proc/" + std::to_string(target.root) + "/root";
+  const auto root = open_root(target.root);
   for (const auto& path : paths) {
-    auto id = identify(root + path);
+    auto id = identify(root.get(), path);
     if (!id) continue;  // gone since: CRIU decides what that means
-    rec.rootfs_files.push_back({path, id->size, id->xxh3});
+    rec.rootfs_files.push_back({path, id->size, id->xxh3, id->build_id});
   }
   return rec;
 }
@@ -270,17 +294,18 @@ Placeholder placeholder_target(const ContainerRef& ref, const Manifest& manifest
                                         "restored workload",
                 "start a new placeholder container for this restore");
   }
-  auto root = "/proc/" + std::to_string(p.state.pid) + "/root";
+  const auto root = open_root(p.state.pid);
   for (const auto& f : manifest.container->rootfs_files) {
-    auto id = identify(root + f.path);
+    auto id = identify(root.get(), f.path);
     std::string problem;
     if (!id) {
       problem = "has no " + f.path;
     } else if (id->size != f.size) {
       problem = "has another " + f.path + " (" + std::to_string(id->size) + " bytes, captured " +
                 std::to_string(f.size) + ")";
-    } else if (id->xxh3 != f.xxh3) {
-      problem = "has another " + f.path + " (same size, other content)";
+    } else if (!f.build_id.empty() ? id->build_id != f.build_id : id->xxh3 != f.xxh3) {
+      problem = "has another " + f.path + " (same size, other " +
+                (!f.build_id.empty() ? "build-id" : "content") + ")";
     }
     if (!problem.empty()) {
       throw Error(ErrorKind::kIncompatible,

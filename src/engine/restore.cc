@@ -425,10 +425,7 @@ class Restore {
     if (options_.verify && gpu_plan.has_gpu_state && arriving == nullptr) {
       verify_in_background();
     } else if (options_.verify && !gpu_plan.has_gpu_state) {
-      phases_.run("verify", [&] {
-        check(artifact.verify(
-            VerifyOptions{.threads = 0, .reporter = &phases_.reporter(), .stop = {}}));
-      });
+      phases_.run("verify", [&] { check(artifact.verify(VerifyOptions{0, &phases_.reporter()})); });
     }
     WaitOnExit<std::vector<VerifyProblem>> verify_joiner{verifying};
     if (arriving != nullptr) {

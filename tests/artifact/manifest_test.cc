@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <string>
+#include <utility>
 #include <vector>
 #include <nlohmann/json.hpp>
 
@@ -152,7 +153,8 @@ TEST(ManifestTest, RoundTripsAContainerCapture) {
                                 "web-1",
                                 "/var/lib/c/web-1",
                                 "/var/lib/c/web-1/rootfs",
-                                {{"/bin/app", 12345, "8af223c2582302de"}},
+                                {{"/bin/app", 12345, "8af223c2582302de", ""},
+                                 {"/lib/libc.so.6", 2000, "", "571d98e01096d5c1c32420d2"}},
                                 "/run/containerd/runc/k8s.io"};
   const Manifest back = Manifest::from_json(m.to_json());
   EXPECT_EQ(back.to_json(), m.to_json());
@@ -162,10 +164,47 @@ TEST(ManifestTest, RoundTripsAContainerCapture) {
   EXPECT_EQ(back.container->id, "web-1");
   EXPECT_EQ(back.container->bundle, "/var/lib/c/web-1");
   EXPECT_EQ(back.container->rootfs, "/var/lib/c/web-1/rootfs");
-  ASSERT_EQ(back.container->rootfs_files.size(), 1u);
+  ASSERT_EQ(back.container->rootfs_files.size(), 2u);
   EXPECT_EQ(back.container->rootfs_files[0].path, "/bin/app");
   EXPECT_EQ(back.container->rootfs_files[0].size, 12345u);
   EXPECT_EQ(back.container->rootfs_files[0].xxh3, "8af223c2582302de");
+  EXPECT_EQ(back.container->rootfs_files[0].build_id, "");
+  EXPECT_EQ(back.container->rootfs_files[1].build_id, "571d98e01096d5c1c32420d2");
+  EXPECT_EQ(back.container->rootfs_files[1].xxh3, "");
+  // A manifest written before build-ids identifies every file by its content.
+  json doc = m.to_json();
+  doc["container"]["rootfs_files"].erase(1);
+  EXPECT_EQ(Manifest::from_json(doc).container->rootfs_files[0].xxh3, "8af223c2582302de");
+}
+
+// A container's files are opened inside the placeholder's root, but a forged list is refused
+// before that: a relative path, a "..", an identity that is not one short hex string.
+TEST(ManifestTest, RefusesForgedContainerFiles) {
+  const std::string huge(200, 'a');
+  const std::vector<std::pair<RootfsFileRecord, std::string>> cases = {
+      {{"bin/app", 1, "ab", ""}, "manifest lists an unsafe container file 'bin/app'"},
+      {{"/lib/../../etc/shadow", 1, "ab", ""},
+       "manifest lists an unsafe container file '/lib/../../etc/shadow'"},
+      {{"/bin/app", 1, "", ""},
+       "manifest identifies the container file '/bin/app' by neither one checksum nor one "
+       "build-id"},
+      {{"/bin/app", 1, "ab", "cd"},
+       "manifest identifies the container file '/bin/app' by neither one checksum nor one "
+       "build-id"},
+      {{"/bin/app", 1, "", "not hex"},
+       "manifest identifies the container file '/bin/app' by neither one checksum nor one "
+       "build-id"},
+      {{"/bin/app", 1, huge, ""},
+       "manifest identifies the container file '/bin/app' by neither one checksum nor one "
+       "build-id"}};
+  for (const auto& [file, message] : cases) {
+    SCOPED_TRACE(file.path);
+    Manifest m = full_manifest();
+    m.container = ContainerRecord{"runc", "web-1", "/b", "/b/rootfs", {file}, ""};
+    Error e = catch_error([&] { Manifest::from_json(m.to_json()); });
+    EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+    EXPECT_EQ(e.what(), message);
+  }
 }
 
 // The GPU and container sections are typed like the rest: a malformed one is a bad artifact
@@ -206,7 +245,8 @@ TEST(ManifestTest, MalformedGpuOrContainerSectionIsABadArtifactNamingTheField) {
   for (const auto& c : cases) {
     SCOPED_TRACE(c.pointer);
     Manifest m = full_manifest();
-    m.container = ContainerRecord{"runc", "web-1", "/b", "/b/rootfs", {{"/bin/app", 1, "ab"}}};
+    m.container =
+        ContainerRecord{"runc", "web-1", "/b", "/b/rootfs", {{"/bin/app", 1, "ab", ""}}, ""};
     json doc = m.to_json();
     doc[json::json_pointer(c.pointer)] = c.value;
     Error e = catch_error([&] { Manifest::from_json(doc); });

@@ -183,6 +183,24 @@ TEST_F(ContainerTest, RefusesWhatItCannotCaptureOrRestoreInto) {
                 "/bin/gpusnap-test-workload (" +
                 std::to_string(size + 1) + " bytes, captured " + std::to_string(size) + ")");
   EXPECT_TRUE(proc::children(other_placeholder->pid()).empty());
+  // Same size, another build: executables and libraries are told apart by their build-id.
+  auto rebuilt = bundle("rebuilt", placeholder_args());
+  {
+    const auto binary = rebuilt / "rootfs/bin/gpusnap-test-workload";
+    std::string bytes = fs::read_file(binary);
+    const std::string header("\x04\0\0\0\x14\0\0\0\x03\0\0\0GNU\0", 16);
+    const auto at = bytes.find(header);
+    ASSERT_NE(at, std::string::npos) << "no GNU build-id note in the test workload";
+    bytes[at + header.size()] ^= 1;
+    std::ofstream(binary, std::ios::binary | std::ios::trunc) << bytes;
+  }
+  auto rebuilt_placeholder = start("rebuilt", rebuilt);
+  auto other_build = restore(snap, *rebuilt_placeholder);
+  EXPECT_EQ(other_build.exit_code, 5);
+  EXPECT_EQ(error_message(other_build),
+            describe(*rebuilt_placeholder) +
+                "'s root filesystem differs from the captured container's: it has another "
+                "/bin/gpusnap-test-workload (same size, other build-id)");
 
   // Every refusal left the placeholder waiting: it takes the snapshot now, and only once.
   ASSERT_EQ(restore(snap, *placeholder).exit_code, 0);
