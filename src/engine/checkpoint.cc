@@ -535,6 +535,7 @@ class Checkpoint {
     o.threads = io_threads();
     o.chunk_bytes = manifest.chunk_bytes;
     o.file_bytes = options_.host_image_file_bytes;
+    if (target_ && !before.empty()) o.visible_dir = container_host_images_dir(writer);
     for (const auto& [pid, maps] : before) {
       auto ranges = engine::new_anonymous_ranges(maps, common::read_mappings(pid),
                                                  engine::kMinHostImageBytes);
@@ -548,6 +549,22 @@ class Checkpoint {
           "the artifact is on a tmpfs without huge pages: its host images are written and mapped "
           "4 KiB at a time; a tmpfs mounted with huge=within_size stores and restores them "
           "faster (docs/benchmarks.md)");
+    }
+  }
+
+  // A container's processes open their host images through a mount of the folder in their /tmp
+  // (writable, which CRIU needs there anyway): kept until the capture ends, as CRIU's dump
+  // finds the files through it. "" (with a note) when it cannot be made: that memory then goes
+  // through CRIU's pages, as before.
+  std::filesystem::path container_host_images_dir(const artifact::ArtifactWriter& writer) {
+    const auto dir = writer.staging() / engine::kHostImageDir;
+    try {
+      std::filesystem::create_directories(dir);
+      images_mount_.emplace(options_.pid, dir, "/tmp/.gpusnap-host-images", true);
+      return images_mount_->path();
+    } catch (const std::exception& e) {
+      phases_.reporter().note(std::string("host images: ") + e.what());
+      return {};
     }
   }
 
@@ -645,6 +662,8 @@ class Checkpoint {
   // background): seal need not read them.
   std::vector<FileRecord> hashed_files_;
   engine::TierContents tier_;  // what the workload's memory tier drained at the pause
+  // A container's host-images folder mounted into it (container_host_images_dir()).
+  std::optional<container::MountInside> images_mount_;
   std::unique_ptr<gpu::Driver> owned_driver_;
 };
 

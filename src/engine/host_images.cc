@@ -103,10 +103,26 @@ std::string criu_file_key(int fd) {
   return key.str();
 }
 
+// The CRIU key of the file mapped at `range.start` in `pid`, as that process reaches it:
+// /proc/PID/map_files opens the mapping's own file, mount included.
+std::string mapped_file_key(pid_t pid, const Range& range) {
+  for (const auto& m : common::read_mappings(pid)) {
+    if (m.start != range.start) continue;
+    std::ostringstream link;
+    link << "/proc/" << pid << "/map_files/" << std::hex << m.start << "-" << m.end;
+    common::UniqueFd fd(::open(link.str().c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd) throw sys_error("open " + link.str(), errno);
+    return criu_file_key(fd.get());
+  }
+  throw Error(ErrorKind::kInternal,
+              "no mapping at the start of a host image of process " + std::to_string(pid));
+}
+
 struct ImageFile {
   Range range;
   uint64_t pad = 0;  // the hole before the range's first byte in the file
   std::filesystem::path path;
+  std::filesystem::path seen;  // the path as the process opens it ("": `path`)
   common::UniqueFd fd;
   unsigned char* map = nullptr;  // the file, mapped shared for writing
   std::atomic<uint64_t> stored{0};
@@ -237,7 +253,7 @@ void remap(pid_t pid, std::vector<ImageFile>& files, const std::vector<common::M
                     " is stored through CRIU");
       continue;
     }
-    std::string path = std::filesystem::absolute(f.path).string();
+    std::string path = std::filesystem::absolute(f.seen.empty() ? f.path : f.seen).string();
     thread.write_memory(static_cast<uint64_t>(scratch), path.c_str(), path.size() + 1);
     long fd = thread.syscall(SYS_openat, static_cast<uint64_t>(AT_FDCWD),
                              static_cast<uint64_t>(scratch), O_RDONLY | O_CLOEXEC, 0);
@@ -407,8 +423,9 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ra
       if (r.end - at <= segment) break;
     }
   }
-  // The process opens the file by the path gpusnap sees: only in the same mount namespace.
-  if (ns_of(std::to_string(pid), "mnt") != ns_of("self", "mnt")) {
+  // The process opens the file by the path gpusnap sees, unless the caller made the folder
+  // reachable from its mount namespace at another path.
+  if (options.visible_dir.empty() && ns_of(std::to_string(pid), "mnt") != ns_of("self", "mnt")) {
     reporter.note("process " + std::to_string(pid) +
                   " lives in another mount namespace: its GPU memory is stored through CRIU");
     return {};
@@ -424,6 +441,7 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ra
       std::ostringstream name;
       name << pid << "-" << std::hex << ranges[i].start << ".img";
       f.path = dir / name.str();
+      if (!options.visible_dir.empty()) f.seen = options.visible_dir / name.str();
       f.fd.reset(::open(f.path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0400));
       if (!f.fd)
         throw Error(ErrorKind::kEnvironment,
@@ -457,7 +475,7 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ra
   auto maps = common::read_mappings(pid);
   for (auto& f : files) {
     if (f.path.empty()) continue;
-    if (!f.fd || !mapped_from(maps, f.range, f.path, f.pad)) {
+    if (!f.fd || !mapped_from(maps, f.range, f.seen.empty() ? f.path : f.seen, f.pad)) {
       f.fd.reset();
       std::error_code ec;
       std::filesystem::remove(f.path, ec);
@@ -469,7 +487,9 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ra
     rec.end = f.range.end;
     rec.file = std::filesystem::relative(f.path, artifact_root).string();
     rec.file_offset = f.pad;
-    rec.criu_key = criu_file_key(f.fd.get());
+    // CRIU names the file by the mount the process reached it through: a folder mounted into a
+    // container is another mount than gpusnap's, so the key is read from the mapping itself.
+    rec.criu_key = f.seen.empty() ? criu_file_key(f.fd.get()) : mapped_file_key(pid, f.range);
     rec.stored_bytes = f.stored;
     total += f.range.size();
     stored += rec.stored_bytes;

@@ -72,6 +72,11 @@ struct HostImageOptions {
   // Threads filling one file share its page cache; several files spread that, at the cost of
   // one mapping per file in the process (measured on the H200: docs/benchmarks.md).
   uint64_t file_bytes = 0;
+  // The host-images folder as the process reaches it: "" for gpusnap's own path, which a process
+  // in another mount namespace cannot open (its memory is then left to CRIU). A container's
+  // capture mounts the folder into the container and names the mount point here
+  // (container/mount.h).
+  std::filesystem::path visible_dir;
 };
 
 // Copies `pid`'s memory at each range into `artifact_root/host-images/` and remaps it there, as
