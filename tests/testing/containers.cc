@@ -86,36 +86,74 @@ stdfs::path make_bundle(const stdfs::path& dir, const std::vector<std::string>& 
   return dir;
 }
 
-stdfs::path make_python_bundle(const stdfs::path& dir, const std::vector<std::string>& args) {
-  make_bundle(dir, args);
-  // The busybox root make_bundle() made gives way to the host's programs.
+std::optional<std::string> host_container_blocker() {
+  if (auto why = system_test_blocker()) return why;
+  if (!common::run_capture({"runc", "--version"}).status.ok()) {
+    return std::string("runc is not on the PATH (apt-get install runc, or carry one)");
+  }
+  return std::nullopt;
+}
+
+stdfs::path make_python_bundle(const stdfs::path& dir, const std::vector<std::string>& args,
+                               bool gpu, const stdfs::path& data) {
   auto rootfs = dir / "rootfs";
-  stdfs::remove_all(rootfs);
-  for (const char* d : {"usr", "etc", "proc", "dev", "sys", "tmp", "control", "tests", "gpusnap"}) {
+  for (const char* d :
+       {"usr", "etc", "opt", "proc", "dev", "sys", "tmp", "control", "tests", "gpusnap", "data"}) {
     stdfs::create_directories(rootfs / d);
   }
   for (const char* link : {"bin", "lib", "lib64", "sbin"}) {
     stdfs::create_symlink(std::string("usr/") + link, rootfs / link);
   }
-  write(rootfs / "gpusnap/gpusnap", "");
-  write(rootfs / "gpusnap/libgpusnap-preload.so", "");
+  auto spec = common::run_capture({"runc", "spec", "--bundle", dir.string()});
+  EXPECT_TRUE(spec.status.ok()) << spec.output;
   auto config = json::parse(fs::read_file(dir / "config.json"));
+  config["process"]["terminal"] = false;
+  config["process"]["args"] = args;
+  auto& env = config["process"]["env"];
+  env = json::array({"HOME=/tmp", "GPUSNAP_CONTROL_DIR=/control", "PYTHONPATH=/tests",
+                     "PYTHONDONTWRITEBYTECODE=1"});
+  const char* path = std::getenv("PATH");  // NOLINT(concurrency-mt-unsafe): read, never set
+  env.push_back(std::string("PATH=") + (gpu && path != nullptr ? path : "/usr/bin:/bin"));
   auto& mounts = config["mounts"];
-  for (auto& m : mounts) {
-    const auto dest = m.at("destination").get<std::string>();
-    if (dest.rfind("/bin/", 0) == 0) m["destination"] = "/gpusnap/" + dest.substr(5);
-  }
-  auto bind_ro = [&](const std::string& source, const std::string& destination) {
+  auto bind = [&](const stdfs::path& source, const std::string& destination, bool read_only) {
     mounts.push_back({{"destination", destination},
                       {"type", "bind"},
-                      {"source", source},
-                      {"options", {"rbind", "ro"}}});
+                      {"source", stdfs::canonical(source).string()},
+                      {"options", {"rbind", read_only ? "ro" : "rw"}}});
   };
-  bind_ro("/usr", "/usr");
-  bind_ro("/etc", "/etc");
-  bind_ro(stdfs::canonical(build_path("tests")).string(), "/tests");
-  config["process"]["env"].push_back("PYTHONPATH=/tests");
-  config["process"]["env"].push_back("PYTHONDONTWRITEBYTECODE=1");
+  bind("/usr", "/usr", true);
+  bind("/etc", "/etc", true);
+  bind(build_path("tests"), "/tests", true);
+  for (const char* file : {"libgpusnap-preload.so", "libgpusnap-tier.so"}) {
+    write(rootfs / "gpusnap" / file, "");
+    bind(build_path(file), std::string("/gpusnap/") + file, true);
+  }
+  write(rootfs / "gpusnap/gpusnap", "");
+  bind(gpusnap_bin(), "/gpusnap/gpusnap", true);
+  if (!data.empty()) bind(data, "/data", false);
+  // CRIU, run inside the container, probes the kernel with a scratch directory in /tmp; the
+  // handshake directory is a volume of the container's own, as an emptyDir would be.
+  mounts.push_back({{"destination", "/tmp"},
+                    {"type", "tmpfs"},
+                    {"source", "tmpfs"},
+                    {"options", {"nosuid", "nodev", "mode=1777"}}});
+  mounts.push_back({{"destination", "/control"},
+                    {"type", "tmpfs"},
+                    {"source", "tmpfs"},
+                    {"options", {"nosuid", "nodev", "mode=700"}}});
+  if (gpu) {
+    if (stdfs::exists("/opt")) bind("/opt", "/opt", true);
+    const char* libs = std::getenv("LD_LIBRARY_PATH");  // NOLINT(concurrency-mt-unsafe): read
+    if (libs != nullptr) env.push_back(std::string("LD_LIBRARY_PATH=") + libs);
+    for (const char* dev : {"/dev/nvidia0", "/dev/nvidia1", "/dev/nvidiactl", "/dev/nvidia-uvm",
+                            "/dev/nvidia-uvm-tools"}) {
+      if (stdfs::exists(dev)) {
+        mounts.push_back(
+            {{"destination", dev}, {"type", "bind"}, {"source", dev}, {"options", {"bind", "rw"}}});
+      }
+    }
+    config["linux"]["resources"]["devices"] = json::array({{{"allow", true}, {"access", "rwm"}}});
+  }
   write(dir / "config.json", config.dump(2));
   return dir;
 }
@@ -151,13 +189,13 @@ json Container::state() const {
   return r.status.ok() ? json::parse(r.output) : json();
 }
 
-std::string ask_in(pid_t pid, const std::string& line) {
+std::string ask_in(pid_t pid, const std::string& line, std::chrono::milliseconds timeout) {
   std::string reply;
   // setns applies to the calling thread: a thread of its own joins the namespace and asks.
   std::thread([&] {
     common::UniqueFd ns(
         ::open(("/proc/" + std::to_string(pid) + "/ns/net").c_str(), O_RDONLY | O_CLOEXEC));
-    if (ns && ::setns(ns.get(), CLONE_NEWNET) == 0) reply = ask(kContainerPort, line);
+    if (ns && ::setns(ns.get(), CLONE_NEWNET) == 0) reply = ask(kContainerPort, line, timeout);
   }).join();
   return reply;
 }

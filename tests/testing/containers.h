@@ -6,6 +6,7 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <optional>
@@ -43,12 +44,21 @@ void make_rootfs(const std::filesystem::path& rootfs);
 std::filesystem::path make_bundle(const std::filesystem::path& dir,
                                   const std::vector<std::string>& args);
 
-// An OCI bundle in `dir` for a Python workload, as make_bundle() makes one but with the host's
-// /usr and /etc as its root filesystem (read-only binds, /bin, /lib, /lib64 and /sbin linked into
-// /usr as on a merged-/usr system), the built tests folder read-only at /tests (PYTHONPATH), and
-// gpusnap and libgpusnap-preload.so read-only in /gpusnap (/bin is the host's). Returns `dir`.
+// Why a container of the host's programs (make_python_bundle) cannot run here: no root, no CRIU,
+// no runc on the PATH (the GPU machine has none of its own: a carried one will do).
+std::optional<std::string> host_container_blocker();
+
+// An OCI bundle in `dir` for a Python workload: the host's /usr and /etc as its root filesystem
+// (read-only binds, /bin, /lib, /lib64 and /sbin linked into /usr as on a merged-/usr system),
+// the built tests folder read-only at /tests (PYTHONPATH), gpusnap and its libraries
+// (libgpusnap-preload.so, libgpusnap-tier.so) read-only in /gpusnap (/bin is the host's), a tmpfs
+// /tmp, the handshake directory /control on a tmpfs of its own, and `data` (when given)
+// writable at /data. With `gpu`: the host's /opt too (where a Python environment may live), the
+// NVIDIA device files, every device allowed, and the host's PATH and LD_LIBRARY_PATH, as a GPU
+// pod's runtime gives them. Returns `dir`.
 std::filesystem::path make_python_bundle(const std::filesystem::path& dir,
-                                         const std::vector<std::string>& args);
+                                         const std::vector<std::string>& args, bool gpu = false,
+                                         const std::filesystem::path& data = {});
 inline constexpr const char* kPythonBundleGpusnap = "/gpusnap/gpusnap";
 
 // A container run detached by runc, deleted (runc delete -f) whatever the test's outcome. Its
@@ -77,7 +87,8 @@ class Container {
 
 // One request/reply line to the workload's port in the network namespace of process `pid`;
 // "" when nothing answers.
-std::string ask_in(pid_t pid, const std::string& line);
+std::string ask_in(pid_t pid, const std::string& line,
+                   std::chrono::milliseconds timeout = std::chrono::seconds(10));
 
 // The link /proc/PID/ns/NS names (e.g. "net:[4026532]"); "" when the process is gone.
 std::string namespace_of(pid_t pid, const char* ns);
