@@ -218,9 +218,7 @@ int cmd_verify(const Args& args) {
   Output out(args);
   auto a = Artifact::open(args.only_artifact());
   Phases phases(*out.reporter);
-  auto problems = phases.run("verify", [&] {
-    return a.verify({0, out.reporter.get()});
-  });
+  auto problems = phases.run("verify", [&] { return a.verify({0, out.reporter.get()}); });
   if (out.json) {
     json list = json::array();
     for (const auto& p : problems) list.push_back({{"path", p.path}, {"problem", p.problem}});

@@ -445,8 +445,7 @@ int verify_remote(const Args& args, const std::string& reference) {
   } remove{o.output};
   // Every chunk is checked against its digest on the way in (exit 4 on the first that is not).
   auto r = store::pull(remote_ref(reference), o, reporter);
-  auto problems =
-      Artifact::open(o.output).verify({0, &reporter});
+  auto problems = Artifact::open(o.output).verify({0, &reporter});
   if (as_json) {
     json list = json::array();
     for (const auto& p : problems) list.push_back({{"path", p.path}, {"problem", p.problem}});
