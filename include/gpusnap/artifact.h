@@ -12,6 +12,7 @@
 #include <set>
 #include <stop_token>
 #include <string>
+#include <utility>
 #include <vector>
 
 // The declarations only: the manifest's JSON form (to_json/from_json) is its on-disk
@@ -167,10 +168,10 @@ struct VerifyProblem {
 };
 
 struct VerifyOptions {
-  // A constructor rather than an aggregate: callers name the first members they set.
-  VerifyOptions(int threads_ = 0,
-                Reporter* reporter_ = nullptr,  // NOLINT(google-explicit-constructor)
-                std::stop_token stop_ = {})
+  // A constructor, not an aggregate: callers pass the leading members they need, `{0, &r}`,
+  // without a warning for those they leave out. Not explicit, so that braces convert.
+  // NOLINTNEXTLINE(google-explicit-constructor)
+  VerifyOptions(int threads_ = 0, Reporter* reporter_ = nullptr, std::stop_token stop_ = {})
       : threads(threads_), reporter(reporter_), stop(std::move(stop_)) {}
   int threads = 0;  // 0: one per core
   Reporter* reporter = nullptr;
