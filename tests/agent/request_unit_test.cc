@@ -198,7 +198,7 @@ TEST(RequestBody, NestingAndLongValuesAreBoundedInMessages) {
 }
 
 TEST(RequestOptions, MapOntoTheEngineInOnePlace) {
-  EngineSettings s{"/snap", "/run/x", "/bin/gpusnap", "/criu"};
+  EngineSettings s{"/snap", "/run/x", "/bin/gpusnap", "/criu", std::nullopt};
   auto c = checkpoint_options(
       parse_checkpoint_request(
           {{"artifact", "llm"}, {"pid", 42}, {"leave_running", false}, {"handshake_timeout_s", 5}}),
@@ -230,7 +230,7 @@ TEST(RequestOptions, MapOntoTheEngineInOnePlace) {
 }
 
 TEST(RequestOptions, ContainerFieldsBecomeTheEnginesContainerOptions) {
-  EngineSettings s{"/snap", "/run/gpusnap", "/bin/gpusnap", ""};
+  EngineSettings s{"/snap", "/run/gpusnap", "/bin/gpusnap", "", std::nullopt};
   auto co = checkpoint_options(
       parse_checkpoint_request(
           {{"artifact", "llm"}, {"container", {{"id", "c1"}, {"runtime_root", "/run/x"}}}}),

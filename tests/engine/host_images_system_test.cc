@@ -419,7 +419,9 @@ TEST(HostImages, ACaptureKilledWhileTheRegionIsMadePrivateLeavesTheWorkloadWorki
       }
       return true;
     }));
-    if (was_killed) EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+    if (was_killed) {
+      EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+    }
     EXPECT_TRUE(eventually(
         [&] { return !engine::has_thread_named(source.pid(), engine::kRemapThreadName); }));
     const auto region = host_image_mapping(source.pid());
