@@ -511,9 +511,10 @@ class Restore {
     // its handshake directory, read-only, for the time of the resume.
     std::optional<container::MountInside> tier_mount, prefill_mount;
     if (into != 0) {
-      mount_for_placeholder(into, manifest, engine::kTierMountName, tier_dir, tier_mount);
+      mount_for_placeholder(into, manifest, engine::kTierMountName, tier_dir, tier_mount,
+                            Unmounted::kKeepHostPath);
       mount_for_placeholder(into, manifest, engine::kPrefillMountName, prefill_dirs[0],
-                            prefill_mount);
+                            prefill_mount, Unmounted::kLeaveOut);
     }
     std::vector<std::optional<Error>> errors(copies.size());
     {
@@ -547,13 +548,17 @@ class Restore {
     }
   }
 
+  // What a folder that cannot be mounted into a placeholder becomes. The tier's keeps the host's
+  // path, which the copy reaches when the placeholder mounts the artifact's volume at the same
+  // path, and otherwise refuses to fill (gpusnap then kills the copy: never a copy with wrong
+  // memory); the prefill's is left out, and the copy fills by itself.
+  enum class Unmounted { kKeepHostPath, kLeaveOut };
+
   // Mounts the host folder `dir` (when not "") at NAME in the placeholder's handshake
-  // directory and points `dir` there. Where that cannot be done, a note: the tier's folder keeps
-  // the host's path, which the copy reaches when the placeholder mounts the artifact's volume at
-  // the same path, and otherwise refuses to fill (gpusnap then kills the copy: never a copy with
-  // wrong memory); the prefill's folder is left out, and the copy fills by itself.
+  // directory and points `dir` there; where that cannot be done, a note, and `otherwise`.
   void mount_for_placeholder(pid_t into, const Manifest& manifest, const char* name,
-                             nlohmann::json& dir, std::optional<container::MountInside>& mount) {
+                             nlohmann::json& dir, std::optional<container::MountInside>& mount,
+                             Unmounted otherwise) {
     const auto& host = dir.get_ref<const std::string&>();
     if (host.empty()) return;
     try {
@@ -561,7 +566,7 @@ class Restore {
       dir = mount->path().string();
     } catch (const Error& e) {
       phases_.reporter().note(std::string("memory tier: ") + e.what());
-      if (std::string(name) == engine::kPrefillMountName) dir = std::string();
+      if (otherwise == Unmounted::kLeaveOut) dir = std::string();
     }
   }
 
