@@ -215,13 +215,17 @@ common::ExitStatus run_inside(const EnterSpec& spec) {
     }
     if (spec.last_pid > 0) {
       // ns_last_pid is the writer's own PID namespace's, whichever procfs it is reached through:
-      // the host's (the container's /proc/sys is read-only).
+      // the host's (the container's /proc/sys is read-only). A host whose /proc/sys is read-only
+      // too gets a line in the program's output and the program all the same: a tree with few
+      // threads restores without it, and CRIU names the clash when one happens.
       int fd = ::openat(root.get(), "proc/sys/kernel/ns_last_pid", O_WRONLY | O_CLOEXEC);
       if (fd < 0 ||
           ::write(fd, last_pid.data(), last_pid.size()) != static_cast<ssize_t>(last_pid.size())) {
-        child_fail(fail, "set the PID namespace's last pid to " + last_pid);
+        const std::string line = "gpusnap: cannot set the PID namespace's last pid to " + last_pid +
+                                 ": " + errno_text(errno) + "\n";
+        (void)::write(2, line.data(), line.size());
       }
-      ::close(fd);
+      if (fd >= 0) ::close(fd);
     }
     for (int fd : spec.inherit_fds) {
       int flags = ::fcntl(fd, F_GETFD);

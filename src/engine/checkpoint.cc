@@ -560,7 +560,7 @@ class Checkpoint {
     const auto dir = writer.staging() / engine::kHostImageDir;
     try {
       std::filesystem::create_directories(dir);
-      images_mount_.emplace(options_.pid, dir, "/tmp/.gpusnap-host-images", true);
+      images_mount_.emplace(options_.pid, dir, engine::kContainerHostImageMount, true);
       return images_mount_->path();
     } catch (const std::exception& e) {
       phases_.reporter().note(std::string("host images: ") + e.what());

@@ -123,6 +123,7 @@ struct ImageFile {
   uint64_t pad = 0;  // the hole before the range's first byte in the file
   std::filesystem::path path;
   std::filesystem::path seen;  // the path as the process opens it ("": `path`)
+  const std::filesystem::path& as_seen() const { return seen.empty() ? path : seen; }
   common::UniqueFd fd;
   unsigned char* map = nullptr;  // the file, mapped shared for writing
   std::atomic<uint64_t> stored{0};
@@ -253,7 +254,7 @@ void remap(pid_t pid, std::vector<ImageFile>& files, const std::vector<common::M
                     " is stored through CRIU");
       continue;
     }
-    std::string path = std::filesystem::absolute(f.seen.empty() ? f.path : f.seen).string();
+    std::string path = std::filesystem::absolute(f.as_seen()).string();
     thread.write_memory(static_cast<uint64_t>(scratch), path.c_str(), path.size() + 1);
     long fd = thread.syscall(SYS_openat, static_cast<uint64_t>(AT_FDCWD),
                              static_cast<uint64_t>(scratch), O_RDONLY | O_CLOEXEC, 0);
@@ -475,7 +476,7 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ra
   auto maps = common::read_mappings(pid);
   for (auto& f : files) {
     if (f.path.empty()) continue;
-    if (!f.fd || !mapped_from(maps, f.range, f.seen.empty() ? f.path : f.seen, f.pad)) {
+    if (!f.fd || !mapped_from(maps, f.range, f.as_seen(), f.pad)) {
       f.fd.reset();
       std::error_code ec;
       std::filesystem::remove(f.path, ec);

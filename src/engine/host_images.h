@@ -44,6 +44,9 @@ namespace gpusnap::engine {
 
 inline constexpr uint64_t kMinHostImageBytes = 64ull << 20;
 inline constexpr const char* kHostImageDir = "host-images";
+// Where a container's processes reach that folder of the staging directory: mounted there for
+// the capture (container/mount.h; CRIU needs the container's /tmp writable anyway).
+inline constexpr const char* kContainerHostImageMount = "/tmp/.gpusnap-host-images";
 
 struct Range {
   uint64_t start = 0;
