@@ -296,9 +296,17 @@ int cmd_init(const Args& args) {
     if (!args.rest().empty() || !args.positional().empty()) {
       throw args.usage_error("init --placeholder takes no command");
     }
+    if (args.has("--memory-tier")) {
+      // A copy keeps the allocator its snapshot's process had: nothing to install at a restore.
+      throw args.usage_error(
+          "init --placeholder takes no --memory-tier (a restored copy has the tier its snapshot "
+          "had): give it to the `gpusnap init` that starts the workload to capture");
+    }
     return engine::placeholder_main();
   }
-  return engine::shim_main(args.rest().empty() ? args.positional() : args.rest());
+  engine::ShimOptions shim;
+  shim.memory_tier = args.has("--memory-tier");
+  return engine::shim_main(args.rest().empty() ? args.positional() : args.rest(), shim);
 }
 
 int cmd_recover(const Args& args) {
@@ -423,13 +431,19 @@ std::vector<Command> commands() {
         kHelp},
        cmd_restore},
       {"init",
-       "gpusnap init [--placeholder] [-- COMMAND [ARGS...]]",
+       "gpusnap init [--placeholder | --memory-tier] [-- COMMAND [ARGS...]]",
        "PID 1 of a container. With a command: run it (in its own session, with\n"
        "libgpusnap-preload.so in LD_PRELOAD), reap orphans, pass SIGTERM, SIGINT and SIGHUP on\n"
        "to it, exit with its status; the container can then be captured with `checkpoint\n"
        "--container`. With --placeholder: wait until `restore\n"
-       "--into-container` puts a snapshot into this container, then do the same for it.",
-       {{"--placeholder", "", "", "wait for a snapshot to be restored into this container"}, kHelp},
+       "--into-container` puts a snapshot into this container, then do the same for it.\n"
+       "--memory-tier: as for `gpusnap run`, a PyTorch workload speaking the handshake in Python\n"
+       "gets the memory tier when it imports torch, through gpusnap's Python folder (python/\n"
+       "beside this gpusnap: /opt/gpusnap/bin/python on a node, or $GPUSNAP_PYTHON_SITE).",
+       {{"--placeholder", "", "", "wait for a snapshot to be restored into this container"},
+        {"--memory-tier", "", "",
+         "have a Python workload install the memory tier when it imports torch"},
+        kHelp},
        cmd_init},
       {"recover",
        "gpusnap recover [--pid PID]",

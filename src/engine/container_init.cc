@@ -16,6 +16,7 @@
 #include "engine/copy_init.h"
 #include "engine/preflight.h"
 #include "engine/preload.h"
+#include "engine/python_site.h"
 #include "gpusnap/error.h"
 
 namespace gpusnap::engine {
@@ -37,11 +38,14 @@ bool is_our_child(pid_t pid) {
 
 int adopt_signal() { return SIGRTMIN + 2; }
 
-int shim_main(const std::vector<std::string>& command) {
+int shim_main(const std::vector<std::string>& command, const ShimOptions& options) {
   if (command.empty()) {
     throw Error(ErrorKind::kUsage, "init needs a command",
                 "use `gpusnap init -- CMD ARGS...` or `gpusnap init --placeholder`");
   }
+  // Before anything else, as it may refuse: a folder named that is not there.
+  std::vector<std::string> tier_env;
+  if (options.memory_tier) tier_env = memory_tier_environment(find_python_site());
   become_init();
   common::SpawnOptions o;
   o.argv = command;
@@ -54,6 +58,7 @@ int shim_main(const std::vector<std::string>& command) {
   // driver's checkpoint of CMD then populates its host memory in parallel.
   if (auto preload = preload_environment()) o.env_add.push_back(*preload);
   for (auto& setting : capturable_environment()) o.env_add.push_back(std::move(setting));
+  for (auto& setting : tier_env) o.env_add.push_back(std::move(setting));
   common::Subprocess child(o);
   pid_t pid = child.release();  // supervise() reaps it, with every orphan
   return supervise(pid, {});

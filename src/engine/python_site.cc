@@ -24,10 +24,9 @@ bool is_site_folder(const std::filesystem::path& dir) {
 std::filesystem::path find_python_site() {
   const std::string fix =
       std::string("point ") + kPythonSiteEnv +
-      " at gpusnap's Python folder (python/ beside gpusnap in a build tree, " +
-      kInstalledPythonSite +
-      " on a node), or run without --memory-tier and call gpusnap_handshake.use_memory_tier() "
-      "in the workload";
+      " at gpusnap's Python folder (python/ beside gpusnap: the build tree's, or "
+      "/opt/gpusnap/bin/python on a node), or run without --memory-tier and call "
+      "gpusnap_handshake.use_memory_tier() in the workload";
   if (const char* named = std::getenv(kPythonSiteEnv); named != nullptr && *named != '\0') {
     auto dir = std::filesystem::absolute(named);
     if (!is_site_folder(dir)) {

@@ -17,7 +17,8 @@ namespace gpusnap::engine {
 inline constexpr const char* kPythonSiteEnv = "GPUSNAP_PYTHON_SITE";
 // "1" asks the site folder's sitecustomize to install the tier (python/gpusnap_site/).
 inline constexpr const char* kMemoryTierEnv = "GPUSNAP_MEMORY_TIER";
-// Where a node's install puts the folder, when there is none beside the gpusnap binary.
+// A host-wide place for the folder, when there is none beside the gpusnap binary. A node's
+// install (deploy/) puts it beside: /opt/gpusnap/bin/python, which pods mount with gpusnap.
 inline constexpr const char* kInstalledPythonSite = "/opt/gpusnap/python";
 
 // The site folder: $GPUSNAP_PYTHON_SITE when set and not empty, else python/ beside the running

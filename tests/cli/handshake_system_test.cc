@@ -518,9 +518,9 @@ TEST(Handshake, RunWithMemoryTierRefusesAMissingPythonSiteFolder) {
                          (dir / "no-such-folder").string() +
                          ", which holds no readable sitecustomize.py and gpusnap_handshake.py "
                          "(fix: point GPUSNAP_PYTHON_SITE at gpusnap's Python folder (python/ "
-                         "beside gpusnap in a build tree, /opt/gpusnap/python on a node), or run "
-                         "without --memory-tier and call gpusnap_handshake.use_memory_tier() in "
-                         "the workload)\n");
+                         "beside gpusnap: the build tree's, or /opt/gpusnap/bin/python on a "
+                         "node), or run without --memory-tier and call "
+                         "gpusnap_handshake.use_memory_tier() in the workload)\n");
   EXPECT_FALSE(std::filesystem::exists(snap));
   EXPECT_EQ(launched(), before);  // no launch directory left behind
 }

@@ -22,6 +22,7 @@
 #include "common/fs.h"
 #include "common/proc.h"
 #include "common/subprocess.h"
+#include "engine/python_site.h"
 #include "gpu/fake_driver.h"
 #include "gpusnap/checkpoint.h"
 #include "gpusnap/restore.h"
@@ -330,6 +331,48 @@ TEST_F(ContainerTest, MemoryTierDrainsAndFillsThroughAMountInTheHandshakeDirecto
   EXPECT_EQ(ask_in(source->pid(), "CHECK"), "OK");
 }
 
+// `gpusnap init --memory-tier`: a Python workload in a container that speaks the handshake and
+// never calls use_memory_tier() gets the tier at its `import torch` (PyTorch's stand-in here),
+// through the site folder beside the container's gpusnap (/gpusnap/python, as a node's
+// /opt/gpusnap/bin/python) and the real libgpusnap-tier.so beside the preload library; the
+// container is then captured through the handshake. The GPU test of the same route outside a
+// container is MemoryTier.GpusnapRunInstallsTheTierWithoutTheOneLine.
+TEST_F(ContainerTest, InitWithMemoryTierInstallsTheTierWhenThePythonWorkloadImportsTorch) {
+  SKIP_WITHOUT_RUNC();
+  const auto data = dir_ / "data";
+  stdfs::create_directories(data);
+  const auto bundle_dir =
+      make_python_bundle(dir_ / "source",
+                         {kPythonBundleGpusnap, "init", "--memory-tier", "--", "/usr/bin/python3",
+                          "/tests/tier_site_probe.py", "--report", "/data/report.json"},
+                         false, data);
+  // The stand-in on the container's own PYTHONPATH, after the tests folder's place in it.
+  auto config = json::parse(fs::read_file(bundle_dir / "config.json"));
+  for (auto& e : config["process"]["env"]) {
+    if (e == "PYTHONPATH=/tests") e = "PYTHONPATH=/tests/torch_standin:/tests";
+  }
+  config["process"]["env"].push_back("TORCH_STANDIN_LOG=/data/torch.log");
+  fs::write_file(bundle_dir / "config.json", config.dump(2));
+  auto source = start("source", bundle_dir);
+  const auto report_path = data / "report.json";
+  ASSERT_TRUE(eventually([&] { return stdfs::exists(report_path); }))
+      << "the workload wrote no report in its container";
+  const json report = json::parse(fs::read_file(report_path));
+  EXPECT_EQ(report["PYTHONPATH"], "/gpusnap/python:/tests/torch_standin:/tests");
+  EXPECT_EQ(report["GPUSNAP_MEMORY_TIER"], "1");
+  // Installed once, after torch's own code ran, with the library beside the preload library.
+  EXPECT_EQ(report["torch_log"],
+            json({"import-begin", "import-end",
+                  "allocator /gpusnap/libgpusnap-tier.so tier_malloc tier_free",
+                  "change_current_allocator"}));
+  EXPECT_EQ(report["tier_path"], "/gpusnap/libgpusnap-tier.so");
+  EXPECT_EQ(report["handshake_file"], "/gpusnap/python/gpusnap_handshake.py");
+
+  auto cp = checkpoint(*source, dir_ / "snap");
+  ASSERT_EQ(cp.exit_code, 0) << cp.out << cp.err;
+  EXPECT_TRUE(json::parse(cp.out).at("handshake").get<bool>()) << cp.out;
+}
+
 // Phase names and notes of an in-process capture or restore.
 class Recorder final : public Reporter {
  public:
@@ -422,6 +465,24 @@ TEST(ContainerInit, RunsTheCommandAndExitsWithItsStatus) {
   EXPECT_EQ(ok.status.code, 7) << ok.output;
   auto usage = gpusnap({"init", "--placeholder", "--", "/bin/true"});
   EXPECT_EQ(usage.exit_code, 2);
+}
+
+TEST(ContainerInit, MemoryTierIsRefusedToAPlaceholderAndWithoutTheSiteFolder) {
+  auto placeholder = gpusnap({"init", "--placeholder", "--memory-tier"});
+  EXPECT_EQ(placeholder.exit_code, 2) << placeholder.err;
+  EXPECT_NE(placeholder.err.find("init --placeholder takes no --memory-tier"), std::string::npos)
+      << placeholder.err;
+  // No site folder where the variable points: a usage error naming it, and CMD never starts.
+  TempDir dir;
+  ScopedEnv site(engine::kPythonSiteEnv, (dir / "no-such-folder").string());
+  auto started = dir / "started";
+  auto r = gpusnap({"init", "--memory-tier", "--", "/bin/sh", "-c", "touch " + started.string()});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("GPUSNAP_PYTHON_SITE names " + (dir / "no-such-folder").string() +
+                       ", which holds no readable sitecustomize.py and gpusnap_handshake.py"),
+            std::string::npos)
+      << r.err;
+  EXPECT_FALSE(stdfs::exists(started));
 }
 
 }  // namespace

@@ -150,12 +150,30 @@ class ImageTest(unittest.TestCase):
         installed = host_bin / "gpusnap"
         self.assertEqual(installed.stat().st_mode & 0o777, 0o755)
         self.assertEqual(sorted(p.name for p in host_bin.iterdir()),
-                         ["gpusnap", "libgpusnap-preload.so"])
-        # Next to gpusnap, where `gpusnap init` finds it for the pods' workloads.
-        self.assertEqual((host_bin / "libgpusnap-preload.so").stat().st_mode & 0o777, 0o755)
+                         ["gpusnap", "libgpusnap-preload.so", "libgpusnap-tier.so", "python"])
+        # Next to gpusnap, where `gpusnap init` finds them for the pods' workloads.
+        for lib in ("libgpusnap-preload.so", "libgpusnap-tier.so"):
+            self.assertEqual((host_bin / lib).stat().st_mode & 0o777, 0o755)
+        self.assertEqual(sorted(p.name for p in (host_bin / "python").iterdir()),
+                         ["gpusnap_handshake.py", "sitecustomize.py"])
+        for name in ("gpusnap_handshake.py", "sitecustomize.py"):
+            self.assertEqual((host_bin / "python" / name).stat().st_mode & 0o777, 0o644)
         # The host runs it as placeholder pods will: with the host's glibc alone.
         r = subprocess.run([str(installed), "--version"], capture_output=True, text=True)
         self.assertEqual(r.stdout, f"gpusnap {VERSION}\n")
+        # `gpusnap init --memory-tier` from the install, as a pod runs it: the workload's Python
+        # gets the installed folder first on its path, and the client finds the installed tier
+        # library beside the preload library.
+        probe = ("import os, gpusnap_handshake as g; "
+                 "print(os.environ['PYTHONPATH'].split(':')[0]); print(g.find_tier_library())")
+        r = subprocess.run([str(installed), "init", "--memory-tier", "--", "python3", "-c", probe],
+                           capture_output=True, text=True,
+                           env={k: v for k, v in os.environ.items()
+                                if k not in ("PYTHONPATH", "GPUSNAP_PYTHON_SITE",
+                                             "GPUSNAP_TIER_LIBRARY", "LD_PRELOAD")})
+        self.assertEqual((r.returncode, r.stdout),
+                         (0, f"{host_bin / 'python'}\n{host_bin / 'libgpusnap-tier.so'}\n"),
+                         r.stderr)
 
     def test_the_readiness_probe_sees_the_agents_socket(self):
         ds = daemonset()

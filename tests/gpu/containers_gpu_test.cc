@@ -31,22 +31,27 @@ std::optional<std::string> blocker() {
   return std::nullopt;
 }
 
-// One source container of tests/torch_tier.py (`tier_flag`, `gib` GiB), captured (the source
-// stopped) and restored into a placeholder; the copy must replay its CUDA graph to the answer and
-// hold every weight bit for bit. Returns the capture's manifest.
-json capture_and_restore(const std::string& tier_flag, double gib) {
+// One source container of tests/torch_tier.py (`tier_flag`, `gib` GiB) under `gpusnap init
+// INIT_FLAGS --`, captured (the source stopped) and restored into a placeholder; the copy must
+// replay its CUDA graph to the answer and hold every weight bit for bit. Returns the capture's
+// manifest.
+json capture_and_restore(const std::string& tier_flag, double gib,
+                         const std::vector<std::string>& init_flags = {}) {
   TempDir dir;
   const auto data = dir / "data";
   stdfs::create_directories(data);
   const std::string root = (dir / "runc").string();
   const std::string id = "gpusnap-gpu-" + fs::random_id().substr(0, 6);
-  Container source(
-      root, id + "-source",
-      make_python_bundle(dir / "source",
-                         {kPythonBundleGpusnap, "init", "--", "python3", "/tests/torch_tier.py",
-                          tier_flag, "--gib", std::to_string(gib), "--weights", "/data/weights.bin",
-                          "--port", std::to_string(kContainerPort), "--ready-file", "/data/ready"},
-                         true, data));
+  std::vector<std::string> args = {kPythonBundleGpusnap, "init"};
+  args.insert(args.end(), init_flags.begin(), init_flags.end());
+  for (const std::string& a :
+       {std::string("--"), std::string("python3"), std::string("/tests/torch_tier.py"), tier_flag,
+        std::string("--gib"), std::to_string(gib), std::string("--weights"),
+        std::string("/data/weights.bin"), std::string("--port"), std::to_string(kContainerPort),
+        std::string("--ready-file"), std::string("/data/ready")}) {
+    args.push_back(a);
+  }
+  Container source(root, id + "-source", make_python_bundle(dir / "source", args, true, data));
   EXPECT_TRUE(source.started());
   if (!eventually([&] { return stdfs::exists(data / "ready"); }, std::chrono::minutes(5))) {
     ADD_FAILURE() << "the workload did not say READY in its container";
@@ -83,6 +88,21 @@ json capture_and_restore(const std::string& tier_flag, double gib) {
 TEST(GpuContainer, WithTheMemoryTierRestoresIntoAPlaceholderBitExact) {
   GPUSNAP_SKIP_IF_BLOCKED(blocker());
   const json manifest = capture_and_restore("--tier", 4);
+  ASSERT_FALSE(manifest.is_null());
+  uint64_t tier = 0;
+  for (const auto& f : manifest.at("files")) {
+    if (f.at("path").get<std::string>().rfind("tier/", 0) == 0)
+      tier += f.at("size").get<uint64_t>();
+  }
+  EXPECT_GE(tier, 4ULL << 30);
+}
+
+// `gpusnap init --memory-tier`: the workload never calls use_memory_tier() (--tier-by-gpusnap
+// exits when no tier was installed at its `import torch`); the site folder beside the
+// container's gpusnap installs it, and its memory goes through the tier's files.
+TEST(GpuContainer, InitWithMemoryTierInstallsTheTierWithoutTheOneLine) {
+  GPUSNAP_SKIP_IF_BLOCKED(blocker());
+  const json manifest = capture_and_restore("--tier-by-gpusnap", 4, {"--memory-tier"});
   ASSERT_FALSE(manifest.is_null());
   uint64_t tier = 0;
   for (const auto& f : manifest.at("files")) {

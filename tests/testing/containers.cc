@@ -130,6 +130,9 @@ stdfs::path make_python_bundle(const stdfs::path& dir, const std::vector<std::st
   }
   write(rootfs / "gpusnap/gpusnap", "");
   bind(gpusnap_bin(), "/gpusnap/gpusnap", true);
+  // gpusnap's Python site folder beside it, as a node's /opt/gpusnap/bin/python.
+  stdfs::create_directories(rootfs / "gpusnap/python");
+  bind(build_path("python"), "/gpusnap/python", true);
   if (!data.empty()) bind(data, "/data", false);
   // CRIU, run inside the container, probes the kernel with a scratch directory in /tmp; the
   // handshake directory is a volume of the container's own, as an emptyDir would be.

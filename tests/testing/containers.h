@@ -50,8 +50,9 @@ std::optional<std::string> host_container_blocker();
 
 // An OCI bundle in `dir` for a Python workload: the host's /usr and /etc as its root filesystem
 // (read-only binds, /bin, /lib, /lib64 and /sbin linked into /usr as on a merged-/usr system),
-// the built tests folder read-only at /tests (PYTHONPATH), gpusnap and its libraries
-// (libgpusnap-preload.so, libgpusnap-tier.so) read-only in /gpusnap (/bin is the host's), a tmpfs
+// the built tests folder read-only at /tests (PYTHONPATH), gpusnap, its libraries
+// (libgpusnap-preload.so, libgpusnap-tier.so) and its Python site folder (python/) read-only in
+// /gpusnap, as a node's /opt/gpusnap/bin (/bin is the host's), a tmpfs
 // /tmp, the handshake directory /control on a tmpfs of its own, and `data` (when given)
 // writable at /data. With `gpu`: the host's /opt too (where a Python environment may live), the
 // NVIDIA device files, every device allowed, and the host's PATH and LD_LIBRARY_PATH, as a GPU
