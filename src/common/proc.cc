@@ -144,6 +144,22 @@ pid_t innermost_pid(const Process& process) {
   return process.nspid.empty() ? process.pid : process.nspid.back();
 }
 
+std::optional<std::string> environment_value(pid_t pid, std::string_view name) {
+  std::string environ;
+  if (!fs::try_read_file("/proc/" + std::to_string(pid) + "/environ", &environ)) return {};
+  // NAME=VALUE entries, each ended by a NUL.
+  for (size_t start = 0; start < environ.size();) {
+    size_t end = environ.find('\0', start);
+    if (end == std::string::npos) end = environ.size();
+    const std::string_view entry(environ.data() + start, end - start);
+    if (entry.size() > name.size() && entry.starts_with(name) && entry[name.size()] == '=') {
+      return std::string(entry.substr(name.size() + 1));
+    }
+    start = end + 1;
+  }
+  return {};
+}
+
 pid_t host_pid_in_namespace(pid_t ns_init, pid_t ns_pid) {
   std::vector<pid_t> queue{ns_init};
   for (size_t i = 0; i < queue.size(); ++i) {

@@ -5,8 +5,10 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace gpusnap::proc {
@@ -44,6 +46,9 @@ pid_t innermost_pid(const Process& process);
 // Translate a pid seen inside the namespace of `ns_init` (host pid of that namespace's init)
 // into a host pid by looking at the init's descendants. Returns 0 when not found.
 pid_t host_pid_in_namespace(pid_t ns_init, pid_t ns_pid);
+// The value `name` has in the environment process `pid` started with (/proc/PID/environ: what
+// it set later is not seen); nullopt when it has none or it cannot be read.
+std::optional<std::string> environment_value(pid_t pid, std::string_view name);
 // Joins a command line for display.
 std::string join_cmdline(const std::vector<std::string>& argv);
 

@@ -84,6 +84,27 @@ constexpr std::chrono::milliseconds kSettle{300};
 constexpr std::chrono::milliseconds kDyingGrace{500};
 constexpr std::chrono::milliseconds kSettlePoll{20};
 
+// A folder of gpusnap's own for one capture (0700), removed with everything in it when the
+// capture ends, however it ends. A killed gpusnap leaves it; the guardian removes the requests in
+// it (engine/dump_guard.h), so what stays is an empty folder.
+class CaptureFolder {
+ public:
+  explicit CaptureFolder(std::filesystem::path path) : path_(std::move(path)) {
+    std::filesystem::create_directories(path_.parent_path());
+    if (::mkdir(path_.c_str(), 0700) != 0) throw sys_error("create " + path_.string(), errno);
+  }
+  CaptureFolder(const CaptureFolder&) = delete;
+  CaptureFolder& operator=(const CaptureFolder&) = delete;
+  ~CaptureFolder() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
 // `internal`: the pipes the tree holds both ends of (proc::pipes_within). Such a pipe on a
 // standard descriptor is the tree's own plumbing (a worker's stdin and stdout to its parent):
 // it is not recorded as stdio, which a restore would give to the copy's log and /dev/null.
@@ -195,9 +216,16 @@ class Checkpoint {
     std::set<pid_t> direct;
     if (options_.host_images && options_.direct_host_images) {
       for (pid_t pid : cuda) {
-        if (engine::direct_capture_possible(pid, common::read_mappings(pid))) direct.insert(pid);
+        if (engine::direct_capture_possible(pid, common::read_mappings(pid), target_.has_value()))
+          direct.insert(pid);
       }
     }
+    // Where this capture leaves the preload library its requests: a container's processes reach
+    // them and their files through mounts, made before the room is reckoned (without them, that
+    // memory is copied).
+    const auto requests_dir = target_ && !direct.empty()
+                                  ? reach_from_container(writer, direct)
+                                  : options_.run_dir / engine::kPreloadRequestsDir;
     phases_.run("preflight", [&] {
       preflight(tree);
       engine::refuse_unsafe_nccl(tree, cuda);
@@ -220,7 +248,6 @@ class Checkpoint {
     std::optional<engine::TierChecksums> tier_sums;  // stopped first on a failure
     engine::DeathWatch watch(tree);
     auto handshake = find_handshake();
-    const auto requests_dir = options_.run_dir / engine::kPreloadRequestsDir;
     std::vector<std::filesystem::path> requests;
     requests.reserve(direct.size());
     for (pid_t pid : direct) requests.push_back(engine::preload_request_path(requests_dir, pid));
@@ -265,7 +292,8 @@ class Checkpoint {
           // Just before the driver's call, so that no other mapping of the process takes it.
           for (pid_t pid : direct) {
             direct_images.push_back(std::make_unique<engine::DirectHostImage>(
-                pid, writer.staging(), requests_dir, phases_.reporter()));
+                pid, writer.staging(), requests_dir, phases_.reporter(),
+                images_mount_ ? images_mount_->path() : std::filesystem::path()));
           }
           {
             std::vector<std::filesystem::path> files;
@@ -552,20 +580,54 @@ class Checkpoint {
     }
   }
 
-  // A container's processes open their host images through a mount of the folder in their /tmp
-  // (writable, which CRIU needs there anyway): kept until the capture ends, as CRIU's dump
-  // finds the files through it. "" (with a note) when it cannot be made: that memory then goes
-  // through CRIU's pages, as before.
-  std::filesystem::path container_host_images_dir(const artifact::ArtifactWriter& writer) {
+  // A container's processes open their host images through a mount of the folder in their /tmp:
+  // kept until the capture ends, as CRIU's dump finds the files through it. Read-only, unless
+  // the driver writes into them there (reach_from_container()). "" (with a note) when it cannot
+  // be made: that memory then goes through CRIU's pages, as before.
+  std::filesystem::path container_host_images_dir(const artifact::ArtifactWriter& writer,
+                                                  bool read_only = true) {
+    if (images_mount_) return images_mount_->path();
     const auto dir = writer.staging() / engine::kHostImageDir;
     try {
       std::filesystem::create_directories(dir);
-      images_mount_.emplace(options_.pid, dir, engine::kContainerHostImageMount, true);
+      images_mount_.emplace(options_.pid, dir, engine::kContainerHostImageMount, read_only);
       return images_mount_->path();
     } catch (const std::exception& e) {
       phases_.reporter().note(std::string("host images: ") + e.what());
       return {};
     }
+  }
+
+  // The driver's memory of a container's processes straight into the artifact, as on the host:
+  // the library in them looks for its request at kContainerPreloadRequests (`gpusnap init` set
+  // that), where a folder of this capture's own is mounted read-only, holding their requests
+  // alone (another capture's, or a request for a process elsewhere, are never in their reach);
+  // the file a request names is in the host-images folder, mounted writable for the driver's
+  // write. That folder is the staging directory's: what a process of the container could put
+  // there lands in its own artifact, listed and checksummed, and reaches nothing else. Returns
+  // the requests' folder; without either mount, `direct` is emptied (with a note) and that
+  // memory is copied after the driver's call.
+  std::filesystem::path reach_from_container(const artifact::ArtifactWriter& writer,
+                                             std::set<pid_t>& direct) {
+    auto fallback = [&](const std::string& why) {
+      phases_.reporter().note("the driver's memory of the container's processes is copied into "
+                              "the artifact after its checkpoint: " +
+                              why);
+      direct.clear();
+      requests_mount_.reset();
+      requests_folder_.reset();
+      return options_.run_dir / engine::kPreloadRequestsDir;
+    };
+    try {
+      requests_folder_.emplace(options_.run_dir / engine::kPreloadRequestsDir /
+                               ("container-" + fs::random_id().substr(0, 12)));
+      requests_mount_.emplace(options_.pid, requests_folder_->path(),
+                              engine::kContainerPreloadRequests, true);
+    } catch (const std::exception& e) {
+      return fallback(e.what());
+    }
+    if (container_host_images_dir(writer, false).empty()) return fallback("no host-images mount");
+    return requests_folder_->path();
   }
 
   // The driver's checkpoint of a process started without libgpusnap-preload.so populates its
@@ -662,7 +724,10 @@ class Checkpoint {
   // background): seal need not read them.
   std::vector<FileRecord> hashed_files_;
   engine::TierContents tier_;  // what the workload's memory tier drained at the pause
-  // A container's host-images folder mounted into it (container_host_images_dir()).
+  // A container's host-images folder mounted into it (container_host_images_dir()), and this
+  // capture's preload requests with their mount (reach_from_container()); the mounts go first.
+  std::optional<CaptureFolder> requests_folder_;
+  std::optional<container::MountInside> requests_mount_;
   std::optional<container::MountInside> images_mount_;
   std::unique_ptr<gpu::Driver> owned_driver_;
 };

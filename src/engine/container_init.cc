@@ -56,7 +56,12 @@ int shim_main(const std::vector<std::string>& command, const ShimOptions& option
   o.kill_with_parent = false;  // we are PID 1: the namespace ends with us anyway
   // The library next to this gpusnap (the node's /opt/gpusnap/bin, mounted into the pod): the
   // driver's checkpoint of CMD then populates its host memory in parallel.
-  if (auto preload = preload_environment()) o.env_add.push_back(*preload);
+  // Its requests where a capture mounts them: the driver's checkpoint then writes straight into
+  // the artifact, as for a workload on the host.
+  if (auto preload = preload_environment()) {
+    o.env_add.push_back(*preload);
+    o.env_add.push_back(std::string(kPreloadRequestsEnv) + "=" + kContainerPreloadRequests);
+  }
   for (auto& setting : capturable_environment()) o.env_add.push_back(std::move(setting));
   for (auto& setting : tier_env) o.env_add.push_back(std::move(setting));
   common::Subprocess child(o);

@@ -15,6 +15,7 @@
 
 #include "artifact/writer.h"
 #include "common/fs.h"
+#include "common/proc.h"
 #include "gpusnap/error.h"
 
 namespace gpusnap::engine {
@@ -68,15 +69,10 @@ std::vector<pid_t> cuda_processes(gpu::Driver& driver, const std::vector<proc::P
 std::set<std::string> visible_gpus(const gpu::DriverFacts& facts, const std::vector<pid_t>& pids) {
   std::set<std::string> all;
   for (const auto& g : facts.gpus) all.insert(g.uuid);
-  std::string environ;
-  if (pids.empty() ||
-      !fs::try_read_file("/proc/" + std::to_string(pids.front()) + "/environ", &environ)) {
-    return all;
-  }
-  const std::string key = "CUDA_VISIBLE_DEVICES=";
-  auto at = environ.find(key);
-  if (at == std::string::npos || (at != 0 && environ[at - 1] != '\0')) return all;
-  auto value = environ.substr(at + key.size(), environ.find('\0', at) - at - key.size());
+  if (pids.empty()) return all;
+  const auto setting = proc::environment_value(pids.front(), "CUDA_VISIBLE_DEVICES");
+  if (!setting) return all;
+  const std::string& value = *setting;
   std::set<std::string> chosen;
   for (size_t start = 0; start <= value.size();) {
     auto comma = std::min(value.find(',', start), value.size());

@@ -52,19 +52,9 @@ bool alive(pid_t pid) {
 }  // namespace
 
 std::optional<std::filesystem::path> control_dir_of(pid_t pid) {
-  std::string environ;
-  if (!fs::try_read_file("/proc/" + std::to_string(pid) + "/environ", &environ)) return {};
-  const std::string key = std::string(kControlDirEnv) + "=";
-  for (size_t start = 0; start < environ.size();) {
-    auto end = environ.find('\0', start);
-    if (end == std::string::npos) end = environ.size();
-    if (environ.compare(start, key.size(), key) == 0) {
-      auto value = environ.substr(start + key.size(), end - start - key.size());
-      if (!value.empty() && value.front() == '/') return std::filesystem::path(value);
-    }
-    start = end + 1;
-  }
-  return {};
+  auto value = proc::environment_value(pid, kControlDirEnv);
+  if (!value || value->empty() || value->front() != '/') return {};
+  return std::filesystem::path(*value);
 }
 
 bool Handshake::ready() const { return read_message(dir_ / "ready").has_value(); }

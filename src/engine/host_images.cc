@@ -505,10 +505,14 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ra
   return out;
 }
 
-bool direct_capture_possible(pid_t pid, const std::vector<common::Mapping>& maps) {
+bool direct_capture_possible(pid_t pid, const std::vector<common::Mapping>& maps,
+                             bool in_container) {
 #if defined(__x86_64__)
+  const bool reaches = in_container ? proc::environment_value(pid, kPreloadRequestsEnv) ==
+                                          std::string(kContainerPreloadRequests)
+                                    : ns_of(std::to_string(pid), "mnt") == ns_of("self", "mnt");
   std::string status;
-  if (!maps_preload_library(maps) || ns_of(std::to_string(pid), "mnt") != ns_of("self", "mnt") ||
+  if (!maps_preload_library(maps) || !reaches ||
       !fs::try_read_file("/proc/" + std::to_string(pid) + "/status", &status)) {
     return false;
   }
@@ -517,6 +521,7 @@ bool direct_capture_possible(pid_t pid, const std::vector<common::Mapping>& maps
 #else
   (void)pid;
   (void)maps;
+  (void)in_container;
   return false;
 #endif
 }
@@ -535,8 +540,9 @@ std::filesystem::path preload_request_path(const std::filesystem::path& requests
 }
 
 DirectHostImage::DirectHostImage(pid_t pid, const std::filesystem::path& artifact_root,
-                                 const std::filesystem::path& requests_dir, Reporter& reporter)
-    : pid_(pid) {
+                                 const std::filesystem::path& requests_dir, Reporter& reporter,
+                                 const std::filesystem::path& seen_dir)
+    : pid_(pid), seen_dir_(seen_dir) {
   try {
     auto dir = artifact_root / kHostImageDir;
     std::filesystem::create_directories(dir);
@@ -550,7 +556,7 @@ DirectHostImage::DirectHostImage(pid_t pid, const std::filesystem::path& artifac
       throw sys_error("create " + requests_dir.string(), errno);
     }
     auto request = preload_request_path(requests_dir, pid);
-    write_preload_request(request, file_.string() + "\n");
+    write_preload_request(request, as_seen().string() + "\n");
     request_ = request;
     remap_request_base_ = request;
   } catch (const std::exception& e) {
@@ -572,7 +578,7 @@ std::optional<HostImageRecord> DirectHostImage::adopt(const std::filesystem::pat
   auto maps = common::read_mappings(pid_);
   std::vector<const common::Mapping*> pieces;
   for (const auto& m : maps) {
-    if (m.path == file_.string()) pieces.push_back(&m);
+    if (m.path == as_seen().string()) pieces.push_back(&m);
   }
   std::error_code ec;
   if (pieces.empty()) {  // the library did not take the request: the copying path
@@ -618,7 +624,9 @@ std::optional<HostImageRecord> DirectHostImage::adopt(const std::filesystem::pat
   rec.end = range.end;
   rec.file = std::filesystem::relative(file_, artifact_root).string();
   rec.file_offset = offset;
-  rec.criu_key = criu_file_key(fd.get());
+  // CRIU names the file by the mount the process reached it through: a folder mounted into a
+  // container is another mount than gpusnap's, so the key is read from the mapping itself.
+  rec.criu_key = seen_dir_.empty() ? criu_file_key(fd.get()) : mapped_file_key(pid_, range);
   fd_ = std::move(fd);
   reporter.note("process " + std::to_string(pid_) + ": " + fs::human_bytes(range.size()) +
                 " of host memory written into the artifact by the driver's checkpoint itself");
@@ -638,10 +646,11 @@ void DirectHostImage::make_private(Reporter& reporter) {
     f.range = range_;
     f.pad = offset_;
     f.path = file_;
+    if (!seen_dir_.empty()) f.seen = as_seen();
     f.fd.reset(::dup(fd_.get()));
     remap(pid_, files, common::read_mappings(pid_), reporter);
   }
-  if (!mapped_from(common::read_mappings(pid_), range_, file_, offset_)) {
+  if (!mapped_from(common::read_mappings(pid_), range_, as_seen(), offset_)) {
     throw Error(ErrorKind::kEnvironment,
                 "process " + std::to_string(pid_) +
                     ": the driver's memory, written into the artifact, could not be made private",

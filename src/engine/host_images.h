@@ -123,10 +123,13 @@ bool all_zero(const unsigned char* data, size_t size);
 inline constexpr const char* kPreloadRequestsDir = "preload";
 
 // Whether the driver's region of `pid` can go straight into the artifact: the process maps the
-// library, lives in gpusnap's mount namespace (it opens the file by path), has no tracer and
-// the machine is x86-64 (a library without the remap watcher is remapped through ptrace's
-// injection).
-bool direct_capture_possible(pid_t pid, const std::vector<common::Mapping>& maps);
+// library, reaches the request and the file by path, has no tracer and the machine is x86-64
+// (a library without the remap watcher is remapped through ptrace's injection). Reaching them:
+// it lives in gpusnap's mount namespace, or, `in_container`, it was started with its requests
+// at kContainerPreloadRequests (preload.h), where the capture mounts them, as `gpusnap init`
+// starts a container's workload.
+bool direct_capture_possible(pid_t pid, const std::vector<common::Mapping>& maps,
+                             bool in_container = false);
 
 // The request's path for `pid`: "REQUESTS/PIDNS-PID", the process's PID namespace inode and its
 // pid there, which is what the library knows of itself.
@@ -137,9 +140,11 @@ std::filesystem::path preload_request_path(const std::filesystem::path& requests
 class DirectHostImage {
  public:
   // Creates the empty file `artifact_root/host-images/PID.img` (root's only) and the request
-  // naming it.
+  // naming it. `seen_dir`: where the process reaches that folder when not at its own path (a
+  // container's, through a mount); empty when it is.
   DirectHostImage(pid_t pid, const std::filesystem::path& artifact_root,
-                  const std::filesystem::path& requests_dir, Reporter& reporter);
+                  const std::filesystem::path& requests_dir, Reporter& reporter,
+                  const std::filesystem::path& seen_dir = {});
   DirectHostImage(const DirectHostImage&) = delete;
   DirectHostImage& operator=(const DirectHostImage&) = delete;
   // Withdraws the request, and tells the library's remap watcher to leave if it never acted.
@@ -167,8 +172,14 @@ class DirectHostImage {
   static constexpr std::chrono::milliseconds kRemapLimit{10000};
   void remap_from_inside(const Range& range, uint64_t offset);
 
+  // The file as the process names it (in /proc/PID/maps): file_, or the same name in seen_dir_.
+  std::filesystem::path as_seen() const {
+    return seen_dir_.empty() ? file_ : seen_dir_ / file_.filename();
+  }
+
   pid_t pid_;
   std::filesystem::path file_;
+  std::filesystem::path seen_dir_;
   Range range_;
   uint64_t offset_ = 0;
   common::UniqueFd fd_;  // the adopted file, until make_private()

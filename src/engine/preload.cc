@@ -117,7 +117,12 @@ bool remap_in_process(pid_t pid, const std::filesystem::path& preload_request,
        << range.prot << " " << range.advice << "\n";
   const auto request = remap_request_path(preload_request);
   write_preload_request(request, text.str());
-  if (wait_until([&] { return !has_thread_named(pid, kRemapThreadName); }, limit)) return true;
+  if (wait_until([&] { return !has_thread_named(pid, kRemapThreadName); }, limit)) {
+    // The watcher removes what it took, unless it reached the request through a read-only
+    // mount (a container's).
+    ::unlink(request.c_str());
+    return true;
+  }
   cancel_remap_watchers({pid}, {preload_request}, limit);
   return false;
 }

@@ -29,6 +29,14 @@ std::optional<std::filesystem::path> find_preload_library();
 // any LD_PRELOAD already in ours kept after it; nullopt when there is no library.
 std::optional<std::string> preload_environment();
 
+// Where the library looks for gpusnap's requests (src/preload/populate.cc), read once when it
+// loads; its default is /run/gpusnap/preload, gpusnap's own under its default --run-dir.
+inline constexpr const char* kPreloadRequestsEnv = "GPUSNAP_PRELOAD_REQUESTS";
+// A container's workload sees its own mounts only: `gpusnap init` starts it with its requests
+// here, and a capture mounts a folder of its own there, read-only, holding that workload's
+// request alone (docs/design.md, "Containers").
+inline constexpr const char* kContainerPreloadRequests = "/tmp/.gpusnap-preload";
+
 // Whether a process's mappings include the library (it was started with it).
 bool maps_preload_library(const std::vector<common::Mapping>& maps);
 

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common/fd.h"
+#include "common/subprocess.h"
 #include "gpusnap/error.h"
 #include "testing/unit.h"
 
@@ -174,6 +175,27 @@ TEST(ProcTest, ReadsAZombie) {
   ASSERT_EQ(::waitpid(child, &raw, 0), child);
   EXPECT_FALSE(exists(child));
   EXPECT_EQ(catch_error([&] { read_process(child); }).kind(), ErrorKind::kNotFound);
+}
+
+TEST(ProcTest, EnvironmentValueIsTheWholeValueOfTheWholeName) {
+  common::SpawnOptions o;
+  o.argv = {"/bin/sleep", "30"};
+  o.env_add = {"GPUSNAP_TEST_A=1", "GPUSNAP_TEST_AB=two=2", "GPUSNAP_TEST_EMPTY="};
+  common::Subprocess child(o);
+  // Until the exec, the child's environment is ours.
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (environment_value(child.pid(), "GPUSNAP_TEST_A") != "1" &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(5ms);
+  }
+  EXPECT_EQ(environment_value(child.pid(), "GPUSNAP_TEST_A"), "1");
+  EXPECT_EQ(environment_value(child.pid(), "GPUSNAP_TEST_AB"), "two=2");
+  EXPECT_EQ(environment_value(child.pid(), "GPUSNAP_TEST_EMPTY"), "");
+  // A name that only begins another, or that is not there at all, has no value.
+  EXPECT_EQ(environment_value(child.pid(), "GPUSNAP_TEST"), std::nullopt);
+  EXPECT_EQ(environment_value(child.pid(), "GPUSNAP_TEST_NONE"), std::nullopt);
+  EXPECT_EQ(environment_value(impossible_pid(), "PATH"), std::nullopt);
+  child.kill(SIGKILL);
 }
 
 TEST(ProcTest, JoinCmdline) {

@@ -34,9 +34,10 @@ std::optional<std::string> blocker() {
 // One source container of tests/torch_tier.py (`tier_flag`, `gib` GiB) under `gpusnap init
 // INIT_FLAGS --`, captured (the source stopped) and restored into a placeholder; the copy must
 // replay its CUDA graph to the answer and hold every weight bit for bit. Returns the capture's
-// manifest.
+// manifest; `notes`, when given, gets the capture's notes.
 json capture_and_restore(const std::string& tier_flag, double gib,
-                         const std::vector<std::string>& init_flags = {}) {
+                         const std::vector<std::string>& init_flags = {},
+                         std::string* notes = nullptr) {
   TempDir dir;
   const auto data = dir / "data";
   stdfs::create_directories(data);
@@ -64,6 +65,7 @@ json capture_and_restore(const std::string& tier_flag, double gib,
   EXPECT_EQ(cp.exit_code, 0) << cp.out << cp.err;
   if (cp.exit_code != 0) return json();
   std::cout << "RESULT container" << tier_flag << "-checkpoint " << cp.out << std::endl;
+  if (notes != nullptr) *notes = json::parse(cp.out).value("notes", json::array()).dump();
 
   Container placeholder(
       root, id + "-placeholder",
@@ -113,11 +115,16 @@ TEST(GpuContainer, InitWithMemoryTierInstallsTheTierWithoutTheOneLine) {
 }
 
 // Without the tier the driver's host copy goes into host images through a mount in the
-// container's /tmp, not through CRIU's pages.
+// container's /tmp, not through CRIU's pages: written there by the driver's checkpoint itself,
+// through the preload library's request in a mount of its own.
 TEST(GpuContainer, OnTheTransparentPathRestoresIntoAPlaceholderThroughHostImages) {
   GPUSNAP_SKIP_IF_BLOCKED(blocker());
-  const json manifest = capture_and_restore("--no-tier", 2);
+  std::string notes;
+  const json manifest = capture_and_restore("--no-tier", 2, {}, &notes);
   ASSERT_FALSE(manifest.is_null());
+  EXPECT_NE(notes.find("written into the artifact by the driver's checkpoint itself"),
+            std::string::npos)
+      << notes;
   uint64_t imaged = 0;
   for (const auto& image : manifest.at("host_images")) {
     imaged += image.at("end").get<uint64_t>() - image.at("start").get<uint64_t>();

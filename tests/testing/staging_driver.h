@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -50,7 +51,13 @@ class StagingDriver final : public gpu::Driver {
   // C library's mmap (DRIVER-MAP), where libgpusnap-preload.so sees it as it sees the driver's.
   // `region`: the bytes of "GPU memory" a checkpoint leaves in the process (without `port`).
   explicit StagingDriver(gpu::FakeDriver& fake, uint16_t port = 0, uint64_t region = kRegion)
-      : fake_(fake), port_(port), bytes_(region) {}
+      : fake_(fake), bytes_(region) {
+    if (port != 0) ask_ = [port](const std::string& line) { return ask(port, line); };
+  }
+  // The same, for a workload reached another way than at 127.0.0.1 (one in a container's network
+  // namespace): `ask_workload` sends a line and returns the answer.
+  StagingDriver(gpu::FakeDriver& fake, std::function<std::string(const std::string&)> ask_workload)
+      : fake_(fake), bytes_(kLibraryRegion), ask_(std::move(ask_workload)) {}
 
   bool available() const override { return fake_.available(); }
   std::string reason() const override { return fake_.reason(); }
@@ -63,8 +70,8 @@ class StagingDriver final : public gpu::Driver {
 
   void checkpoint(pid_t pid) override {
     fake_.checkpoint(pid);
-    if (port_ != 0) {
-      auto reply = ask(port_, "DRIVER-MAP " + std::to_string(kLibraryRegion / kMiB));
+    if (ask_) {
+      auto reply = ask_("DRIVER-MAP " + std::to_string(kLibraryRegion / kMiB));
       ASSERT_EQ(reply.rfind("addr=", 0), 0u) << reply;
       std::lock_guard<std::mutex> g(mutex_);
       region_ = std::stoull(reply.substr(5), nullptr, 16);
@@ -95,7 +102,7 @@ class StagingDriver final : public gpu::Driver {
       std::lock_guard<std::mutex> g(mutex_);
       region = region_;  // a copy has the source's address space layout
     }
-    const uint64_t bytes = port_ != 0 ? kLibraryRegion : bytes_;
+    const uint64_t bytes = ask_ ? kLibraryRegion : bytes_;
     std::string outcome = check_region(pid, region, bytes);
     {
       common::RemoteThread thread(pid);
@@ -131,8 +138,8 @@ class StagingDriver final : public gpu::Driver {
 
  private:
   gpu::FakeDriver& fake_;
-  uint16_t port_;
   uint64_t bytes_;
+  std::function<std::string(const std::string&)> ask_;  // the workload's, when it maps the region
   mutable std::mutex mutex_;
   uint64_t region_ = 0;
   std::map<pid_t, std::string> outcomes_;
