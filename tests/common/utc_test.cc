@@ -2,6 +2,7 @@
 #include "common/utc.h"
 
 #include <gtest/gtest.h>
+#include <time.h>
 
 #include <ctime>
 #include <regex>
@@ -17,10 +18,18 @@ TEST(UtcTest, SecondsAndMillisecondsForms) {
       << now(Precision::kMilliseconds);
 }
 
+// The seconds of the clock now() reads. Not time(): the C library answers it from the kernel's
+// coarse clock, which can still show the last second when the precise one has passed it.
+std::time_t realtime_seconds() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_REALTIME, &ts);
+  return ts.tv_sec;
+}
+
 TEST(UtcTest, IsTheCurrentTimeInUtc) {
-  const std::time_t before = std::time(nullptr);
+  const std::time_t before = realtime_seconds();
   const std::string text = now();
-  const std::time_t after = std::time(nullptr);
+  const std::time_t after = realtime_seconds();
   std::tm tm{};
   ASSERT_NE(::strptime(text.c_str(), "%Y-%m-%dT%H:%M:%SZ", &tm), nullptr) << text;
   const std::time_t parsed = ::timegm(&tm);
