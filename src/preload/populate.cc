@@ -58,7 +58,10 @@
 //   GPUSNAP_PRELOAD_AHEAD        0: populate before mmap returns, even for the driver
 //   GPUSNAP_PRELOAD_LOG          1: one line on stderr per mapping populated
 //   GPUSNAP_PRELOAD_REQUESTS     gpusnap's requests directory (default /run/gpusnap/preload,
-//                                gpusnap's own under its default --run-dir); empty: none
+//                                gpusnap's own under its default --run-dir); empty: none.
+//                                `gpusnap init` sets /tmp/.gpusnap-preload, where a capture
+//                                of the container mounts this capture's requests (read-only:
+//                                gpusnap removes what this library takes)
 //
 // The library is plain C++ with no use of the C++ runtime: it is loaded into arbitrary programs
 // and must not bring its own copy of libstdc++ into them, nor allocate inside mmap.
