@@ -36,6 +36,22 @@ namespace {
 using nlohmann::json;
 namespace stdfs = std::filesystem;
 
+// Phase names and notes of an in-process capture or restore.
+class Recorder final : public Reporter {
+ public:
+  std::vector<std::string> names, notes;
+  std::function<void(std::string_view)> on_start;
+  void phase_started(std::string_view name) override {
+    names.emplace_back(name);
+    if (on_start) on_start(name);
+  }
+  void phase_finished(std::string_view, double) override {}
+  void note(std::string_view text) override { notes.emplace_back(text); }
+};
+
+// The GPU of the tests whose driver's part StagingDriver plays (testing/staging_driver.h).
+constexpr const char* kStagedGpu = "GPU-0a0a0a0a-1111-2222-3333-444444444444";
+
 class ContainerTest : public ::testing::Test {
  protected:
   stdfs::path bundle(const std::string& name, const std::vector<std::string>& args) {
@@ -75,6 +91,32 @@ class ContainerTest : public ::testing::Test {
   }
   std::string describe(const Container& c) const {
     return "container " + c.id() + " (runc root " + runtime_root() + ")";
+  }
+
+  // Restores `snap` in-process into `placeholder` through the capture's StagingDriver; the
+  // copy's process becomes known to `fake` (checkpointed, `bytes` of kStagedGpu) when the
+  // driver's restore would first see it. Returns that process (0: the restore never got there).
+  pid_t restore_through(const stdfs::path& snap, const Container& placeholder, gpu::Driver& driver,
+                        gpu::FakeDriver& fake, uint64_t bytes) {
+    RestoreOptions ro;
+    ro.artifact = snap;
+    ro.driver = &driver;
+    ro.helper_binary = gpusnap_bin();
+    ro.run_dir = dir_ / "run";
+    ro.timeout = std::chrono::seconds(60);
+    ro.into_container = ContainerRef{placeholder.id(), runtime_root()};
+    Recorder phases;
+    pid_t restored = 0;
+    phases.on_start = [&](std::string_view phase) {
+      if (phase != "gpu-restore") return;
+      const auto kids = proc::children(placeholder.pid());
+      ASSERT_EQ(kids.size(), 1u);
+      restored = kids.front();
+      fake.add_process(restored, gpu::ProcessState::kCheckpointed);
+      fake.set_usage(restored, kStagedGpu, bytes);
+    };
+    gpusnap::restore(ro, phases);
+    return restored;
   }
 
   TempDir dir_;
@@ -373,19 +415,6 @@ TEST_F(ContainerTest, InitWithMemoryTierInstallsTheTierWhenThePythonWorkloadImpo
   EXPECT_TRUE(json::parse(cp.out).at("handshake").get<bool>()) << cp.out;
 }
 
-// Phase names and notes of an in-process capture or restore.
-class Recorder final : public Reporter {
- public:
-  std::vector<std::string> names, notes;
-  std::function<void(std::string_view)> on_start;
-  void phase_started(std::string_view name) override {
-    names.emplace_back(name);
-    if (on_start) on_start(name);
-  }
-  void phase_finished(std::string_view, double) override {}
-  void note(std::string_view text) override { notes.emplace_back(text); }
-};
-
 // A CUDA process in a container: the driver's host copy of its GPU memory (played by
 // StagingDriver, testing/staging_driver.h) goes into host images through a read-only mount of the
 // staging folder in the container's /tmp, not through CRIU's pages, and the copy in the
@@ -398,11 +427,10 @@ TEST_F(ContainerTest, HostImagesOfAContainersProcessGoThroughAMountInItsTmp) {
   const auto children = proc::children(source->pid());
   ASSERT_EQ(children.size(), 1u);
   const pid_t workload = children.front();
-  constexpr const char* kGpu = "GPU-0a0a0a0a-1111-2222-3333-444444444444";
   gpu::FakeDriver fake;
-  fake.add_gpu(gpu::FakeDriver::make_gpu(kGpu));
+  fake.add_gpu(gpu::FakeDriver::make_gpu(kStagedGpu));
   fake.add_process(workload);
-  fake.set_usage(workload, kGpu, kRegion);
+  fake.set_usage(workload, kStagedGpu, kRegion);
   StagingDriver driver(fake);
 
   CheckpointOptions co;
@@ -434,25 +462,7 @@ TEST_F(ContainerTest, HostImagesOfAContainersProcessGoThroughAMountInItsTmp) {
   EXPECT_FALSE(mounted_in(source->pid(), "/tmp/.gpusnap-host-images"));
 
   auto placeholder = start("placeholder", bundle("placeholder", placeholder_args()));
-  RestoreOptions ro;
-  ro.artifact = co.output;
-  ro.driver = &driver;
-  ro.helper_binary = gpusnap_bin();
-  ro.run_dir = dir_ / "run";
-  ro.timeout = std::chrono::seconds(60);
-  ro.into_container = ContainerRef{placeholder->id(), runtime_root()};
-  Recorder rs_phases;
-  pid_t restored = 0;
-  // The copy's process becomes known to the driver when its restore would first see it.
-  rs_phases.on_start = [&](std::string_view phase) {
-    if (phase != "gpu-restore") return;
-    const auto kids = proc::children(placeholder->pid());
-    ASSERT_EQ(kids.size(), 1u);
-    restored = kids.front();
-    fake.add_process(restored, gpu::ProcessState::kCheckpointed);
-    fake.set_usage(restored, kGpu, kRegion);
-  };
-  gpusnap::restore(ro, rs_phases);
+  const pid_t restored = restore_through(co.output, *placeholder, driver, fake, kRegion);
   ASSERT_NE(restored, 0);
   EXPECT_EQ(driver.outcomes()[restored], "ok");  // every byte, from the artifact's files
   EXPECT_EQ(ask_in(placeholder->pid(), "CHECK").substr(0, 2), "OK");
@@ -474,11 +484,10 @@ TEST_F(ContainerTest, TheDriversMemoryGoesStraightIntoTheArtifactThroughMountsIn
   const auto children = proc::children(source->pid());
   ASSERT_EQ(children.size(), 1u);
   const pid_t workload = children.front();
-  constexpr const char* kGpu = "GPU-0a0a0a0a-1111-2222-3333-444444444444";
   gpu::FakeDriver fake;
-  fake.add_gpu(gpu::FakeDriver::make_gpu(kGpu));
+  fake.add_gpu(gpu::FakeDriver::make_gpu(kStagedGpu));
   fake.add_process(workload);
-  fake.set_usage(workload, kGpu, kLibraryRegion);
+  fake.set_usage(workload, kStagedGpu, kLibraryRegion);
   StagingDriver driver(fake, [&](const std::string& line) { return ask_in(source->pid(), line); });
 
   CheckpointOptions co;
@@ -527,24 +536,7 @@ TEST_F(ContainerTest, TheDriversMemoryGoesStraightIntoTheArtifactThroughMountsIn
   EXPECT_EQ(ask_in(source->pid(), "CHECK").substr(0, 2), "OK");
 
   auto placeholder = start("placeholder", bundle("placeholder", placeholder_args()));
-  RestoreOptions ro;
-  ro.artifact = co.output;
-  ro.driver = &driver;
-  ro.helper_binary = gpusnap_bin();
-  ro.run_dir = dir_ / "run";
-  ro.timeout = std::chrono::seconds(60);
-  ro.into_container = ContainerRef{placeholder->id(), runtime_root()};
-  Recorder rs_phases;
-  pid_t restored = 0;
-  rs_phases.on_start = [&](std::string_view phase) {
-    if (phase != "gpu-restore") return;
-    const auto kids = proc::children(placeholder->pid());
-    ASSERT_EQ(kids.size(), 1u);
-    restored = kids.front();
-    fake.add_process(restored, gpu::ProcessState::kCheckpointed);
-    fake.set_usage(restored, kGpu, kLibraryRegion);
-  };
-  gpusnap::restore(ro, rs_phases);
+  const pid_t restored = restore_through(co.output, *placeholder, driver, fake, kLibraryRegion);
   ASSERT_NE(restored, 0);
   EXPECT_EQ(driver.outcomes()[restored], "ok");  // every byte, from the artifact's file
   EXPECT_EQ(ask_in(placeholder->pid(), "CHECK").substr(0, 2), "OK");
