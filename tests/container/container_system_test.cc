@@ -5,6 +5,7 @@
 // The workload proves from inside the placeholder's network namespace that its memory came
 // from the snapshot, while the source keeps serving.
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -541,6 +542,78 @@ TEST_F(ContainerTest, TheDriversMemoryGoesStraightIntoTheArtifactThroughMountsIn
   EXPECT_EQ(driver.outcomes()[restored], "ok");  // every byte, from the artifact's file
   EXPECT_EQ(ask_in(placeholder->pid(), "CHECK").substr(0, 2), "OK");
   EXPECT_EQ(ask_in(source->pid(), "CHECK").substr(0, 2), "OK");
+}
+
+// A capture of a container's process killed on the direct path: after the driver's call (its
+// memory in a shared mapping of the artifact's file, reached through the mount), and while CRIU
+// dumps (the region made private). The guardian takes the staging directory and the request
+// away; the workload keeps the driver's bytes, from a file now in no artifact, and serves. What
+// stays in the container is the two mounts, which the next capture's mounts of those names clear
+// (container/mount.h).
+TEST_F(ContainerTest, ACaptureKilledOnTheDirectPathLeavesTheWorkloadItsMemoryAndNoArtifact) {
+  SKIP_WITHOUT_RUNC();
+  for (const std::string phase : {"host-images", "dump"}) {
+    SCOPED_TRACE(phase);
+    auto source = start("source-" + phase, bundle("source-" + phase, shimmed_workload()));
+    ASSERT_TRUE(eventually([&] { return ask_in(source->pid(), "PING") == "PONG"; }));
+    const auto children = proc::children(source->pid());
+    ASSERT_EQ(children.size(), 1u);
+    const pid_t workload = children.front();
+    const auto snap = dir_ / ("snap-" + phase);
+    // The capture in a process of its own, killed there; the guardian outlives it.
+    const pid_t capture = ::fork();
+    if (capture == 0) {
+      gpu::FakeDriver fake;
+      fake.add_gpu(gpu::FakeDriver::make_gpu(kStagedGpu));
+      fake.add_process(workload);
+      fake.set_usage(workload, kStagedGpu, kLibraryRegion);
+      StagingDriver driver(fake,
+                           [&](const std::string& line) { return ask_in(source->pid(), line); });
+      CheckpointOptions co;
+      co.container = ContainerRef{source->id(), runtime_root()};
+      co.output = snap;
+      co.driver = &driver;
+      co.helper_binary = gpusnap_bin();
+      co.run_dir = dir_ / "run";
+      KillAt reporter(phase);
+      try {
+        gpusnap::checkpoint(co, reporter);
+      } catch (...) {  // NOLINT(bugprone-empty-catch): the parent checks what was left
+      }
+      ::_exit(3);  // the phase never came
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(capture, &status, 0), capture);
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << status;
+
+    const auto staging_left = [&] {
+      for (const auto& e : stdfs::directory_iterator(dir_.path())) {
+        if (e.path().filename().string().rfind("." + snap.filename().string() + ".staging-", 0) ==
+            0) {
+          return true;
+        }
+      }
+      return false;
+    };
+    EXPECT_TRUE(eventually([&] { return !staging_left(); }));
+    EXPECT_FALSE(stdfs::exists(snap));
+    // No request is left where a library could take it.
+    std::error_code ec;
+    for (stdfs::recursive_directory_iterator it(dir_ / "run" / "preload", ec), end;
+         !ec && it != end; it.increment(ec)) {
+      EXPECT_FALSE(it->is_regular_file()) << it->path();
+    }
+    // The workload keeps the driver's bytes and works on.
+    std::optional<common::Mapping> region;
+    for (const auto& m : common::read_mappings(workload)) {
+      if (m.path.rfind("/tmp/.gpusnap-host-images/", 0) == 0) region = m;
+    }
+    ASSERT_TRUE(region.has_value());
+    EXPECT_NE(region->path.find("(deleted)"), std::string::npos) << region->path;
+    EXPECT_EQ(StagingDriver::check_region(workload, region->start, kLibraryRegion), "ok");
+    EXPECT_EQ(ask_in(source->pid(), "CHECK").substr(0, 2), "OK");
+    EXPECT_TRUE(running(workload));
+  }
 }
 
 TEST(ContainerInit, RunsTheCommandAndExitsWithItsStatus) {

@@ -316,20 +316,6 @@ std::optional<common::Mapping> host_image_mapping(pid_t pid) {
   ::_exit(3);
 }
 
-// Stops its own process (SIGKILL) when the phase named starts: a gpusnap killed there.
-class KillAt final : public Reporter {
- public:
-  explicit KillAt(std::string phase) : phase_(std::move(phase)) {}
-  void phase_started(std::string_view name) override {
-    if (name == phase_) ::raise(SIGKILL);
-  }
-  void phase_finished(std::string_view, double) override {}
-  void note(std::string_view) override {}
-
- private:
-  std::string phase_;
-};
-
 TEST(HostImages, ACaptureKilledOnTheDirectPathLeavesTheWorkloadItsMemoryAndNoArtifact) {
   SKIP_WITHOUT_CRIU();
   if (::geteuid() != 0) GTEST_SKIP() << "skipped: needs root";

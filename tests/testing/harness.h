@@ -3,6 +3,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/types.h>
 
 #include <chrono>
@@ -10,11 +11,14 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 #include <nlohmann/json.hpp>
 
 #include "common/subprocess.h"
+#include "gpusnap/phases.h"
 #include "gpusnap/restore.h"
 #include "testing/unit.h"  // TempDir, error_of, catch_error, Contains, write, dead_pid
 
@@ -86,6 +90,20 @@ bool eventually(Pred pred, std::chrono::milliseconds limit = std::chrono::second
   }
   return pred();
 }
+
+// Stops its own process (SIGKILL) when the phase named starts: a gpusnap killed there.
+class KillAt final : public Reporter {
+ public:
+  explicit KillAt(std::string phase) : phase_(std::move(phase)) {}
+  void phase_started(std::string_view name) override {
+    if (name == phase_) ::raise(SIGKILL);
+  }
+  void phase_finished(std::string_view, double) override {}
+  void note(std::string_view) override {}
+
+ private:
+  std::string phase_;
+};
 
 // The PID namespaces of every process on the host (their /proc/PID/ns/pid links).
 std::set<std::string> pid_namespaces();
