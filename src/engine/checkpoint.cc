@@ -84,13 +84,12 @@ constexpr std::chrono::milliseconds kSettle{300};
 constexpr std::chrono::milliseconds kDyingGrace{500};
 constexpr std::chrono::milliseconds kSettlePoll{20};
 
-// A folder of gpusnap's own for one capture (0700), removed with everything in it when the
-// capture ends, however it ends. A killed gpusnap leaves it; the guardian removes the requests in
-// it (engine/dump_guard.h), so what stays is an empty folder.
+// A folder of gpusnap's own for one capture (0700, in a folder that exists), removed with
+// everything in it when the capture ends, however it ends. A killed gpusnap leaves it; the
+// guardian removes the requests in it (engine/dump_guard.h), so what stays is an empty folder.
 class CaptureFolder {
  public:
   explicit CaptureFolder(std::filesystem::path path) : path_(std::move(path)) {
-    std::filesystem::create_directories(path_.parent_path());
     if (::mkdir(path_.c_str(), 0700) != 0) throw sys_error("create " + path_.string(), errno);
   }
   CaptureFolder(const CaptureFolder&) = delete;
@@ -619,8 +618,13 @@ class Checkpoint {
       return options_.run_dir / engine::kPreloadRequestsDir;
     };
     try {
-      requests_folder_.emplace(options_.run_dir / engine::kPreloadRequestsDir /
-                               ("container-" + fs::random_id().substr(0, 12)));
+      // Root's only, as DirectHostImage makes it for the host's workloads.
+      const auto requests_root = options_.run_dir / engine::kPreloadRequestsDir;
+      std::filesystem::create_directories(options_.run_dir);
+      if (::mkdir(requests_root.c_str(), 0700) != 0 && errno != EEXIST) {
+        throw sys_error("create " + requests_root.string(), errno);
+      }
+      requests_folder_.emplace(requests_root / ("container-" + fs::random_id().substr(0, 12)));
       requests_mount_.emplace(options_.pid, requests_folder_->path(),
                               engine::kContainerPreloadRequests, true);
     } catch (const std::exception& e) {

@@ -532,6 +532,9 @@ TEST_F(ContainerTest, TheDriversMemoryGoesStraightIntoTheArtifactThroughMountsIn
   EXPECT_FALSE(mounted_in(source->pid(), "/tmp/.gpusnap-preload"));
   std::error_code ec;
   EXPECT_TRUE(stdfs::is_empty(dir_ / "run" / "preload", ec)) << ec.message();
+  // Root's only: nobody else can leave a request there.
+  EXPECT_EQ(stdfs::status(dir_ / "run" / "preload").permissions() & stdfs::perms::all,
+            stdfs::perms::owner_all);
   // The source got its memory back (the driver's resume read every byte) and works on.
   EXPECT_EQ(driver.outcomes()[workload], "ok");
   EXPECT_EQ(ask_in(source->pid(), "CHECK").substr(0, 2), "OK");
