@@ -118,6 +118,14 @@ std::string mapped_file_key(pid_t pid, const Range& range) {
               "no mapping at the start of a host image of process " + std::to_string(pid));
 }
 
+// The key CRIU records for a host image file mapped at `range.start` in `pid`, opened here as
+// `fd`. CRIU names a file by the mount the process reached it through: a folder mounted into a
+// container (`through_mount`) is another mount than gpusnap's, so the key is read from the
+// mapping itself there.
+std::string image_criu_key(pid_t pid, const Range& range, int fd, bool through_mount) {
+  return through_mount ? mapped_file_key(pid, range) : criu_file_key(fd);
+}
+
 struct ImageFile {
   Range range;
   uint64_t pad = 0;  // the hole before the range's first byte in the file
@@ -488,9 +496,7 @@ StoredHostImages store_host_images(pid_t pid, const std::vector<Range>& whole_ra
     rec.end = f.range.end;
     rec.file = std::filesystem::relative(f.path, artifact_root).string();
     rec.file_offset = f.pad;
-    // CRIU names the file by the mount the process reached it through: a folder mounted into a
-    // container is another mount than gpusnap's, so the key is read from the mapping itself.
-    rec.criu_key = f.seen.empty() ? criu_file_key(f.fd.get()) : mapped_file_key(pid, f.range);
+    rec.criu_key = image_criu_key(pid, f.range, f.fd.get(), !f.seen.empty());
     rec.stored_bytes = f.stored;
     total += f.range.size();
     stored += rec.stored_bytes;
@@ -624,9 +630,7 @@ std::optional<HostImageRecord> DirectHostImage::adopt(const std::filesystem::pat
   rec.end = range.end;
   rec.file = std::filesystem::relative(file_, artifact_root).string();
   rec.file_offset = offset;
-  // CRIU names the file by the mount the process reached it through: a folder mounted into a
-  // container is another mount than gpusnap's, so the key is read from the mapping itself.
-  rec.criu_key = seen_dir_.empty() ? criu_file_key(fd.get()) : mapped_file_key(pid_, range);
+  rec.criu_key = image_criu_key(pid_, range, fd.get(), !seen_dir_.empty());
   fd_ = std::move(fd);
   reporter.note("process " + std::to_string(pid_) + ": " + fs::human_bytes(range.size()) +
                 " of host memory written into the artifact by the driver's checkpoint itself");
