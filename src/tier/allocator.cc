@@ -11,6 +11,7 @@
 // Why blocks allocated during a graph capture are never reused: the graph replays into them
 // after the capture ends and PyTorch has freed the tensors; PyTorch's caching allocator keeps
 // them in the graph's private pool, which a pluggable allocator is not told about.
+#include <algorithm>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
@@ -57,9 +58,10 @@ long env_int(const char* name, long fallback, long max) {
 TierSettings TierSettings::from_environment() {
   TierSettings s;
   s.streams = static_cast<int>(env_int("GPUSNAP_TIER_STREAMS", s.streams, 64));
-  s.buffer_bytes = static_cast<std::size_t>(env_int("GPUSNAP_TIER_BUFFER_MIB",
-                                                    static_cast<long>(s.buffer_bytes >> 20), 1024))
-                   << 20;
+  const long kib =
+      env_int("GPUSNAP_TIER_BUFFER_KIB", static_cast<long>(s.buffer_bytes >> 10), long{1} << 20);
+  // Below 64 KiB each copy's fixed cost would dominate (on the H200 already below 1 MiB, exp42).
+  s.buffer_bytes = static_cast<std::size_t>(std::max(kib, 64L)) << 10;
   const char* log = std::getenv("GPUSNAP_TIER_LOG");  // NOLINT(concurrency-mt-unsafe): at load
   s.log = log != nullptr && std::string(log) == "1";
   const char* stack = std::getenv("GPUSNAP_TIER_STACK");  // NOLINT(concurrency-mt-unsafe): at load

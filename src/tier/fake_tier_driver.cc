@@ -305,6 +305,17 @@ void* FakeTierDriver::host_alloc(std::size_t size) {
   return p;
 }
 
+bool FakeTierDriver::pinned(const void* p, std::size_t size) const {
+  // The allocation starting at or before p, which must hold all of [p, p + size).
+  auto it = host_.upper_bound(const_cast<void*>(p));
+  if (it == host_.begin()) return false;
+  --it;
+  const auto* start = static_cast<const unsigned char*>(it->first);
+  const auto* at = static_cast<const unsigned char*>(p);
+  return at >= start && size <= it->second.size() &&
+         static_cast<std::size_t>(at - start) <= it->second.size() - size;
+}
+
 void FakeTierDriver::host_free(void* p) noexcept {
   std::lock_guard lock(mu_);
   calls_.emplace_back(host_.erase(p) != 0 ? "host_free" : "host_free invalid");
@@ -328,7 +339,7 @@ void FakeTierDriver::stream_destroy(Stream stream) noexcept {
 void FakeTierDriver::copy_to_host(void* dst, DevicePtr src, std::size_t size, Stream stream) {
   std::lock_guard lock(mu_);
   record("copy_to_host", "copy_to_host " + hex(src) + " " + std::to_string(size));
-  if (host_.find(dst) == host_.end()) throw misuse("copy_to_host into unpinned memory");
+  if (!pinned(dst, size)) throw misuse("copy_to_host into unpinned memory");
   if (streams_.find(stream) == streams_.end()) throw misuse("copy_to_host on an unknown stream");
   std::memcpy(dst, at(src, size, "copy_to_host"), size);
 }
@@ -337,9 +348,7 @@ void FakeTierDriver::copy_to_device(DevicePtr dst, const void* src, std::size_t 
                                     Stream stream) {
   std::lock_guard lock(mu_);
   record("copy_to_device", "copy_to_device " + hex(dst) + " " + std::to_string(size));
-  if (host_.find(const_cast<void*>(src)) == host_.end()) {
-    throw misuse("copy_to_device from unpinned memory");
-  }
+  if (!pinned(src, size)) throw misuse("copy_to_device from unpinned memory");
   if (streams_.find(stream) == streams_.end()) throw misuse("copy_to_device on an unknown stream");
   std::memcpy(at(dst, size, "copy_to_device"), src, size);
 }

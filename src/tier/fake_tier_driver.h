@@ -107,6 +107,9 @@ class FakeTierDriver final : public TierDriver {
   unsigned char* at(DevicePtr va, std::size_t size, const char* call);
   const unsigned char* at(DevicePtr va, std::size_t size, const char* call) const;
   void check_device(int device, const char* call) const;
+  // Whether [p, p + size) lies in one pinned allocation: a copy to or from anywhere else is the
+  // driver's undefined behaviour, and here an error.
+  bool pinned(const void* p, std::size_t size) const;
 
   mutable std::mutex mu_;
   std::size_t memory_;

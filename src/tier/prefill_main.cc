@@ -12,7 +12,7 @@
 // the memory, it writes on SUMS-FD (-1: none) the checksums of the files it read, in chunks of
 // CHUNK-BYTES (0: none), one line per file read whole, "NAME SIZE HEX...", and closes it: gpusnap
 // compares them with the manifest instead of reading the files again. The settings of the
-// workload's tier apply (GPUSNAP_TIER_BUFFER_MIB, ...), with 16 workers
+// workload's tier apply (GPUSNAP_TIER_BUFFER_KIB, ...), with 16 workers
 // (GPUSNAP_TIER_PREFILL_STREAMS).
 #include <poll.h>
 #include <sys/socket.h>

@@ -35,15 +35,20 @@ struct TierSettings {
   // in 0.38 s (45.7 GB/s) where 8 x 32 MiB took 1.09 s; pinning the buffers is a fixed cost per
   // drain and fill that grows with their total, and several workers keep the copy engine busy
   // while others read or write their files.
-  int streams = 16;                                 // drain and fill workers, one stream each
-  std::size_t buffer_bytes = std::size_t{4} << 20;  // each of a worker's two pinned buffers
-  bool log = false;                                 // one line per drain and fill on stderr
+  int streams = 16;  // drain and fill workers, one stream each
+  // Each of a worker's two pinned buffers: the most one copy moves. Smaller was slower on the
+  // H200 at every size tried below 1 MiB (exp42).
+  std::size_t buffer_bytes = std::size_t{4} << 20;
+  // The drain cuts live memory into pieces of at most this: the unit a worker takes, moved a
+  // buffer at a time. A layout's pieces may be of any size; a fill takes them as they are.
+  std::size_t piece_bytes = std::size_t{4} << 20;
+  bool log = false;  // one line per drain and fill on stderr
   // Whether a drain frees the local memory behind the GPU threads' stacks and the fill puts it
   // back (Tier::drain): 264 MiB of the ~760 MiB the driver's checkpoint carries beside the tier
   // on the H200. GPUSNAP_TIER_STACK=keep leaves the stacks alone.
   bool free_stacks = true;
 
-  // GPUSNAP_TIER_STREAMS, GPUSNAP_TIER_BUFFER_MIB, GPUSNAP_TIER_LOG; out-of-range values keep
+  // GPUSNAP_TIER_STREAMS, GPUSNAP_TIER_BUFFER_KIB, GPUSNAP_TIER_LOG; out-of-range values keep
   // the default. GPUSNAP_TIER_PIN=alloc (read by the CUDA driver seam): pinned buffers from
   // cuMemHostAlloc instead of 2 MiB pages registered with the driver.
   static TierSettings from_environment();

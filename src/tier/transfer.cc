@@ -12,8 +12,8 @@
 //
 // Each worker owns one stream per device, two pinned buffers and, in a drain, one file: writes to
 // one file serialise on its inode lock, so sharing a file would make the workers take turns. A
-// worker overlaps its two halves: while the copy engine moves one buffer, the CPU writes (drain)
-// or reads (fill) the other.
+// worker takes a piece at a time and moves it a buffer's worth at a time, overlapping its two
+// buffers: while the copy engine moves one, the CPU writes (drain) or reads (fill) the other.
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -27,6 +27,7 @@
 #include <exception>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -87,7 +88,7 @@ class WorkerResources {
       }
       driver_.stream_destroy(stream);
     }
-    for (void* b : buffers_) driver_.host_free(b);
+    if (pinned_ != nullptr) driver_.host_free(pinned_);
   }
 
   // Makes `device` current and returns this worker's stream on it.
@@ -105,19 +106,19 @@ class WorkerResources {
     (void)buffer(1);
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
-  // Pinned buffer 0 or 1 (allocated at first use, with a context current).
+  // Pinned buffer 0 or 1, the two halves of one allocation made at first use (with a context
+  // current): one allocation pins both at once, and small buffers share one 2 MiB page.
   void* buffer(int i) {
-    while (buffers_.size() <= static_cast<std::size_t>(i)) {
-      buffers_.push_back(driver_.host_alloc(bytes_));
-    }
-    return buffers_[static_cast<std::size_t>(i)];
+    if (pinned_ == nullptr) pinned_ = driver_.host_alloc(2 * bytes_);
+    return static_cast<unsigned char*>(pinned_) + (i == 0 ? 0 : bytes_);
   }
+  std::size_t buffer_bytes() const { return bytes_; }
 
  private:
   TierDriver& driver_;
   std::size_t bytes_;
   std::map<int, Stream> streams_;
-  std::vector<void*> buffers_;
+  void* pinned_ = nullptr;
 };
 
 // The first device of the tier made current in the calling thread for one drain or fill, and
@@ -179,6 +180,42 @@ double run_with_buffers(TierDriver& driver, std::size_t buffer_bytes, std::size_
   return pinning.empty() ? 0.0 : *std::max_element(pinning.begin(), pinning.end());
 }
 
+// Bytes [from, from + size) of piece `piece`: what one copy moves through one pinned buffer.
+struct Slice {
+  std::size_t piece = 0;
+  std::size_t from = 0;
+  std::size_t size = 0;
+};
+
+// A worker's pieces a slice at a time, each piece in slices of at most one buffer. The buffers
+// are sized for the host's caches, not for the pieces: a piece of any size (a prefill reads them
+// from an artifact) fits, and each slice stays in the cache between the CPU's pass and the copy
+// engine's.
+class Slices {
+ public:
+  Slices(const std::vector<FilePiece>& pieces, std::size_t slice_bytes)
+      : pieces_(pieces), slice_(slice_bytes), piece_(pieces.size()) {}
+
+  // The next slice; none once `take_piece()` gives no more pieces (an index past the last).
+  template <typename TakePiece>
+  std::optional<Slice> next(TakePiece take_piece) {
+    while (piece_ >= pieces_.size() || done_ == pieces_[piece_].size) {
+      piece_ = take_piece();
+      done_ = 0;
+      if (piece_ >= pieces_.size()) return std::nullopt;
+    }
+    const Slice s{piece_, done_, std::min(slice_, pieces_[piece_].size - done_)};
+    done_ += s.size;
+    return s;
+  }
+
+ private:
+  const std::vector<FilePiece>& pieces_;
+  std::size_t slice_;
+  std::size_t piece_;  // the piece being sliced; pieces_.size() before the first
+  std::size_t done_ = 0;
+};
+
 void write_all(int fd, const std::filesystem::path& path, const void* data, std::size_t size,
                std::uint64_t offset) {
   const char* p = static_cast<const char*>(data);
@@ -229,9 +266,9 @@ void log_line(const char* what, const TransferReport& r) {
 }  // namespace
 
 std::vector<Tier::Piece> Tier::live_pieces() const {
-  // Runs of adjacent live blocks in one segment, cut at the buffer size, in address order.
+  // Runs of adjacent live blocks in one segment, cut at the piece size, in address order.
   std::vector<Piece> pieces;
-  const std::size_t max = settings_.buffer_bytes;
+  const std::size_t max = settings_.piece_bytes;
   auto emit = [&](DevicePtr start, std::size_t size, int device) {
     for (std::size_t done = 0; done < size; done += max) {
       pieces.push_back({start + done, std::min(max, size - done), device, 0, 0});
@@ -354,26 +391,31 @@ double Tier::run_drain_workers(std::vector<Piece>& pieces, const std::filesystem
       driver_, settings_.buffer_bytes, n, pieces, stop, [&](std::size_t k, WorkerResources& r) {
         const auto path = dir / files[k];
         std::uint64_t offset = 0;
-        Piece* prev = nullptr;
+        Slices slices(pieces, r.buffer_bytes());
+        std::optional<Slice> prev;
         int b = 0;
         for (;;) {
-          const std::size_t i = stop ? pieces.size() : next.fetch_add(1);
-          Piece* p = i < pieces.size() ? &pieces[i] : nullptr;
+          const std::optional<Slice> s =
+              slices.next([&] { return stop ? pieces.size() : next.fetch_add(1); });
           Stream stream = nullptr;
-          if (p != nullptr) {
-            stream = r.on(p->device);
-            driver_.copy_to_host(r.buffer(b), p->va, p->size, stream);
+          if (s) {
+            const Piece& p = pieces[s->piece];
+            stream = r.on(p.device);
+            driver_.copy_to_host(r.buffer(b), p.va + s->from, s->size, stream);
           }
-          // While the copy engine fills one buffer, the other goes to the file.
-          if (prev != nullptr) {
+          // While the copy engine fills one buffer, the other goes to the file. A piece's slices
+          // follow each other in its worker's file.
+          if (prev) {
             write_all(fds[k].get(), path, r.buffer(1 - b), prev->size, offset);
-            prev->file = k;
-            prev->offset = offset;
+            if (prev->from == 0) {
+              pieces[prev->piece].file = k;
+              pieces[prev->piece].offset = offset;
+            }
             offset += prev->size;
           }
-          if (p == nullptr) break;
+          if (!s) break;
           driver_.stream_synchronize(stream);
-          prev = p;
+          prev = s;
           b = 1 - b;
         }
       });
@@ -640,19 +682,20 @@ std::size_t Tier::adopt(const std::filesystem::path& socket, std::chrono::millis
 
 namespace {
 
-// Reads piece `i` into `buffer`; with a read hook, a slice at a time, each given to the hook as
-// soon as it is read (still in the cache: a prefill checksums it there).
-void read_piece(int fd, const std::filesystem::path& path, const FilePiece& p, std::size_t i,
+// Reads slice `s` of piece `p` into `buffer`; with a read hook, at most kReadSlice at a time,
+// each given to the hook as soon as it is read (still in the cache: a prefill checksums it there).
+void read_slice(int fd, const std::filesystem::path& path, const FilePiece& p, const Slice& s,
                 void* buffer, const FillHooks& hooks) {
+  const std::uint64_t offset = p.offset + s.from;
   if (!hooks.read) {
-    read_all(fd, path, buffer, p.size, p.offset);
+    read_all(fd, path, buffer, s.size, offset);
     return;
   }
   auto* at = static_cast<unsigned char*>(buffer);
-  for (std::size_t done = 0; done < p.size;) {
-    const std::size_t n = std::min(FillHooks::kReadSlice, p.size - done);
-    read_all(fd, path, at + done, n, p.offset + done);
-    hooks.read(i, p.offset + done, at + done, n);
+  for (std::size_t done = 0; done < s.size;) {
+    const std::size_t n = std::min(FillHooks::kReadSlice, s.size - done);
+    read_all(fd, path, at + done, n, offset + done);
+    hooks.read(s.piece, offset + done, at + done, n);
     done += n;
   }
 }
@@ -700,10 +743,12 @@ double fill_from_files(TierDriver& driver, const TierSettings& settings,
   const double pinning = run_with_buffers(
       driver, settings.buffer_bytes, n, pieces, stop, [&](std::size_t k, WorkerResources& r) {
         Stream in_flight = nullptr;  // the stream of the copy issued last, not yet waited for
+        Slices slices(pieces, r.buffer_bytes());
         int b = 0;
         for (;;) {
-          const std::size_t i = stop ? pieces.size() : queue.next(k);
-          const FilePiece* p = i < pieces.size() ? &pieces[i] : nullptr;
+          const std::optional<Slice> s =
+              slices.next([&] { return stop ? pieces.size() : queue.next(k); });
+          const FilePiece* p = s ? &pieces[s->piece] : nullptr;
           // While the copy engine moves the other buffer, this one is read from the file.
           Stream stream = nullptr;
           if (p != nullptr) {
@@ -714,13 +759,13 @@ double fill_from_files(TierDriver& driver, const TierSettings& settings,
                               std::to_string(fds.size()),
                           "the artifact is damaged: capture it again");
             }
-            read_piece(fds[p->file].get(), dir / files[p->file], *p, i, r.buffer(b), hooks);
+            read_slice(fds[p->file].get(), dir / files[p->file], *p, *s, r.buffer(b), hooks);
           }
           if (in_flight != nullptr) driver.stream_synchronize(in_flight);
           in_flight = nullptr;
           if (p == nullptr) break;
-          if (hooks.before_copy) hooks.before_copy(i);
-          driver.copy_to_device(p->va, r.buffer(b), p->size, stream);
+          if (s->from == 0 && hooks.before_copy) hooks.before_copy(s->piece);
+          driver.copy_to_device(p->va + s->from, r.buffer(b), s->size, stream);
           in_flight = stream;
           b = 1 - b;
         }

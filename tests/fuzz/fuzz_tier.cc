@@ -2,32 +2,87 @@
 // drain's layout (PID.layout, read from an artifact by gpusnap-tier-prefill, src/tier/layout.h)
 // and the checksums a prefill writes on its SUMS-FD (engine::parse_prefill_sums). The first byte
 // picks the reader; the rest is its input.
-#include <sys/mman.h>
+//
+// A layout the reader accepts is also filled, as gpusnap-tier-prefill fills it, against the fake
+// driver (small layouts only) from a folder of small files: every copy must stay inside its
+// pinned buffer and the mapped memory. The fake reports a copy that does not as its misuse, and
+// that aborts here; any other refusal is the fill's to make.
 #include <unistd.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <string>
+#include <vector>
 
 #include "engine/tier.h"
 #include "gpusnap/error.h"
+#include "tier/fake_tier_driver.h"
 #include "tier/layout.h"
+#include "tier/prefill.h"
+
+namespace {
+
+namespace tier = gpusnap::tier;
+
+constexpr std::size_t kFiles = 4;
+constexpr std::size_t kFileBytes = std::size_t{96} << 10;
+constexpr std::size_t kGranularity = std::size_t{2} << 20;  // the fake's
+constexpr std::size_t kMaxFilled = std::size_t{16} << 20;
+
+// kFiles files of kFileBytes, made once.
+const std::filesystem::path& files_folder() {
+  static const std::filesystem::path dir = [] {
+    char name[] = "/tmp/gpusnap-fuzz-tier-XXXXXX";
+    if (::mkdtemp(name) == nullptr) std::abort();
+    const std::vector<char> bytes(kFileBytes, 'x');
+    for (std::size_t k = 0; k < kFiles; ++k) {
+      std::ofstream(std::filesystem::path(name) / ("f" + std::to_string(k)), std::ios::binary)
+          .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    }
+    return std::filesystem::path(name);
+  }();
+  return dir;
+}
+
+void fill(const tier::TierLayout& layout) {
+  std::size_t total = 0;
+  for (const auto& s : layout.segments) {
+    if (s.size % kGranularity != 0 || s.size > kMaxFilled) return;
+    total += s.size;
+  }
+  if (total == 0 || total > kMaxFilled || layout.files > kFiles) return;
+  std::vector<std::string> names;
+  for (std::size_t k = 0; k < layout.files; ++k) names.push_back("f" + std::to_string(k));
+  tier::FakeTierDriver driver(1, 2 * kMaxFilled);
+  tier::TierSettings settings;
+  settings.streams = 2;
+  settings.buffer_bytes = std::size_t{64} << 10;
+  try {
+    tier::Prefill prefill(driver, settings, layout, files_folder(), names, 0, 4096);
+    (void)prefill.fill();
+  } catch (const gpusnap::Error& e) {
+    if (std::string(e.what()).find("(fake driver)") != std::string::npos) std::abort();
+  }
+}
+
+}  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const std::string text(reinterpret_cast<const char*>(data) + 1, size - 1);
   if (data[0] % 2 == 0) {
-    // read_layout reads a file: an anonymous one, reached by its /proc path.
-    const int fd = ::memfd_create("layout", MFD_CLOEXEC);
-    if (fd < 0) return 0;
-    if (::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size())) {
-      try {
-        const auto layout = gpusnap::tier::read_layout("/proc/self/fd/" + std::to_string(fd));
-        (void)layout;
-      } catch (const gpusnap::Error&) {  // NOLINT(bugprone-empty-catch): refusing is the point
-      }
+    // read_layout opens a regular file without following links: a file of the folder, written
+    // again for each input.
+    const auto path = files_folder() / "fuzz.layout";
+    std::ofstream(path, std::ios::binary | std::ios::trunc)
+        .write(text.data(), static_cast<std::streamsize>(text.size()));
+    try {
+      fill(gpusnap::tier::read_layout(path));
+    } catch (const gpusnap::Error&) {  // NOLINT(bugprone-empty-catch): refusing is the point
     }
-    ::close(fd);
   } else {
     for (uint64_t chunk : {uint64_t{1}, uint64_t{4096}, uint64_t{64} << 20}) {
       (void)gpusnap::engine::parse_prefill_sums(text, "7", chunk);

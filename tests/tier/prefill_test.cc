@@ -46,6 +46,7 @@ class PrefillTest : public ::testing::Test {
     TierSettings s;
     s.streams = 3;
     s.buffer_bytes = kMiB;
+    s.piece_bytes = kMiB;
     return s;
   }
 
@@ -232,6 +233,50 @@ TEST_F(PrefillTest, TheSumsOfWhatItReadIsTheArtifactsChecksumOfEachFile) {
   partial.fill();
   EXPECT_FALSE(partial.sums().at(0).complete);
   EXPECT_TRUE(partial.sums().at(1).complete);
+}
+
+// A layout comes from the artifact: its pieces may be larger than the prefill's buffers (the
+// workload drained with other settings, or a damaged layout). The prefill moves each a buffer at
+// a time, never past one (the fake refuses a copy that leaves its pinned buffer), checksums the
+// files whole, and the tier that drained them takes the memory over with every byte in place.
+TEST_F(PrefillTest, PiecesLargerThanItsBuffersAreMovedABufferAtATime) {
+  TierSettings whole_pieces = settings();
+  whole_pieces.piece_bytes = 64 * kMiB;
+  Tier drained(driver, whole_pieces, kPid);
+  void* block = drained.allocate(40 * kMiB, 0, nullptr);
+  const auto w = words(40 * kMiB, 9);
+  driver.write(va(block), w.data(), 40 * kMiB);
+  drained.drain(dir.path());
+  const TierLayout layout = read_layout(dir / (std::to_string(kPid) + ".layout"));
+  ASSERT_EQ(layout.pieces.size(), 1u);
+  ASSERT_EQ(layout.pieces[0].size, 40 * kMiB);
+
+  TierSettings small = settings();
+  small.buffer_bytes = 256 << 10;
+  driver.clear_calls();
+  Prefill prefill(driver, small, layout, dir.path(), files(layout), 0, kMiB);
+  prefill.fill();
+  const auto copies = driver.calls_named("copy_to_device");
+  EXPECT_EQ(copies.size(), 160u);  // 40 MiB in 256 KiB
+  for (const auto& call : copies) {
+    EXPECT_EQ(call.substr(call.rfind(' ') + 1), std::to_string(256 << 10)) << call;
+  }
+  const auto records = checksum_tree(dir.path(), kMiB);
+  const auto want = std::find_if(records.begin(), records.end(), [&](const FileRecord& r) {
+    return r.path == files(layout).at(0);
+  });
+  ASSERT_NE(want, records.end());
+  ASSERT_EQ(prefill.sums().size(), 1u);
+  EXPECT_TRUE(prefill.sums()[0].complete);
+  EXPECT_EQ(prefill.sums()[0].chunks, want->chunks);
+
+  auto taken = serve(prefill);
+  drained.adopt(socket(), std::chrono::seconds(5));
+  EXPECT_TRUE(taken.get());
+  drained.fill(dir.path(), {});
+  std::vector<std::uint64_t> got(40 * kMiB / 8);
+  driver.read(va(block), got.data(), 40 * kMiB);
+  EXPECT_TRUE(got == w);
 }
 
 TEST_F(PrefillTest, MemoryOnAnotherDeviceIsRefusedAndTheFillDoesItAll) {

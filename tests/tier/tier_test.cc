@@ -23,6 +23,7 @@
 #include "gpusnap/tier.h"
 #include "testing/unit.h"
 #include "tier/fake_tier_driver.h"
+#include "tier/layout.h"
 
 namespace gpusnap::tier {
 namespace {
@@ -59,13 +60,14 @@ std::size_t index_of(const std::vector<std::string>& calls, const std::string& p
 
 class TierTest : public ::testing::Test {
  protected:
-  // Three workers with 1 MiB buffers: several pieces per allocation, several files.
+  // Three workers with 1 MiB buffers and pieces: several pieces per allocation, several files.
   TierTest() : driver(2, 96 * kMiB), tier(std::make_unique<Tier>(driver, settings(), kPid)) {}
 
   static TierSettings settings() {
     TierSettings s;
     s.streams = 3;
     s.buffer_bytes = kMiB;
+    s.piece_bytes = kMiB;
     return s;
   }
 
@@ -274,6 +276,47 @@ TEST_F(TierTest, DrainThenFillPutsBackEveryLiveByteAtTheSameAddress) {
   expect_pattern(other_gpu, 3 * kMiB, 4);
   // The allocator works on after the round trip, in the same segments.
   EXPECT_EQ(alloc(2 * kMiB), freed);
+}
+
+// Pieces are what a worker takes, buffers what one copy moves: pieces larger than the buffers
+// go through them a buffer at a time, each copy within its pinned buffer (the fake refuses one
+// that is not), each piece's slices one after the other in its worker's file.
+TEST_F(TierTest, PiecesLargerThanTheBuffersMoveABufferAtATime) {
+  TierSettings s = settings();
+  s.streams = 1;  // one file, in the order of the pieces
+  s.buffer_bytes = 256 << 10;
+  s.piece_bytes = 3 * kMiB;
+  tier = std::make_unique<Tier>(driver, s, kPid);
+  void* p = alloc(7 * kMiB + 4096);
+  pattern(p, 7 * kMiB + 4096, 5);
+  auto copy_sizes = [&](const std::string& name) {
+    std::vector<std::size_t> sizes;
+    for (const auto& call : driver.calls_named(name)) {
+      sizes.push_back(std::stoull(call.substr(call.rfind(' ') + 1)));
+    }
+    return sizes;
+  };
+  auto largest = [](const std::vector<std::size_t>& v) {
+    return v.empty() ? 0 : *std::max_element(v.begin(), v.end());
+  };
+  driver.clear_calls();
+  tier->drain(dir.path());
+  const auto out = copy_sizes("copy_to_host");
+  EXPECT_EQ(out.size(), 12u + 12u + 5u);  // 3 MiB, 3 MiB, 1 MiB + 4 KiB in 256 KiB slices
+  EXPECT_EQ(largest(out), std::size_t{256} << 10);
+  const TierLayout layout = read_layout(dir / "4242.layout");
+  ASSERT_EQ(layout.pieces.size(), 3u);
+  for (std::size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(layout.pieces[i].size, i < 2 ? 3 * kMiB : kMiB + 4096) << i;
+    EXPECT_EQ(layout.pieces[i].offset, i * 3 * kMiB) << i;
+    EXPECT_EQ(layout.pieces[i].file, 0u) << i;
+  }
+  driver.clear_calls();
+  tier->fill(dir.path(), {});
+  const auto in = copy_sizes("copy_to_device");
+  EXPECT_EQ(in.size(), out.size());
+  EXPECT_EQ(largest(in), std::size_t{256} << 10);
+  expect_pattern(p, 7 * kMiB + 4096, 5);
 }
 
 TEST_F(TierTest, TheIndexListsTheFilesAndTheBytesPerGpu) {
