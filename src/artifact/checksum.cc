@@ -4,7 +4,6 @@
 // spreads over every core, and so that verify can name the damaged byte range.
 #include <fcntl.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
@@ -83,8 +82,7 @@ std::vector<FileRecord> checksum_tree(const std::filesystem::path& root, uint64_
   auto worker = [&] {
     constexpr size_t kBuffer = 4 << 20;
     std::unique_ptr<char[]> buf(new char[kBuffer]);
-    std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(),
-                                                                   XXH3_freeState);
+    artifact::ChunkHash hash;
     for (size_t i; !options.stop.stop_requested() && (i = next.fetch_add(1)) < tasks.size();) {
       auto& rec = files[tasks[i].file];
       uint64_t begin = tasks[i].chunk * chunk_bytes;
@@ -92,14 +90,14 @@ std::vector<FileRecord> checksum_tree(const std::filesystem::path& root, uint64_
       try {
         common::UniqueFd fd(::open((root / rec.path).c_str(), O_RDONLY | O_CLOEXEC));
         if (!fd) throw sys_error("open " + rec.path, errno);
-        XXH3_128bits_reset(state.get());
+        hash.reset();
         for (uint64_t off = begin; off < end;) {
           ssize_t n = ::pread(fd.get(), buf.get(), std::min<uint64_t>(kBuffer, end - off),
                               static_cast<off_t>(off));
           if (n < 0 && errno == EINTR) continue;
           if (n < 0) throw sys_error("read " + rec.path, errno);
           if (n == 0) break;  // truncated under us: the checksum will not match
-          XXH3_128bits_update(state.get(), buf.get(), static_cast<size_t>(n));
+          hash.update(buf.get(), static_cast<size_t>(n));
           off += static_cast<uint64_t>(n);
           if (options.reporter != nullptr) {
             // Counted under the lock that orders the reports: a sum taken before it could be
@@ -109,7 +107,7 @@ std::vector<FileRecord> checksum_tree(const std::filesystem::path& root, uint64_
             options.reporter->progress("checksum", done, total);
           }
         }
-        rec.chunks[tasks[i].chunk] = artifact::ChunkHash::hex_of(XXH3_128bits_digest(state.get()));
+        rec.chunks[tasks[i].chunk] = hash.hex();
       } catch (const Error& e) {
         std::lock_guard lock(error_mutex);
         if (!first_error) first_error = e;

@@ -10,13 +10,15 @@
 #include <memory>
 #include <string>
 
+#include "artifact/xxh3.h"
+
 namespace gpusnap::artifact {
 
 class ChunkHash {
  public:
   ChunkHash() : state_(XXH3_createState(), XXH3_freeState) { reset(); }
   void reset() { XXH3_128bits_reset(state_.get()); }
-  void update(const void* data, size_t size) { XXH3_128bits_update(state_.get(), data, size); }
+  void update(const void* data, size_t size) { xxh3_128_update(state_.get(), data, size); }
   // The digest of what was added since the last reset, as the manifest writes it.
   std::string hex() const { return hex_of(XXH3_128bits_digest(state_.get())); }
   static std::string hex_of(const XXH128_hash_t& h) {

@@ -15,6 +15,7 @@
 #include <xxhash.h>
 #include <nlohmann/json.hpp>
 
+#include "artifact/xxh3.h"
 #include "common/fd.h"
 #include "common/fs.h"
 #include "common/subprocess.h"
@@ -134,7 +135,7 @@ std::optional<FileIdentity> identify(int root, const std::string& path) {
       if (errno == EINTR) continue;
       return std::nullopt;
     }
-    XXH3_64bits_update(state.get(), buf.data(), static_cast<size_t>(n));
+    artifact::xxh3_64_update(state.get(), buf.data(), static_cast<size_t>(n));
   }
   char hex[17];
   std::snprintf(hex, sizeof hex, "%016llx",
