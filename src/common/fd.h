@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <cerrno>
 #include <utility>
 
 namespace gpusnap::common {
@@ -27,6 +28,12 @@ class UniqueFd {
   void reset(int fd = -1) {
     if (fd_ >= 0) ::close(fd_);
     fd_ = fd;
+  }
+  // Closes now and returns the errno of a failed close (0 when it succeeded): on some file
+  // systems a failed write shows only there, so a writer that must know checks it.
+  int close_checked() {
+    if (fd_ < 0) return 0;
+    return ::close(std::exchange(fd_, -1)) == 0 ? 0 : errno;
   }
 
  private:

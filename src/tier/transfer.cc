@@ -49,29 +49,6 @@ Error file_error(const std::string& what, const std::filesystem::path& path, int
                "memory tier: " + what + " " + path.string() + ": " + errno_text(err));
 }
 
-// A descriptor, closed on destruction. close_checked() reports a failed close, which on some
-// file systems is where a failed write shows.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  Fd& operator=(Fd&&) = delete;
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const { return fd_; }
-  int close_checked() {
-    const int r = ::close(std::exchange(fd_, -1));
-    return r == 0 ? 0 : errno;
-  }
-
- private:
-  int fd_ = -1;
-};
-
 // What one worker holds: pinned buffers and a stream per device, all given back by its
 // destructor (they must not outlive the drain or fill: pinned memory would enter the snapshot).
 class WorkerResources {
@@ -376,7 +353,7 @@ double Tier::run_drain_workers(std::vector<Piece>& pieces, const std::filesystem
       std::min(pieces.size(), static_cast<std::size_t>(std::max(1, settings_.streams)));
   // The files are created here, one by one, so that the caller knows every name to remove on
   // failure. O_EXCL: a file already there is somebody else's.
-  std::vector<Fd> fds;
+  std::vector<common::UniqueFd> fds;
   for (std::size_t k = 0; k < n; ++k) {
     std::string name = std::to_string(pid_) + "-w" + std::to_string(k) + ".img";
     const auto path = dir / name;
@@ -496,7 +473,7 @@ void Tier::write_index(const std::filesystem::path& dir, const std::vector<std::
   json += "]}\n";
   const auto path = dir / (std::to_string(pid_) + ".json");
   const auto tmp = dir / (std::to_string(pid_) + ".json.tmp");
-  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  common::UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
   if (fd.get() < 0) throw file_error("cannot create", tmp, errno);
   try {
     write_all(fd.get(), tmp, json.data(), json.size(), 0);
@@ -729,7 +706,7 @@ class PieceQueue {
 double fill_from_files(TierDriver& driver, const TierSettings& settings,
                        const std::filesystem::path& dir, const std::vector<std::string>& files,
                        const std::vector<FilePiece>& pieces, const FillHooks& hooks) {
-  std::vector<Fd> fds;
+  std::vector<common::UniqueFd> fds;
   for (const auto& name : files) {
     const auto path = dir / name;
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
