@@ -164,10 +164,9 @@ struct Slice {
   std::size_t size = 0;
 };
 
-// A worker's pieces a slice at a time, each piece in slices of at most one buffer. The buffers
-// are sized for the host's caches, not for the pieces: a piece of any size (a prefill reads them
-// from an artifact) fits, and each slice stays in the cache between the CPU's pass and the copy
-// engine's.
+// A worker's pieces a slice at a time, each piece in slices of at most one buffer. The buffers'
+// size is a setting of its own (the H200's figures chose it, exp42), not the pieces': a piece of
+// any size, as a prefill reads them from an artifact, goes through them and never past them.
 class Slices {
  public:
   Slices(const std::vector<FilePiece>& pieces, std::size_t slice_bytes)
