@@ -8,14 +8,23 @@
 // gives a pluggable allocator no record_stream, so this is the only safe rule without an event
 // per block.
 //
-// Why blocks allocated during a graph capture are never reused: the graph replays into them
-// after the capture ends and PyTorch has freed the tensors; PyTorch's caching allocator keeps
-// them in the graph's private pool, which a pluggable allocator is not told about.
+// Why each graph capture has a pool of its own: the graph replays into every block allocated
+// while it was captured, also after PyTorch has freed the tensors. PyTorch's caching allocator
+// keeps such blocks in the graph's private pool; a pluggable allocator is not told about those
+// pools, so the tier makes one per capture from the driver's capture id. A block allocated and
+// freed during the capture goes back to its pool, and later allocations of the same capture reuse
+// it: the graph replays them in the order they were captured, so the memory a capture needs is
+// its peak, not the sum of its temporaries. Nothing outside the capture ever gets such a block,
+// and once the capture has ended a freed block stays live, because the graph still replays into
+// it. A block freed inside its capture holds nothing between replays (the graph writes it before
+// it reads it), so a drain need not save it; its segment is never given back.
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <optional>
+#include <set>
 #include <string>
 
 #include "gpusnap/error.h"
@@ -94,8 +103,8 @@ TierStats Tier::stats() const {
   for (const auto& [va, seg] : segments_) s.reserved_bytes += seg.size;
   for (const auto& [addr, b] : blocks_) {
     if (b.allocated) s.live_bytes += b.size;
-    if (b.graph) s.graph_bytes += b.size;
-    if (!b.allocated) s.cached_bytes += b.size;
+    if (b.pool != kGeneral) s.graph_bytes += b.size;
+    if (!b.allocated && b.pool == kGeneral) s.cached_bytes += b.size;
   }
   return s;
 }
@@ -115,32 +124,53 @@ void* Tier::allocate(std::size_t size, int device, Stream stream) {
 DevicePtr Tier::allocate_locked(std::size_t size, int device, Stream stream) {
   const std::size_t rounded = round_up(size, kRound);
   const bool small = rounded <= kSmallRequest;
-  const bool graph = driver_.capturing(stream);
-  auto it = free_.lower_bound({small, device, stream, rounded, 0});
-  if (it == free_.end() || std::get<0>(*it) != small || std::get<1>(*it) != device ||
-      std::get<2>(*it) != stream) {
+  const Pool pool = pool_of(stream);
+  // A capture first reuses what it freed itself, then takes from the general cache.
+  auto it = find_free(pool, small, device, stream, rounded);
+  if (it == free_.end() && pool != kGeneral)
+    it = find_free(kGeneral, small, device, stream, rounded);
+  if (it == free_.end()) {
     std::size_t want = small ? kSmallSegment : rounded <= kMediumRequest ? kMediumSegment : rounded;
     Segment& s = new_segment(want, device, stream, small);
-    Block b{s.va, s.size, false, false};
+    Block b{s.va, s.size, false, kGeneral};
     blocks_[s.va] = b;
     insert_free(s.va, b);
-    it = free_.find({small, device, stream, s.size, s.va});
+    it = free_.find({kGeneral, small, device, stream, s.size, s.va});
   }
-  const DevicePtr addr = std::get<4>(*it);
+  const DevicePtr addr = std::get<5>(*it);
   Block& b = blocks_.at(addr);
   erase_free(addr, b);
   // Split off the rest when it is worth a block of its own: in the large pool only above
-  // kSmallRequest, so that large segments are not worn down into small pieces.
+  // kSmallRequest, so that large segments are not worn down into small pieces. The rest stays
+  // in the pool it was in.
   const std::size_t rest = b.size - rounded;
   if (rest >= (small ? kRound : kSmallRequest + 1)) {
-    Block tail{b.segment, rest, false, false};
+    Block tail{b.segment, rest, false, b.pool};
     blocks_[addr + rounded] = tail;
     insert_free(addr + rounded, tail);
     b.size = rounded;
   }
   b.allocated = true;
-  b.graph = graph;
+  b.pool = pool;
   return addr;
+}
+
+Tier::Pool Tier::pool_of(Stream stream) {
+  const std::optional<std::uint64_t> capture = driver_.capture_id(stream);
+  if (!capture) return kGeneral;
+  auto [it, added] = pools_.try_emplace(*capture, next_pool_);
+  if (added) ++next_pool_;
+  return it->second;
+}
+
+std::set<Tier::FreeKey>::iterator Tier::find_free(Pool pool, bool small, int device, Stream stream,
+                                                  std::size_t size) {
+  auto it = free_.lower_bound({pool, small, device, stream, size, 0});
+  if (it == free_.end() || std::get<0>(*it) != pool || std::get<1>(*it) != small ||
+      std::get<2>(*it) != device || std::get<3>(*it) != stream) {
+    return free_.end();
+  }
+  return it;
 }
 
 Tier::Segment& Tier::new_segment(std::size_t size, int device, Stream stream, bool small) {
@@ -159,7 +189,7 @@ Tier::Segment& Tier::new_segment(std::size_t size, int device, Stream stream, bo
     // Out of memory: give the cached free segments back and try once more, as PyTorch does.
     // Not while a graph is being captured: synchronising would invalidate the capture.
     bool retried = false;
-    if (!driver_.capturing(stream)) {
+    if (!driver_.capture_id(stream)) {
       synchronize_devices();
       retried = trim_locked() && driver_.create(device, size, &s.handle);
     }
@@ -209,20 +239,23 @@ void Tier::free(void* ptr) {
                 "the memory tier was asked to free " + hex(addr) + ", which it did not hand out",
                 "free only what the tier allocated, once");
   }
-  // A graph's block stays live: the graph writes into it on every replay.
-  if (it->second.graph) return;
-  it->second.allocated = false;
+  const Pool pool = it->second.pool;
   const Segment& seg = segments_.at(it->second.segment);
+  // A graph's block is reused only within its capture; once that has ended it stays live, as
+  // the graph writes into it on every replay.
+  if (pool != kGeneral && pool_of(seg.stream) != pool) return;
+  it->second.allocated = false;
+  // Neighbours merge only within one pool: a capture's memory never returns to the cache.
   if (auto next = std::next(it); next != blocks_.end() &&
                                  next->second.segment == it->second.segment &&
-                                 !next->second.allocated) {
+                                 !next->second.allocated && next->second.pool == pool) {
     erase_free(next->first, next->second);
     it->second.size += next->second.size;
     blocks_.erase(next);
   }
   if (it->first != seg.va) {
     auto prev = std::prev(it);
-    if (!prev->second.allocated) {
+    if (!prev->second.allocated && prev->second.pool == pool) {
       erase_free(prev->first, prev->second);
       prev->second.size += it->second.size;
       blocks_.erase(it);
@@ -235,8 +268,9 @@ void Tier::free(void* ptr) {
 bool Tier::trim_locked() {
   std::vector<DevicePtr> idle;
   for (const auto& [va, seg] : segments_) {
+    // A segment whole in a capture's pool is not idle: its graph replays into it.
     const Block& b = blocks_.at(va);
-    if (!b.allocated && b.size == seg.size) idle.push_back(va);
+    if (!b.allocated && b.size == seg.size && b.pool == kGeneral) idle.push_back(va);
   }
   for (DevicePtr va : idle) {
     Segment& s = segments_.at(va);
@@ -260,7 +294,7 @@ void Tier::destroy_segment(DevicePtr key) noexcept {
   driver_.address_free(s.va, s.size);
   for (auto it = blocks_.lower_bound(s.va); it != blocks_.end() && it->first < s.va + s.size;) {
     if (!it->second.allocated)
-      free_.erase({s.small, s.device, s.stream, it->second.size, it->first});
+      free_.erase({it->second.pool, s.small, s.device, s.stream, it->second.size, it->first});
     it = blocks_.erase(it);
   }
   segments_.erase(key);
@@ -307,12 +341,12 @@ void Tier::unmap_segment(Segment& s) {
 
 void Tier::insert_free(DevicePtr addr, const Block& b) {
   const Segment& s = segments_.at(b.segment);
-  free_.insert({s.small, s.device, s.stream, b.size, addr});
+  free_.insert({b.pool, s.small, s.device, s.stream, b.size, addr});
 }
 
 void Tier::erase_free(DevicePtr addr, const Block& b) {
   const Segment& s = segments_.at(b.segment);
-  free_.erase({s.small, s.device, s.stream, b.size, addr});
+  free_.erase({b.pool, s.small, s.device, s.stream, b.size, addr});
 }
 
 void Tier::synchronize_devices() {

@@ -8,10 +8,13 @@
 //    cuCtxPushCurrent -> cuCtxPushCurrent_v2, cuCtxPopCurrent -> cuCtxPopCurrent_v2,
 //    cuStreamDestroy -> cuStreamDestroy_v2, cuMemcpyDtoHAsync -> cuMemcpyDtoHAsync_v2,
 //    cuMemcpyHtoDAsync -> cuMemcpyHtoDAsync_v2, cuDevicePrimaryCtxRelease -> _v2 (unused),
-//    cuDeviceGetUuid -> cuDeviceGetUuid_v2. We ask dlsym for those names. The VMM calls
+//    cuDeviceGetUuid -> cuDeviceGetUuid_v2. We ask dlsym for those names. cuStreamGetCaptureInfo
+//    is mapped to a newer version with graph-edge outputs; we ask for cuStreamGetCaptureInfo_v2
+//    (CUDA 11.3 on, kept by later drivers for the binaries built against it), whose status and
+//    id are all the tier reads, passing null for the outputs it does not want. The VMM calls
 //    (cuMemAddressReserve, cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease,
 //    cuMemAddressFree, cuMemGetAllocationGranularity), cuMemHostAlloc, cuMemFreeHost,
-//    cuStreamCreate, cuStreamSynchronize, cuStreamIsCapturing, cuCtxSynchronize, cuCtxSetCurrent,
+//    cuStreamCreate, cuStreamSynchronize, cuCtxSynchronize, cuCtxSetCurrent,
 //    cuCtxGetLimit, cuCtxSetLimit and cuDevicePrimaryCtxRetain are not mapped. With
 //    CUDA_API_PER_THREAD_DEFAULT_STREAM cuda.h would map the copies to _ptsz variants: those
 //    differ only for the default stream, and the tier always passes a stream of its own.
@@ -31,8 +34,9 @@
 //    alignment of both the reservation and the physical memory.
 //  - Pinned buffers are allocated with CU_MEMHOSTALLOC_PORTABLE, so a worker may use one buffer
 //    for pieces on any device.
-//  - Stream capture: cuStreamIsCapturing on a stream that is capturing in relaxed or global
-//    mode answers ACTIVE; on the legacy default stream (null) it answers for it too.
+//  - Stream capture: cuStreamGetCaptureInfo on a stream that is capturing in relaxed or global
+//    mode answers ACTIVE and the capture's id; a stream joined to that capture (a fork inside
+//    the captured work) answers the same id.
 #include <dlfcn.h>
 #include <sys/mman.h>
 
@@ -60,6 +64,7 @@ struct CUstream_st;
 using CUstream = CUstream_st*;
 using CUdeviceptr = unsigned long long;                   // NOLINT(google-runtime-int): the ABI's
 using CUmemGenericAllocationHandle = unsigned long long;  // NOLINT(google-runtime-int): the ABI's
+using cuuint64_t = std::uint64_t;
 
 constexpr CUresult CUDA_SUCCESS = 0;
 constexpr CUresult CUDA_ERROR_OUT_OF_MEMORY = 2;
@@ -149,7 +154,7 @@ struct Api {
   CUresult (*cuStreamCreate)(CUstream*, unsigned int);
   CUresult (*cuStreamDestroy_v2)(CUstream);
   CUresult (*cuStreamSynchronize)(CUstream);
-  CUresult (*cuStreamIsCapturing)(CUstream, int*);
+  CUresult (*cuStreamGetCaptureInfo_v2)(CUstream, int*, cuuint64_t*, void**, const void**, size_t*);
   CUresult (*cuMemcpyDtoHAsync_v2)(void*, CUdeviceptr, size_t, CUstream);
   CUresult (*cuMemcpyHtoDAsync_v2)(CUdeviceptr, const void*, size_t, CUstream);
   CUresult (*cuDeviceGetCount)(int*);
@@ -256,7 +261,7 @@ class CudaTierDriver final : public TierDriver {
     resolve("cuStreamCreate", &api_.cuStreamCreate);
     resolve("cuStreamDestroy_v2", &api_.cuStreamDestroy_v2);
     resolve("cuStreamSynchronize", &api_.cuStreamSynchronize);
-    resolve("cuStreamIsCapturing", &api_.cuStreamIsCapturing);
+    resolve("cuStreamGetCaptureInfo_v2", &api_.cuStreamGetCaptureInfo_v2);
     resolve("cuMemcpyDtoHAsync_v2", &api_.cuMemcpyDtoHAsync_v2);
     resolve("cuMemcpyHtoDAsync_v2", &api_.cuMemcpyHtoDAsync_v2);
     resolve("cuDeviceGetCount", &api_.cuDeviceGetCount);
@@ -393,10 +398,14 @@ class CudaTierDriver final : public TierDriver {
     check(api_.cuStreamSynchronize(static_cast<CUstream>(stream)), "cuStreamSynchronize");
   }
 
-  bool capturing(Stream stream) override {
+  std::optional<std::uint64_t> capture_id(Stream stream) override {
     int status = CU_STREAM_CAPTURE_STATUS_NONE;
-    check(api_.cuStreamIsCapturing(static_cast<CUstream>(stream), &status), "cuStreamIsCapturing");
-    return status != CU_STREAM_CAPTURE_STATUS_NONE;
+    cuuint64_t id = 0;
+    check(api_.cuStreamGetCaptureInfo_v2(static_cast<CUstream>(stream), &status, &id, nullptr,
+                                         nullptr, nullptr),
+          "cuStreamGetCaptureInfo");
+    if (status == CU_STREAM_CAPTURE_STATUS_NONE) return std::nullopt;
+    return id;
   }
 
   int device_count() override {

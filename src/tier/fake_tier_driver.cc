@@ -44,7 +44,12 @@ void FakeTierDriver::set_uuid(int device, std::string uuid) {
 
 void FakeTierDriver::set_capturing(Stream stream, bool capturing) {
   std::lock_guard lock(mu_);
-  streams_[stream] = capturing;
+  streams_[stream] = capturing ? std::optional<std::uint64_t>(next_capture_++) : std::nullopt;
+}
+
+void FakeTierDriver::join_capture(Stream stream, Stream origin) {
+  std::lock_guard lock(mu_);
+  streams_[stream] = streams_[origin];
 }
 
 void FakeTierDriver::fail_next(std::string call, int nth) {
@@ -327,7 +332,7 @@ Stream FakeTierDriver::stream_create() {
   // NOLINTNEXTLINE(performance-no-int-to-ptr): a fake stream is only a distinct value
   auto s = reinterpret_cast<Stream>(next_stream_);
   next_stream_ += 0x10;
-  streams_[s] = false;
+  streams_[s] = std::nullopt;
   return s;
 }
 
@@ -360,10 +365,10 @@ void FakeTierDriver::stream_synchronize(Stream stream) {
     throw misuse("stream_synchronize of an unknown stream");
 }
 
-bool FakeTierDriver::capturing(Stream stream) {
+std::optional<std::uint64_t> FakeTierDriver::capture_id(Stream stream) {
   std::lock_guard lock(mu_);
   auto s = streams_.find(stream);
-  return s != streams_.end() && s->second;
+  return s == streams_.end() ? std::nullopt : s->second;
 }
 
 int FakeTierDriver::device_count() {

@@ -26,7 +26,11 @@ class FakeTierDriver final : public TierDriver {
 
   // --- set-up
   void set_uuid(int device, std::string uuid);
+  // Starts a graph capture on `stream` with a new id, as cuStreamBeginCapture does (the first
+  // id is 0), or ends it.
   void set_capturing(Stream stream, bool capturing);
+  // Joins `stream` to the capture `origin` takes part in, as a fork inside captured work does.
+  void join_capture(Stream stream, Stream origin);
   // The nth call named `call` from now ("create", "map", "unmap", "copy_to_host", ...) fails:
   // it throws Error(kGpu), or for "create" answers out of memory.
   void fail_next(std::string call, int nth = 1);
@@ -77,7 +81,7 @@ class FakeTierDriver final : public TierDriver {
   void copy_to_host(void* dst, DevicePtr src, std::size_t size, Stream stream) override;
   void copy_to_device(DevicePtr dst, const void* src, std::size_t size, Stream stream) override;
   void stream_synchronize(Stream stream) override;
-  bool capturing(Stream stream) override;
+  std::optional<std::uint64_t> capture_id(Stream stream) override;
   std::string device_uuid(int device) override;
   int device_count() override;
   bool create_shareable(int device, std::size_t size, Handle* handle) override;
@@ -121,12 +125,13 @@ class FakeTierDriver final : public TierDriver {
   std::map<DevicePtr, std::size_t> reservations_;
   std::map<DevicePtr, Mapping> mappings_;
   std::map<void*, std::vector<unsigned char>> host_;
-  std::map<Stream, bool> streams_;     // stream -> capturing
-  std::map<std::string, int> faults_;  // call -> countdown
+  std::map<Stream, std::optional<std::uint64_t>> streams_;  // stream -> the capture it is in
+  std::map<std::string, int> faults_;                       // call -> countdown
   std::vector<std::string> calls_;
   Handle next_handle_ = 1;
   DevicePtr next_va_ = 0x7f0000000000;
   std::uintptr_t next_stream_ = 0x1000;
+  std::uint64_t next_capture_ = 0;
   int entered_ = 0;
 };
 

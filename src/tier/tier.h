@@ -63,8 +63,9 @@ struct TierStats {
   std::size_t segments = 0;
   std::size_t reserved_bytes = 0;  // address space of all segments
   std::size_t live_bytes = 0;      // blocks handed out and not freed (graph blocks included)
-  std::size_t cached_bytes = 0;    // free blocks kept for reuse
-  std::size_t graph_bytes = 0;     // blocks allocated during a graph capture (never reused)
+  std::size_t cached_bytes = 0;    // free blocks any allocation may reuse
+  // Blocks of graph captures' pools, live or free: only their capture reuses them (Tier::free).
+  std::size_t graph_bytes = 0;
 };
 
 struct TransferReport {
@@ -116,8 +117,9 @@ class Tier {
   // Throws Error(kGpu) when the device is out of memory after the cache was trimmed, and
   // Error(kInternal) while drained (a paused workload must not allocate).
   void* allocate(std::size_t size, int device, Stream stream);
-  // Returns a block. A block allocated during a graph capture stays live: the graph replays
-  // into it. Throws Error(kInternal) for a pointer the tier did not hand out.
+  // Returns a block. A block allocated during a graph capture goes back to that capture's pool
+  // while the capture goes on, and stays live once it has ended: the graph replays into it.
+  // Throws Error(kInternal) for a pointer the tier did not hand out.
   void free(void* ptr);
 
   // Writes every live block into `dir` (which must exist), then releases the physical memory.
@@ -160,18 +162,26 @@ class Tier {
     Handle handle = 0;
     bool mapped = false;
   };
+  // A graph capture's pool: kGeneral, or a number the tier gives each capture (pools_).
+  using Pool = std::uint64_t;
+  static constexpr Pool kGeneral = 0;
   struct Block {
     DevicePtr segment = 0;  // key of its Segment
     std::size_t size = 0;
     bool allocated = false;
-    bool graph = false;  // allocated while its stream captured a graph
+    Pool pool = kGeneral;  // the capture it was allocated in; a free block keeps it
   };
-  // Free blocks, best fit first: (pool small?, device, stream, size, address).
-  using FreeKey = std::tuple<bool, int, Stream, std::size_t, DevicePtr>;
+  // Free blocks, best fit first: (pool, small?, device, stream, size, address).
+  using FreeKey = std::tuple<Pool, bool, int, Stream, std::size_t, DevicePtr>;
   // A piece of live memory and where the drain put it (file: an index into files_).
   using Piece = FilePiece;
 
   DevicePtr allocate_locked(std::size_t size, int device, Stream stream);
+  // The pool of the capture `stream` takes part in; kGeneral when it captures nothing.
+  Pool pool_of(Stream stream);
+  // The best-fitting free block of `pool` for a request; free_.end() when there is none.
+  std::set<FreeKey>::iterator find_free(Pool pool, bool small, int device, Stream stream,
+                                        std::size_t size);
   Segment& new_segment(std::size_t size, int device, Stream stream, bool small);
   // Unmaps, releases and frees every segment with no block in use; false if none. Needs no
   // stream work pending on them: the caller synchronises first.
@@ -217,6 +227,8 @@ class Tier {
   std::map<DevicePtr, Segment> segments_;
   std::map<DevicePtr, Block> blocks_;  // every block of every segment, by address
   std::set<FreeKey> free_;
+  std::map<std::uint64_t, Pool> pools_;  // the driver's capture id -> its pool
+  Pool next_pool_ = kGeneral + 1;
   std::map<int, std::string> device_uuids_;  // recorded at the device's first segment
   std::map<int, std::size_t> granularity_;
   std::map<int, std::size_t> stacks_;  // device -> the stack size the last drain set to 0

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace gpusnap::tier {
@@ -67,8 +68,9 @@ class TierDriver {
   virtual void copy_to_host(void* dst, DevicePtr src, std::size_t size, Stream stream) = 0;
   virtual void copy_to_device(DevicePtr dst, const void* src, std::size_t size, Stream stream) = 0;
   virtual void stream_synchronize(Stream stream) = 0;
-  // Whether `stream` is capturing a CUDA graph (cuStreamIsCapturing).
-  virtual bool capturing(Stream stream) = 0;
+  // The id of the CUDA graph capture `stream` takes part in (cuStreamGetCaptureInfo: unique for
+  // the process's life, shared by every stream joined to that capture); none when not capturing.
+  virtual std::optional<std::uint64_t> capture_id(Stream stream) = 0;
 
   // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" of `device`, as NVML and the handshake's gpu_map
   // write it.

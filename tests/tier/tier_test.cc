@@ -155,16 +155,70 @@ TEST_F(TierTest, FreedNeighboursMergeSoThatALargerRequestFitsAgain) {
   EXPECT_EQ(driver.calls_named("create").size(), 1u);
 }
 
-TEST_F(TierTest, BlocksOfAGraphCaptureAreNeverReused) {
+TEST_F(TierTest, ABlockFreedAfterItsCaptureEndedIsNeverReused) {
   driver.set_capturing(kStreamA, true);
   void* g = alloc(8192);
-  tier->free(g);  // PyTorch frees the graph's tensors after the capture; the graph keeps them
   driver.set_capturing(kStreamA, false);
+  tier->free(g);  // PyTorch frees the graph's tensors after the capture; the graph keeps them
   void* p = alloc(8192);
   EXPECT_NE(p, g);
   const TierStats s = tier->stats();
   EXPECT_EQ(s.graph_bytes, 8192u);
   EXPECT_EQ(s.live_bytes, 2 * 8192u);
+}
+
+TEST_F(TierTest, ACaptureReusesWhatItFreedItself) {
+  driver.set_capturing(kStreamA, true);
+  void* a = alloc(8192);
+  void* b = alloc(8192);
+  tier->free(a);
+  tier->free(b);  // merges with a: one 16 KiB block of the capture's pool
+  EXPECT_EQ(alloc(16384), a) << "the graph replays in capture order: a and b's memory is free";
+  EXPECT_EQ(tier->stats().live_bytes, 16384u);
+  EXPECT_EQ(driver.calls_named("create").size(), 1u);
+}
+
+TEST_F(TierTest, WhatACaptureFreedIsNeverHandedOutOutsideIt) {
+  driver.set_capturing(kStreamA, true);
+  void* g = alloc(8192);
+  tier->free(g);
+  driver.set_capturing(kStreamA, false);
+  EXPECT_NE(alloc(8192), g) << "outside any capture";
+  driver.set_capturing(kStreamA, true);  // the next capture, with an id of its own
+  EXPECT_NE(alloc(8192), g) << "in another capture";
+  const TierStats s = tier->stats();
+  EXPECT_EQ(s.live_bytes, 2 * 8192u);
+  EXPECT_EQ(s.graph_bytes, 2 * 8192u) << "the first capture's free block and the second's";
+}
+
+TEST_F(TierTest, AStreamJoinedToACaptureSharesItsPool) {
+  driver.set_capturing(kStreamA, true);
+  driver.join_capture(kStreamB, kStreamA);
+  void* side = alloc(8192, 0, kStreamB);
+  tier->free(side);
+  EXPECT_EQ(alloc(8192, 0, kStreamB), side);
+  EXPECT_EQ(tier->stats().graph_bytes, 8192u);
+}
+
+TEST_F(TierTest, ACaptureTakesFromTheCacheAndNeverGivesItBack) {
+  void* cached = alloc(kMiB);
+  tier->free(cached);
+  EXPECT_EQ(tier->stats().cached_bytes, 2 * kMiB) << "its small segment, whole";
+  driver.set_capturing(kStreamA, true);
+  void* g = alloc(kMiB);
+  EXPECT_EQ(g, cached) << "a capture takes from the cache when its pool has nothing";
+  tier->free(g);
+  driver.set_capturing(kStreamA, false);
+  EXPECT_EQ(tier->stats().graph_bytes, kMiB);
+  EXPECT_NE(alloc(kMiB), g);
+  // The drain gives back idle segments but not this one: the graph replays into g. Nothing in
+  // g is saved (the graph writes it before it reads it); the fill maps it again.
+  const TransferReport r = tier->drain(dir.path());
+  EXPECT_EQ(r.bytes, kMiB) << "only the block allocated after the capture";
+  EXPECT_EQ(driver.reservations(), 1u);
+  tier->fill(dir.path(), {});
+  pattern(g, kMiB, 3);
+  expect_pattern(g, kMiB, 3);
 }
 
 TEST_F(TierTest, FreeingWhatTheTierDidNotHandOutIsAnError) {
