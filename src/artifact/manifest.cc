@@ -80,7 +80,10 @@ json gpu_json(const GpuFacts& g) {
 json container_json(const ContainerRecord& c) {
   json files = json::array();
   for (const auto& f : c.rootfs_files) {
-    json file = {{"path", f.path}, {"size", f.size}, {"xxh3", f.xxh3}};
+    // A file is identified by one of the two: its ELF build-id where it has one, else its
+    // content's XXH3 (validate.cc refuses both or neither).
+    json file = {{"path", f.path}, {"size", f.size}};
+    if (!f.xxh3.empty()) file["xxh3"] = f.xxh3;
     if (!f.build_id.empty()) file["build_id"] = f.build_id;
     files.push_back(std::move(file));
   }
@@ -287,8 +290,10 @@ class ManifestReader {
     rec.bundle = text(c, "bundle");
     rec.rootfs = text(c, "rootfs");
     for (const auto& f : objects(c, "rootfs_files")) {
-      // build_id is younger than the format: absent, the content's xxh3 identifies the file.
-      rec.rootfs_files.push_back({text(f, "path"), size(f, "size"), text(f, "xxh3"),
+      // Each of xxh3 and build_id may be absent (build_id is younger than the format; a file
+      // with a build-id has no xxh3): validate.cc wants exactly one.
+      rec.rootfs_files.push_back({text(f, "path"), size(f, "size"),
+                                  f.contains("xxh3") ? text(f, "xxh3") : std::string(),
                                   f.contains("build_id") ? text(f, "build_id") : std::string()});
     }
     return rec;

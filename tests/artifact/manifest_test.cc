@@ -171,6 +171,9 @@ TEST(ManifestTest, RoundTripsAContainerCapture) {
   EXPECT_EQ(back.container->rootfs_files[0].build_id, "");
   EXPECT_EQ(back.container->rootfs_files[1].build_id, "571d98e01096d5c1c32420d2");
   EXPECT_EQ(back.container->rootfs_files[1].xxh3, "");
+  EXPECT_FALSE(m.to_json()["container"]["rootfs_files"][1].contains("xxh3"))
+      << "a file identified by its build-id has no empty checksum beside it";
+  EXPECT_FALSE(m.to_json()["container"]["rootfs_files"][0].contains("build_id"));
   // A manifest written before build-ids identifies every file by its content.
   json doc = m.to_json();
   doc["container"]["rootfs_files"].erase(1);
@@ -241,7 +244,9 @@ TEST(ManifestTest, MalformedGpuOrContainerSectionIsABadArtifactNamingTheField) {
       {"/container/rootfs_files/0/size", "big",
        "manifest field 'size' has the wrong type: expected an integer, found string"},
       {"/container/rootfs_files/0", json::object({{"path", "/a"}, {"size", 1}}),
-       "manifest lacks the field 'xxh3'"}};
+       "manifest identifies the container file '/a' by neither one checksum nor one build-id"},
+      {"/container/rootfs_files/0/xxh3", 7,
+       "manifest field 'xxh3' has the wrong type: expected a string, found number"}};
   for (const auto& c : cases) {
     SCOPED_TRACE(c.pointer);
     Manifest m = full_manifest();
