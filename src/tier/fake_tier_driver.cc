@@ -367,6 +367,10 @@ void FakeTierDriver::stream_synchronize(Stream stream) {
 
 std::optional<std::uint64_t> FakeTierDriver::capture_id(Stream stream) {
   std::lock_guard lock(mu_);
+  if (auto f = faults_.find("capture_id"); f != faults_.end() && --f->second == 0) {
+    faults_.erase(f);
+    throw Error(ErrorKind::kGpu, "capture_id failed: CUDA_ERROR_UNKNOWN (fake driver)");
+  }
   auto s = streams_.find(stream);
   return s == streams_.end() ? std::nullopt : s->second;
 }

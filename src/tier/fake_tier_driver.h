@@ -32,7 +32,8 @@ class FakeTierDriver final : public TierDriver {
   // Joins `stream` to the capture `origin` takes part in, as a fork inside captured work does.
   void join_capture(Stream stream, Stream origin);
   // The nth call named `call` from now ("create", "map", "unmap", "copy_to_host", ...) fails:
-  // it throws Error(kGpu), or for "create" answers out of memory.
+  // it throws Error(kGpu), or for "create" answers out of memory. "capture_id" fails too but,
+  // asked at every allocation, is not listed in calls().
   void fail_next(std::string call, int nth = 1);
 
   // --- inspection

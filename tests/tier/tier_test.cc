@@ -200,6 +200,15 @@ TEST_F(TierTest, AStreamJoinedToACaptureSharesItsPool) {
   EXPECT_EQ(tier->stats().graph_bytes, 8192u);
 }
 
+TEST_F(TierTest, AFreeThatCannotAskAboutTheCaptureKeepsTheBlockLive) {
+  driver.set_capturing(kStreamA, true);
+  void* g = alloc(8192);
+  driver.fail_next("capture_id");
+  EXPECT_EQ(catch_error([&] { tier->free(g); }).kind(), ErrorKind::kGpu);
+  EXPECT_EQ(tier->stats().live_bytes, 8192u) << "the graph may still replay into it";
+  EXPECT_NE(alloc(8192), g);
+}
+
 TEST_F(TierTest, ACaptureTakesFromTheCacheAndNeverGivesItBack) {
   void* cached = alloc(kMiB);
   tier->free(cached);
