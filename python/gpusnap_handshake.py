@@ -631,7 +631,11 @@ def use_memory_tier(library=None):
     """Makes PyTorch allocate its GPU memory through gpusnap's memory tier. Call it once,
     before the first CUDA allocation (PyTorch can change its allocator only before it has
     allocated). Returns the MemoryTier; the handshake client drains and fills it by itself.
-    Raises TierError when the library is missing or PyTorch refuses the allocator."""
+    Raises TierError when the library is missing or PyTorch refuses the allocator.
+
+    It also turns off torch.compile's CUDA graph trees, which PyTorch runs only on its own
+    allocator, when Inductor is loaded (below): mode="reduce-overhead" then captures a CUDA graph
+    per compiled graph, as with torch.cuda.graph."""
     global _installed_tier
     if _installed_tier is not None:
         return _installed_tier
@@ -657,7 +661,94 @@ def use_memory_tier(library=None):
         raise TierError(f"gpusnap memory tier: PyTorch refused the allocator ({e}); call "
                         "use_memory_tier() before anything allocates GPU memory") from e
     _installed_tier = tier
+    _turn_off_graph_trees_when_inductor_loads()
     return tier
+
+
+# ---- torch.compile on the tier -------------------------------------------------------------
+#
+# torch.compile's CUDA graph trees (mode="reduce-overhead") keep their graphs' memory in one pool
+# they inspect and rewind through PyTorch's own caching allocator (checkPoolLiveAllocations,
+# checkpoint state), which PyTorch does not offer a pluggable allocator: on the tier every
+# compiled call would raise. Without the trees, Inductor captures each compiled graph with
+# torch.cuda.graph, whose memory the tier keeps in a pool per capture like any graph's. So once
+# the tier is installed the trees are turned off when Inductor's configuration is loaded: at once
+# if it already is, else by a finder that waits for it, so that a workload that never compiles
+# imports nothing more. A workload may still turn them back on (and then gets PyTorch's error).
+
+_INDUCTOR_CONFIG = "torch._inductor.config"
+
+
+def _turn_off_graph_trees(config):
+    try:
+        config.triton.cudagraph_trees = False
+    except AttributeError:  # an Inductor without graph trees: nothing to turn off
+        pass
+
+
+class _AfterInductorConfig:
+    """Inductor's configuration module's own loader, the trees turned off once its code ran."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        create = getattr(self._loader, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module):
+        module.__loader__ = self._loader  # PyTorch sees its own loader, as without the finder
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        _remove_inductor_finder()
+        # The module the import returns: Inductor's configuration replaces its module's class.
+        _turn_off_graph_trees(sys.modules.get(module.__name__, module))
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+class _InductorConfigFinder:
+    """A sys.meta_path finder for Inductor's configuration module alone."""
+
+    def __init__(self):
+        self._searching = set()  # threads inside find_spec: the other finders are asked
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _INDUCTOR_CONFIG or threading.get_ident() in self._searching:
+            return None
+        self._searching.add(threading.get_ident())
+        try:
+            spec = None
+            for finder in list(sys.meta_path):
+                find = getattr(finder, "find_spec", None)
+                if finder is not self and find is not None:
+                    spec = find(fullname, path, target)
+                    if spec is not None:
+                        break
+        finally:
+            self._searching.discard(threading.get_ident())
+        if spec is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _AfterInductorConfig(spec.loader)
+        return spec
+
+
+def _remove_inductor_finder():
+    for finder in [f for f in sys.meta_path if isinstance(f, _InductorConfigFinder)]:
+        try:
+            sys.meta_path.remove(finder)
+        except ValueError:  # another thread's import removed it
+            pass
+
+
+def _turn_off_graph_trees_when_inductor_loads():
+    config = sys.modules.get(_INDUCTOR_CONFIG)
+    if config is not None:
+        _turn_off_graph_trees(config)
+    else:
+        _remove_inductor_finder()
+        sys.meta_path.insert(0, _InductorConfigFinder())
 
 
 # ---- several processes, one handshake: tensor-parallel ranks ---------------------------------

@@ -612,6 +612,48 @@ TEST(MemoryTier, GraphsReuseWhatTheirCaptureFreedAndReplayAfterRestore) {
   EXPECT_LE(tier, native + (512LL << 20)) << "tier " << tier << " vs PyTorch's own " << native;
 }
 
+// torch.compile(mode="reduce-overhead") on the tier (tests/frameworks.py), the tier installed by
+// `route`: PyTorch runs its CUDA graph trees on its own allocator only, so use_memory_tier()
+// turns them off and Inductor captures its graphs with torch.cuda.graph, each in a pool of the
+// tier's. Captured at READY with its weights in the tier's files; after the restore the compiled
+// model, its graph replayed, gives the answer it gave before the capture, bit for bit.
+void torch_compile_on_tier(const std::string& name, TierRoute route) {
+  TempDir dir;
+  const auto ready = dir / (name + ".port");
+  std::vector<std::string> args = {"run", "-o", (dir / name).string(), "--json"};
+  if (route == TierRoute::kGpusnapRun) args.emplace_back("--memory-tier");
+  args.insert(args.end(), {"--", "python3", build_path("tests/frameworks.py"), "--framework",
+                           "torch-compile", "--ready-file", ready.string()});
+  if (route == TierRoute::kOneLine) args.emplace_back("--tier");
+  auto run = gpusnap(args, std::chrono::minutes(10));
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_GE(tier_bytes(dir / name), 256ull << 20);  // 8 bf16 layers of 4096 x 4096
+  std::string port_text;
+  ASSERT_TRUE(fs::try_read_file(ready, &port_text));
+  auto rs = gpusnap({"restore", (dir / name).string(), "--publish",
+                     std::to_string(std::stoi(port_text)), "--json"});
+  ASSERT_EQ(rs.exit_code, 0) << rs.err;
+  Copies copies{json::parse(rs.out)};
+  auto check = ask(copies.port(0), "CHECK", std::chrono::seconds(120));
+  EXPECT_EQ(check.substr(0, 12), "OK max_err=0") << check;
+  const std::string info = ask(copies.port(0), "INFO");
+  EXPECT_EQ(field(info, "cudagraph_trees"), "0") << info;
+  record(name, {{"info", info},
+                {"tier_bytes_in_artifact", tier_bytes(dir / name)},
+                {"checkpoint", json::parse(run.out)},
+                {"restore", copies.doc}});
+}
+
+TEST(MemoryTier, TorchCompileReduceOverheadRestoresExactly) {
+  SKIP_WITHOUT_GPU(1);
+  torch_compile_on_tier("tier-torch-compile", TierRoute::kOneLine);
+}
+
+TEST(MemoryTier, TorchCompileUnderGpusnapRunMemoryTierRestoresExactly) {
+  SKIP_WITHOUT_GPU(1);
+  torch_compile_on_tier("tier-torch-compile-by-gpusnap", TierRoute::kGpusnapRun);
+}
+
 std::vector<std::string> torch_tp(int ranks, double gib, bool nccl_defaults = false) {
   std::vector<std::string> argv = {"python3", build_path("tests/torch_tp.py"),
                                    "--ranks", std::to_string(ranks),

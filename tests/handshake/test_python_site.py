@@ -1,7 +1,7 @@
 """gpusnap's Python site folder (python/gpusnap_site/sitecustomize.py, with gpusnap_handshake.py
 beside it): what `gpusnap run --memory-tier` gives a Python workload. Each test runs a real
 python3 with the folder first on PYTHONPATH, as gpusnap starts the workload, and the stand-in for
-PyTorch (tests/workload/torch_standin/torch.py) after it, which logs every call it gets; the
+PyTorch (tests/workload/torch_standin/torch) after it, which logs every call it gets; the
 allocator it is given is the built libgpusnap-tier.so.
 
 Plain unittest, standard library only. ctest names the built folder and library
@@ -107,6 +107,43 @@ class SiteFolderTest(unittest.TestCase):
         self.assertTrue(report["client_sees_the_tier"])
         self.assertNotIn("_TorchImportFinder", report["finders"])  # done with, removed
         self.assertEqual(report["sitecustomize"], os.path.join(SITE, "sitecustomize.py"))
+
+    def test_torch_compiles_graph_trees_are_turned_off_when_inductor_is_loaded(self):
+        # PyTorch's graph trees need its own allocator: with the tier, reduce-overhead would
+        # raise at the first compiled call. Turned off when Inductor's configuration loads.
+        report, err, log = self.run_workload(
+            "import torch\n" + self.mark("app: compiles") +
+            "import torch._inductor.config as config\n"
+            "assert config.triton.cudagraph_trees is False\n")
+        self.assertEqual(err, "")
+        self.assertEqual(log, ["import-begin", "import-end", *self.installed(), "app: compiles",
+                               "inductor-config", "inductor triton.cudagraph_trees=False"])
+        self.assertNotIn("_InductorConfigFinder", report["finders"])  # done with, removed
+
+    def test_a_workload_that_never_compiles_loads_no_inductor(self):
+        report, err, log = self.run_workload("import torch\n")
+        self.assertEqual(err, "")
+        self.assertEqual(log, ["import-begin", "import-end", *self.installed()])
+        self.assertNotIn("torch._inductor.config", report["modules"])
+        self.assertIn("_InductorConfigFinder", report["finders"])  # waits, costs nothing more
+
+    def test_inductor_loaded_before_the_one_line_gets_its_trees_turned_off_at_once(self):
+        report, err, log = self.run_workload(
+            "import torch, torch._inductor.config as config\n"
+            "import gpusnap_handshake\n"
+            "gpusnap_handshake.use_memory_tier()\n"
+            "assert config.triton.cudagraph_trees is False\n", memory_tier=None)
+        self.assertEqual(err, "")
+        self.assertEqual(log, ["import-begin", "import-end", "inductor-config", *self.installed(),
+                               "inductor triton.cudagraph_trees=False"])
+        self.assertNotIn("_InductorConfigFinder", report["finders"])
+
+    def test_without_the_tier_inductor_is_left_alone(self):
+        _, err, log = self.run_workload(
+            "import torch, torch._inductor.config as config\n"
+            "assert config.triton.cudagraph_trees is True\n", memory_tier=None)
+        self.assertEqual(err, "")
+        self.assertEqual(log, ["import-begin", "import-end", "inductor-config"])
 
     def test_a_workload_that_also_calls_use_memory_tier_gets_one_tier(self):
         _, err, log = self.run_workload(

@@ -22,6 +22,9 @@ serves line commands on TCP 127.0.0.1:--port (line_server.py), as torch_graph.py
                  passes CHECK to it over a pipe
 
 --ready-file PATH receives the port once ready (the time to then is the cold start).
+--tier (torch-compile only) puts the workload on gpusnap's memory tier first
+(gpusnap_handshake.use_memory_tier(), which turns off Inductor's CUDA graph trees); INFO then
+also says cudagraph_trees=<0|1> tier_live_bytes=<B>.
 """
 
 import argparse
@@ -43,12 +46,17 @@ def parse_args():
     p.add_argument("--ready-file")
     p.add_argument("--mib", type=int, default=256, help="weights, MiB")
     p.add_argument("--cache-gib", type=float, default=0.0)
+    p.add_argument("--tier", action="store_true",
+                   help="torch-compile: on gpusnap's memory tier (use_memory_tier())")
     p.add_argument("--cpu", action="store_true",
                    help="tree: a worker without CUDA, for tests on machines without a GPU")
     return p.parse_args()
 
 
 def torch_compile(args):
+    if args.tier:
+        import gpusnap_handshake  # beside this file in the build tree
+        gpusnap_handshake.use_memory_tier()  # before anything allocates
     import torch
     torch.manual_seed(1)
     dim = 4096  # few wide layers: Inductor's compile time grows with the layer count
@@ -172,6 +180,11 @@ def tree_parent(args):
 def gpu_bytes(kind):
     if kind == "torch":
         import torch
+        tier = getattr(sys.modules.get("gpusnap_handshake"), "_installed_tier", None)
+        if tier is not None:  # PyTorch keeps no figures for a pluggable allocator
+            import torch._inductor.config as inductor
+            return (f"cudagraph_trees={int(inductor.triton.cudagraph_trees)} "
+                    f"tier_live_bytes={tier.live_bytes}")
         return f"allocated={torch.cuda.memory_allocated()} reserved={torch.cuda.memory_reserved()}"
     if kind == "jax":
         import jax

@@ -7,10 +7,13 @@ line to the file $TORCH_STANDIN_LOG:
   allocator PATH ALLOC FREE                  CUDAPluggableAllocator(PATH, ALLOC, FREE): PATH is
                                              dlopened and both symbols looked up, as PyTorch does
   change_current_allocator                   the allocator was installed
+  inductor-config                            torch._inductor.config was imported (a module of
+                                             its own, as in PyTorch: loaded when first imported)
+  inductor triton.NAME=VALUE                 one of its settings was changed
 
 TORCH_STANDIN_REFUSE=1 makes change_current_allocator raise as PyTorch does once its allocator
-has allocated. Kept in a folder of its own: a torch.py beside the GPU workloads would hide the
-real PyTorch.
+has allocated. Kept in a folder of its own: a torch package beside the GPU workloads would hide
+the real PyTorch.
 """
 
 import ctypes
