@@ -702,8 +702,7 @@ class _AfterInductorConfig:
             module.__spec__.loader = self._loader
         self._loader.exec_module(module)
         _remove_inductor_finder()
-        # The module the import returns: Inductor's configuration replaces its module's class.
-        _turn_off_graph_trees(sys.modules.get(module.__name__, module))
+        _turn_off_graph_trees(module)
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
