@@ -713,28 +713,61 @@ TEST(MultiGpu, TensorParallelWorkloadCapturedAndRestoredAsOne) {
 // drains and fills both (gpusnap_handshake.TierGroup); the weights go through the tier's files,
 // one pair per rank, and the all-reduced answer is exact after restore, also with the GPUs
 // swapped.
-TEST(MultiGpu, TensorParallelRanksEachWithTheirOwnTier) {
-  SKIP_WITHOUT_GPU(2);
-  TempDir dir;
-  auto ready = dir / "tp-tier.port";
-  auto snap = dir / "tp-tier";
-  auto argv = torch_tp(2, 2);
+// `gpusnap run` of tests/torch_tp.py with --tier (then `extra`), `gib` GiB per rank, captured at
+// READY: `gib` GiB per rank went through the tier, and every rank wrote its own index. Returns
+// the port rank 0 listens on, or "" (the failure reported).
+std::string run_tp_on_tier(const std::filesystem::path& snap, const std::filesystem::path& ready,
+                           int ranks, double gib, const std::vector<std::string>& extra = {}) {
+  auto argv = torch_tp(ranks, gib);
   std::vector<std::string> args = {"run", "-o", snap.string(), "--json", "--"};
   args.insert(args.end(), argv.begin(), argv.end());
   args.insert(args.end(), {"--tier", "--ready-file", ready.string()});
+  args.insert(args.end(), extra.begin(), extra.end());
   auto run = gpusnap(args, std::chrono::minutes(10));
-  ASSERT_EQ(run.exit_code, 0) << run.err;
-  record("torch-tp2-tier-run", json::parse(run.out));
-  // Two GiB per rank went through the tier: each rank wrote its own index.
-  EXPECT_GE(tier_bytes(snap), 4ULL << 30);
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  if (run.exit_code != 0) return "";
+  record(snap.filename().string() + "-run", json::parse(run.out));
+  EXPECT_GE(static_cast<double>(tier_bytes(snap)), ranks * gib * (1ULL << 30));
   size_t indexes = 0;
   for (const auto& e : std::filesystem::directory_iterator(snap / "tier")) {
     if (e.path().extension() == ".json") ++indexes;
   }
-  EXPECT_EQ(indexes, 2u);
+  EXPECT_EQ(indexes, static_cast<size_t>(ranks));
   std::string port_text;
-  ASSERT_TRUE(fs::try_read_file(ready, &port_text));
-  const std::string port = std::to_string(std::stoi(port_text));
+  EXPECT_TRUE(fs::try_read_file(ready, &port_text));
+  return port_text.empty() ? "" : std::to_string(std::stoi(port_text));
+}
+
+// Two ranks on one GPU (torch_tp.py --one-gpu: the collective over gloo, as NCCL takes one rank
+// per GPU), each allocating through its own tier; rank 0's client drains and fills both
+// (TierGroup, RankTier over the socketpairs CRIU restores). After the restore each rank has
+// taken over its own prefill and both graphs replay to the answer. On two GPUs with NCCL:
+// MultiGpu.TensorParallelRanksEachWithTheirOwnTier.
+TEST(MemoryTier, TwoRanksOnOneGpuEachWithTheirOwnTier) {
+  SKIP_WITHOUT_GPU(1);
+  TempDir dir;
+  auto snap = dir / "tp-one-gpu-tier";
+  const std::string port = run_tp_on_tier(snap, dir / "tp.port", 2, 1, {"--one-gpu"});
+  ASSERT_FALSE(port.empty());
+  auto rs = gpusnap({"restore", snap.string(), "--publish", port, "--json"});
+  ASSERT_EQ(rs.exit_code, 0) << rs.err;
+  Copies copies{json::parse(rs.out)};
+  record("tp-one-gpu-tier-restore", copies.doc);
+  size_t taken = 0;
+  for (const auto& note : copies.doc["notes"]) {
+    if (note.get<std::string>().find("taken by the copy") != std::string::npos) ++taken;
+  }
+  EXPECT_EQ(taken, 2u) << copies.doc["notes"];  // a prefill per rank, each taken by its rank
+  EXPECT_EQ(ask(copies.port(0), "CHECK", std::chrono::seconds(60)), "OK ranks=2 max_err=0");
+  ask(copies.port(0), "QUIT", std::chrono::seconds(30));
+}
+
+TEST(MultiGpu, TensorParallelRanksEachWithTheirOwnTier) {
+  SKIP_WITHOUT_GPU(2);
+  TempDir dir;
+  auto snap = dir / "tp-tier";
+  const std::string port = run_tp_on_tier(snap, dir / "tp-tier.port", 2, 2);
+  ASSERT_FALSE(port.empty());
   for (const std::string map : {"", "0=1,1=0"}) {
     std::vector<std::string> rargs = {"restore", snap.string(), "--publish", port, "--json"};
     if (!map.empty()) rargs.insert(rargs.end(), {"--gpu-map", map});

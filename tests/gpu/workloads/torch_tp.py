@@ -16,6 +16,9 @@ the handshake for all, its client draining and filling every rank's tier as one
 (gpusnap_handshake.TierGroup), the other ranks reached over socketpairs the launcher made
 (RankTier, served by serve_rank_tier in a thread of each rank).
 
+--one-gpu puts every rank on GPU 0, the collective over gloo (NCCL takes one rank per GPU): the
+tier's several processes and one handshake on a machine of one GPU.
+
 The launcher sets NCCL's transports to sockets only (P2P, SHM, NVLS and cuMem off), which is what
 the driver's checkpoint can carry across processes; --nccl-defaults leaves NCCL's defaults, for
 the test that gpusnap refuses such a workload with the setting to change.
@@ -41,6 +44,7 @@ def parse_args():
     p.add_argument("--rank", type=int, default=-1)  # internal: this process is a rank
     p.add_argument("--master-port", type=int, default=0)
     p.add_argument("--tier", action="store_true")
+    p.add_argument("--one-gpu", action="store_true")
     p.add_argument("--tier-fds", default="")  # internal: rank 0's ends of the ranks' socketpairs
     return p.parse_args()
 
@@ -69,6 +73,8 @@ def launcher(args):
                 "--master-port", str(master)]
         if r == 0 and args.ready_file:
             argv += ["--ready-file", args.ready_file]
+        if args.one_gpu:
+            argv.append("--one-gpu")
         fds = []
         if args.tier:
             fds = [a.fileno() for a, _ in pairs] if r == 0 else [pairs[r - 1][1].fileno()]
@@ -92,9 +98,14 @@ def rank_main(args):
         gpusnap_handshake.use_memory_tier()  # before this rank's first CUDA allocation
         if rank != 0:
             gpusnap_handshake.serve_rank_tier_in_background(tier_socks[0])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{args.master_port}",
-                            rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    device = 0 if args.one_gpu else rank
+    torch.cuda.set_device(device)
+    init = f"tcp://127.0.0.1:{args.master_port}"
+    if args.one_gpu:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    else:
+        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
+                                device_id=torch.device("cuda", device))
     control = dist.new_group(backend="gloo")
     layers = max(1, int(args.gib * (1 << 30) / (args.dim * args.dim * 2)))
     gen = torch.Generator("cuda").manual_seed(100 + rank)
@@ -119,14 +130,16 @@ def rank_main(args):
 
     def answer():
         graph.replay()
-        out = partial.float().clone()
-        dist.all_reduce(out)  # NCCL: the collective must survive the checkpoint
+        # NCCL (gloo, through host memory, with --one-gpu): the collective must survive the
+        # checkpoint.
+        out = partial.float().cpu() if args.one_gpu else partial.float().clone()
+        dist.all_reduce(out)
         torch.cuda.synchronize()
         return out
 
     reference = answer().cpu()
-    bus = torch.cuda.get_device_properties(rank).pci_bus_id if hasattr(
-        torch.cuda.get_device_properties(rank), "pci_bus_id") else str(rank)
+    bus = torch.cuda.get_device_properties(device).pci_bus_id if hasattr(
+        torch.cuda.get_device_properties(device), "pci_bus_id") else str(device)
     info = torch.tensor([os.getpid()], dtype=torch.int64)
     pids = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(pids, info, group=control)
