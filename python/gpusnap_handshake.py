@@ -668,9 +668,8 @@ def use_memory_tier(library=None):
 # ---- torch.compile on the tier -------------------------------------------------------------
 #
 # torch.compile's CUDA graph trees (mode="reduce-overhead") keep their graphs' memory in one pool
-# they inspect and rewind through PyTorch's own caching allocator (checkPoolLiveAllocations,
-# checkpoint state), which PyTorch does not offer a pluggable allocator: on the tier every
-# compiled call would raise. Without the trees, Inductor captures each compiled graph with
+# they inspect through PyTorch's own caching allocator (checkPoolLiveAllocations), which PyTorch
+# does not offer a pluggable allocator: on the tier every compiled call would raise. Without the trees, Inductor captures each compiled graph with
 # torch.cuda.graph, whose memory the tier keeps in a pool per capture like any graph's. So once
 # the tier is installed the trees are turned off when Inductor's configuration is loaded: at once
 # if it already is, else by a finder that waits for it, so that a workload that never compiles
