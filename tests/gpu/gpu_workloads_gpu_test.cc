@@ -530,6 +530,67 @@ TEST(MemoryTier, GpusnapRunInstallsTheTierWithoutTheOneLine) {
   tier_round_trip("tier-4gib-by-gpusnap", 4, {}, TierRoute::kGpusnapRun);
 }
 
+// gpusnap killed (SIGKILL) once the tier's drain has written its files and released the GPU
+// memory (its index, written last, is in the staging folder): from then on the files are the
+// only copy. The capture's guardian resumes the workload, whose client fills the tier back from
+// the staging folder before the guardian removes it: every weight bit-exact, the graph replaying,
+// nothing written. With a stand-in on CPU:
+// MemoryTierPlumbing.GpusnapKilledDuringTheDrainLeavesTheWorkloadWithItsMemory.
+TEST(MemoryTier, GpusnapKilledAfterTheDrainLeavesTheWorkloadServingWithItsMemory) {
+  SKIP_WITHOUT_GPU(1);
+  TempDir dir;
+  const auto control = dir / "control";
+  std::filesystem::create_directories(control);
+  const char* weights = std::getenv("GPUSNAP_TEST_WEIGHTS");
+  Workload source(dir,
+                  {"/usr/bin/env", "GPUSNAP_CONTROL_DIR=" + control.string(),
+                   "GPUSNAP_TIER_LIBRARY=" + build_path("libgpusnap-tier.so"), "python3",
+                   build_path("tests/torch_tier.py"), "--tier", "--gib", "4", "--weights",
+                   weights != nullptr ? weights : (dir / "weights.bin").string()},
+                  std::chrono::seconds(300));
+  const auto before = ask(source.port(), "CHECK", std::chrono::seconds(60));
+  ASSERT_EQ(before.substr(0, 13), "OK max_err=0 ") << before;
+  const std::string index = std::to_string(source.pid()) + ".json";
+  auto staging_has = [&](const std::string& name) {
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(dir.path(), ec)) {
+      if (e.path().filename().string().rfind(".snap.staging-", 0) == 0 &&
+          std::filesystem::exists(e.path() / "tier" / name)) {
+        return true;
+      }
+    }
+    return false;
+  };
+  common::SpawnOptions o;
+  o.argv = {gpusnap_bin(),           "checkpoint", "-p", std::to_string(source.pid()), "-o",
+            (dir / "snap").string(), "--quiet"};
+  common::Subprocess cp(o);
+  ASSERT_TRUE(eventually([&] { return staging_has(index); }, std::chrono::seconds(120)));
+  cp.kill(SIGKILL);
+  cp.wait();
+  // Asked only once resumed: a graph replayed over released memory would fault.
+  auto resumed = [&] {
+    std::string log;
+    return fs::try_read_file(dir / "workload.log", &log) &&
+           log.find("resumed ") != std::string::npos;
+  };
+  ASSERT_TRUE(eventually(resumed, std::chrono::seconds(60))) << fs::read_file(dir / "workload.log");
+  const auto after = ask(source.port(), "CHECK", std::chrono::seconds(60));
+  EXPECT_EQ(after.substr(0, 13), "OK max_err=0 ") << after;
+  EXPECT_EQ(field(after, "pid"), field(before, "pid"));  // the same process, not a copy
+  const auto verify = ask(source.port(), "VERIFY", std::chrono::seconds(300));
+  EXPECT_EQ(verify.substr(0, 3), "OK ") << verify;
+  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  EXPECT_TRUE(eventually([&] {
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(dir.path(), ec)) {
+      if (e.path().filename().string().rfind(".snap", 0) == 0) return false;
+    }
+    return true;
+  })) << "a staging directory was left";
+  record("tier-killed-after-drain", {{"check", after}, {"verify", verify}});
+}
+
 TEST(MemoryTier, WorkloadWithoutTheTierIsCapturedAsBefore) {
   SKIP_WITHOUT_GPU(1);
   TempDir dir;
