@@ -814,6 +814,24 @@ TEST(AgentBadInput, ChunkedBodiesAreBoundedLikeOthers) {
   EXPECT_EQ(agent.get("/v1/healthz").status, 200);
 }
 
+// A body over 1 MiB sent with Content-Length was cut at the bound and answered 400 "not JSON
+// ... unexpected end of input" instead of 413.
+TEST(AgentBadInput, BodiesWithContentLengthOverTheBoundGet413) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Agent agent(dir);
+  auto with_length = [](size_t n) {
+    return "POST /v1/checkpoints HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+           "Content-Type: application/json\r\nContent-Length: " +
+           std::to_string(n) + "\r\n\r\n" + std::string(n, ' ');
+  };
+  EXPECT_EQ(raw_status(agent.socket(), with_length(1536 * 1024)), 413);
+  EXPECT_EQ(raw_status(agent.socket(), with_length((1 << 20) + 1)), 413);
+  // At the bound itself the body is read whole and judged as JSON.
+  EXPECT_EQ(raw_status(agent.socket(), with_length(1 << 20)), 400);
+  EXPECT_EQ(agent.get("/v1/healthz").status, 200);
+}
+
 // The front once refused connections beyond 16 still sending their head, and an authorised
 // request waited for the first slow peer's 5 s head deadline (3.2 s; 20 s before the front).
 TEST(AgentBadInput, SlowUnauthenticatedPeersDoNotStallTcpCallers) {
