@@ -1,5 +1,6 @@
 // gpusnap's command line. main() parses the subcommand, runs it, prints the result (human or
 // --json) and maps any Error to its exit code. Only main exits.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -12,6 +13,7 @@
 
 #include "cli/agent_client.h"
 #include "cli/documents.h"
+#include "cli/help.h"
 #include "cli/store_cli.h"
 #include "common/args.h"
 #include "common/fs.h"
@@ -476,18 +478,75 @@ std::vector<Command> commands() {
   return cmds;
 }
 
-void print_main_help(const std::vector<Command>& cmds) {
-  std::printf("usage: gpusnap [--agent SOCKET] COMMAND [options]\n\n"
-              "Capture an initialised workload (CPU and GPU memory) and start copies of it.\n"
-              "With --agent (or $GPUSNAP_AGENT), checkpoint, restore, inspect and list run\n"
-              "through gpusnap-agent, and ARTIFACT names a snapshot in the agent's storage.\n\n"
-              "commands:\n");
+// The command named `name`, or a usage error.
+const Command& command_named(const std::vector<Command>& cmds, const std::string& name) {
   for (const auto& c : cmds) {
-    std::printf("  %-12s %s\n", c.name.c_str(), c.summary.substr(0, c.summary.find('\n')).c_str());
+    if (c.name == name) return c;
   }
-  std::printf("\n`gpusnap COMMAND --help` describes each. Exit codes: 0 ok, 1 internal, 2 usage,\n"
-              "3 not found, 4 bad artifact, 5 incompatible host, 6 not capturable, 7 CRIU failed,\n"
-              "8 GPU, 9 handshake, 10 environment, 11 timeout.\n");
+  throw Error(ErrorKind::kUsage, "unknown command '" + name + "'", "see `gpusnap --help`");
+}
+
+// Writes `text` to DIR/NAME through a temporary file, so that a reader never sees half a page.
+// A man page holds nothing of a workload's: readable by all, as man(1) needs.
+void write_page(const std::filesystem::path& dir, const std::string& name,
+                const std::string& text) {
+  fs::write_file_durable(dir / name, text);
+  if (::chmod((dir / name).c_str(), 0644) != 0) throw sys_error("chmod " + name, errno);
+}
+
+// `gpusnap help [COMMAND]`, `gpusnap help --man COMMAND`, `gpusnap help --man-dir DIR` (a page
+// per command and gpusnap.1, as the build makes them).
+int cmd_help(const std::vector<Command>& cmds, const std::vector<std::string>& rest) {
+  if (rest.empty()) {
+    std::fputs(overview(cmds).c_str(), stdout);
+    return 0;
+  }
+  if (rest.size() == 1 && rest[0][0] != '-') {
+    const auto& c = command_named(cmds, rest[0]);
+    std::fputs(format_help(c.usage, c.summary, c.flags).c_str(), stdout);
+    return 0;
+  }
+  if (rest.size() == 2 && rest[0] == "--man") {
+    std::fputs(man_page(command_named(cmds, rest[1]), GPUSNAP_VERSION).c_str(), stdout);
+    return 0;
+  }
+  if (rest.size() == 2 && rest[0] == "--man-dir") {
+    const std::filesystem::path dir = rest[1];
+    std::filesystem::create_directories(dir);
+    for (const auto& c : cmds) {
+      write_page(dir, "gpusnap-" + c.name + ".1", man_page(c, GPUSNAP_VERSION));
+    }
+    const Command top{
+        "gpusnap", "gpusnap [--agent SOCKET] COMMAND [options]", overview(cmds), {}, nullptr};
+    write_page(dir, "gpusnap.1", man_page(top, GPUSNAP_VERSION));
+    return 0;
+  }
+  throw Error(ErrorKind::kUsage, "help takes a command, --man COMMAND or --man-dir DIR",
+              "see `gpusnap help`");
+}
+
+// `gpusnap version [--json]`.
+int cmd_version(const std::vector<std::string>& rest) {
+  if (rest.size() == 1 && rest[0] == "--json") {
+    std::cout << json{{"version", GPUSNAP_VERSION}}.dump(2) << "\n";
+    return 0;
+  }
+  if (!rest.empty()) {
+    throw Error(ErrorKind::kUsage, "version takes --json alone, not '" + rest[0] + "'",
+                "see `gpusnap help`");
+  }
+  std::printf("gpusnap %s\n", GPUSNAP_VERSION);
+  return 0;
+}
+
+// `gpusnap completion bash`.
+int cmd_completion(const std::vector<Command>& cmds, const std::vector<std::string>& rest) {
+  if (rest.size() != 1 || rest[0] != "bash") {
+    throw Error(ErrorKind::kUsage, "completion takes the shell's name: bash",
+                "gpusnap completion bash >/etc/bash_completion.d/gpusnap");
+  }
+  std::fputs(bash_completion(cmds).c_str(), stdout);
+  return 0;
 }
 
 }  // namespace
@@ -505,14 +564,14 @@ int main(int argc, char** argv) {
     if (all.size() == 2 && all[0] == "__copy-init") {
       return engine::copy_init_main(engine::copy_init_spec_from_json(all[1]));
     }
-    if (all.empty() || all[0] == "--help" || all[0] == "-h" || all[0] == "help") {
-      print_main_help(cmds);
-      return all.empty() ? static_cast<int>(ErrorKind::kUsage) : 0;
+    if (all.empty()) {
+      std::fputs(overview(cmds).c_str(), stdout);
+      return static_cast<int>(ErrorKind::kUsage);
     }
-    if (all[0] == "--version" || all[0] == "version") {
-      std::printf("gpusnap %s\n", GPUSNAP_VERSION);
-      return 0;
-    }
+    const std::vector<std::string> after(all.begin() + 1, all.end());
+    if (all[0] == "--help" || all[0] == "-h" || all[0] == "help") return cmd_help(cmds, after);
+    if (all[0] == "--version" || all[0] == "version") return cmd_version(after);
+    if (all[0] == "completion") return cmd_completion(cmds, after);
     for (const auto& c : cmds) {
       if (c.name != all[0]) continue;
       std::vector<std::string> rest(all.begin() + 1, all.end());

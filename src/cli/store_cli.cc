@@ -287,7 +287,10 @@ int cmd_push(const Args& args) {
                   {"notes", reporter.notes}});
   if (as_json) {
     std::cout << doc.dump(2) << "\n";
-  } else if (!args.has("--quiet")) {
+  } else if (args.has("--quiet")) {
+    // Quiet drops the progress and the summary, not the result: `REF=$(gpusnap push -q ...)`.
+    std::printf("%s\n", r.reference.c_str());
+  } else {
     std::printf("%s\n  %s in %llu chunks (%s stored), %llu chunks (%s) uploaded, the rest already "
                 "there; %.2f s (%s read)\n",
                 r.reference.c_str(), fs::human_bytes(r.sizes.apparent_bytes).c_str(),
