@@ -112,6 +112,12 @@ TEST(StoreRegistry, PushPullRestoreOverPlainHttp) {
   ASSERT_EQ(again.exit_code, 0) << again.err;
   EXPECT_EQ(json::parse(again.out).at("chunks_uploaded"), 0);
   EXPECT_EQ(json::parse(again.out).at("digest"), digest);
+  // Quiet keeps the result, for `REF=$(gpusnap push -q ...)`: the reference by digest alone.
+  auto quiet =
+      gpusnap({"push", snap.path.string(), registry.ref("team/worker:v1"), "--plain-http", "-q"});
+  ASSERT_EQ(quiet.exit_code, 0) << quiet.err;
+  EXPECT_EQ(quiet.out, registry.ref("team/worker@" + digest) + "\n");
+  EXPECT_EQ(quiet.err, "");
 
   // What skopeo, another OCI client, sees.
   auto raw = common::run_capture({"skopeo", "inspect", "--tls-verify=false", "--raw",
