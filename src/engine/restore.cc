@@ -1,16 +1,30 @@
-// The restore flow, as named, timed phases:
+// The restore flow, as named, timed phases. `open` reads the manifest; which phases follow, in
+// which order, depends on it and on what was asked: the order engine/restore/plan.h computes
+// (it gives the reasons and is tested for every case):
 //
-//   open        read the manifest; format, host and GPU compatibility checks, the GPU map
-//   await-criu-images, await-artifact  (an artifact still arriving: a pull overlapping the
-//               restore) CRIU's images before criu-restore; the rest after it, before verify
-//   placeholder (--into-container) the target is a waiting placeholder with the captured rootfs
-//   verify      every byte against the manifest (skipped with --no-verify)
+//   without GPU state:  open, placeholder, await-artifact, verify, criu-restore, locate, resume,
+//                       release
+//   with GPU state:     open, placeholder, await-criu-images, criu-restore, locate, await-artifact,
+//                       gpu-init, verify, gpu-restore, verify-tier, resume, tier-prefills, release
+//
+//   open          read the manifest; format, host and GPU compatibility checks, the GPU map
+//   placeholder   (--into-container) the target is a waiting placeholder with the captured rootfs
+//   await-artifact  (an artifact still arriving: a pull overlapping the restore) every byte; the
+//                 artifact takes its final name
+//   await-criu-images  (arriving) CRIU's images, while the GPU memory still arrives
+//   verify        every byte against the manifest (skipped with --no-verify); with GPU state
+//                 started before CRIU (after await-artifact, when arriving) and awaited here
 //   criu-restore  each copy's init, in its fresh namespaces, runs `criu restore`; all at once
-//   locate      the restored roots' host pids
-//   gpu-init    (GPU snapshots) CUDA initialised in gpusnap, started after open, beside CRIU
-//   gpu-restore (GPU snapshots) the driver puts each CUDA process's GPU state back, onto the
-//               mapped GPUs, and unlocks it; all processes of all copies in parallel
-//   release     the copies are handed over and outlive gpusnap
+//   locate        the restored roots' host pids
+//   gpu-init      CUDA initialised in gpusnap, started after open, beside CRIU
+//   gpu-restore   the driver puts each CUDA process's GPU state back, onto the mapped GPUs, and
+//                 unlocks it; all processes of all copies in parallel
+//   verify-tier   (verifying, where the tier's prefills started before CRIU read tier files)
+//                 those files, by the sums the prefills computed as they read them
+//   resume        (the handshake) every copy resumes with its own context, all at once
+//   tier-prefills (where the prefills started: not for an artifact still arriving) each
+//                 prefill's report
+//   release       the copies are handed over and outlive gpusnap
 //
 // Until release, every copy's init dies with this object (and with gpusnap), so a failure or a
 // kill at any point leaves no process and no namespace behind.
