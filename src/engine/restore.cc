@@ -41,6 +41,7 @@
 #include "container/runc.h"
 #include "criu/criu.h"
 #include "criu/kernel_cache.h"
+#include "engine/compat.h"
 #include "engine/copy_init.h"
 #include "engine/gpu_state.h"
 #include "engine/handshake.h"
@@ -364,9 +365,11 @@ class Restore {
     ArrivingArtifact* arriving = options_.arriving;
     auto artifact = phases_.run("open", [&] {
       auto a = Artifact::open(arriving != nullptr ? arriving->staging() : options_.artifact);
-      check_host_compatible(a.manifest(), HostFacts::probe(criu.version));
-      gpu_plan =
-          engine::plan_gpu_restore(a.manifest().gpu, driver, options_.gpu_map, options_.replicas);
+      gpu_plan = options_.host_checked
+                     ? engine::plan_gpu_restore(a.manifest().gpu, driver, options_.gpu_map,
+                                                options_.replicas)
+                     : engine::check_restorable(a.manifest(), criu.version, driver,
+                                                options_.gpu_map, options_.replicas);
       return a;
     });
     for (const auto& line : gpu_plan.notes) phases_.reporter().note(line);
