@@ -77,6 +77,9 @@ struct RestoreOptions {
   std::optional<ContainerRef> into_container;
   // Set: the artifact still arrives (see ArrivingArtifact); `artifact` is then ignored.
   ArrivingArtifact* arriving = nullptr;
+  // Set: the caller ran the host check (engine/compat.h) on this artifact's manifest, as
+  // store/reach.h does before the first chunk arrives; the restore then only maps the GPUs.
+  bool host_checked = false;
 };
 
 struct PublishedPort {

@@ -14,7 +14,6 @@
 #include "common/fs.h"
 #include "common/proc.h"
 #include "common/utc.h"
-#include "criu/criu.h"
 #include "engine/documents.h"
 #include "engine/gpu_state.h"
 #include "engine/handshake.h"
@@ -22,6 +21,7 @@
 #include "gpusnap/checkpoint.h"
 #include "gpusnap/error.h"
 #include "gpusnap/restore.h"
+#include "store/reach.h"
 
 namespace gpusnap::agent {
 
@@ -35,6 +35,8 @@ constexpr auto kGuardianWait = std::chrono::minutes(10);
 
 // Records the engine's progress into the operation, under the agent's lock, and keeps the
 // journal entry's phase current, so that a recovery can say where the operation stopped.
+// Called from two threads at once while a restore's pull still arrives (store/reach.h): the
+// restore's and the pull's.
 class OperationReporter : public Reporter {
  public:
   OperationReporter(std::mutex& mu, Operation& op, Metrics& metrics, Journal& journal, json entry)
@@ -42,12 +44,15 @@ class OperationReporter : public Reporter {
 
   void phase_started(std::string_view name) override {
     // The journal first: whoever sees the phase in the operation finds it in the journal too.
-    entry_["phase"] = std::string(name);
-    try {
-      journal_.record(op_.id, entry_);
-    } catch (const Error&) {
-      // The entry of the previous phase stays: a recovery then names an earlier phase, which
-      // changes nothing it does.
+    {
+      std::lock_guard lock(entry_mu_);
+      entry_["phase"] = std::string(name);
+      try {
+        journal_.record(op_.id, entry_);
+      } catch (const Error&) {
+        // The entry of the previous phase stays: a recovery then names an earlier phase, which
+        // changes nothing it does.
+      }
     }
     std::lock_guard lock(mu_);
     op_.phases.push_back({std::string(name), 0, false, Clock::now()});
@@ -84,6 +89,7 @@ class OperationReporter : public Reporter {
   Operation& op_;
   Metrics& metrics_;
   Journal& journal_;
+  std::mutex entry_mu_;  // the entry and its journal file, one writer at a time
   json entry_;
 };
 
@@ -169,6 +175,18 @@ std::string interrupted_message(const Operation& op, const json& entry) {
                             : "; the workload was resumed and nothing was written");
 }
 
+// What the pull of a restore or a prefetch did: the result's "pulled" document.
+json pulled_document(const store::SnapshotSource& source) {
+  const store::PullResult* p = source.pulled();
+  return {{"reference", source.reference()},
+          {"artifact", source.artifact().string()},
+          {"pulled", source.pulls()},
+          {"chunks_fetched", p ? p->chunks_fetched : 0},
+          {"bytes_fetched", p ? p->bytes_fetched : 0},
+          {"chunks_from_cache", p ? p->chunks_from_cache : 0},
+          {"bytes_from_cache", p ? p->bytes_from_cache : 0}};
+}
+
 }  // namespace
 
 Agent::Agent(AgentConfig config)
@@ -241,13 +259,6 @@ const Remote& Agent::remote(const std::string& what) const {
                 "storage.type=oci)");
   }
   return *remote_;
-}
-
-void Agent::check_restorable_here(const Manifest& manifest) const {
-  auto criu = criu::locate(config_.engine.criu_path);
-  check_host_compatible(manifest, HostFacts::probe(criu.version));
-  auto driver = gpu::open_nvidia_driver();
-  engine::plan_gpu_restore(manifest.gpu, *driver, {}, 1);
 }
 
 json Agent::submit(OperationKind kind, json request) {
@@ -418,24 +429,25 @@ json Agent::run_restore(Operation& op, json& entry, uint64_t& bytes) {
   entry["artifact"] = options.artifact.string();
   journal_.record(op.id, entry);
   OperationReporter reporter(mu_, op, metrics_, journal_, entry);
-  json pulled;
-  store::SnapshotUse in_use;  // a pulled snapshot, until the restore is done
+  // Not held here: the registry has it (the reference the caller gave, else the name's tag),
+  // pulled while it restores, as `gpusnap restore oci://` does.
+  std::string where = options.artifact.string();
   std::error_code ec;
   if (remote_ && !std::filesystem::exists(options.artifact, ec)) {
-    // Not held here: the registry has it (the reference the caller gave, else the name's tag).
-    const auto ref = request.reference ? remote_->check_reference(*request.reference)
-                                       : remote_->tag_of(request.artifact);
-    auto f = remote_->fetch(
-        ref, [this](const Manifest& m) { check_restorable_here(m); }, reporter);
-    options.artifact = f.artifact;
-    pulled = f.to_json();
-    in_use = std::move(f.use);
+    where = (request.reference ? remote_->check_reference(*request.reference)
+                               : remote_->tag_of(request.artifact))
+                .str();
   }
+  PrefixReporter pull_reporter(reporter, "pull-");
+  store::SnapshotSource source(where, reach_options(options), store::Arrival::kWhileRestoring,
+                               pull_reporter);
+  source.prepare(options);
   auto r = restore(options, reporter);
   bytes = r.manifest.total_bytes();
   for (const auto& c : r.copies) released_inits_.push_back(c.init_pid);
+  if (auto line = source.summary(); !line.empty()) reporter.note(line);
   json result = engine::restore_document(r, options.artifact, notes_of(op));
-  if (!pulled.is_null()) result["pulled"] = std::move(pulled);
+  if (source.remote()) result["pulled"] = pulled_document(source);
   return result;
 }
 
@@ -445,12 +457,22 @@ json Agent::run_prefetch(Operation& op, const json& entry, uint64_t& bytes) {
   OperationReporter reporter(mu_, op, metrics_, journal_, entry);
   const auto ref =
       request.reference.empty() ? r.tag_of(request.artifact) : r.check_reference(request.reference);
-  auto f = r.fetch(
-      ref, [this](const Manifest& m) { check_restorable_here(m); }, reporter);
-  bytes = f.bytes_fetched;
-  json result = f.to_json();
+  PrefixReporter pull_reporter(reporter, "pull-");
+  store::SnapshotSource source(ref.str(), reach_options(RestoreOptions{}),
+                               store::Arrival::kBeforeReturning, pull_reporter);
+  reporter.note(source.summary());
+  json result = pulled_document(source);
+  bytes = result["bytes_fetched"].get<uint64_t>();
   result["notes"] = notes_of(op);
   return result;
+}
+
+store::ReachOptions Agent::reach_options(const RestoreOptions& restore) const {
+  store::ReachOptions o = remote_ ? remote_->reach_options() : store::ReachOptions{};
+  o.criu_path = config_.engine.criu_path;
+  o.gpu_map = restore.gpu_map;
+  o.replicas = restore.replicas;
+  return o;
 }
 
 void Agent::recover() noexcept {

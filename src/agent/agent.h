@@ -86,9 +86,9 @@ class Agent {
   nlohmann::json run_prefetch(Operation& op, const nlohmann::json& entry, uint64_t& bytes);
   // The registry storage; Error(kUsage) naming `what` when the agent has none.
   const Remote& remote(const std::string& what) const;
-  // What a restore here would refuse, from a snapshot's manifest alone, before any chunk is
-  // fetched: another CPU architecture or CRIU, another GPU model or driver.
-  void check_restorable_here(const Manifest& manifest) const;
+  // How this node reaches a snapshot for `restore` (store/reach.h): the registry storage's
+  // settings, the engine's CRIU, the restore's GPU map and copies for the host check.
+  store::ReachOptions reach_options(const RestoreOptions& restore) const;
   // Reads the journal a dead agent left: waits for its dump guardians, runs the engine's
   // recovery (GPU journal, the workload's handshake), removes stale staging directories, and
   // records each interrupted operation as failed. Never throws.

@@ -17,26 +17,6 @@ namespace {
 using nlohmann::json;
 namespace sfs = std::filesystem;
 
-// The store's phases (open, upload, manifest; manifest, fetch, cache) as the operation shows
-// them: "push-upload", "pull-fetch", apart from the engine's own phases of the same operation.
-class PrefixReporter final : public Reporter {
- public:
-  PrefixReporter(Reporter& to, std::string prefix) : to_(to), prefix_(std::move(prefix)) {}
-  void phase_started(std::string_view name) override { to_.phase_started(named(name)); }
-  void phase_finished(std::string_view name, double seconds) override {
-    to_.phase_finished(named(name), seconds);
-  }
-  void progress(std::string_view name, uint64_t done, uint64_t total) override {
-    to_.progress(named(name), done, total);
-  }
-  void note(std::string_view text) override { to_.note(text); }
-
- private:
-  std::string named(std::string_view name) const { return prefix_ + std::string(name); }
-  Reporter& to_;
-  std::string prefix_;
-};
-
 Error bad_setting(const std::string& what, const std::string& hint) {
   return Error(ErrorKind::kUsage, what, hint);
 }
@@ -59,16 +39,6 @@ void readable_file(const std::string& file, const std::string& flag) {
 }
 
 }  // namespace
-
-json Fetched::to_json() const {
-  return {{"reference", reference},
-          {"artifact", artifact.string()},
-          {"pulled", pulled},
-          {"chunks_fetched", chunks_fetched},
-          {"bytes_fetched", bytes_fetched},
-          {"chunks_from_cache", chunks_from_cache},
-          {"bytes_from_cache", bytes_from_cache}};
-}
 
 Remote::Remote(RemoteSettings settings) : settings_(std::move(settings)) {
   const std::string& text = settings_.repository;
@@ -131,45 +101,14 @@ json Remote::push(const sfs::path& artifact, const std::string& name, Reporter& 
           {"bytes_uploaded", r.bytes_uploaded}};
 }
 
-Fetched Remote::fetch(const store::OciRef& ref, const RestorableCheck& check,
-                      Reporter& reporter) const {
-  store::PullOptions o;
+store::ReachOptions Remote::reach_options() const {
+  store::ReachOptions o;
+  o.pulled = settings_.pulled;
   o.transfer.registry = settings_.registry;
   o.transfer.jobs = settings_.jobs;
   o.cache = settings_.cache;
   o.cache_budget = settings_.cache_budget;
-  o.check = check;
-  PrefixReporter prefixed(reporter, "pull-");
-  // By digest: a tag is resolved first (its manifest and layout only), so that a snapshot
-  // already materialised here is found under its digest whatever name it was asked by.
-  store::OciRef by_digest = ref;
-  if (by_digest.digest.empty()) {
-    Phases phases(prefixed);
-    by_digest.digest =
-        phases.run("resolve", [&] { return store::read_remote(ref, o.transfer); }).digest;
-    by_digest.tag.clear();
-  }
-  Fetched f;
-  f.reference = by_digest.by_digest(by_digest.digest);
-  auto copy = store::node_copy(settings_.cache, settings_.pulled, by_digest,
-                               [&] { return store::read_remote(by_digest, o.transfer).layout; });
-  f.artifact = copy.path;
-  f.use = std::move(copy.use);
-  if (copy.found) {
-    reporter.note("using " + f.artifact.string() + ", pulled before");
-    return f;
-  }
-  o.output = f.artifact;
-  o.output_in_cache = true;
-  auto r = store::pull(by_digest, o, prefixed);
-  f.pulled = true;
-  f.chunks_fetched = r.chunks_fetched;
-  f.bytes_fetched = r.bytes_fetched;
-  f.chunks_from_cache = r.chunks_from_cache;
-  f.bytes_from_cache = r.bytes_from_cache;
-  reporter.note("pulled " + f.reference + ": " + std::to_string(r.chunks_fetched) +
-                " chunks fetched, " + std::to_string(r.chunks_from_cache) + " from the node cache");
-  return f;
+  return o;
 }
 
 }  // namespace gpusnap::agent

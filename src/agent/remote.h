@@ -1,26 +1,30 @@
 // The agent's registry storage (--registry): snapshots travel between nodes through an OCI
 // registry. After a capture the artifact is pushed and known by its digest; a restore of a
-// snapshot this node does not hold pulls it first, through the node cache; a prefetch pulls
-// ahead of a restore. Only the store's public calls (store/transfer.h) move the bytes.
+// snapshot this node does not hold pulls it through the node cache while it restores, a
+// prefetch ahead of a restore (both as store/reach.h reaches a snapshot). Only the store's public
+// calls (store/transfer.h) move the bytes.
 //
 // A pulled snapshot is materialised once per node, at PULLED/HEX (HEX: its OCI manifest's
 // digest), the directory `gpusnap restore oci://...` uses too; it appears only complete. It and
 // its chunks stay in the node cache (within its budget, the copy counted with the chunks and
 // removed with them when the snapshot leaves), so that a snapshot pulled again, or one that
 // shares chunks with it, fetches only what the cache lacks. A restore holds the snapshot in use
-// (Fetched::use) until it is done: no eviction removes it meanwhile.
+// (store::SnapshotSource) until it is done: no eviction removes it meanwhile.
 #pragma once
 
 #include <cstdint>
 #include <filesystem>
 #include <functional>
 #include <string>
+#include <string_view>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
 #include "gpusnap/artifact.h"
 #include "gpusnap/phases.h"
 #include "store/blob_store.h"
+#include "store/reach.h"
 #include "store/registry.h"
 
 namespace gpusnap::agent {
@@ -34,21 +38,26 @@ struct RemoteSettings {
   std::filesystem::path pulled;  // where pulled snapshots are materialised (RUN_DIR/pulled)
 };
 
-// What a pull for a restore or a prefetch did.
-struct Fetched {
-  std::filesystem::path artifact;  // the materialised snapshot
-  std::string reference;           // oci://HOST/REPO@sha256:...
-  bool pulled = false;             // false: it was already here
-  uint64_t chunks_fetched = 0, bytes_fetched = 0;
-  uint64_t chunks_from_cache = 0, bytes_from_cache = 0;
-  // Held until the restore that uses the artifact is done: the node cache's eviction leaves it.
-  store::SnapshotUse use;
-  nlohmann::json to_json() const;
-};
+// The store's phases (push: open, upload, manifest; pull: manifest, fetch, cache) as an
+// operation shows them: "push-upload", "pull-fetch", apart from the engine's own phases of the
+// same operation. Forwards from any thread as `to` does.
+class PrefixReporter final : public Reporter {
+ public:
+  PrefixReporter(Reporter& to, std::string prefix) : to_(to), prefix_(std::move(prefix)) {}
+  void phase_started(std::string_view name) override { to_.phase_started(named(name)); }
+  void phase_finished(std::string_view name, double seconds) override {
+    to_.phase_finished(named(name), seconds);
+  }
+  void progress(std::string_view name, uint64_t done, uint64_t total) override {
+    to_.progress(named(name), done, total);
+  }
+  void note(std::string_view text) override { to_.note(text); }
 
-// Checks, from a snapshot's manifest alone, that this node could restore it; throws the
-// engine's Error (kIncompatible, ...) when not.
-using RestorableCheck = std::function<void(const Manifest&)>;
+ private:
+  std::string named(std::string_view name) const { return prefix_ + std::string(name); }
+  Reporter& to_;
+  std::string prefix_;
+};
 
 class Remote {
  public:
@@ -68,9 +77,9 @@ class Remote {
   // Pushes a committed artifact as REPO:NAME; returns its reference by digest and what moved.
   nlohmann::json push(const std::filesystem::path& artifact, const std::string& name,
                       Reporter& reporter) const;
-  // The snapshot `ref` names, materialised on this node: found at PULLED/HEX, or pulled there
-  // (`check` runs on its manifest before any chunk is fetched).
-  Fetched fetch(const store::OciRef& ref, const RestorableCheck& check, Reporter& reporter) const;
+  // How this node reaches the registry's snapshots (store/reach.h): the registry, the node
+  // cache, the pulled directory. The host check's settings are the caller's to add.
+  store::ReachOptions reach_options() const;
 
  private:
   RemoteSettings settings_;

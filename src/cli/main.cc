@@ -162,12 +162,6 @@ int cmd_restore(const Args& args) {
   Output out(args);
   RestoreOptions o;
   o.artifact = args.only_artifact();
-  std::optional<RemoteRestore> remote;
-  if (is_remote(o.artifact)) {
-    remote = open_for_restore(args, o.artifact);
-    o.artifact = remote->artifact;
-    o.arriving = remote->arriving.get();
-  }
   o.replicas = static_cast<int>(args.get_int("--replicas", 1, 1, 1024));
   o.verify = !args.has("--no-verify");
   o.criu_path = args.get("--criu");
@@ -190,8 +184,11 @@ int cmd_restore(const Args& args) {
     }
     o.settings[kv.substr(0, eq)] = kv.substr(eq + 1);
   }
+  // Checked here once, and for oci:// pulled while it restores (store/reach.h).
+  auto reached = reach_for_restore(args, o);
+  reached.source->prepare(o);
   auto r = restore(o, *out.reporter);
-  if (remote) out.reporter->note(remote->summary());
+  if (auto line = reached.source->summary(); !line.empty()) out.reporter->note(line);
   json doc = engine::restore_document(r, o.artifact, out.notes());
   if (o.into_container) doc["into_container"] = o.into_container->id;
   out.print(doc, [&](const json& d) { print_restore_human(d, out.quiet); });

@@ -14,9 +14,6 @@
 #include "cli/documents.h"
 #include "common/fs.h"
 #include "common/utc.h"
-#include "criu/criu.h"
-#include "engine/gpu_state.h"
-#include "gpu/driver.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/error.h"
 #include "gpusnap/restore.h"
@@ -134,13 +131,15 @@ store::TransferOptions transfer_options(const Args& args) {
 
 store::OciRef remote_ref(const std::string& text) { return store::OciRef::parse(text); }
 
-// What a restore here would refuse, checked from the snapshot's manifest alone: another CPU
-// architecture or CRIU, another GPU model or driver, no GPU at all.
-void check_restorable_here(const Args& args, const Manifest& m) {
-  auto criu = criu::locate(args.get("--criu"));
-  check_host_compatible(m, HostFacts::probe(criu.version));
-  auto driver = gpu::open_nvidia_driver();
-  engine::plan_gpu_restore(m.gpu, *driver, {}, 1);
+// The node's settings for reaching a snapshot (store/reach.h), from pull's and restore's flags.
+store::ReachOptions reach_options(const Args& args) {
+  store::ReachOptions o;
+  o.pulled = sfs::path(args.get("--run-dir", "/run/gpusnap")) / "pulled";
+  o.transfer = transfer_options(args);
+  o.cache = store::cache_flag(args);
+  o.cache_budget = store::cache_budget_flag(args);
+  o.criu_path = args.get("--criu");
+  return o;
 }
 
 store::PullOptions pull_options(const Args& args) {
@@ -196,6 +195,8 @@ std::vector<FlagSpec> concat(std::vector<FlagSpec> a, const std::vector<FlagSpec
 
 int cmd_push(const Args& args);
 int cmd_pull(const Args& args);
+void print_pull(const Args& args, const store::PullResult& r,
+                const std::vector<std::string>& notes);
 int cmd_import(const Args& args);
 
 }  // namespace
@@ -310,42 +311,40 @@ int cmd_pull(const Args& args) {
   }
   const bool as_json = args.has("--json");
   TransferReporter reporter(as_json, args.has("--quiet"));
-  auto o = pull_options(args);
-  if (!args.has("--any-host")) o.check = [&](const Manifest& m) { check_restorable_here(args, m); };
-  auto ref = remote_ref(args.positional()[0]);
-  store::SnapshotUse use;
-  if (args.has("--output")) {
-    o.output = sfs::absolute(args.get("--output"));
-  } else {
-    // The node's copy: named by the manifest's digest, so the tag is resolved first.
-    const auto snap = store::read_remote(ref, o.transfer);
-    ref.digest = snap.digest;
-    auto copy =
-        store::node_copy(o.cache, sfs::path(args.get("--run-dir", "/run/gpusnap")) / "pulled", ref,
-                         [&] { return snap.layout; });
-    o.output = copy.path;
-    o.output_in_cache = true;
-    use = std::move(copy.use);
-    const bool here = copy.found;
-    if (here) {
-      if (as_json) {
-        std::cout << json{{"reference", ref.by_digest(ref.digest)},
-                          {"digest", ref.digest},
-                          {"artifact", o.output.string()},
-                          {"chunks_fetched", 0},
-                          {"bytes_fetched", 0},
-                          {"notes", {"pulled before"}}}
-                         .dump(2)
-                  << "\n";
-      } else if (!args.has("--quiet")) {
-        std::printf("%s: already at %s\n", ref.by_digest(ref.digest).c_str(), o.output.c_str());
-      }
-      return 0;
+  auto reach = reach_options(args);
+  reach.any_host = args.has("--any-host");
+  if (!args.has("--output")) {
+    // The node's copy, as restore oci:// uses it: the one way a node reaches a snapshot.
+    store::SnapshotSource source(args.positional()[0], reach, store::Arrival::kBeforeReturning,
+                                 reporter);
+    if (source.pulls()) {
+      print_pull(args, *source.pulled(), reporter.notes);
+    } else if (as_json) {
+      std::cout << json{{"reference", source.reference()},
+                        {"digest", source.digest()},
+                        {"artifact", source.artifact().string()},
+                        {"chunks_fetched", 0},
+                        {"bytes_fetched", 0},
+                        {"notes", {"pulled before"}}}
+                       .dump(2)
+                << "\n";
+    } else if (!args.has("--quiet")) {
+      std::printf("%s: already at %s\n", source.reference().c_str(), source.artifact().c_str());
     }
+    return 0;
   }
-  auto r = store::pull(ref, o, reporter);
-  json doc = pull_document(r, reporter.notes);
-  if (as_json) {
+  // Into a directory of the caller's: the same host check, before any chunk.
+  auto o = pull_options(args);
+  o.output = sfs::absolute(args.get("--output"));
+  if (!reach.any_host) o.check = [&](const Manifest& m) { store::check_host(m, reach); };
+  print_pull(args, store::pull(remote_ref(args.positional()[0]), o, reporter), reporter.notes);
+  return 0;
+}
+
+void print_pull(const Args& args, const store::PullResult& r,
+                const std::vector<std::string>& notes) {
+  json doc = pull_document(r, notes);
+  if (args.has("--json")) {
     std::cout << doc.dump(2) << "\n";
   } else if (!args.has("--quiet")) {
     std::printf(
@@ -354,7 +353,6 @@ int cmd_pull(const Args& args) {
         static_cast<unsigned long long>(r.chunks_fetched), fs::human_bytes(r.bytes_fetched).c_str(),
         static_cast<unsigned long long>(r.chunks_from_cache), total_seconds(r.phases));
   }
-  return 0;
 }
 
 int cmd_import(const Args& args) {
@@ -383,31 +381,17 @@ int cmd_import(const Args& args) {
 
 }  // namespace
 
-RemoteRestore open_for_restore(const Args& args, const std::string& reference) {
-  auto o = pull_options(args);
-  auto ref = remote_ref(reference);
-  RemoteRestore r;
-  // Refused here, before any chunk, where the snapshot could not be restored.
-  auto snap = store::read_remote(ref, o.transfer);
-  check_restorable_here(args, Manifest::from_json(snap.layout.manifest));
-  ref.digest = snap.digest;  // the manifest just checked, whatever the tag names meanwhile
-  auto copy = store::node_copy(o.cache, sfs::path(args.get("--run-dir", "/run/gpusnap")) / "pulled",
-                               ref, [&] { return snap.layout; });
-  r.artifact = copy.path;
-  r.use = std::move(copy.use);
-  if (copy.found) return r;
-  o.output = r.artifact;
-  o.output_in_cache = true;
+RestoreSource reach_for_restore(const Args& args, const RestoreOptions& restore) {
+  auto reach = reach_options(args);
+  reach.pulled = restore.run_dir / "pulled";
+  reach.criu_path = restore.criu_path;
+  reach.gpu_map = restore.gpu_map;
+  reach.replicas = restore.replicas;
+  RestoreSource r;
   r.progress = std::make_unique<TransferReporter>(args.has("--json"), args.has("--quiet"));
-  r.arriving = std::make_unique<store::StreamingPull>(ref, o, *r.progress);
+  r.source = std::make_unique<store::SnapshotSource>(restore.artifact.string(), reach,
+                                                     store::Arrival::kWhileRestoring, *r.progress);
   return r;
-}
-
-std::string RemoteRestore::summary() const {
-  if (!arriving) return "using " + artifact.string() + ", pulled before";
-  const auto& p = arriving->result();
-  return "pulled " + p.reference + " while restoring: " + std::to_string(p.chunks_fetched) +
-         " chunks fetched, " + std::to_string(p.chunks_from_cache) + " from the node cache";
 }
 
 int inspect_remote(const Args& args, const std::string& reference) {

@@ -11,8 +11,9 @@
 
 #include "common/args.h"
 #include "gpusnap/phases.h"
+#include "gpusnap/restore.h"
 #include "store/blob_store.h"
-#include "store/stream.h"
+#include "store/reach.h"
 
 namespace gpusnap::cli {
 
@@ -37,20 +38,15 @@ void extend_for_store(const std::string& name, std::string& usage, std::string& 
 
 // True when ARTIFACT is an oci:// reference.
 bool is_remote(const std::string& artifact);
-// restore of an oci:// reference: the snapshot under RUN_DIR/pulled/DIGEST. Reused when
-// already there; otherwise its manifest is read and checked (host and GPU, before any chunk)
-// and its pull starts, for the restore to use as it arrives (gpusnap/restore.h,
-// ArrivingArtifact).
-struct RemoteRestore {
-  // Held for the whole restore: the node cache's eviction leaves the snapshot's copy alone.
-  store::SnapshotUse use;
-  std::filesystem::path artifact;                  // the final path
-  std::unique_ptr<Reporter> progress;              // the pull's (declared first: outlives it)
-  std::unique_ptr<store::StreamingPull> arriving;  // null when already here
-  // After the restore: a line on what the pull fetched, for the restore's notes.
-  std::string summary() const;
+// restore's ARTIFACT, a local directory or an oci:// reference, reached as store/reach.h
+// reaches it for `restore` (RESTORE's artifact, CRIU, GPU map, copies and run directory): the
+// host checked once, an oci:// snapshot reused from RUN_DIR/pulled/DIGEST or pulled there while
+// the restore runs, its progress shown as pull's.
+struct RestoreSource {
+  std::unique_ptr<Reporter> progress;             // the pull's (declared first: outlives it)
+  std::unique_ptr<store::SnapshotSource> source;  // prepare() the restore's options with it
 };
-RemoteRestore open_for_restore(const Args& args, const std::string& reference);
+RestoreSource reach_for_restore(const Args& args, const RestoreOptions& restore);
 // inspect of an oci:// reference: reads the OCI manifest and config only.
 int inspect_remote(const Args& args, const std::string& reference);
 // verify of an oci:// reference: fetches every chunk (each checked against its digest), writes

@@ -1,3 +1,5 @@
+#include "engine/compat.h"
+
 #include <algorithm>
 
 #include "criu/criu.h"
@@ -63,5 +65,16 @@ void check_host_compatible(const Manifest& m, const HostFacts& here) {
                 "install CRIU " + m.host.criu_version + " or newer (scripts/install-criu)");
   }
 }
+
+namespace engine {
+
+GpuPlan check_restorable(const Manifest& manifest, const std::string& criu_version,
+                         gpu::Driver& driver, const std::vector<std::string>& gpu_map,
+                         int replicas) {
+  check_host_compatible(manifest, HostFacts::probe(criu_version));
+  return plan_gpu_restore(manifest.gpu, driver, gpu_map, replicas);
+}
+
+}  // namespace engine
 
 }  // namespace gpusnap

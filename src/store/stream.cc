@@ -94,4 +94,9 @@ std::filesystem::path StreamingPull::complete() {
   return result_->output;
 }
 
+const PullResult* StreamingPull::ended() {
+  std::lock_guard lock(mu_);
+  return result_ ? &*result_ : nullptr;
+}
+
 }  // namespace gpusnap::store

@@ -37,6 +37,8 @@ class StreamingPull final : public ArrivingArtifact {
 
   // The pull's result, once complete() returned.
   const PullResult& result() const { return *result_; }
+  // The pull's result once it ended well; null while it runs, or after it failed.
+  const PullResult* ended();
 
  private:
   // Waits until `ready()` or the pull failed (then rethrows its error) or ended.

@@ -196,7 +196,7 @@ PullResult pull(const OciRef& ref, const PullOptions& o, Reporter& reporter) {
   Phases phases(reporter);
   Registry registry(ref, o.transfer.registry);
   RemoteSnapshot snap = phases.run("manifest", [&] {
-    auto s = read_remote_with(registry);
+    auto s = o.snapshot ? *o.snapshot : read_remote_with(registry);
     if (o.check) o.check(Manifest::from_json(s.layout.manifest));
     return s;
   });

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -99,6 +100,9 @@ struct PullOptions {
   std::function<void(const Manifest&)> check;
   // For a restore that starts before the pull ends (store/stream.h).
   ArrivalHooks arrival;
+  // The snapshot as the caller read it (read_remote, by digest), to check it before the pull:
+  // not read from the registry a second time.
+  std::optional<RemoteSnapshot> snapshot;
 };
 
 struct PullResult {

@@ -1052,9 +1052,28 @@ class AgentsAndRegistry : public ::testing::Test {
   std::optional<Agent> a_, b_;
 };
 
-// A captures and pushes; B, which never saw the artifact, pulls it through its node cache and
-// restores it; the copy serves the captured state. Everything B wrote is root-only.
-TEST_F(AgentsAndRegistry, ASnapshotCapturedOnOneNodeIsRestoredOnAnotherThatNeverSawIt) {
+// Position of the phase `name` in an operation's phases (in the order they started); the
+// list's size when it is not there.
+size_t started_at(const std::vector<std::string>& names, const std::string& name) {
+  return static_cast<size_t>(std::find(names.begin(), names.end(), name) - names.begin());
+}
+
+// The phases among `names` that start with `prefix` (or, with `others`, those that do not), in
+// their order.
+std::vector<std::string> phases_of(const std::vector<std::string>& names, const std::string& prefix,
+                                   bool others = false) {
+  std::vector<std::string> out;
+  for (const auto& n : names) {
+    if (n.starts_with(prefix) != others) out.push_back(n);
+  }
+  return out;
+}
+
+// A captures and pushes; B, which never saw the artifact, restores it while it still pulls it
+// through its node cache (as `gpusnap restore oci://` does): the restore opens the snapshot as
+// its first files arrive and awaits the rest, and the pull commits it only once the restore
+// asked for it. The copy serves the captured state. Everything B wrote is root-only.
+TEST_F(AgentsAndRegistry, ASnapshotCapturedOnOneNodeIsRestoredOnAnotherWhileItArrives) {
   Workload source = workload_on_a({"--mib", "16", "--children", "1"});
   ASSERT_EQ(ask_on(node_a(), source.port(), "INCR"), "1");
   const std::string seed = field(ask_on(node_a(), source.port(), "INFO"), "seed");
@@ -1082,10 +1101,21 @@ TEST_F(AgentsAndRegistry, ASnapshotCapturedOnOneNodeIsRestoredOnAnotherThatNever
                                      {"reference", reference},
                                      {"publish", {std::to_string(source.port())}}});
   ASSERT_EQ(rs["state"], "succeeded") << rs.dump(2);
-  EXPECT_EQ(phase_names(rs),
+  // The pull's phases and the restore's, each in its order, interleaved: a snapshot without GPU
+  // state is awaited whole before CRIU's restore (await-artifact), which lets the copy run.
+  const auto names = phase_names(rs);
+  std::printf("restore on B: %s\n", ::testing::PrintToString(names).c_str());
+  EXPECT_EQ(phases_of(names, "pull-"),
             (std::vector<std::string>{"pull-manifest", "pull-fetch", "pull-write", "pull-commit",
-                                      "pull-cache", "open", "verify", "criu-restore", "locate",
+                                      "pull-cache"}));
+  EXPECT_EQ(phases_of(names, "pull-", true),
+            (std::vector<std::string>{"open", "await-artifact", "verify", "criu-restore", "locate",
                                       "release"}));
+  // The overlap: the restore opened the snapshot and awaited it while the pull still wrote
+  // it, before the pull committed it (which waits for the restore's await-artifact).
+  EXPECT_LT(started_at(names, "open"), started_at(names, "pull-commit"));
+  EXPECT_LT(started_at(names, "await-artifact"), started_at(names, "pull-commit"));
+  EXPECT_GT(started_at(names, "verify"), started_at(names, "pull-cache"));
   const json& pulled = rs["result"]["pulled"];
   const auto hex = reference.substr(reference.find("@sha256:") + 8);
   EXPECT_EQ(pulled["reference"], reference);

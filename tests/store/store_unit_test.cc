@@ -14,15 +14,19 @@
 
 #include "common/fd.h"
 #include "common/fs.h"
+#include "criu/criu.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/error.h"
+#include "gpusnap/restore.h"
 #include "store/blob_store.h"
 #include "store/chunker.h"
 #include "store/digest.h"
 #include "store/layout.h"
 #include "store/materialise.h"
+#include "store/reach.h"
 #include "store/registry.h"
 #include "store/snapshot_manifest.h"
+#include "testing/harness.h"
 #include "testing/unit.h"
 
 namespace gpusnap::testing {
@@ -430,6 +434,51 @@ TEST(Store, EvictionTakesTheNodesCopyWithItsSnapshotAndLeavesOneInUse) {
   r = cache.evict(0, keys[2]);
   EXPECT_EQ(r.evicted, std::vector<std::string>{other});
   EXPECT_TRUE(sfs::exists(dir / "elsewhere"));
+}
+
+// A local artifact is reached as it is: checked once against this host (the restore is then
+// told so, and does not probe the host again), refused before anything when it was taken
+// elsewhere, unchecked only with any_host (`pull --any-host`).
+TEST(StoreReach, ALocalArtifactIsCheckedOnceAndHandedToTheRestoreChecked) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  const auto path = make_artifact(dir / "snap", 0, 1);
+  const auto set_host = [&](const HostFacts& host) {
+    auto m = Artifact::open(path).manifest();
+    m.host = host;
+    fs::write_file(path / kManifestName, m.to_json().dump(2));
+  };
+  const HostFacts here = HostFacts::probe(criu::locate().version);
+  set_host(here);
+  Reporter quiet;
+  store::ReachOptions options;
+  {
+    store::SnapshotSource source(path.string(), options, store::Arrival::kWhileRestoring, quiet);
+    RestoreOptions ro;
+    source.prepare(ro);
+    EXPECT_EQ(ro.artifact, path);
+    EXPECT_EQ(ro.arriving, nullptr);
+    EXPECT_TRUE(ro.host_checked);
+    EXPECT_FALSE(source.remote());
+    EXPECT_FALSE(source.pulls());
+    EXPECT_EQ(source.pulled(), nullptr);
+    EXPECT_EQ(source.summary(), "");
+  }
+  HostFacts elsewhere = here;
+  elsewhere.arch = "riscv64";
+  set_host(elsewhere);
+  try {
+    store::SnapshotSource source(path.string(), options, store::Arrival::kWhileRestoring, quiet);
+    ADD_FAILURE() << "an artifact taken on riscv64 was reached";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kIncompatible);
+    EXPECT_EQ(std::string(e.what()), "artifact was taken on riscv64, this host is " + here.arch);
+  }
+  options.any_host = true;
+  store::SnapshotSource unchecked(path.string(), options, store::Arrival::kWhileRestoring, quiet);
+  RestoreOptions ro;
+  unchecked.prepare(ro);
+  EXPECT_FALSE(ro.host_checked);  // the restore checks it on open, and refuses it there
 }
 
 }  // namespace

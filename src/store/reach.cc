@@ -1,0 +1,109 @@
+#include "store/reach.h"
+
+#include <utility>
+
+#include "criu/criu.h"
+#include "engine/compat.h"
+#include "gpu/driver.h"
+#include "gpusnap/artifact.h"
+
+namespace gpusnap::store {
+
+void check_host(const Manifest& manifest, const ReachOptions& options) {
+  const auto criu = criu::locate(options.criu_path);
+  std::unique_ptr<gpu::Driver> owned;
+  gpu::Driver& driver = gpu::given_or_nvidia(options.driver, owned);
+  engine::check_restorable(manifest, criu.version, driver, options.gpu_map, options.replicas);
+}
+
+SnapshotSource::SnapshotSource(const std::string& where, const ReachOptions& options,
+                               Arrival arrival, Reporter& reporter) {
+  if (OciRef::is_oci(where)) {
+    reach_remote(where, options, arrival, reporter);
+  } else {
+    reach_local(where, options);
+  }
+}
+
+SnapshotSource::~SnapshotSource() = default;
+
+void SnapshotSource::reach_local(const std::string& where, const ReachOptions& options) {
+  artifact_ = where;
+  if (options.any_host) return;
+  check_host(Artifact::open(artifact_).manifest(), options);
+  checked_ = true;
+}
+
+void SnapshotSource::reach_remote(const std::string& where, const ReachOptions& options,
+                                  Arrival arrival, Reporter& reporter) {
+  OciRef ref = OciRef::parse(where);
+  std::optional<RemoteSnapshot> snap;
+  if (ref.digest.empty()) {
+    // A tag is resolved first (its manifest and layout), so that a copy already here is found
+    // under its digest whatever name asked for it, and the manifest checked is the one pulled
+    // whatever the tag names meanwhile.
+    Phases phases(reporter);
+    snap = phases.run("resolve", [&] { return read_remote(ref, options.transfer); });
+    ref.digest = snap->digest;
+    ref.tag.clear();
+  }
+  reference_ = ref.by_digest(ref.digest);
+  digest_ = ref.digest;
+  auto copy = node_copy(options.cache, options.pulled, ref, [&] {
+    if (!snap) snap = read_remote(ref, options.transfer);
+    return snap->layout;
+  });
+  artifact_ = copy.path;
+  use_ = std::move(copy.use);
+  // A copy already here is checked from its own manifest: by digest, nothing is read from the
+  // registry at all.
+  if (copy.found) {
+    if (!options.any_host) {
+      check_host(
+          snap ? Manifest::from_json(snap->layout.manifest) : Artifact::open(artifact_).manifest(),
+          options);
+    }
+    checked_ = !options.any_host;
+    return;
+  }
+  // Refused here, before any chunk, where the snapshot could not be restored.
+  if (!snap) snap = read_remote(ref, options.transfer);
+  if (!options.any_host) check_host(Manifest::from_json(snap->layout.manifest), options);
+  checked_ = !options.any_host;
+  PullOptions o;
+  o.transfer = options.transfer;
+  o.output = artifact_;
+  o.output_in_cache = true;
+  o.cache = options.cache;
+  o.cache_budget = options.cache_budget;
+  o.snapshot = std::move(snap);
+  pulls_ = true;
+  if (arrival == Arrival::kBeforeReturning) {
+    result_ = pull(ref, o, reporter);
+  } else {
+    stream_ = std::make_unique<StreamingPull>(ref, std::move(o), reporter);
+  }
+}
+
+void SnapshotSource::prepare(RestoreOptions& options) {
+  options.artifact = artifact_;
+  options.arriving = stream_.get();
+  options.host_checked = checked_;
+}
+
+const PullResult* SnapshotSource::pulled() const {
+  if (result_) return &*result_;
+  return stream_ ? stream_->ended() : nullptr;
+}
+
+std::string SnapshotSource::summary() const {
+  if (!remote()) return "";
+  if (!pulls_) return "using " + artifact_.string() + ", pulled before";
+  const PullResult* p = pulled();
+  const std::string how = stream_ ? " while restoring" : "";
+  if (p == nullptr) return "pulling " + reference_ + how + " did not end";
+  return "pulled " + reference_ + how + ": " + std::to_string(p->chunks_fetched) +
+         " chunks fetched, " + std::to_string(p->chunks_from_cache) + " from the node cache";
+}
+
+}  // namespace gpusnap::store
