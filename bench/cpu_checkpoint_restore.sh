@@ -2,7 +2,7 @@
 # Plain CRIU vs gpusnap, side by side, on one CPU workload holding 4 GiB, in one run on one
 # machine.
 #
-#   sudo bench/cpu_checkpoint_restore.sh [RESULTS.md]      (default /tmp/gpusnap-bench-cpu.md)
+#   bench/run cpu-checkpoint [RESULTS.md]      (root) (default /tmp/gpusnap-bench-cpu.md)
 #
 # The source is the test workload (--mib 4096 --threads 4 --children 0), left running throughout.
 # Each round measures, alternating which of the two goes first:

@@ -3,7 +3,7 @@
 # side in one run on one GPU machine, for the PyTorch workload (tests/gpu/workloads/
 # torch_graph.py: weights from a file onto the GPU, forward pass captured in a CUDA graph).
 #
-#   bench/gpu_bench.sh OUTDIR [SIZES] [STORAGES]
+#   bench/run gpu OUTDIR [SIZES] [STORAGES]
 #     SIZES     GPU state sizes in GiB (default "4 16")
 #     STORAGES  where the artifacts live: ram (/dev/shm), ram-thp (a tmpfs the bench mounts
 #               with huge=within_size: 2 MiB pages, as a node's artifact store can be set up)
@@ -24,8 +24,8 @@
 # checkpoint. Each case writes OUTDIR/gpu-bench-SIZE-STORAGE.json; the report (table + PNG) is
 # made by bench/gpu_bench_report.py at the end.
 #
-# Needs: BUILD (default build) with gpusnap, bench/cuda-checkpoint-tool and
-# tests/torch_graph.py; GPUSNAP_CRIU (or /opt/gpusnap/criu/criu); python3 with torch.
+# Run by `bench/run gpu`, which builds what it needs. Needs: BUILD (default build) with gpusnap,
+# bench/cuda-checkpoint-tool and tests/torch_graph.py; GPUSNAP_CRIU (or /opt/gpusnap/criu/criu); python3 with torch.
 set -euo pipefail
 OUT=${1:?OUTDIR}; SIZES=${2:-"4 16"}; STORAGES=${3:-"ram disk"}
 BUILD=${BUILD:-build}

@@ -6,7 +6,7 @@
 # of the direct artifact (its peak too) and, at the first size, a capture refused for want of
 # store space (exit 10).
 #
-#   bench/gpu_direct_host_images.sh OUTDIR GIB...
+#   bench/run gpu-direct-host-images OUTDIR GIB...
 #
 # BIN: the folder holding gpusnap, libgpusnap-preload.so and tests/cuda_pattern (default build).
 # STORE: where the store is mounted (default /mnt/gpusnap-store). BUDGET: seconds; a size whose

@@ -7,7 +7,7 @@
 # pushed. The registry keeps its storage on the local disk, and the page cache is dropped before
 # each pull.
 #
-#   bench/gpu_registry_restore.sh OUTDIR [GIB]         (root; default GIB 16)
+#   bench/run gpu-registry-restore OUTDIR [GIB] (root; default GIB 16)
 #
 # BIN: the folder with gpusnap, libgpusnap-preload.so and tests/cuda_pattern (default build).
 # REGISTRY: the docker-registry binary (default: docker-registry on PATH; on a machine where

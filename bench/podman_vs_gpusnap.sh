@@ -2,7 +2,7 @@
 # Podman's own checkpoint/restore vs gpusnap's, side by side in one run on one machine, on the
 # same container workload from the same image.
 #
-#   sudo bench/podman_vs_gpusnap.sh [RESULTS.md]      (default /tmp/gpusnap-bench-podman.md)
+#   bench/run podman [RESULTS.md]      (root) (default /tmp/gpusnap-bench-podman.md)
 #
 # The image (scripts/build-image --rootfs) holds busybox and the test workload; both runtimes
 # run it as `gpusnap init -- gpusnap-test-workload --mib 2048 --threads 2 --children 3` (four

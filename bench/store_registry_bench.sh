@@ -5,7 +5,7 @@
 # Also the dedup of a second capture of the same workload. Root (CRIU); needs docker-registry
 # and skopeo (scripts/install-deps).
 #
-#   BUILD=build bench/store_registry_bench.sh OUTDIR [MIB] [DEDUP_MIB]
+#   bench/run store-registry OUTDIR [MIB] [DEDUP_MIB]
 #
 # MIB (default 4096): memory of the captured test workload; DEDUP_MIB (default 512): memory of
 # the two workloads of the dedup measurement. BASELINE=PATH (optional): another gpusnap binary
@@ -13,8 +13,8 @@
 # own, so that the two are compared under the same load. Writes OUTDIR/results.md and the raw
 # JSON. For every transfer it records the client's and the registry's CPU seconds (the
 # registry's from /proc/PID/stat), and the load average every 5 s (loadavg.log): on a shared
-# machine the load says what share of the cores each side had. The parts it shares with
-# store_registry_h200.sh are in store_registry_lib.sh. NODE_RUN=DIR (optional, e.g. a huge-page
+# machine the load says what share of the cores each side had. Its registry, capture and
+# timing parts are in store_registry_lib.sh. NODE_RUN=DIR (optional, e.g. a huge-page
 # tmpfs): adds pulls into the node's copy under DIR, as restore oci:// makes it (see below).
 set -euo pipefail
 OUT=${1:?usage: store_registry_bench.sh OUTDIR [MIB] [DEDUP_MIB]}

@@ -1,8 +1,7 @@
 # shellcheck shell=bash
-# Shared by store_registry_bench.sh (development machine) and store_registry_h200.sh (a machine
-# where nothing can be installed): a docker-registry on loopback, a capture of the test
-# workload, the same bytes as an OCI image layout for skopeo, and transfers timed with the CPU
-# seconds of both sides. Sourced, not run. Needs only bash, coreutils, awk and setsid: no bc,
+# The parts of store_registry_bench.sh (`bench/run store-registry`) that stand alone: a
+# docker-registry on loopback, a capture of the test workload, the same bytes as an OCI image
+# layout for skopeo, and transfers timed with the CPU seconds of both sides. Sourced, not run. Needs only bash, coreutils, awk and setsid: no bc,
 # curl or jq (absent on a bare machine).
 #
 # The caller sets GPUSNAP, WORKLOAD and REGISTRY (paths of the binaries) and runs in its work

@@ -5,7 +5,7 @@
 # PyTorch's own allocator (the driver's checkpoint carries the memory) and once with
 # gpusnap_handshake.use_memory_tier() (the tier drains and fills it itself).
 #
-#   sudo bench/tier_bench.sh GIB OUTDIR [STORE]
+#   bench/run gpu-tier GIB OUTDIR [STORE]
 #
 #   GIB     weights in GiB (16 for the target: restore <= 1.0 s, capture <= 2.0 s)
 #   OUTDIR  results: tier-GIB.json (every run) and tier-GIB.md (the table), logs in tier-GIB-logs/

@@ -73,8 +73,6 @@ TierSettings TierSettings::from_environment() {
   s.buffer_bytes = static_cast<std::size_t>(std::max(kib, 64L)) << 10;
   const char* log = std::getenv("GPUSNAP_TIER_LOG");  // NOLINT(concurrency-mt-unsafe): at load
   s.log = log != nullptr && std::string(log) == "1";
-  const char* stack = std::getenv("GPUSNAP_TIER_STACK");  // NOLINT(concurrency-mt-unsafe): at load
-  s.free_stacks = stack == nullptr || std::string(stack) != "keep";
   return s;
 }
 

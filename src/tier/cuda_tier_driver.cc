@@ -188,8 +188,6 @@ class CudaTierDriver final : public TierDriver {
                       (text != nullptr ? text : "dlopen failed"),
                   "run the workload on a host with the NVIDIA driver");
     }
-    const char* pin = std::getenv("GPUSNAP_TIER_PIN");
-    register_huge_pages_ = pin == nullptr || std::strcmp(pin, "alloc") != 0;
     try {
       resolve_all();
       // Idempotent; the workload has initialised CUDA already in the usual case.
@@ -205,8 +203,8 @@ class CudaTierDriver final : public TierDriver {
 
   // Pinned buffers are our own memory on 2 MiB pages, populated and then registered with the
   // driver (cuMemHostRegister): pinning is the fixed cost of every drain and fill, and on the
-  // H200 this pinned 256 MiB in 0.10 s where cuMemHostAlloc took 0.25 s (docs/benchmarks.md).
-  // GPUSNAP_TIER_PIN=alloc takes cuMemHostAlloc's; so does a buffer the driver will not register.
+  // H200 this pinned 256 MiB in 0.10 s where cuMemHostAlloc took 0.25 s (docs/benchmarks.md),
+  // so it is the only way: cuMemHostAlloc serves only a buffer the driver will not register.
   void* register_huge(std::size_t size) {
     constexpr std::size_t kHuge = std::size_t{2} << 20;
     const std::size_t len = (size + kHuge - 1) / kHuge * kHuge;
@@ -353,12 +351,7 @@ class CudaTierDriver final : public TierDriver {
     check(r, "cuCtxSetLimit(CU_LIMIT_STACK_SIZE)");
   }
 
-  void* host_alloc(std::size_t size) override {
-    if (register_huge_pages_) return register_huge(size);
-    void* p = nullptr;
-    check(api_.cuMemHostAlloc(&p, size, CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc");
-    return p;
-  }
+  void* host_alloc(std::size_t size) override { return register_huge(size); }
 
   void host_free(void* p) noexcept override {
     {
@@ -507,7 +500,6 @@ class CudaTierDriver final : public TierDriver {
 
   void* handle_ = nullptr;
   Api api_{};
-  bool register_huge_pages_ = false;
   std::mutex registered_mutex_;
   std::map<void*, std::pair<void*, std::size_t>> registered_;  // buffer -> (mapping, length)
   std::mutex mu_;

@@ -43,14 +43,9 @@ struct TierSettings {
   // buffer at a time. A layout's pieces may be of any size; a fill takes them as they are.
   std::size_t piece_bytes = std::size_t{4} << 20;
   bool log = false;  // one line per drain and fill on stderr
-  // Whether a drain frees the local memory behind the GPU threads' stacks and the fill puts it
-  // back (Tier::drain): 264 MiB of the ~760 MiB the driver's checkpoint carries beside the tier
-  // on the H200. GPUSNAP_TIER_STACK=keep leaves the stacks alone.
-  bool free_stacks = true;
 
   // GPUSNAP_TIER_STREAMS, GPUSNAP_TIER_BUFFER_KIB, GPUSNAP_TIER_LOG; out-of-range values keep
-  // the default. GPUSNAP_TIER_PIN=alloc (read by the CUDA driver seam): pinned buffers from
-  // cuMemHostAlloc instead of 2 MiB pages registered with the driver.
+  // the default.
   static TierSettings from_environment();
 };
 
@@ -125,8 +120,9 @@ class Tier {
   // Writes every live block into `dir` (which must exist), then releases the physical memory.
   // On failure the files it made are removed, nothing is released, the tier keeps serving and
   // the Error says why. Throws Error(kInternal) unless serving. Once released, it also sets the
-  // stack size of each device the tier uses to 0 (settings.free_stacks), remembering the size
-  // to put back; where the driver refuses, that device keeps its stack and the drain stands.
+  // stack size of each device the tier uses to 0 (264 MiB of the ~760 MiB the driver's
+  // checkpoint carries beside the tier on the H200), remembering the size to put back; where
+  // the driver refuses, that device keeps its stack and the drain stands.
   TransferReport drain(const std::filesystem::path& dir);
   // Maps physical memory at every segment's address again and fills it from `dir` (empty: the
   // folder of the last drain). `gpu_map` maps the GPU UUIDs recorded at allocation to those the

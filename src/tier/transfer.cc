@@ -334,11 +334,9 @@ TransferReport Tier::drain(const std::filesystem::path& dir) {
   }
   state_ = TierState::kReleased;
   report.map_seconds = seconds_since(release_started);
-  if (settings_.free_stacks) {
-    const auto stacks_started = Clock::now();
-    free_stacks();
-    report.stack_seconds = seconds_since(stacks_started);
-  }
+  const auto stacks_started = Clock::now();
+  free_stacks();
+  report.stack_seconds = seconds_since(stacks_started);
   report.pieces = pieces.size();
   report.files = files.size();
   report.seconds = seconds_since(t0);

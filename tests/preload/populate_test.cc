@@ -84,15 +84,6 @@ TEST(Preload, ForTheDriversThreadItPopulatesAheadAndNeverOverwritesWhatTheDriver
   }
 }
 
-TEST(Preload, AheadCanBeTurnedOff) {
-  auto p = probe({"512", "private", "populate", "driver"}, {"GPUSNAP_PRELOAD_AHEAD=0"});
-  ASSERT_EQ(p.status, 0) << p.err;
-  EXPECT_EQ(value(p.out, "pattern"), "1") << p.out;
-  EXPECT_EQ(value(p.out, "zero"), "1") << p.out;
-  EXPECT_NE(p.err.find("gpusnap-preload: populated 512 MiB"), std::string::npos) << p.err;
-  EXPECT_EQ(p.err.find("ahead"), std::string::npos) << p.err;
-}
-
 TEST(Preload, HugePagesCanBeLeftOut) {
   auto p = probe({"512", "private", "populate"}, {"GPUSNAP_PRELOAD_HUGE_PAGES=0"});
   ASSERT_EQ(p.status, 0) << p.err;

@@ -556,19 +556,6 @@ TEST_F(TierTest, AStackTheDriverWillNotPutBackRefusesTheFillBeforeAnyMemoryAndAR
   expect_pattern(p, 4 * kMiB, 6);
 }
 
-TEST_F(TierTest, WithStacksKeptTheDrainAndFillLeaveThemAlone) {
-  TierSettings s = settings();
-  s.free_stacks = false;
-  tier = std::make_unique<Tier>(driver, s, kPid);
-  void* p = alloc(4 * kMiB);
-  pattern(p, 4 * kMiB, 7);
-  tier->drain(dir.path());
-  tier->fill(dir.path(), {});
-  EXPECT_TRUE(driver.calls_named("stack_limit").empty());
-  EXPECT_TRUE(driver.calls_named("set_stack_limit").empty());
-  expect_pattern(p, 4 * kMiB, 7);
-}
-
 TEST_F(TierTest, AllocatingWhileDrainedIsRefused) {
   alloc(kMiB);
   tier->drain(dir.path());

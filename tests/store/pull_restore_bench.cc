@@ -13,9 +13,10 @@
 // and CRIU then compete for the same cores) and through a link limited to RATE_MIB per second
 // (--max-rate-mib: a node whose network, not its CPU, bounds the pull).
 //
-//   gpusnap-pull-restore-bench OUTDIR [REGION_MIB=1024] [CPU_MIB=256] [RUNS=3] [RATE_MIB=256]
+//   bench/run pull-restore OUTDIR [REGION_MIB=1024] [CPU_MIB=256] [RUNS=3] [RATE_MIB=256]
 //
-// Root. Writes OUTDIR/results.md and OUTDIR/runs.jsonl; logs to stderr as it goes.
+// A benchmark, not a test: built only with GPUSNAP_BENCH, here because it is made of the tests'
+// fixtures. Root. Writes OUTDIR/results.md and OUTDIR/runs.jsonl; logs to stderr as it goes.
 #include <unistd.h>
 
 #include <chrono>
