@@ -343,9 +343,9 @@ class Checkpoint {
 
       // The tier's files, complete since the pause, are hashed beside CRIU's dump, which needs
       // one core; not beside the driver's checkpoint, which that slowed by 0.15 s on the H200
-      // (docs/benchmarks.md, exp33, exp34). The dump takes 0.1 s longer beside them: a source
-      // that runs on (--leave-running) is not kept paused for that, and its tier's files are
-      // read after it resumed, in the checksum phase.
+      // (docs/benchmarks.md, "Memory tier: where the tier's files are hashed"). The dump takes
+      // 0.1 s longer beside them: a source that runs on (--leave-running) is not kept paused for
+      // that, and its tier's files are read after it resumed, in the checksum phase.
       if (tier_.files > 0 && !options_.leave_running) {
         tier_sums.emplace(writer.staging() / engine::kTierDirName, manifest.chunk_bytes,
                           io_threads());
