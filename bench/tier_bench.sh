@@ -67,7 +67,7 @@ ask() {  # ask PORT COMMAND
   exec 3<>"/dev/tcp/127.0.0.1/$1"; printf '%s\n' "$2" >&3; IFS= read -r r <&3; exec 3>&-; printf '%s' "$r"
 }
 # A killed copy gives its GPU memory back while the driver tears its context down (0.4-0.5 s
-# for four 17 GB copies on the H200, exp28). So that no restore below runs beside a teardown,
+# for four 17 GB copies on the H200). So that no restore below runs beside a teardown,
 # each first waits (at most 30 s) until no process holds the GPU, and says how long it waited.
 gpu_idle() {
   local t; t=$(now)

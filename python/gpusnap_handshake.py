@@ -14,7 +14,7 @@ on_pause() and on_resume(context) succeed unless they return False or raise (the
 text is the reason gpusnap reports). Without GPUSNAP_CONTROL_DIR the client is disabled
 (client.enabled is False) and every call is a no-op.
 
-The memory tier (docs/design.md, "The memory tier"): a PyTorch workload that calls
+The memory tier (docs/memory-tier.md): a PyTorch workload that calls
 
     gpusnap_handshake.use_memory_tier()    # once, before its first CUDA allocation
 

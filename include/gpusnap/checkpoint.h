@@ -46,7 +46,7 @@ struct CheckpointOptions {
   bool host_images = true;
   // Where the workload runs with libgpusnap-preload.so: have the driver's checkpoint write the
   // GPU memory straight into the artifact's file (nothing to copy afterwards, and the host holds
-  // it once, not twice). Off: the copy after the driver's call (docs/design.md, "Host images").
+  // it once, not twice). Off: the copy after the driver's call (docs/gpu-memory.md, "Host images").
   bool direct_host_images = true;
   int io_threads = 0;                  // 0: one per core, at least 4
   uint64_t host_image_file_bytes = 0;  // largest host image file; 0: one file per region

@@ -13,7 +13,7 @@
 // Without GPUSNAP_CONTROL_DIR the client is disabled (enabled() == false) and every call is a
 // no-op, so the same binary runs with and without gpusnap.
 //
-// The memory tier (docs/design.md, "The memory tier"): a workload that allocates its GPU memory
+// The memory tier (docs/memory-tier.md): a workload that allocates its GPU memory
 // with tier_malloc from libgpusnap-tier.so (include/gpusnap/tier.h) calls
 // hs.use_memory_tier(gpusnap::handshake::MemoryTier::of_library()) once; the client then drains
 // that memory into the artifact after on_pause and fills it back at the same addresses before

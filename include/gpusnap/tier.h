@@ -1,5 +1,5 @@
 /* The memory tier's C interface: libgpusnap-tier.so, built and shipped next to
- * libgpusnap-preload.so (docs/design.md, "The memory tier").
+ * libgpusnap-preload.so (docs/memory-tier.md).
  *
  * A workload that allocates its GPU memory through tier_malloc/tier_free lets gpusnap move that
  * memory itself at line rate: at a pause the handshake client drains it into the artifact

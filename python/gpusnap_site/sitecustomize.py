@@ -1,6 +1,6 @@
 """gpusnap's sitecustomize: the memory tier for a Python workload started by
 `gpusnap run --memory-tier`, without the workload calling use_memory_tier() itself
-(docs/design.md, "The memory tier").
+(docs/memory-tier.md).
 
 gpusnap puts this module's folder (its Python site folder, which also holds gpusnap_handshake.py)
 first on the workload's PYTHONPATH and sets GPUSNAP_MEMORY_TIER=1. Python imports the first

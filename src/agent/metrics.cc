@@ -9,7 +9,7 @@ namespace gpusnap::agent {
 namespace {
 
 // Whole operations: a small CPU workload takes a fraction of a second, an 18 GB GPU workload
-// tens of seconds (docs/design.md, "Performance").
+// tens of seconds (docs/benchmarks.md).
 const std::vector<double> kOperationBounds = {0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600};
 // Phases range from microseconds (locate) to the long copies (dump, gpu-checkpoint).
 const std::vector<double> kPhaseBounds = {0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1,

@@ -1,9 +1,9 @@
 // XXH3 at the widest vectors this CPU has. gpusnap links Debian's libxxhash.a statically, and it
 // is built for the x86-64 baseline (SSE2) without runtime dispatch; XXH3 built for AVX2 hashes
-// twice as fast from memory and 3-4 times from the cache (docs/benchmarks.md, "Checksums").
-// The updates, where the bytes go, are compiled here for AVX2 and AVX-512 from xxHash's own
-// header and chosen once, at run time; states are made, reset and digested by libxxhash as
-// before. Every vector width computes the same hash over the same state structure.
+// twice as fast from memory and 3-4 times from the cache (docs/benchmarks.md, "Checksum
+// throughput"). The updates, where the bytes go, are compiled here for AVX2 and AVX-512 from
+// xxHash's own header and chosen once, at run time; states are made, reset and digested by
+// libxxhash as before. Every vector width computes the same hash over the same state structure.
 #pragma once
 
 #include <xxhash.h>

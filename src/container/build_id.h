@@ -2,7 +2,7 @@
 // A placeholder container must map the same executables and libraries as the captured one;
 // comparing their build-ids (as CRIU's own file validation does) reads a few KiB of headers per
 // file, where hashing the whole file read 3.1 GB for a PyTorch workload, mostly from disk
-// (3 s of a capture on the H200, exp35).
+// (3 s of a capture on the H200: docs/benchmarks.md, "Measured once").
 #pragma once
 
 #include <cstddef>

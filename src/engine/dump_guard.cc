@@ -118,7 +118,7 @@ int dump_guard_main(const std::string& spec_json) {
                         kRemapCancelWait);
   const auto staging = spec.at("staging").get<std::string>();
   // A memory tier that drained into the staging directory has its contents only there: the
-  // workload must fill them back before the directory goes (docs/design.md, "The memory tier").
+  // workload must fill them back before the directory goes (docs/memory-tier.md).
   const bool tier_holds_memory = tier_dir_in_use(std::filesystem::path(staging) / kTierDirName);
   if (!tier_holds_memory) fs::remove_tree_noexcept(staging);
   // The workload's GPU state back first, then its own resume: the order gpusnap itself keeps.

@@ -232,7 +232,7 @@ void remap(pid_t pid, std::vector<ImageFile>& files, const std::vector<common::M
            Reporter& reporter) {
   // Each range's madvise flags, read before the thread is stopped: /proc/PID/smaps walks the
   // page tables, slow for tens of GiB, and the time the thread is held is the time a gpusnap
-  // killed would leave it broken (docs/design.md, "Host images").
+  // killed would leave it broken (docs/gpu-memory.md, "Host images").
   std::vector<std::vector<std::string>> range_flags;
   for (const auto& f : files) {
     auto mapping = std::find_if(maps.begin(), maps.end(), [&](const common::Mapping& m) {

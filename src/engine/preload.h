@@ -34,7 +34,7 @@ std::optional<std::string> preload_environment();
 inline constexpr const char* kPreloadRequestsEnv = "GPUSNAP_PRELOAD_REQUESTS";
 // A container's workload sees its own mounts only: `gpusnap init` starts it with its requests
 // here, and a capture mounts a folder of its own there, read-only, holding that workload's
-// request alone (docs/design.md, "Containers").
+// request alone (docs/containers.md).
 inline constexpr const char* kContainerPreloadRequests = "/tmp/.gpusnap-preload";
 
 // Whether a process's mappings include the library (it was started with it).

@@ -1,6 +1,6 @@
 // The memory tier for Python workloads that `gpusnap run --memory-tier` starts, without the
-// workload calling gpusnap_handshake.use_memory_tier() itself (docs/design.md, "The memory
-// tier"). gpusnap's Python site folder holds a sitecustomize.py (python/gpusnap_site/) and
+// workload calling gpusnap_handshake.use_memory_tier() itself (docs/memory-tier.md).
+// gpusnap's Python site folder holds a sitecustomize.py (python/gpusnap_site/) and
 // gpusnap_handshake.py; put first on the workload's PYTHONPATH, with GPUSNAP_MEMORY_TIER=1, its
 // sitecustomize installs the tier as soon as the workload has imported torch. Without the
 // variable it only imports the sitecustomize it hides: a PYTHONPATH that other programs inherit

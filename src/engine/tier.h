@@ -1,4 +1,4 @@
-// gpusnap's side of the memory tier (docs/design.md, "The memory tier"). A workload that opted
+// gpusnap's side of the memory tier (docs/memory-tier.md). A workload that opted
 // in moves its GPU memory itself: at the pause, into the folder gpusnap names in the request
 // (STAGING/tier); at the resume, back from the folder named in the context (ARTIFACT/tier for a
 // copy). gpusnap makes the folder, checks what the workload left in it, counts that memory for
@@ -59,9 +59,9 @@ TierContents check_tier_dir(const std::filesystem::path& dir);
 
 // The tier's files (complete once the workload answered `paused`) checksummed in the
 // background while CRIU's dump runs and leaves most cores idle: the capture's checksum phase
-// then reads CRIU's files alone. Measured on the H200 (docs/benchmarks.md, exp32): hashing inside
-// the drain instead made the drain, already bound by the CPU's writes into the files, as much
-// slower as the checksum phase got shorter.
+// then reads CRIU's files alone. Measured on the H200 (docs/benchmarks.md, "Memory tier: where
+// the tier's files are hashed"): hashing inside the drain instead made the drain, already bound
+// by the CPU's writes into the files, as much slower as the checksum phase got shorter.
 // The destructor stops the hashing (within a chunk per thread) and waits: a failed capture
 // resumes its workload without waiting for the rest.
 class TierChecksums {

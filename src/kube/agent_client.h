@@ -1,5 +1,5 @@
 // What the controller asks of the node's gpusnap agent, over the agent's HTTP API
-// (docs/design.md, "The node agent"): start a checkpoint or a restore, follow the operation,
+// (docs/design.md, "The agent"): start a checkpoint or a restore, follow the operation,
 // look an artifact up. The controller depends on this interface only, so that it can be wired
 // into the agent process later with a direct implementation, and talks HTTP today.
 #pragma once

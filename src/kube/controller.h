@@ -1,7 +1,7 @@
 // The gpusnap controller: turns GpuSnapshot objects and annotated pods into agent operations
 // on one node, and reports back through status, conditions and Events.
 //
-// It is node-local (docs/design.md, "Kubernetes"): one runs beside each node's agent and acts
+// It is node-local (docs/kubernetes.md): one runs beside each node's agent and acts
 // only on what runs on its node. It watches
 //   - every GpuSnapshot (of one namespace, or all), and
 //   - the pods bound to its node (fieldSelector spec.nodeName=NODE),

@@ -35,8 +35,8 @@
 // its PID there) in the requests directory, naming an empty file of the artifact being written.
 // The driver thread's mapping is then a SHARED mapping of that file instead of anonymous memory,
 // so that the driver's own copy is the write into the artifact and gpusnap copies nothing
-// (docs/design.md, "Host images"). The request is honoured once (it is removed when taken), only
-// for the driver's thread and a mapping the caller lets the kernel place, only when it is
+// (docs/gpu-memory.md, "Host images"). The request is honoured once (it is removed when taken),
+// only for the driver's thread and a mapping the caller lets the kernel place, only when it is
 // recent (kRequestLifetime), owned by root and not writable by others, and only when the file is
 // an empty regular file owned by root on a file system with room for the whole mapping (a write
 // into a full one would be a SIGBUS in the driver). In every other case, and on any failure, the

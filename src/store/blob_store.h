@@ -20,7 +20,7 @@
 // needs it (checked against its digest as a blob is). It leaves with the copy.
 //
 // Why a restore holds the snapshot only while it runs: a copy maps its host images from the
-// materialised files during its restore, and the driver's restore unmaps them (docs/design.md,
+// materialised files during its restore, and the driver's restore unmaps them (docs/gpu-memory.md,
 // "Host images"); a running copy holds none of the snapshot's files after that.
 //
 // Thread-safe: put/get/has may be called from many threads.

@@ -69,7 +69,8 @@ TierSettings TierSettings::from_environment() {
   s.streams = static_cast<int>(env_int("GPUSNAP_TIER_STREAMS", s.streams, 64));
   const long kib =
       env_int("GPUSNAP_TIER_BUFFER_KIB", static_cast<long>(s.buffer_bytes >> 10), long{1} << 20);
-  // Below 64 KiB each copy's fixed cost would dominate (on the H200 already below 1 MiB, exp42).
+  // Below 64 KiB each copy's fixed cost would dominate (on the H200 already below 1 MiB:
+  // docs/benchmarks.md).
   s.buffer_bytes = static_cast<std::size_t>(std::max(kib, 64L)) << 10;
   const char* log = std::getenv("GPUSNAP_TIER_LOG");  // NOLINT(concurrency-mt-unsafe): at load
   s.log = log != nullptr && std::string(log) == "1";

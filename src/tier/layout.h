@@ -1,8 +1,7 @@
 // What a drain leaves besides the contents and the index: PID.layout, every segment of the
 // process's tier and where each live piece of it went. With it another process
 // (gpusnap-tier-prefill, tier/prefill.h) rebuilds the memory of a copy from the artifact while
-// the copy itself is still being restored, and hands it over (docs/design.md, "The memory
-// tier").
+// the copy itself is still being restored, and hands it over (docs/memory-tier.md).
 //
 // The file is little-endian 64-bit words: the magic "GSTLAY01", the counts of segments, pieces
 // and files, then each segment (va, size, device), then each piece (va, size, file, offset).

@@ -1,5 +1,5 @@
 // The fill of a copy's memory tier done ahead, in a process of its own, while the copy is
-// still being restored (docs/design.md, "The memory tier"): gpusnap-tier-prefill reads the
+// still being restored (docs/memory-tier.md): gpusnap-tier-prefill reads the
 // layout the drain left (tier/layout.h), makes physical memory for every segment on the GPU the
 // copy will run on, fills it from the artifact's files at line rate, and offers it to the copy
 // (tier/handover.h). At its resume the copy's tier maps that memory at its own addresses
@@ -23,7 +23,7 @@ namespace gpusnap::tier {
 
 // A drain file's checksums as the prefill read it: XXH3-128 of each `chunk_bytes` of the file,
 // hex, as the artifact's manifest records them. gpusnap compares them with the manifest instead of
-// reading the file a second time (docs/design.md, "The fill done ahead"). `complete` only when
+// reading the file a second time (docs/memory-tier.md, "The fill done ahead"). `complete` only when
 // the pieces covered the file from its first byte without a gap: only then are they the file's.
 struct FileSums {
   std::string name;

@@ -1,4 +1,4 @@
-// The memory tier (docs/design.md, "The memory tier"): a caching allocator on the driver's
+// The memory tier (docs/memory-tier.md): a caching allocator on the driver's
 // virtual memory management that can move every live byte it handed out into files (drain) and
 // back to the same addresses (fill), at the speed of pinned copies on several streams.
 //
@@ -37,7 +37,8 @@ struct TierSettings {
   // while others read or write their files.
   int streams = 16;  // drain and fill workers, one stream each
   // Each of a worker's two pinned buffers: the most one copy moves. Smaller was slower on the
-  // H200 at every size tried below 1 MiB (exp42).
+  // H200 at every size tried below 1 MiB (docs/benchmarks.md, "Memory tier: workers, buffers and
+  // pinning").
   std::size_t buffer_bytes = std::size_t{4} << 20;
   // The drain cuts live memory into pieces of at most this: the unit a worker takes, moved a
   // buffer at a time. A layout's pieces may be of any size; a fill takes them as they are.

@@ -1,7 +1,7 @@
 // The tier's drain and fill: every live block to files and back, through pinned buffers on
 // several streams.
 //
-// The order is the guarantee (docs/design.md, "The memory tier"):
+// The order is the guarantee (docs/memory-tier.md):
 //   drain: synchronise -> trim the cache -> copy every live byte into files -> close them and
 //          write the index -> only then release the physical memory (the reservations stay)
 //   fill:  check the GPU map -> create and map every segment at its address -> copy the files
@@ -165,8 +165,9 @@ struct Slice {
 };
 
 // A worker's pieces a slice at a time, each piece in slices of at most one buffer. The buffers'
-// size is a setting of its own (the H200's figures chose it, exp42), not the pieces': a piece of
-// any size, as a prefill reads them from an artifact, goes through them and never past them.
+// size is a setting of its own (docs/benchmarks.md, "Memory tier: workers, buffers and pinning"),
+// not the pieces': a piece of any size, as a prefill reads them from an artifact, goes through them
+// and never past them.
 class Slices {
  public:
   Slices(const std::vector<FilePiece>& pieces, std::size_t slice_bytes)

@@ -4,7 +4,7 @@
 //
 // No GPU here, so StagingDriver plays the part of the driver that matters: on checkpoint it
 // maps a new private anonymous region in the process and fills it with "GPU contents" (what
-// the real driver does, measured on the H200: docs/design.md), on restore it reads the region
+// the real driver does, measured on the H200: docs/gpu-memory.md), on restore it reads the region
 // back from the process, checks every byte and unmaps it. The state machine is FakeDriver's.
 #include <fcntl.h>
 #include <linux/magic.h>

@@ -186,7 +186,7 @@ void drained_on_one_gpu(const TempDir& artifact, const std::string& pid) {
 // pipe for its checksums and the chunk to compute them in (the others read the same files);
 // each copy's context names its folder; the prefills' reports come back as notes; nothing is
 // left behind. The program is a stand-in script here (the real one needs a GPU;
-// docs/gpu-validation.md).
+// docs/status.md).
 TEST(TierPrefills, OnePerCopyAndProcessToldWhereAndOnWhichGpu) {
   TempDir artifact;
   TempDir run;

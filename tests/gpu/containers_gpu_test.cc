@@ -85,7 +85,7 @@ json capture_and_restore(const std::string& tier_flag, double gib,
   return json::parse(fs::read_file(snap / "manifest.json"));
 }
 
-// The tier's folders are mounted into the containers (docs/design.md, "Containers"): the
+// The tier's folders are mounted into the containers (docs/containers.md): the
 // weights go through the tier's files, and the copy fills from them.
 TEST(GpuContainer, WithTheMemoryTierRestoresIntoAPlaceholderBitExact) {
   GPUSNAP_SKIP_IF_BLOCKED(blocker());

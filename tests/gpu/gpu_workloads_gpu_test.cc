@@ -1,6 +1,6 @@
 // GPU tests (ctest label `gpu`): real GPUs, the real NVIDIA driver, real CRIU, the built CLI.
 // Where there is no GPU each test reports "skipped: no GPU". Results from the H200 machines
-// are recorded in docs/gpu-validation.md; each test prints its phase timings as a line
+// are recorded in docs/status.md; each test prints its phase timings as a line
 // "RESULT <test> <json>" for that record.
 #include <fcntl.h>
 #include <signal.h>
@@ -429,7 +429,7 @@ TEST(KvCache, TheCacheNeverEntersTheArtifactAndTheGraphReplaysAfterRestore) {
   EXPECT_EQ(check.substr(0, 12), "OK max_err=0") << check;
 }
 
-// ---- The memory tier (docs/design.md, "The memory tier") -----------------------------------
+// ---- The memory tier (docs/memory-tier.md) ----------------------------------------------------
 
 // How tests/torch_tier.py gets its memory tier: none, its own use_memory_tier() call, or
 // `gpusnap run --memory-tier` installing it when the workload imports torch.

@@ -1,7 +1,7 @@
 // A stand-in for the part of the NVIDIA driver that host images depend on, for tests and
 // benchmarks on machines without a GPU: on checkpoint it maps a new private anonymous region in
 // the process and fills it with "GPU contents" (what the real driver does, measured on the H200:
-// docs/design.md), on restore it reads the region back from the process, checks every byte and
+// docs/gpu-memory.md), on restore it reads the region back from the process, checks every byte and
 // unmaps it, as the driver's restore reads host memory. The state machine is FakeDriver's.
 #pragma once
 

@@ -1,5 +1,5 @@
 // The memory tier's logic against the fake driver: allocation bookkeeping, the drain and fill
-// order, and every failure path (docs/design.md, "The memory tier"). The files are real, in a
+// order, and every failure path (docs/memory-tier.md). The files are real, in a
 // scratch directory; only the GPU is faked, its memory being host memory that the tests write
 // and read through the mappings as a kernel would.
 #include "tier/tier.h"

@@ -1,6 +1,6 @@
 """A CPU workload whose "GPU memory" is a bytearray moved by a stand-in for libgpusnap-tier.so:
 it drains into the folder the pause names and fills back from the one the resume names, through
-the real Python handshake client, exactly as the tier does (docs/design.md, "The memory tier").
+the real Python handshake client, exactly as the tier does (docs/memory-tier.md).
 It lets the system tests run gpusnap's side of the tier (the folder, its checks, the manifest,
 verify, the resume contexts, the guardian) with real CRIU on a machine without a GPU.
 

@@ -14,9 +14,10 @@ bool TierDrain::check() {
 }
 
 // The tier's files are hashed beside CRIU's dump, which needs one core; not beside the driver's
-// checkpoint, which that slowed by 0.15 s on the H200 (docs/benchmarks.md, exp33, exp34). The
-// dump takes 0.1 s longer beside them: a source that runs on (--leave-running) is not kept paused
-// for that, and its tier's files are read after it resumed, in the checksum phase.
+// checkpoint, which that slowed by 0.15 s on the H200 (docs/benchmarks.md, "Memory tier: where
+// the tier's files are hashed"). The dump takes 0.1 s longer beside them: a source that runs on
+// (--leave-running) is not kept paused for that, and its tier's files are read after it
+// resumed, in the checksum phase.
 void TierDrain::before_dump(uint64_t chunk_bytes, bool leave_running) {
   if (contents_.files == 0 || leave_running) return;
   sums_.emplace(staging_ / kTierDirName, chunk_bytes, threads_);

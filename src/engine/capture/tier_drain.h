@@ -1,4 +1,4 @@
-// The memory tier of a capture (docs/design.md, "The memory tier"), for engine/checkpoint.cc, on
+// The memory tier of a capture (docs/memory-tier.md), for engine/checkpoint.cc, on
 // top of engine/tier.h: the folder the workload drains its tier into at the pause (STAGING/tier),
 // what it left there checked, and its files hashed in the background beside CRIU's dump
 // (tier-hash). Its memory counts in the GPU facts (GpuCheckpoint::describe).
