@@ -36,6 +36,7 @@
 
 #include "common/fd.h"
 #include "gpusnap/error.h"
+#include "tier/folder_format.h"
 #include "tier/handover.h"
 #include "tier/tier.h"
 
@@ -297,7 +298,7 @@ TransferReport Tier::drain(const std::filesystem::path& dir) {
     std::error_code ec;
     for (const auto& f : files) std::filesystem::remove(dir / f, ec);
     std::filesystem::remove(layout_path(dir), ec);
-    std::filesystem::remove(dir / (std::to_string(pid_) + ".json"), ec);
+    std::filesystem::remove(dir / folder::index_name(pid_), ec);
     throw;
   }
   files_ = files;
@@ -328,7 +329,7 @@ TransferReport Tier::drain(const std::filesystem::path& dir) {
     std::error_code ec;
     for (const auto& f : files) std::filesystem::remove(dir / f, ec);
     std::filesystem::remove(layout_path(dir), ec);
-    std::filesystem::remove(dir / (std::to_string(pid_) + ".json"), ec);
+    std::filesystem::remove(dir / folder::index_name(pid_), ec);
     throw Error(e.kind(), std::string("memory tier: releasing GPU memory failed: ") + e.what(),
                 "the workload keeps its memory and serves; see the driver's error");
   }
@@ -354,7 +355,7 @@ double Tier::run_drain_workers(std::vector<Piece>& pieces, const std::filesystem
   // failure. O_EXCL: a file already there is somebody else's.
   std::vector<common::UniqueFd> fds;
   for (std::size_t k = 0; k < n; ++k) {
-    std::string name = std::to_string(pid_) + "-w" + std::to_string(k) + ".img";
+    std::string name = folder::drain_file_name(pid_, k);
     const auto path = dir / name;
     const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     if (fd < 0) throw file_error("cannot create", path, errno);
@@ -414,7 +415,7 @@ double Tier::run_drain_workers(std::vector<Piece>& pieces, const std::filesystem
 }
 
 std::filesystem::path Tier::layout_path(const std::filesystem::path& dir) const {
-  return dir / (std::to_string(pid_) + ".layout");
+  return dir / folder::layout_name(pid_);
 }
 
 void Tier::write_layout_file(const std::filesystem::path& dir, const std::vector<Piece>& pieces,
@@ -434,54 +435,19 @@ void Tier::write_index(const std::filesystem::path& dir, const std::vector<std::
   for (const Piece& p : pieces) {
     per_gpu[device_uuids_.at(p.device)] += p.size;
   }
-  std::map<std::string, std::uintmax_t> sizes;
-  for (const auto& f : files) {
+  folder::TierIndex index;
+  index.pid = static_cast<std::uint64_t>(pid_);
+  index.bytes = bytes;
+  // By name, as every drain listed them.
+  std::set<std::string> names(files.begin(), files.end());
+  for (const auto& f : names) {
     std::error_code ec;
-    sizes[f] = std::filesystem::file_size(dir / f, ec);
+    const std::uintmax_t size = std::filesystem::file_size(dir / f, ec);
     if (ec) throw file_error("cannot stat", dir / f, ec.value());
+    index.files.push_back({f, size});
   }
-  std::string json = "{\"format\":\"gpusnap-tier\",\"version\":1,\"pid\":";
-  json += std::to_string(pid_);
-  json += ",\"bytes\":";
-  json += std::to_string(bytes);
-  json += ",\"files\":[";
-  // {"NAME":"TEXT","KEY":N}, after a comma unless first.
-  const auto entry = [&json](bool first, const char* name, const std::string& text, const char* key,
-                             std::uintmax_t n) {
-    json += first ? "{\"" : ",{\"";
-    json += name;
-    json += "\":\"";
-    json += text;
-    json += "\",\"";
-    json += key;
-    json += "\":";
-    json += std::to_string(n);
-    json += "}";
-  };
-  bool first = true;
-  for (const auto& [name, size] : sizes) {
-    entry(first, "path", name, "size", size);
-    first = false;
-  }
-  json += "],\"gpus\":[";
-  first = true;
-  for (const auto& [uuid, n] : per_gpu) {
-    entry(first, "uuid", uuid, "bytes", n);
-    first = false;
-  }
-  json += "]}\n";
-  const auto path = dir / (std::to_string(pid_) + ".json");
-  const auto tmp = dir / (std::to_string(pid_) + ".json.tmp");
-  common::UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
-  if (fd.get() < 0) throw file_error("cannot create", tmp, errno);
-  try {
-    write_all(fd.get(), tmp, json.data(), json.size(), 0);
-    if (const int err = fd.close_checked(); err != 0) throw file_error("cannot write", tmp, err);
-    if (::rename(tmp.c_str(), path.c_str()) != 0) throw file_error("cannot rename", tmp, errno);
-  } catch (...) {
-    ::unlink(tmp.c_str());
-    throw;
-  }
+  for (const auto& [uuid, n] : per_gpu) index.gpus.push_back({uuid, n});
+  folder::write_index(dir, index);
 }
 
 TransferReport Tier::fill(const std::filesystem::path& dir,

@@ -246,7 +246,7 @@ TEST(TierPrefills, AnIndexNoCaptureWroteStartsNoPrefill) {
   write(artifact / "tier" / "8.json",
         R"({"gpus":)" + std::string(100000, '[') + std::string(100000, ']') + "}");
   write(artifact / "tier" / "9.json", R"({"gpus":[{"uuid":"GPU-a","bytes":8}],"pad":")" +
-                                          std::string(kMaxTierIndexBytes, 'x') + "\"}");
+                                          std::string(tier::folder::kMaxIndexBytes, 'x') + "\"}");
   const auto script = run / "prefill.sh";
   write(script, "#!/bin/sh\necho \"$2\" >> " + (run / "calls").string() +
                     "\necho \"prefill of $2 done\" >&2\n");
