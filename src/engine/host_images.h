@@ -37,6 +37,7 @@
 
 #include "common/fd.h"
 #include "common/remote.h"
+#include "common/worker_pool.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/phases.h"
 
@@ -215,7 +216,7 @@ class HashedFiles {
               const std::vector<HostImageRecord>& images, uint64_t chunk_bytes, int threads);
   HashedFiles(const HashedFiles&) = delete;
   HashedFiles& operator=(const HashedFiles&) = delete;
-  ~HashedFiles();
+  ~HashedFiles();  // the pool stops and is joined before the files it reads go
   // Waits for the hashes; fills in the stored_bytes (bytes in 64 KiB blocks not all zero) of the
   // images of `images` it hashed and returns the files' records for ArtifactWriter::seal.
   // Throws Error on a read failure.
@@ -223,14 +224,13 @@ class HashedFiles {
 
  private:
   struct File;
-  void work();
+  void work(const std::atomic<bool>& stop);
 
   std::vector<std::unique_ptr<File>> files_;
   uint64_t chunk_bytes_;
   std::atomic<size_t> next_{0};
-  std::atomic<bool> stop_{false};
-  std::vector<std::thread> threads_;
-  std::string failure_;  // set before the threads start, read after they end
+  std::string failure_;                     // set before the pool starts, read after it ends
+  std::optional<common::WorkerPool> pool_;  // last: it stops before the members it reads go
 };
 
 }  // namespace gpusnap::engine

@@ -24,17 +24,15 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <exception>
 #include <map>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "common/fd.h"
+#include "common/worker_pool.h"
 #include "gpusnap/error.h"
 #include "tier/folder_format.h"
 #include "tier/handover.h"
@@ -119,41 +117,18 @@ class DeviceScope {
   bool entered_ = false;
 };
 
-// Runs `work(k)` on n threads and rethrows the first error once all have finished. `stop` is set
-// on the first error, so that the others take no more pieces.
-template <typename Work>
-void run_workers(std::size_t n, std::atomic<bool>& stop, Work work) {
-  std::mutex mu;
-  std::exception_ptr first;
-  {
-    std::vector<std::jthread> threads;
-    threads.reserve(n);
-    for (std::size_t k = 0; k < n; ++k) {
-      threads.emplace_back([&, k] {
-        try {
-          work(k);
-        } catch (...) {
-          stop = true;
-          std::lock_guard lock(mu);
-          if (!first) first = std::current_exception();
-        }
-      });
-    }
-  }
-  if (first) std::rethrow_exception(first);
-}
-
-// run_workers() with each worker's pinned buffers and stream made first, on the device of the
-// piece of its own index (there are at least n pieces); returns the slowest worker's pinning
-// time. `work(k, resources)` does the rest.
+// Runs `work(k, resources, stop)` on n workers (common/worker_pool.h: the first error is
+// rethrown once all have finished, and sets `stop`, so that the others take no more pieces),
+// each with its pinned buffers and stream made first, on the device of the piece of its own index
+// (there are at least n pieces); returns the slowest worker's pinning time.
 template <typename Pieces, typename Work>
 double run_with_buffers(TierDriver& driver, std::size_t buffer_bytes, std::size_t n,
-                        const Pieces& pieces, std::atomic<bool>& stop, Work work) {
+                        const Pieces& pieces, Work work) {
   std::vector<double> pinning(n, 0.0);
-  run_workers(n, stop, [&](std::size_t k) {
+  common::run_workers(n, [&](std::size_t k, const std::atomic<bool>& stop) {
     WorkerResources r(driver, buffer_bytes);
     pinning[k] = r.prepare(pieces[k].device);
-    work(k, r);
+    work(k, r, stop);
   });
   return pinning.empty() ? 0.0 : *std::max_element(pinning.begin(), pinning.end());
 }
@@ -363,9 +338,9 @@ double Tier::run_drain_workers(std::vector<Piece>& pieces, const std::filesystem
     fds.emplace_back(fd);
   }
   std::atomic<std::size_t> next{0};
-  std::atomic<bool> stop{false};
   const double pinning = run_with_buffers(
-      driver_, settings_.buffer_bytes, n, pieces, stop, [&](std::size_t k, WorkerResources& r) {
+      driver_, settings_.buffer_bytes, n, pieces,
+      [&](std::size_t k, WorkerResources& r, const std::atomic<bool>& stop) {
         const auto path = dir / files[k];
         std::uint64_t offset = 0;
         Slices slices(pieces, r.buffer_bytes());
@@ -681,9 +656,9 @@ double fill_from_files(TierDriver& driver, const TierSettings& settings,
   const std::size_t n =
       std::min(pieces.size(), static_cast<std::size_t>(std::max(1, settings.streams)));
   PieceQueue queue(pieces, n, hooks.one_worker_per_file);
-  std::atomic<bool> stop{false};
   const double pinning = run_with_buffers(
-      driver, settings.buffer_bytes, n, pieces, stop, [&](std::size_t k, WorkerResources& r) {
+      driver, settings.buffer_bytes, n, pieces,
+      [&](std::size_t k, WorkerResources& r, const std::atomic<bool>& stop) {
         Stream in_flight = nullptr;  // the stream of the copy issued last, not yet waited for
         Slices slices(pieces, r.buffer_bytes());
         int b = 0;
