@@ -57,7 +57,7 @@
 #include "engine/host_images.h"
 #include "engine/preflight.h"
 #include "engine/preload.h"
-#include "engine/tier.h"
+#include "engine/tier_files.h"
 #include "gpu/driver.h"
 #include "gpusnap/checkpoint.h"
 #include "gpusnap/error.h"
@@ -256,7 +256,7 @@ class Checkpoint {
     // A death during the pause is the handshake's to report: it names it already.
     if (handshake) {
       phases_.run("pause", [&] {
-        // The memory tier, if the workload has one, drains into STAGING/tier (engine/tier.h).
+        // The memory tier, if the workload has one, drains into STAGING/tier (engine/tier_files.h).
         const auto tier_dir = engine::make_tier_dir(writer.staging(), options_.pid);
         const auto tier_path = reachable_tier_dir(tier_dir, tier_mount);
         pause(*handshake, {{"tier_dir", tier_path.string()}});

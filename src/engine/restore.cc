@@ -45,7 +45,7 @@
 #include "engine/gpu_state.h"
 #include "engine/handshake.h"
 #include "engine/publish.h"
-#include "engine/tier.h"
+#include "engine/tier_files.h"
 #include "gpu/driver.h"
 #include "gpusnap/error.h"
 #include "gpusnap/restore.h"
@@ -391,9 +391,9 @@ class Restore {
       artifact = phases_.run("await-artifact", [&] { return arrived(*arriving); });
       arriving = nullptr;
     }
-    // The tiers' fill done ahead, while CRIU and the driver restore the copies (engine/tier.h).
-    // Not for an artifact still arriving (its tier files are not there yet). A copy in a
-    // placeholder reaches the prefill's sockets through a mount (resume()).
+    // The tiers' fill done ahead, while CRIU and the driver restore the copies
+    // (engine/tier_files.h). Not for an artifact still arriving (its tier files are not there yet).
+    // A copy in a placeholder reaches the prefill's sockets through a mount (resume()).
     std::optional<engine::TierPrefills> prefills;
     if (gpu_plan.has_gpu_state && !artifact.manifest().control_dir.empty() && arriving == nullptr) {
       std::map<std::string, std::string> gpu_map;
@@ -499,7 +499,7 @@ class Restore {
               const engine::GpuPlan& gpu_plan, const engine::TierPrefills* prefills, pid_t into) {
     nlohmann::json gpu_map = nlohmann::json::object();
     for (const auto& p : gpu_plan.pairs) gpu_map[p.old_uuid] = p.new_uuid;
-    // Each copy's memory tier fills from the artifact itself (engine/tier.h), or takes over
+    // Each copy's memory tier fills from the artifact itself (engine/tier_files.h), or takes over
     // what its prefill filled.
     nlohmann::json tier_dir = engine::artifact_tier_dir(options_.artifact, manifest);
     std::vector<nlohmann::json> prefill_dirs;

@@ -22,7 +22,7 @@
 
 #include "gpusnap/error.h"
 #include "gpusnap/tier.h"
-#include "tier/tier.h"
+#include "tier/memory_tier.h"
 
 namespace {
 

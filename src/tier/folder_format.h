@@ -1,6 +1,6 @@
 // The memory tier's folder: what a drain leaves for gpusnap (docs/design.md, "The memory tier").
 // One owner for the format, as writer and readers share it: the tier's drain writes it
-// (tier/transfer.cc), gpusnap reads it after the pause (engine/tier.cc) and from artifacts
+// (tier/transfer.cc), gpusnap reads it after the pause (engine/tier_files.cc) and from artifacts
 // (restore, prefill), and the test stand-in writes its index through this code too
 // (tests/workload/tier_folder_tool.cc).
 //

@@ -36,7 +36,7 @@
 #include "gpusnap/error.h"
 #include "tier/folder_format.h"
 #include "tier/handover.h"
-#include "tier/tier.h"
+#include "tier/memory_tier.h"
 
 namespace gpusnap::tier {
 namespace {
@@ -404,8 +404,8 @@ void Tier::write_layout_file(const std::filesystem::path& dir, const std::vector
 
 void Tier::write_index(const std::filesystem::path& dir, const std::vector<std::string>& files,
                        const std::vector<Piece>& pieces, std::size_t bytes) const {
-  // For gpusnap (src/engine/tier.h): what is in the folder and how much GPU memory it stands for
-  // on each GPU, so that a restore can check free memory before it starts a copy.
+  // For gpusnap (src/engine/tier_files.h): what is in the folder and how much GPU memory it stands
+  // for on each GPU, so that a restore can check free memory before it starts a copy.
   std::map<std::string, std::size_t> per_gpu;
   for (const Piece& p : pieces) {
     per_gpu[device_uuids_.at(p.device)] += p.size;

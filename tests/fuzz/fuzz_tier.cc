@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/tier.h"
+#include "engine/tier_files.h"
 #include "gpusnap/error.h"
 #include "tier/fake_tier_driver.h"
 #include "tier/folder_format.h"

@@ -2,7 +2,7 @@
 // order, and every failure path (docs/design.md, "The memory tier"). The files are real, in a
 // scratch directory; only the GPU is faked, its memory being host memory that the tests write
 // and read through the mappings as a kernel would.
-#include "tier/tier.h"
+#include "tier/memory_tier.h"
 
 #include <dlfcn.h>
 #include <sys/stat.h>

@@ -1,4 +1,4 @@
-#include "engine/tier.h"
+#include "engine/tier_files.h"
 
 #include <poll.h>
 #include <sys/stat.h>

@@ -1,6 +1,6 @@
-// gpusnap's side of the memory tier (src/engine/tier.h): the folder handed to the workload, the
-// checks of what it left there, and how its memory is counted and named to copies.
-#include "engine/tier.h"
+// gpusnap's side of the memory tier (src/engine/tier_files.h): the folder handed to the workload,
+// the checks of what it left there, and how its memory is counted and named to copies.
+#include "engine/tier_files.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
