@@ -10,7 +10,8 @@
 //   2. copies each into a file of the artifact with many threads, leaving zero blocks as holes;
 //   3. replaces the region in the process by a private mapping of that file (same address,
 //      protection and madvise flags, same bytes): a few system calls run in the process
-//      (common/remote.h) while its CUDA state is checkpointed and nothing touches the region;
+//      (common/syscall_injection.h) while its CUDA state is checkpointed and nothing touches the
+//      region;
 //   4. names the file to CRIU as external (`--external file[MNT:INODE]`): CRIU records the
 //      mapping and no page of it (clean pages of a private file mapping are never dumped).
 //
@@ -36,7 +37,7 @@
 #include <vector>
 
 #include "common/fd.h"
-#include "common/remote.h"
+#include "common/syscall_injection.h"
 #include "common/worker_pool.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/phases.h"

@@ -17,8 +17,8 @@
 #include "common/fd.h"
 #include "common/fs.h"
 #include "common/proc.h"
-#include "common/remote.h"
 #include "common/subprocess.h"
+#include "common/syscall_injection.h"
 #include "gpu/driver.h"
 #include "testing/harness.h"
 

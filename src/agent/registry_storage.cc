@@ -1,4 +1,4 @@
-#include "agent/remote.h"
+#include "agent/registry_storage.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -70,7 +70,8 @@ json Fetched::to_json() const {
           {"bytes_from_cache", bytes_from_cache}};
 }
 
-Remote::Remote(RemoteSettings settings) : settings_(std::move(settings)) {
+RegistryStorage::RegistryStorage(RegistryStorageSettings settings)
+    : settings_(std::move(settings)) {
   const std::string& text = settings_.repository;
   repository_ = store::OciRef::parse(text);
   // parse() takes "latest" for a reference without a tag: the text itself says whether one
@@ -91,7 +92,7 @@ Remote::Remote(RemoteSettings settings) : settings_(std::move(settings)) {
   settings_.pulled = sfs::absolute(settings_.pulled).lexically_normal();
 }
 
-store::OciRef Remote::tag_of(const std::string& name) const {
+store::OciRef RegistryStorage::tag_of(const std::string& name) const {
   store::OciRef ref = repository_;
   try {
     ref = store::OciRef::parse(repository_.str() + ":" + name);
@@ -105,7 +106,7 @@ store::OciRef Remote::tag_of(const std::string& name) const {
   return ref;
 }
 
-store::OciRef Remote::check_reference(const std::string& text) const {
+store::OciRef RegistryStorage::check_reference(const std::string& text) const {
   auto ref = store::OciRef::parse(text);
   if (ref.host != repository_.host || ref.repository != repository_.repository) {
     throw Error(ErrorKind::kUsage,
@@ -117,7 +118,8 @@ store::OciRef Remote::check_reference(const std::string& text) const {
   return ref;
 }
 
-json Remote::push(const sfs::path& artifact, const std::string& name, Reporter& reporter) const {
+json RegistryStorage::push(const sfs::path& artifact, const std::string& name,
+                           Reporter& reporter) const {
   store::TransferOptions o;
   o.registry = settings_.registry;
   o.jobs = settings_.jobs;
@@ -131,8 +133,8 @@ json Remote::push(const sfs::path& artifact, const std::string& name, Reporter& 
           {"bytes_uploaded", r.bytes_uploaded}};
 }
 
-Fetched Remote::fetch(const store::OciRef& ref, const RestorableCheck& check,
-                      Reporter& reporter) const {
+Fetched RegistryStorage::fetch(const store::OciRef& ref, const RestorableCheck& check,
+                               Reporter& reporter) const {
   store::PullOptions o;
   o.transfer.registry = settings_.registry;
   o.transfer.jobs = settings_.jobs;

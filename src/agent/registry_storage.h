@@ -25,7 +25,7 @@
 
 namespace gpusnap::agent {
 
-struct RemoteSettings {
+struct RegistryStorageSettings {
   std::string repository;           // oci://HOST[:PORT]/REPO, no tag, no digest
   store::RegistryOptions registry;  // plain HTTP, CA file, credentials file
   int jobs = 8;                     // chunks in flight
@@ -50,14 +50,14 @@ struct Fetched {
 // engine's Error (kIncompatible, ...) when not.
 using RestorableCheck = std::function<void(const Manifest&)>;
 
-class Remote {
+class RegistryStorage {
  public:
   // Checks the settings: the repository a reference without a tag or digest, the files
   // readable. Creates the cache and the pulled directory (0700). Throws Error(kUsage) naming
   // the setting.
-  explicit Remote(RemoteSettings settings);
+  explicit RegistryStorage(RegistryStorageSettings settings);
 
-  const RemoteSettings& settings() const { return settings_; }
+  const RegistryStorageSettings& settings() const { return settings_; }
   // Where a capture named `name` is pushed: REPO:NAME. Throws Error(kUsage) for a name that is
   // not an OCI tag.
   store::OciRef tag_of(const std::string& name) const;
@@ -73,7 +73,7 @@ class Remote {
   Fetched fetch(const store::OciRef& ref, const RestorableCheck& check, Reporter& reporter) const;
 
  private:
-  RemoteSettings settings_;
+  RegistryStorageSettings settings_;
   store::OciRef repository_;
 };
 
