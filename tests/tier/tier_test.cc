@@ -20,7 +20,7 @@
 #include <gtest/gtest.h>
 
 #include "gpusnap/error.h"
-#include "gpusnap/tier.h"
+#include "gpusnap/tier_api.h"
 #include "testing/unit.h"
 #include "tier/fake_tier_driver.h"
 #include "tier/layout.h"
