@@ -5,6 +5,7 @@
 
 #include <cerrno>
 #include <set>
+#include <stdexcept>
 
 #include <nlohmann/json.hpp>
 
@@ -32,6 +33,16 @@ Error file_error(const std::string& what, const std::filesystem::path& path, int
                "memory tier: " + what + " " + path.string() + ": " + errno_text(err));
 }
 
+// The count `key` of `obj`: a whole number of at least 0 (nlohmann would turn -1 into 2^64 - 1).
+std::uint64_t count_at(const nlohmann::json& obj, const char* key) {
+  const nlohmann::json& v = obj.at(key);
+  if (!v.is_number_unsigned()) {
+    throw std::invalid_argument(std::string(key) + ": " + json_text::brief(v) +
+                                " is not a whole number of at least 0");
+  }
+  return v.get<std::uint64_t>();
+}
+
 // Reads the members of a parsed index; throws nlohmann's type and out-of-range errors, or
 // std::invalid_argument with the reason for a value the format does not allow.
 TierIndex index_from(const nlohmann::json& doc) {
@@ -39,8 +50,8 @@ TierIndex index_from(const nlohmann::json& doc) {
     throw std::invalid_argument("an index of another format than gpusnap-tier version 1");
   }
   TierIndex index;
-  index.pid = doc.at("pid").get<std::uint64_t>();
-  index.bytes = doc.at("bytes").get<std::uint64_t>();
+  index.pid = count_at(doc, "pid");
+  index.bytes = count_at(doc, "bytes");
   const auto& files = doc.at("files");
   const auto& gpus = doc.at("gpus");
   if (!files.is_array() || files.size() > kMaxDrainFiles) {
@@ -52,7 +63,7 @@ TierIndex index_from(const nlohmann::json& doc) {
   const std::string pid = std::to_string(index.pid);
   std::set<std::string> seen;
   for (const auto& f : files) {
-    IndexFile file{f.at("path").get<std::string>(), f.at("size").get<std::uint64_t>()};
+    IndexFile file{f.at("path").get<std::string>(), count_at(f, "size")};
     const Entry e = classify(file.path);
     if (e.kind != EntryKind::kDrainFile || e.pid != pid) {
       throw std::invalid_argument("files: " + json_text::brief(f.at("path")) +
@@ -65,7 +76,7 @@ TierIndex index_from(const nlohmann::json& doc) {
   }
   seen.clear();
   for (const auto& g : gpus) {
-    IndexGpu gpu{g.at("uuid").get<std::string>(), g.at("bytes").get<std::uint64_t>()};
+    IndexGpu gpu{g.at("uuid").get<std::string>(), count_at(g, "bytes")};
     if (gpu.uuid.empty() || gpu.uuid.size() > kMaxUuidChars) {
       throw std::invalid_argument("gpus: a UUID of 1 to " + std::to_string(kMaxUuidChars) +
                                   " characters expected");

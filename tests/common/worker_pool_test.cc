@@ -51,8 +51,8 @@ TEST(WorkerPool, TheFirstErrorIsRethrownAfterTheOthersHaveReturnedAndStopsThem) 
   });
   EXPECT_EQ(std::string(e.what()), "worker 0 failed");
   EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
-  EXPECT_TRUE(saw_stop);
-  EXPECT_EQ(returned, 2);  // joined before the rethrow
+  EXPECT_TRUE(saw_stop.load());
+  EXPECT_EQ(returned.load(), 2);  // joined before the rethrow
 }
 
 TEST(WorkerPool, ForEachIndexTakesEveryIndexOnceAndTicksOnTheCallingThread) {
@@ -69,8 +69,8 @@ TEST(WorkerPool, ForEachIndexTakesEveryIndexOnceAndTicksOnTheCallingThread) {
         EXPECT_EQ(std::this_thread::get_id(), caller);
         ++ticks;
       });
-  for (const auto& t : taken) ASSERT_EQ(t, 1);
-  EXPECT_GE(ticks, 2);  // while they ran, and once at the end
+  for (const auto& t : taken) ASSERT_EQ(t.load(), 1);
+  EXPECT_GE(ticks.load(), 2);  // while they ran, and once at the end
   int none = 0;
   for_each_index(
       0, 4, [&](std::size_t) { ++none; }, [&] { ++ticks; });
@@ -85,7 +85,7 @@ TEST(WorkerPool, ForEachIndexTakesNoIndexAfterAFailure) {
                                 if (i == 10) throw std::runtime_error("index 10");
                               }),
                std::runtime_error);
-  EXPECT_LT(ran, 100000u);
+  EXPECT_LT(ran.load(), 100000u);
 }
 
 TEST(WorkerPool, ADestroyedPoolStopsItsWorkersAndKeepsTheirFailure) {
@@ -98,7 +98,7 @@ TEST(WorkerPool, ADestroyedPoolStopsItsWorkersAndKeepsTheirFailure) {
     });
     EXPECT_FALSE(pool.stopping());
   }  // no join: the destructor stops and waits, and throws nothing
-  EXPECT_TRUE(stopped);
+  EXPECT_TRUE(stopped.load());
 }
 
 }  // namespace

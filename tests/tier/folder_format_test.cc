@@ -99,8 +99,12 @@ TEST(FolderFormat, TheReaderRefusesWhatNoDrainWritesAndSaysWhy) {
             "gpus: a UUID of 1 to 256 characters expected");
   EXPECT_EQ(why(head + R"("files":[],"gpus":[{"uuid":"G","bytes":1},{"uuid":"G","bytes":1}]})"),
             "gpus: G twice");
-  EXPECT_TRUE(
-      Contains(why(head + R"("files":[],"gpus":[{"uuid":"G","bytes":-1}]})"), "[json.exception"));
+  EXPECT_EQ(why(head + R"("files":[],"gpus":[{"uuid":"G","bytes":-1}]})"),
+            "bytes: -1 is not a whole number of at least 0");
+  EXPECT_EQ(why(head + R"("files":[{"path":"7-w0.img","size":1.5}],"gpus":[]})"),
+            "size: 1.5 is not a whole number of at least 0");
+  EXPECT_TRUE(Contains(why(head + R"("files":[{"path":7,"size":1}],"gpus":[]})"),
+                       "[json.exception.type_error"));
   EXPECT_TRUE(Contains(why(head + R"("files":[]})"), "key 'gpus' not found"));
   EXPECT_TRUE(Contains(why("{\"format\":"), "parse error"));
   std::string many = head + R"("files":[)";
