@@ -1,5 +1,5 @@
 // A small server that speaks the gpusnap handshake (docs/handshake.md), with the header-only
-// client include/gpusnap/handshake_client.h.
+// client clients/include/gpusnap/handshake_client.h.
 //
 // It holds a "cache" (a malloc'd buffer of --cache-mib MiB standing for a GPU KV cache: big,
 // and worthless in a snapshot) and state that must survive (a counter). On pause it finishes

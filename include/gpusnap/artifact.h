@@ -176,7 +176,7 @@ struct VerifyOptions {
   int threads = 0;  // 0: one per core
   Reporter* reporter = nullptr;
   // Once requested, no further chunk is read and checksum_tree throws Error(kInternal): a
-  // capture that fails stops the checksums it runs in the background (engine/tier.h).
+  // capture that fails stops the checksums it runs in the background (engine/tier_files.h).
   std::stop_token stop;
 };
 

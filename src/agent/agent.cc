@@ -191,7 +191,7 @@ json pulled_document(const store::SnapshotSource& source) {
 
 Agent::Agent(AgentConfig config)
     : config_(std::move(config)),
-      remote_(config_.remote ? std::optional<Remote>(std::in_place, *config_.remote)
+      remote_(config_.remote ? std::optional<RegistryStorage>(std::in_place, *config_.remote)
                              : std::nullopt),
       journal_(config_.state_dir) {
   if (config_.node.empty()) config_.node = hostname();
@@ -243,7 +243,7 @@ json Agent::submit_restore(const json& body) {
 
 json Agent::submit_prefetch(const json& body) {
   auto request = parse_prefetch_request(body);
-  const Remote& r = remote("a prefetch");
+  const RegistryStorage& r = remote("a prefetch");
   if (request.reference.empty()) {
     r.tag_of(request.artifact);
   } else {
@@ -252,7 +252,7 @@ json Agent::submit_prefetch(const json& body) {
   return submit(OperationKind::kPrefetch, to_json(request));
 }
 
-const Remote& Agent::remote(const std::string& what) const {
+const RegistryStorage& Agent::remote(const std::string& what) const {
   if (!remote_) {
     throw Error(ErrorKind::kUsage, what + " needs registry storage, which this agent has not",
                 "start gpusnap-agent with --registry oci://HOST/REPO (chart value "
@@ -453,7 +453,7 @@ json Agent::run_restore(Operation& op, json& entry, uint64_t& bytes) {
 
 json Agent::run_prefetch(Operation& op, const json& entry, uint64_t& bytes) {
   const auto request = parse_prefetch_request(op.request);
-  const Remote& r = remote("a prefetch");
+  const RegistryStorage& r = remote("a prefetch");
   OperationReporter reporter(mu_, op, metrics_, journal_, entry);
   const auto ref =
       request.reference.empty() ? r.tag_of(request.artifact) : r.check_reference(request.reference);

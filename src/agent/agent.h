@@ -28,7 +28,7 @@
 #include "agent/journal.h"
 #include "agent/metrics.h"
 #include "agent/operation.h"
-#include "agent/remote.h"
+#include "agent/registry_storage.h"
 #include "agent/request.h"
 
 namespace gpusnap::agent {
@@ -40,7 +40,7 @@ struct AgentConfig {
   std::string node;       // reported by healthz; empty: the host name
   // Registry storage (--registry): push after each capture, pull what a restore needs and
   // this node does not hold. Without: the storage directory is all there is.
-  std::optional<RemoteSettings> remote;
+  std::optional<RegistryStorageSettings> remote;
 };
 
 class Agent {
@@ -85,7 +85,7 @@ class Agent {
   nlohmann::json run_restore(Operation& op, nlohmann::json& entry, uint64_t& bytes);
   nlohmann::json run_prefetch(Operation& op, const nlohmann::json& entry, uint64_t& bytes);
   // The registry storage; Error(kUsage) naming `what` when the agent has none.
-  const Remote& remote(const std::string& what) const;
+  const RegistryStorage& remote(const std::string& what) const;
   // How this node reaches a snapshot for `restore` (store/reach.h): the registry storage's
   // settings, the engine's CRIU, the restore's GPU map and copies for the host check.
   store::ReachOptions reach_options(const RestoreOptions& restore) const;
@@ -103,7 +103,7 @@ class Agent {
   std::vector<std::string> notes_of(const Operation& op) const;  // takes mu_
 
   AgentConfig config_;
-  std::optional<Remote> remote_;
+  std::optional<RegistryStorage> remote_;
   Journal journal_;
   Metrics metrics_;
   mutable std::mutex mu_;

@@ -101,9 +101,10 @@ std::string helper_binary(const args::Args& args) {
   return std::filesystem::absolute(path).string();
 }
 
-// The registry storage, when --registry asks for it; checked by Remote (agent/remote.h).
-std::optional<RemoteSettings> remote_settings(const args::Args& args,
-                                              const std::filesystem::path& run_dir) {
+// The registry storage, when --registry asks for it; checked by RegistryStorage
+// (agent/registry_storage.h).
+std::optional<RegistryStorageSettings> remote_settings(const args::Args& args,
+                                                       const std::filesystem::path& run_dir) {
   if (!args.has("--registry")) {
     for (const auto& more : {store::registry_flags(kRegistryPrefix), store::cache_flags()}) {
       for (const auto& flag : more) {
@@ -112,7 +113,7 @@ std::optional<RemoteSettings> remote_settings(const args::Args& args,
     }
     return std::nullopt;
   }
-  RemoteSettings s;
+  RegistryStorageSettings s;
   s.repository = args.get("--registry");
   store::read_registry_flags(args, kRegistryPrefix, s.registry);
   s.cache = store::cache_flag(args);

@@ -38,7 +38,7 @@ struct CheckpointRequest {
 };
 
 // An oci:// reference is bounded and checked for its scheme here; its full syntax, and that
-// it is in the agent's own repository, by the agent's registry storage (agent/remote.h).
+// it is in the agent's own repository, by the agent's registry storage (agent/registry_storage.h).
 inline constexpr size_t kMaxReferenceBytes = 1024;
 
 struct RestoreRequest {

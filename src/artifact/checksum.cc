@@ -12,11 +12,11 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <thread>
 
 #include "artifact/chunk_hash.h"
 #include "common/fd.h"
+#include "common/worker_pool.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/error.h"
 
@@ -75,53 +75,44 @@ std::vector<FileRecord> checksum_tree(const std::filesystem::path& root, uint64_
   // Largest files first would not help: chunks are equal, so plain order balances well.
   std::atomic<size_t> next{0};
   uint64_t done = 0;  // guarded by report_mutex
-  std::mutex error_mutex;
-  std::optional<Error> first_error;
   std::mutex report_mutex;
 
-  auto worker = [&] {
+  // Each worker takes the next chunk until none is left, one failed or the caller stopped them.
+  const auto worker = [&](std::size_t, const std::atomic<bool>& failed) {
     constexpr size_t kBuffer = 4 << 20;
     std::unique_ptr<char[]> buf(new char[kBuffer]);
     artifact::ChunkHash hash;
-    for (size_t i; !options.stop.stop_requested() && (i = next.fetch_add(1)) < tasks.size();) {
+    for (size_t i;
+         !failed && !options.stop.stop_requested() && (i = next.fetch_add(1)) < tasks.size();) {
       auto& rec = files[tasks[i].file];
       uint64_t begin = tasks[i].chunk * chunk_bytes;
       uint64_t end = std::min(rec.size, begin + chunk_bytes);
-      try {
-        common::UniqueFd fd(::open((root / rec.path).c_str(), O_RDONLY | O_CLOEXEC));
-        if (!fd) throw sys_error("open " + rec.path, errno);
-        hash.reset();
-        for (uint64_t off = begin; off < end;) {
-          ssize_t n = ::pread(fd.get(), buf.get(), std::min<uint64_t>(kBuffer, end - off),
-                              static_cast<off_t>(off));
-          if (n < 0 && errno == EINTR) continue;
-          if (n < 0) throw sys_error("read " + rec.path, errno);
-          if (n == 0) break;  // truncated under us: the checksum will not match
-          hash.update(buf.get(), static_cast<size_t>(n));
-          off += static_cast<uint64_t>(n);
-          if (options.reporter != nullptr) {
-            // Counted under the lock that orders the reports: a sum taken before it could be
-            // reported after a larger one, and progress would go backwards.
-            std::lock_guard lock(report_mutex);
-            done += static_cast<uint64_t>(n);
-            options.reporter->progress("checksum", done, total);
-          }
+      common::UniqueFd fd(::open((root / rec.path).c_str(), O_RDONLY | O_CLOEXEC));
+      if (!fd) throw sys_error("open " + rec.path, errno);
+      hash.reset();
+      for (uint64_t off = begin; off < end;) {
+        ssize_t n = ::pread(fd.get(), buf.get(), std::min<uint64_t>(kBuffer, end - off),
+                            static_cast<off_t>(off));
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) throw sys_error("read " + rec.path, errno);
+        if (n == 0) break;  // truncated under us: the checksum will not match
+        hash.update(buf.get(), static_cast<size_t>(n));
+        off += static_cast<uint64_t>(n);
+        if (options.reporter != nullptr) {
+          // Counted under the lock that orders the reports: a sum taken before it could be
+          // reported after a larger one, and progress would go backwards.
+          std::lock_guard lock(report_mutex);
+          done += static_cast<uint64_t>(n);
+          options.reporter->progress("checksum", done, total);
         }
-        rec.chunks[tasks[i].chunk] = hash.hex();
-      } catch (const Error& e) {
-        std::lock_guard lock(error_mutex);
-        if (!first_error) first_error = e;
       }
+      rec.chunks[tasks[i].chunk] = hash.hex();
     }
   };
   unsigned threads = options.threads > 0 ? static_cast<unsigned>(options.threads)
                                          : std::max(1u, std::thread::hardware_concurrency());
   threads = std::min<unsigned>(threads, std::max<size_t>(1, tasks.size()));
-  std::vector<std::jthread> pool;
-  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  pool.clear();
-  if (first_error) throw Error(*first_error);
+  common::run_workers(threads, worker);
   if (options.stop.stop_requested()) {
     throw Error(ErrorKind::kInternal, "the checksums of " + root.string() + " were stopped");
   }

@@ -1,5 +1,6 @@
-// A container found through its runtime (runc): its state, the role gpusnap plays as its PID 1,
-// and what a capture records about it so that a restore can refuse a container it does not fit.
+// A container found through its runtime (runc): its state, and the targets a capture and a
+// restore take from it. The checks that do not depend on the runtime (gpusnap's role as PID 1,
+// the rootfs's files, the namespace's pids) are container/checks.h, included here.
 #pragma once
 
 #include <sys/types.h>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "common/proc.h"
+#include "container/checks.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/container.h"
 
@@ -40,10 +42,6 @@ CaptureTarget capture_target(const ContainerRef& ref);
 // What the manifest records of a container capture: runtime, id, rootfs and the identity of
 // every file the tree maps (path in the container, size, checksum).
 ContainerRecord describe(const CaptureTarget& target, const std::vector<proc::Process>& tree);
-
-// Rewrites the manifest's pids (processes, GPU processes, the source) into the pids the
-// container's PID namespace gives them: the pids CRIU records and restores.
-void use_namespace_pids(Manifest& manifest);
 
 // A running container whose PID 1 is `gpusnap init --placeholder`, waiting for a snapshot.
 struct Placeholder {

@@ -16,7 +16,7 @@
 #include "engine/gpu_state.h"
 #include "engine/handshake.h"
 #include "engine/preload.h"
-#include "engine/tier.h"
+#include "engine/tier_files.h"
 #include "gpu/driver.h"
 #include "gpusnap/error.h"
 

@@ -16,6 +16,7 @@
 #include "artifact/writer.h"
 #include "common/fs.h"
 #include "common/proc.h"
+#include "common/worker_pool.h"
 #include "gpusnap/error.h"
 
 namespace gpusnap::engine {
@@ -29,25 +30,15 @@ namespace {
 // one process is a long copy: running them side by side is what makes several GPUs fast.
 template <class Fn>
 void for_each_parallel(const std::vector<pid_t>& pids, Fn fn) {
-  std::mutex mutex;
-  std::optional<Error> first;
-  std::vector<std::jthread> threads;
-  threads.reserve(pids.size());
-  for (pid_t pid : pids) {
-    threads.emplace_back([&, pid] {
-      try {
-        fn(pid);
-      } catch (const Error& e) {
-        std::lock_guard lock(mutex);
-        if (!first) first = e;
-      } catch (const std::exception& e) {
-        std::lock_guard lock(mutex);
-        if (!first) first = Error(ErrorKind::kGpu, e.what());
-      }
-    });
-  }
-  threads.clear();
-  if (first) throw Error(*first);
+  common::run_workers(pids.size(), [&](std::size_t k, const std::atomic<bool>&) {
+    try {
+      fn(pids[k]);
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw Error(ErrorKind::kGpu, e.what());
+    }
+  });
 }
 
 std::filesystem::path journal_dir(const std::filesystem::path& run_dir) {

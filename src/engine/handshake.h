@@ -31,8 +31,8 @@ class Handshake {
   void wait_ready(pid_t pid, std::chrono::milliseconds timeout) const;
   // Asks the workload to pause and waits for PAUSED; returns that answer (it may say what the
   // workload released, "released_bytes"). `members` go into the request besides its id and
-  // timeout (the memory tier's folder, engine/tier.h). Throws kHandshake (FAILED, or the process
-  // died) or kTimeout; the workload is then left as it was.
+  // timeout (the memory tier's folder, engine/tier_files.h). Throws kHandshake (FAILED, or the
+  // process died) or kTimeout; the workload is then left as it was.
   nlohmann::json pause(pid_t pid, std::chrono::milliseconds timeout,
                        const nlohmann::json& members = nlohmann::json::object());
   // Asks it to resume with `context` and waits for RESUMED. Throws like pause().

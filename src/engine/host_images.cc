@@ -171,15 +171,7 @@ void copy_out(pid_t pid, std::vector<ImageFile>& files, int threads, uint64_t ch
   }
   for (auto& f : files) f.chunks.resize((f.file_size() + chunk_bytes - 1) / chunk_bytes);
   std::atomic<size_t> next{0};
-  std::atomic<bool> failed{false};
-  std::mutex failure_mutex;
-  std::string failure;
-  auto fail = [&](std::string what) {
-    std::lock_guard<std::mutex> g(failure_mutex);
-    if (failure.empty()) failure = std::move(what);
-    failed = true;
-  };
-  auto worker = [&] {
+  const auto worker = [&](size_t, const std::atomic<bool>& failed) {
     // Small enough to stay in the core's cache between the read and the copy into the file.
     std::vector<unsigned char> buf(kCopyBuffer);
     artifact::ChunkHash hash;
@@ -202,8 +194,9 @@ void copy_out(pid_t pid, std::vector<ImageFile>& files, int threads, uint64_t ch
         if (got != static_cast<ssize_t>(len)) {
           std::ostringstream where;
           where << std::hex << at;
-          return fail("cannot read process " + std::to_string(pid) + " memory at 0x" + where.str() +
-                      ": " + (got < 0 ? errno_text(errno) : "short read"));
+          throw Error(ErrorKind::kEnvironment, "cannot read process " + std::to_string(pid) +
+                                                   " memory at 0x" + where.str() + ": " +
+                                                   (got < 0 ? errno_text(errno) : "short read"));
         }
         hash.update(buf.data(), len);
         unsigned char* dest = job.file->map + job.offset + done;
@@ -218,12 +211,8 @@ void copy_out(pid_t pid, std::vector<ImageFile>& files, int threads, uint64_t ch
       job.file->chunks[job.chunk] = hash.hex();
     }
   };
-  std::vector<std::thread> pool;
-  int n = std::max(1, std::min<int>(threads, static_cast<int>(jobs.size())));
-  pool.reserve(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) pool.emplace_back(worker);
-  for (auto& t : pool) t.join();
-  if (failed) throw Error(ErrorKind::kEnvironment, failure);
+  const int n = std::max(1, std::min<int>(threads, static_cast<int>(jobs.size())));
+  common::run_workers(static_cast<size_t>(n), worker);
 }
 
 // Replaces each range of `pid` by a private mapping of its file, with the range's protection
@@ -758,13 +747,14 @@ HashedFiles::HashedFiles(const std::filesystem::path& artifact_root,
   }
   size_t chunks = 0;
   for (const auto& f : files_) chunks += f->chunks.size();
-  int n = std::max(1, std::min<int>(threads, static_cast<int>(chunks)));
-  for (int i = 0; i < n; ++i) threads_.emplace_back([this] { work(); });
+  const int n = std::max(1, std::min<int>(threads, static_cast<int>(chunks)));
+  pool_.emplace(static_cast<size_t>(n),
+                [this](size_t, const std::atomic<bool>& stop) { work(stop); });
 }
 
-void HashedFiles::work() {
+void HashedFiles::work(const std::atomic<bool>& stop) {
   artifact::ChunkHash hash;
-  while (!stop_) {
+  while (!stop) {
     // The next chunk, counted across the files in order.
     size_t job = next_.fetch_add(1);
     File* file = nullptr;
@@ -780,7 +770,7 @@ void HashedFiles::work() {
     const uint64_t end = std::min(file->size, begin + chunk_bytes_);
     hash.reset();
     uint64_t stored = 0;
-    for (uint64_t at = begin; at < end && !stop_; at += kHoleBlock) {
+    for (uint64_t at = begin; at < end && !stop; at += kHoleBlock) {
       const uint64_t block = std::min(kHoleBlock, end - at);
       if (!all_zero(file->map + at, block)) stored += block;
       hash.update(file->map + at, block);
@@ -790,16 +780,10 @@ void HashedFiles::work() {
   }
 }
 
-HashedFiles::~HashedFiles() {
-  stop_ = true;
-  for (auto& t : threads_) {
-    if (t.joinable()) t.join();
-  }
-}
+HashedFiles::~HashedFiles() = default;
 
 std::vector<FileRecord> HashedFiles::join(std::vector<HostImageRecord>& images) {
-  for (auto& t : threads_) t.join();
-  threads_.clear();
+  if (pool_) pool_->join();
   if (!failure_.empty()) throw Error(ErrorKind::kEnvironment, failure_);
   std::vector<FileRecord> out;
   for (const auto& f : files_) {

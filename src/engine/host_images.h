@@ -10,7 +10,8 @@
 //   2. copies each into a file of the artifact with many threads, leaving zero blocks as holes;
 //   3. replaces the region in the process by a private mapping of that file (same address,
 //      protection and madvise flags, same bytes): a few system calls run in the process
-//      (common/remote.h) while its CUDA state is checkpointed and nothing touches the region;
+//      (common/syscall_injection.h) while its CUDA state is checkpointed and nothing touches the
+//      region;
 //   4. names the file to CRIU as external (`--external file[MNT:INODE]`): CRIU records the
 //      mapping and no page of it (clean pages of a private file mapping are never dumped).
 //
@@ -36,7 +37,8 @@
 #include <vector>
 
 #include "common/fd.h"
-#include "common/remote.h"
+#include "common/syscall_injection.h"
+#include "common/worker_pool.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/phases.h"
 
@@ -215,7 +217,7 @@ class HashedFiles {
               const std::vector<HostImageRecord>& images, uint64_t chunk_bytes, int threads);
   HashedFiles(const HashedFiles&) = delete;
   HashedFiles& operator=(const HashedFiles&) = delete;
-  ~HashedFiles();
+  ~HashedFiles();  // the pool stops and is joined before the files it reads go
   // Waits for the hashes; fills in the stored_bytes (bytes in 64 KiB blocks not all zero) of the
   // images of `images` it hashed and returns the files' records for ArtifactWriter::seal.
   // Throws Error on a read failure.
@@ -223,14 +225,13 @@ class HashedFiles {
 
  private:
   struct File;
-  void work();
+  void work(const std::atomic<bool>& stop);
 
   std::vector<std::unique_ptr<File>> files_;
   uint64_t chunk_bytes_;
   std::atomic<size_t> next_{0};
-  std::atomic<bool> stop_{false};
-  std::vector<std::thread> threads_;
-  std::string failure_;  // set before the threads start, read after they end
+  std::string failure_;                     // set before the pool starts, read after it ends
+  std::optional<common::WorkerPool> pool_;  // last: it stops before the members it reads go
 };
 
 }  // namespace gpusnap::engine

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "common/remote.h"
+#include "common/syscall_injection.h"
 
 namespace gpusnap::engine {
 

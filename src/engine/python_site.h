@@ -1,6 +1,6 @@
 // The memory tier for Python workloads that `gpusnap run --memory-tier` starts, without the
 // workload calling gpusnap_handshake.use_memory_tier() itself (docs/memory-tier.md).
-// gpusnap's Python site folder holds a sitecustomize.py (python/gpusnap_site/) and
+// gpusnap's Python site folder holds a sitecustomize.py (clients/python/gpusnap_site/) and
 // gpusnap_handshake.py; put first on the workload's PYTHONPATH, with GPUSNAP_MEMORY_TIER=1, its
 // sitecustomize installs the tier as soon as the workload has imported torch. Without the
 // variable it only imports the sitecustomize it hides: a PYTHONPATH that other programs inherit
@@ -15,7 +15,7 @@ namespace gpusnap::engine {
 
 // Names the site folder to use instead of the one found beside gpusnap.
 inline constexpr const char* kPythonSiteEnv = "GPUSNAP_PYTHON_SITE";
-// "1" asks the site folder's sitecustomize to install the tier (python/gpusnap_site/).
+// "1" asks the site folder's sitecustomize to install the tier (clients/python/gpusnap_site/).
 inline constexpr const char* kMemoryTierEnv = "GPUSNAP_MEMORY_TIER";
 // A host-wide place for the folder, when there is none beside the gpusnap binary. A node's
 // install (deploy/) puts it beside: /opt/gpusnap/bin/python, which pods mount with gpusnap.

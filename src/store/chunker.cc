@@ -17,9 +17,9 @@
 #include "common/fd.h"
 #include "common/fs.h"
 #include "common/json.h"
+#include "common/worker_pool.h"
 #include "gpusnap/error.h"
 #include "store/digest.h"
-#include "store/parallel.h"
 
 namespace gpusnap::store {
 
@@ -194,7 +194,7 @@ Layout chunk_artifact(const Artifact& artifact, const ChunkingOptions& o, const 
   std::vector<std::unique_ptr<Scratch>> free_scratch;
   const uint64_t max_len = std::max(o.cdc_max, o.host_image_chunk);
 
-  run_parallel(
+  common::for_each_index(
       tasks.size(), o.threads,
       [&](size_t i) {
         std::unique_ptr<Scratch> s;

@@ -13,8 +13,8 @@
 #include "artifact/writer.h"
 #include "common/fd.h"
 #include "common/fs.h"
+#include "common/worker_pool.h"
 #include "gpusnap/error.h"
-#include "store/parallel.h"
 
 namespace gpusnap::store {
 
@@ -125,7 +125,7 @@ void materialise(const Layout& layout, const sfs::path& dest, const BlobSource& 
 
   std::atomic<uint64_t> done{0};
   phases.run("write", [&] {
-    run_parallel(
+    common::for_each_index(
         jobs.size(), options.threads,
         [&](size_t j) {
           const auto& f = layout.files[jobs[j].file];

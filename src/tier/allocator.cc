@@ -28,7 +28,7 @@
 #include <string>
 
 #include "gpusnap/error.h"
-#include "tier/tier.h"
+#include "tier/memory_tier.h"
 
 namespace gpusnap::tier {
 namespace {

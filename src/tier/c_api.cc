@@ -1,6 +1,6 @@
-// The C interface of libgpusnap-tier.so (include/gpusnap/tier.h): the one place that holds the
-// process's Tier. A pluggable allocator is a pair of plain functions, so the instance they reach
-// must be process-wide; everything below it (Tier, TierDriver) takes its collaborators
+// The C interface of libgpusnap-tier.so (clients/include/gpusnap/tier_api.h): the one place that
+// holds the process's Tier. A pluggable allocator is a pair of plain functions, so the instance
+// they reach must be process-wide; everything below it (Tier, TierDriver) takes its collaborators
 // explicitly and is tested on its own instances.
 //
 // The instance is created at the first call and never destroyed: at process exit the CUDA
@@ -21,8 +21,8 @@
 #include <string>
 
 #include "gpusnap/error.h"
-#include "gpusnap/tier.h"
-#include "tier/tier.h"
+#include "gpusnap/tier_api.h"
+#include "tier/memory_tier.h"
 
 namespace {
 

@@ -11,6 +11,7 @@
 
 #include "common/fd.h"
 #include "gpusnap/error.h"
+#include "tier/folder_format.h"
 
 namespace gpusnap::tier {
 namespace {
@@ -73,7 +74,7 @@ TierLayout read_layout(const std::filesystem::path& path) {
   if (fd.get() < 0 || ::fstat(fd.get(), &st) != 0) {
     throw bad_layout(path, "cannot open it: " + errno_text(errno));
   }
-  if (!S_ISREG(st.st_mode) || static_cast<std::uint64_t>(st.st_size) > kMaxLayoutBytes ||
+  if (!S_ISREG(st.st_mode) || static_cast<std::uint64_t>(st.st_size) > folder::kMaxLayoutBytes ||
       st.st_size % sizeof(std::uint64_t) != 0 ||
       static_cast<std::size_t>(st.st_size) < kHeaderWords * sizeof(std::uint64_t)) {
     throw bad_layout(path, "not a layout file of at most 64 MiB");
@@ -93,7 +94,7 @@ TierLayout read_layout(const std::filesystem::path& path) {
   const std::uint64_t pieces = words[2];
   TierLayout layout;
   layout.files = static_cast<std::size_t>(words[3]);
-  if (layout.files > kMaxLayoutFiles || segments > words.size() || pieces > words.size() ||
+  if (layout.files > folder::kMaxDrainFiles || segments > words.size() || pieces > words.size() ||
       kHeaderWords + segments * kSegmentWords + pieces * kPieceWords != words.size()) {
     throw bad_layout(path, "counts that do not match its size");
   }

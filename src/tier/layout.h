@@ -5,7 +5,8 @@
 //
 // The file is little-endian 64-bit words: the magic "GSTLAY01", the counts of segments, pieces
 // and files, then each segment (va, size, device), then each piece (va, size, file, offset).
-// Fixed-size records: the reader bounds everything before it allocates.
+// Fixed-size records: the reader bounds everything before it allocates, by the folder's bounds
+// (tier/folder_format.h).
 #pragma once
 
 #include <cstddef>
@@ -38,9 +39,6 @@ struct TierLayout {
   std::vector<FilePiece> pieces;
   std::size_t files = 0;
 };
-
-inline constexpr std::uint64_t kMaxLayoutBytes = std::uint64_t{64} << 20;
-inline constexpr std::size_t kMaxLayoutFiles = 1024;
 
 // Writes `layout` to `path` (through PATH.tmp and a rename, mode 0600). Throws Error(kInternal).
 void write_layout(const std::filesystem::path& path, const TierLayout& layout);

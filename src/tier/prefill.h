@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "tier/layout.h"
-#include "tier/tier.h"
+#include "tier/memory_tier.h"
 #include "tier/tier_driver.h"
 
 namespace gpusnap::tier {

@@ -29,6 +29,7 @@
 
 #include "common/fd.h"
 #include "gpusnap/error.h"
+#include "tier/folder_format.h"
 #include "tier/handover.h"
 #include "tier/layout.h"
 #include "tier/prefill.h"
@@ -105,10 +106,10 @@ int run(const std::vector<std::string>& a) {
   const auto t0 = std::chrono::steady_clock::now();
   auto driver = tier::open_cuda_tier_driver();
   const int device = device_with_uuid(*driver, a[3]);
-  tier::TierLayout layout = tier::read_layout(dir / (pid + ".layout"));
+  tier::TierLayout layout = tier::read_layout(dir / tier::folder::layout_name(pid));
   std::vector<std::string> files;
   for (std::size_t k = 0; k < layout.files; ++k)
-    files.push_back(pid + "-w" + std::to_string(k) + ".img");
+    files.push_back(tier::folder::drain_file_name(pid, k));
   const auto settings = prefill_settings();
   tier::Prefill prefill(*driver, settings, std::move(layout), dir, files, device,
                         std::stoull(a[9]));

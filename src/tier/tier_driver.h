@@ -1,6 +1,6 @@
-// The memory tier's driver seam: every CUDA driver call the tier makes (src/tier/tier.h). The
-// real implementation (cuda_tier_driver.cc) reaches libcuda.so.1 with dlopen inside the workload;
-// the fake (fake_tier_driver.h) backs device memory with host memory so that the tier's
+// The memory tier's driver seam: every CUDA driver call the tier makes (src/tier/memory_tier.h).
+// The real implementation (cuda_tier_driver.cc) reaches libcuda.so.1 with dlopen inside the
+// workload; the fake (fake_tier_driver.h) backs device memory with host memory so that the tier's
 // bookkeeping, its drain and fill order and every failure path run on a machine without a GPU.
 //
 // Every call that can fail throws gpusnap::Error (kind kGpu) naming the call and the driver's

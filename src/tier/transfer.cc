@@ -24,20 +24,19 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <exception>
 #include <map>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "common/fd.h"
+#include "common/worker_pool.h"
 #include "gpusnap/error.h"
+#include "tier/folder_format.h"
 #include "tier/handover.h"
-#include "tier/tier.h"
+#include "tier/memory_tier.h"
 
 namespace gpusnap::tier {
 namespace {
@@ -118,41 +117,18 @@ class DeviceScope {
   bool entered_ = false;
 };
 
-// Runs `work(k)` on n threads and rethrows the first error once all have finished. `stop` is set
-// on the first error, so that the others take no more pieces.
-template <typename Work>
-void run_workers(std::size_t n, std::atomic<bool>& stop, Work work) {
-  std::mutex mu;
-  std::exception_ptr first;
-  {
-    std::vector<std::jthread> threads;
-    threads.reserve(n);
-    for (std::size_t k = 0; k < n; ++k) {
-      threads.emplace_back([&, k] {
-        try {
-          work(k);
-        } catch (...) {
-          stop = true;
-          std::lock_guard lock(mu);
-          if (!first) first = std::current_exception();
-        }
-      });
-    }
-  }
-  if (first) std::rethrow_exception(first);
-}
-
-// run_workers() with each worker's pinned buffers and stream made first, on the device of the
-// piece of its own index (there are at least n pieces); returns the slowest worker's pinning
-// time. `work(k, resources)` does the rest.
+// Runs `work(k, resources, stop)` on n workers (common/worker_pool.h: the first error is
+// rethrown once all have finished, and sets `stop`, so that the others take no more pieces),
+// each with its pinned buffers and stream made first, on the device of the piece of its own index
+// (there are at least n pieces); returns the slowest worker's pinning time.
 template <typename Pieces, typename Work>
 double run_with_buffers(TierDriver& driver, std::size_t buffer_bytes, std::size_t n,
-                        const Pieces& pieces, std::atomic<bool>& stop, Work work) {
+                        const Pieces& pieces, Work work) {
   std::vector<double> pinning(n, 0.0);
-  run_workers(n, stop, [&](std::size_t k) {
+  common::run_workers(n, [&](std::size_t k, const std::atomic<bool>& stop) {
     WorkerResources r(driver, buffer_bytes);
     pinning[k] = r.prepare(pieces[k].device);
-    work(k, r);
+    work(k, r, stop);
   });
   return pinning.empty() ? 0.0 : *std::max_element(pinning.begin(), pinning.end());
 }
@@ -298,7 +274,7 @@ TransferReport Tier::drain(const std::filesystem::path& dir) {
     std::error_code ec;
     for (const auto& f : files) std::filesystem::remove(dir / f, ec);
     std::filesystem::remove(layout_path(dir), ec);
-    std::filesystem::remove(dir / (std::to_string(pid_) + ".json"), ec);
+    std::filesystem::remove(dir / folder::index_name(pid_), ec);
     throw;
   }
   files_ = files;
@@ -329,7 +305,7 @@ TransferReport Tier::drain(const std::filesystem::path& dir) {
     std::error_code ec;
     for (const auto& f : files) std::filesystem::remove(dir / f, ec);
     std::filesystem::remove(layout_path(dir), ec);
-    std::filesystem::remove(dir / (std::to_string(pid_) + ".json"), ec);
+    std::filesystem::remove(dir / folder::index_name(pid_), ec);
     throw Error(e.kind(), std::string("memory tier: releasing GPU memory failed: ") + e.what(),
                 "the workload keeps its memory and serves; see the driver's error");
   }
@@ -353,7 +329,7 @@ double Tier::run_drain_workers(std::vector<Piece>& pieces, const std::filesystem
   // failure. O_EXCL: a file already there is somebody else's.
   std::vector<common::UniqueFd> fds;
   for (std::size_t k = 0; k < n; ++k) {
-    std::string name = std::to_string(pid_) + "-w" + std::to_string(k) + ".img";
+    std::string name = folder::drain_file_name(pid_, k);
     const auto path = dir / name;
     const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     if (fd < 0) throw file_error("cannot create", path, errno);
@@ -361,9 +337,9 @@ double Tier::run_drain_workers(std::vector<Piece>& pieces, const std::filesystem
     fds.emplace_back(fd);
   }
   std::atomic<std::size_t> next{0};
-  std::atomic<bool> stop{false};
   const double pinning = run_with_buffers(
-      driver_, settings_.buffer_bytes, n, pieces, stop, [&](std::size_t k, WorkerResources& r) {
+      driver_, settings_.buffer_bytes, n, pieces,
+      [&](std::size_t k, WorkerResources& r, const std::atomic<bool>& stop) {
         const auto path = dir / files[k];
         std::uint64_t offset = 0;
         Slices slices(pieces, r.buffer_bytes());
@@ -413,7 +389,7 @@ double Tier::run_drain_workers(std::vector<Piece>& pieces, const std::filesystem
 }
 
 std::filesystem::path Tier::layout_path(const std::filesystem::path& dir) const {
-  return dir / (std::to_string(pid_) + ".layout");
+  return dir / folder::layout_name(pid_);
 }
 
 void Tier::write_layout_file(const std::filesystem::path& dir, const std::vector<Piece>& pieces,
@@ -427,60 +403,25 @@ void Tier::write_layout_file(const std::filesystem::path& dir, const std::vector
 
 void Tier::write_index(const std::filesystem::path& dir, const std::vector<std::string>& files,
                        const std::vector<Piece>& pieces, std::size_t bytes) const {
-  // For gpusnap (src/engine/tier.h): what is in the folder and how much GPU memory it stands for
-  // on each GPU, so that a restore can check free memory before it starts a copy.
+  // For gpusnap (src/engine/tier_files.h): what is in the folder and how much GPU memory it stands
+  // for on each GPU, so that a restore can check free memory before it starts a copy.
   std::map<std::string, std::size_t> per_gpu;
   for (const Piece& p : pieces) {
     per_gpu[device_uuids_.at(p.device)] += p.size;
   }
-  std::map<std::string, std::uintmax_t> sizes;
-  for (const auto& f : files) {
+  folder::TierIndex index;
+  index.pid = static_cast<std::uint64_t>(pid_);
+  index.bytes = bytes;
+  // By name, as every drain listed them.
+  std::set<std::string> names(files.begin(), files.end());
+  for (const auto& f : names) {
     std::error_code ec;
-    sizes[f] = std::filesystem::file_size(dir / f, ec);
+    const std::uintmax_t size = std::filesystem::file_size(dir / f, ec);
     if (ec) throw file_error("cannot stat", dir / f, ec.value());
+    index.files.push_back({f, size});
   }
-  std::string json = "{\"format\":\"gpusnap-tier\",\"version\":1,\"pid\":";
-  json += std::to_string(pid_);
-  json += ",\"bytes\":";
-  json += std::to_string(bytes);
-  json += ",\"files\":[";
-  // {"NAME":"TEXT","KEY":N}, after a comma unless first.
-  const auto entry = [&json](bool first, const char* name, const std::string& text, const char* key,
-                             std::uintmax_t n) {
-    json += first ? "{\"" : ",{\"";
-    json += name;
-    json += "\":\"";
-    json += text;
-    json += "\",\"";
-    json += key;
-    json += "\":";
-    json += std::to_string(n);
-    json += "}";
-  };
-  bool first = true;
-  for (const auto& [name, size] : sizes) {
-    entry(first, "path", name, "size", size);
-    first = false;
-  }
-  json += "],\"gpus\":[";
-  first = true;
-  for (const auto& [uuid, n] : per_gpu) {
-    entry(first, "uuid", uuid, "bytes", n);
-    first = false;
-  }
-  json += "]}\n";
-  const auto path = dir / (std::to_string(pid_) + ".json");
-  const auto tmp = dir / (std::to_string(pid_) + ".json.tmp");
-  common::UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
-  if (fd.get() < 0) throw file_error("cannot create", tmp, errno);
-  try {
-    write_all(fd.get(), tmp, json.data(), json.size(), 0);
-    if (const int err = fd.close_checked(); err != 0) throw file_error("cannot write", tmp, err);
-    if (::rename(tmp.c_str(), path.c_str()) != 0) throw file_error("cannot rename", tmp, errno);
-  } catch (...) {
-    ::unlink(tmp.c_str());
-    throw;
-  }
+  for (const auto& [uuid, n] : per_gpu) index.gpus.push_back({uuid, n});
+  folder::write_index(dir, index);
 }
 
 TransferReport Tier::fill(const std::filesystem::path& dir,
@@ -714,9 +655,9 @@ double fill_from_files(TierDriver& driver, const TierSettings& settings,
   const std::size_t n =
       std::min(pieces.size(), static_cast<std::size_t>(std::max(1, settings.streams)));
   PieceQueue queue(pieces, n, hooks.one_worker_per_file);
-  std::atomic<bool> stop{false};
   const double pinning = run_with_buffers(
-      driver, settings.buffer_bytes, n, pieces, stop, [&](std::size_t k, WorkerResources& r) {
+      driver, settings.buffer_bytes, n, pieces,
+      [&](std::size_t k, WorkerResources& r, const std::atomic<bool>& stop) {
         Stream in_flight = nullptr;  // the stream of the copy issued last, not yet waited for
         Slices slices(pieces, r.buffer_bytes());
         int b = 0;

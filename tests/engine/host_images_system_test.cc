@@ -33,7 +33,7 @@
 
 #include "common/fs.h"
 #include "common/proc.h"
-#include "common/remote.h"
+#include "common/syscall_injection.h"
 #include "engine/host_images.h"
 #include "engine/preload.h"
 #include "gpu/fake_driver.h"

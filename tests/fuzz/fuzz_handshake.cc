@@ -1,7 +1,7 @@
 // The handshake's messages on arbitrary bytes, both ways: the workload's client library
-// (include/gpusnap/handshake_client.h, in the workload's process) parses what gpusnap writes,
-// and gpusnap parses what the workload writes (engine/handshake.cc, through json_text). Either
-// side may be buggy or hostile to the other.
+// (clients/include/gpusnap/handshake_client.h, in the workload's process) parses what gpusnap
+// writes, and gpusnap parses what the workload writes (engine/handshake.cc, through json_text).
+// Either side may be buggy or hostile to the other.
 #include <cstddef>
 #include <cstdint>
 #include <string>

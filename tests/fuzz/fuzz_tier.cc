@@ -1,7 +1,9 @@
 // The memory tier's readers of bytes gpusnap did not write itself, on arbitrary bytes: the
-// drain's layout (PID.layout, read from an artifact by gpusnap-tier-prefill, src/tier/layout.h)
-// and the checksums a prefill writes on its SUMS-FD (engine::parse_prefill_sums). The first byte
-// picks the reader; the rest is its input.
+// drain's layout (PID.layout, read from an artifact by gpusnap-tier-prefill, src/tier/layout.h),
+// the checksums a prefill writes on its SUMS-FD (engine::parse_prefill_sums) and the drain's index
+// (PID.json, tier::folder::parse_index, src/tier/folder_format.h). The first byte picks the
+// reader (even: the layout; odd: the sums, or the index for 3 mod 4); the rest is its input. An
+// index the reader accepts must come out of the writer and back the same.
 //
 // A layout the reader accepts is also filled, as gpusnap-tier-prefill fills it, against the fake
 // driver (small layouts only) from a folder of small files: every copy must stay inside its
@@ -17,9 +19,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/tier.h"
+#include "engine/tier_files.h"
 #include "gpusnap/error.h"
 #include "tier/fake_tier_driver.h"
+#include "tier/folder_format.h"
 #include "tier/layout.h"
 #include "tier/prefill.h"
 
@@ -82,6 +85,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     try {
       fill(gpusnap::tier::read_layout(path));
     } catch (const gpusnap::Error&) {  // NOLINT(bugprone-empty-catch): refusing is the point
+    }
+  } else if (data[0] % 4 == 3) {
+    namespace folder = gpusnap::tier::folder;
+    const auto index = folder::parse_index(text);
+    if (index) {
+      const auto again = folder::parse_index(folder::index_text(*index));
+      if (!again || folder::index_text(*again) != folder::index_text(*index)) std::abort();
     }
   } else {
     for (uint64_t chunk : {uint64_t{1}, uint64_t{4096}, uint64_t{64} << 20}) {

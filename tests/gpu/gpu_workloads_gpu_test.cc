@@ -17,8 +17,8 @@
 #include "common/fd.h"
 #include "common/fs.h"
 #include "common/proc.h"
-#include "common/remote.h"
 #include "common/subprocess.h"
+#include "common/syscall_injection.h"
 #include "gpu/driver.h"
 #include "testing/harness.h"
 
@@ -523,7 +523,7 @@ TEST(MemoryTier, RestoredOntoAnotherGpuWithGpuMap) {
 }
 
 // The same workload without the call to use_memory_tier(): `gpusnap run --memory-tier` has its
-// Python install the tier at `import torch` (python/gpusnap_site/sitecustomize.py), and the
+// Python install the tier at `import torch` (clients/python/gpusnap_site/sitecustomize.py), and the
 // weights go through the tier's files as with the one line.
 TEST(MemoryTier, GpusnapRunInstallsTheTierWithoutTheOneLine) {
   SKIP_WITHOUT_GPU(1);

@@ -1,4 +1,4 @@
-// The C++ handshake client (include/gpusnap/handshake_client.h) against a temporary control
+// The C++ handshake client (clients/include/gpusnap/handshake_client.h) against a temporary control
 // directory, with this test playing gpusnap's side by writing and reading the files.
 #include "gpusnap/handshake_client.h"
 

@@ -1,4 +1,4 @@
-"""The Python handshake client (python/gpusnap_handshake.py), and the Python example worker,
+"""The Python handshake client (clients/python/gpusnap_handshake.py), and the Python example worker,
 against a temporary control directory, with this test playing gpusnap's side.
 
 Plain unittest, standard library only:  python3 tests/handshake/test_python_client.py
@@ -15,7 +15,7 @@ import time
 import unittest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
 
 import gpusnap_handshake as hs  # noqa: E402
 

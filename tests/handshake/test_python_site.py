@@ -1,4 +1,4 @@
-"""gpusnap's Python site folder (python/gpusnap_site/sitecustomize.py, with gpusnap_handshake.py
+"""gpusnap's Python site folder (clients/python/gpusnap_site/sitecustomize.py, with gpusnap_handshake.py
 beside it): what `gpusnap run --memory-tier` gives a Python workload. Each test runs a real
 python3 with the folder first on PYTHONPATH, as gpusnap starts the workload, and the stand-in for
 PyTorch (tests/workload/torch_standin/torch) after it, which logs every call it gets; the

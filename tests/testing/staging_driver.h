@@ -20,7 +20,7 @@
 #include <gtest/gtest.h>
 
 #include "common/proc.h"
-#include "common/remote.h"
+#include "common/syscall_injection.h"
 #include "gpu/fake_driver.h"
 #include "gpusnap/checkpoint.h"
 #include "testing/harness.h"

@@ -26,7 +26,7 @@
 #include "tier/fake_tier_driver.h"
 #include "tier/handover.h"
 #include "tier/layout.h"
-#include "tier/tier.h"
+#include "tier/memory_tier.h"
 
 namespace gpusnap::tier {
 namespace {

@@ -2,7 +2,7 @@
 // order, and every failure path (docs/memory-tier.md). The files are real, in a
 // scratch directory; only the GPU is faked, its memory being host memory that the tests write
 // and read through the mappings as a kernel would.
-#include "tier/tier.h"
+#include "tier/memory_tier.h"
 
 #include <dlfcn.h>
 #include <sys/stat.h>
@@ -20,7 +20,7 @@
 #include <gtest/gtest.h>
 
 #include "gpusnap/error.h"
-#include "gpusnap/tier.h"
+#include "gpusnap/tier_api.h"
 #include "testing/unit.h"
 #include "tier/fake_tier_driver.h"
 #include "tier/layout.h"

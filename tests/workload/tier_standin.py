@@ -18,18 +18,29 @@ Serves line commands on TCP 127.0.0.1 (--port, or a free port named in --ready-f
 
 import argparse
 import hashlib
-import json
 import os
 import socket
+import subprocess
 import time
 
 import gpusnap_handshake
 import line_server
 
 
+# The tier's folder format is the tier's own code's (src/tier/folder_format.h): this program,
+# built beside this file (tests/workload/tier_folder_tool.cc), names the drain file and writes the
+# index.
+FOLDER_TOOL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tier-folder-tool")
+
+
+def folder_tool(*args):
+    return subprocess.run([FOLDER_TOOL, *map(str, args)], check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
 class StandInTier:
-    """The drain and fill of MemoryTier, on host memory: files named and indexed as the tier
-    names them; memory released only once its file is complete and still in the folder."""
+    """The drain and fill of MemoryTier, on host memory: files named and indexed by the tier's
+    folder format; memory released only once its file is complete and still in the folder."""
 
     def __init__(self, mib, drain_delay):
         block = hashlib.sha256(b"gpusnap").digest() * (1 << 15)  # 1 MiB
@@ -42,18 +53,14 @@ class StandInTier:
         self.drains = self.fills = 0
 
     def drain(self, folder):
-        name = f"{os.getpid()}-w0.img"
-        path = os.path.join(folder, name)
         try:
+            name = folder_tool("drain-file", os.getpid(), 0)
+            path = os.path.join(folder, name)
             with open(path, "xb") as f:
                 f.write(self.memory)
-            index = {"format": "gpusnap-tier", "version": 1, "pid": os.getpid(),
-                     "bytes": len(self.memory), "files": [{"path": name, "size": len(self.memory)}],
-                     "gpus": [{"uuid": "GPU-standin", "bytes": len(self.memory)}]}
-            tmp = os.path.join(folder, f"{os.getpid()}.json.tmp")
-            with open(tmp, "x") as f:
-                json.dump(index, f)
-            os.rename(tmp, os.path.join(folder, f"{os.getpid()}.json"))
+            folder_tool("index", folder, os.getpid(), "GPU-standin", name)
+        except subprocess.CalledProcessError as e:
+            raise gpusnap_handshake.TierError(f"stand-in tier: {e.stderr.strip()}") from e
         except OSError as e:
             raise gpusnap_handshake.TierError(f"stand-in tier: {e}") from e
         time.sleep(self.drain_delay)

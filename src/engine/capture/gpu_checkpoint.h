@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "engine/gpu_state.h"
-#include "engine/tier.h"
+#include "engine/tier_files.h"
 #include "gpu/driver.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/checkpoint.h"

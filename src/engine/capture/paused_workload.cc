@@ -2,7 +2,7 @@
 #include "engine/capture/paused_workload.h"
 
 #include "common/fs.h"
-#include "engine/tier.h"
+#include "engine/tier_files.h"
 #include "gpusnap/error.h"
 
 namespace gpusnap::engine {

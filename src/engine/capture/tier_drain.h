@@ -1,5 +1,5 @@
 // The memory tier of a capture (docs/memory-tier.md), for engine/checkpoint.cc, on
-// top of engine/tier.h: the folder the workload drains its tier into at the pause (STAGING/tier),
+// top of engine/tier_files.h: the folder the workload drains its tier into at the pause (STAGING/tier),
 // what it left there checked, and its files hashed in the background beside CRIU's dump
 // (tier-hash). Its memory counts in the GPU facts (GpuCheckpoint::describe).
 //
@@ -13,7 +13,7 @@
 #include <optional>
 #include <vector>
 
-#include "engine/tier.h"
+#include "engine/tier_files.h"
 #include "gpusnap/artifact.h"
 
 namespace gpusnap::engine {
@@ -29,7 +29,7 @@ class TierDrain {
 
   // At the pause: makes the folder the pause request names, and returns it.
   std::filesystem::path make_folder();
-  // After the pause: checks what the workload left (engine/tier.h, check_tier_dir); returns
+  // After the pause: checks what the workload left (engine/tier_files.h, check_tier_dir); returns
   // whether the folder is kept, holding anything.
   bool check();
   // What it drained (nothing before check()).

@@ -1,4 +1,4 @@
-// The memory tier of a restore (engine/restore.cc), on top of engine/tier.h: the tiers' fill
+// The memory tier of a restore (engine/restore.cc), on top of engine/tier_files.h: the tiers' fill
 // done ahead (TierPrefills) started before CRIU, beside CRIU's and the driver's restore; the check
 // of the tier files the prefills read, by the sums they computed as they read them (verify-tier);
 // the tier's folders in each copy's resume context, mounted into a placeholder for the time of
@@ -19,7 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "container/mount.h"
-#include "engine/tier.h"
+#include "engine/tier_files.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/phases.h"
 #include "gpusnap/restore.h"

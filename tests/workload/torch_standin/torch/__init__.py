@@ -1,5 +1,5 @@
 """A stand-in for PyTorch where there is none (CI machines), for the tests of the memory tier's
-installation under `gpusnap run --memory-tier` (python/gpusnap_site/sitecustomize.py): only what
+installation under `gpusnap run --memory-tier` (clients/python/gpusnap_site/sitecustomize.py): only what
 gpusnap_handshake.use_memory_tier() and the handshake client reach, each call appended as one
 line to the file $TORCH_STANDIN_LOG:
 

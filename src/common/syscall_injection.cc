@@ -1,4 +1,4 @@
-#include "common/remote.h"
+#include "common/syscall_injection.h"
 
 #include <elf.h>
 #include <sys/ptrace.h>

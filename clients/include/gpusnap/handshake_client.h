@@ -14,7 +14,7 @@
 // no-op, so the same binary runs with and without gpusnap.
 //
 // The memory tier (docs/memory-tier.md): a workload that allocates its GPU memory
-// with tier_malloc from libgpusnap-tier.so (include/gpusnap/tier.h) calls
+// with tier_malloc from libgpusnap-tier.so (clients/include/gpusnap/tier_api.h) calls
 // hs.use_memory_tier(gpusnap::handshake::MemoryTier::of_library()) once; the client then drains
 // that memory into the artifact after on_pause and fills it back at the same addresses before
 // on_resume. The library is reached with dlsym, so this header still links nothing of gpusnap

@@ -1,4 +1,4 @@
-#include "agent/remote.h"
+#include "agent/registry_storage.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -40,7 +40,7 @@ void readable_file(const std::string& file, const std::string& flag) {
 
 }  // namespace
 
-Remote::Remote(RemoteSettings settings) : settings_(std::move(settings)) {
+RegistryStorage::RegistryStorage(RegistryStorageSettings settings) : settings_(std::move(settings)) {
   const std::string& text = settings_.repository;
   repository_ = store::OciRef::parse(text);
   // parse() takes "latest" for a reference without a tag: the text itself says whether one
@@ -61,7 +61,7 @@ Remote::Remote(RemoteSettings settings) : settings_(std::move(settings)) {
   settings_.pulled = sfs::absolute(settings_.pulled).lexically_normal();
 }
 
-store::OciRef Remote::tag_of(const std::string& name) const {
+store::OciRef RegistryStorage::tag_of(const std::string& name) const {
   store::OciRef ref = repository_;
   try {
     ref = store::OciRef::parse(repository_.str() + ":" + name);
@@ -75,7 +75,7 @@ store::OciRef Remote::tag_of(const std::string& name) const {
   return ref;
 }
 
-store::OciRef Remote::check_reference(const std::string& text) const {
+store::OciRef RegistryStorage::check_reference(const std::string& text) const {
   auto ref = store::OciRef::parse(text);
   if (ref.host != repository_.host || ref.repository != repository_.repository) {
     throw Error(ErrorKind::kUsage,
@@ -87,7 +87,8 @@ store::OciRef Remote::check_reference(const std::string& text) const {
   return ref;
 }
 
-json Remote::push(const sfs::path& artifact, const std::string& name, Reporter& reporter) const {
+json RegistryStorage::push(const sfs::path& artifact, const std::string& name,
+                           Reporter& reporter) const {
   store::TransferOptions o;
   o.registry = settings_.registry;
   o.jobs = settings_.jobs;
@@ -101,7 +102,7 @@ json Remote::push(const sfs::path& artifact, const std::string& name, Reporter& 
           {"bytes_uploaded", r.bytes_uploaded}};
 }
 
-store::ReachOptions Remote::reach_options() const {
+store::ReachOptions RegistryStorage::reach_options() const {
   store::ReachOptions o;
   o.pulled = settings_.pulled;
   o.transfer.registry = settings_.registry;

@@ -23,21 +23,18 @@
 #include <nlohmann/json.hpp>
 
 #include "gpusnap/artifact.h"
+#include "tier/folder_format.h"
 
 namespace gpusnap::engine {
 
-// The tier's folder, relative to the staging directory and to the artifact.
-inline constexpr const char* kTierDirName = "tier";
+// The tier's folder, relative to the staging directory and to the artifact; its names, bounds and
+// index are the tier's folder format's (tier/folder_format.h).
+inline constexpr const char* kTierDirName = tier::folder::kDirName;
 // A workload in a container reaches the tier's folder (and a copy its prefill's sockets) through
 // a mount of that name in its handshake directory, made for the pause or the resume
 // (container/mount.h).
 inline constexpr const char* kTierMountName = ".gpusnap-tier";
 inline constexpr const char* kPrefillMountName = ".gpusnap-tier-prefill";
-// Bounds on what a workload may leave there: it writes a few files per process.
-inline constexpr size_t kMaxTierEntries = 4096;
-inline constexpr uintmax_t kMaxTierIndexBytes = 1 << 20;
-// PID.layout (tier/layout.h): fixed-size records, 32 bytes per piece of at most a buffer.
-inline constexpr uintmax_t kMaxTierLayoutBytes = uintmax_t{64} << 20;
 
 // What the tier's index files (PID.json) say.
 struct TierContents {
@@ -52,7 +49,8 @@ std::filesystem::path make_tier_dir(const std::filesystem::path& staging, pid_t 
 
 // After the workload answered `paused`: the folder must hold the tier's files alone, regular
 // files named PID-wN.img, PID.json and PID.layout (no links, folders or anything else), at most
-// kMaxTierEntries, every index well-formed and at most kMaxTierIndexBytes. Throws
+// folder::kMaxEntries, every index well-formed (folder::parse_index), its files there at the sizes
+// it gives, and every index and layout within the format's bounds. Throws
 // Error(kHandshake) naming the first entry that is not so. An empty folder is removed (the
 // workload has no tier, or nothing in it), so that artifacts without a tier do not change.
 TierContents check_tier_dir(const std::filesystem::path& dir);

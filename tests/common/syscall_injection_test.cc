@@ -1,6 +1,6 @@
 // RemoteThread on a real child process: system calls run in it, memory written into it, and
 // afterwards it carries on exactly where it was (its blocked read() restarts and completes).
-#include "common/remote.h"
+#include "common/syscall_injection.h"
 
 #include <signal.h>
 #include <sys/mman.h>

@@ -29,7 +29,7 @@
 
 namespace gpusnap::agent {
 
-struct RemoteSettings {
+struct RegistryStorageSettings {
   std::string repository;           // oci://HOST[:PORT]/REPO, no tag, no digest
   store::RegistryOptions registry;  // plain HTTP, CA file, credentials file
   int jobs = 8;                     // chunks in flight
@@ -59,14 +59,14 @@ class PrefixReporter final : public Reporter {
   std::string prefix_;
 };
 
-class Remote {
+class RegistryStorage {
  public:
   // Checks the settings: the repository a reference without a tag or digest, the files
   // readable. Creates the cache and the pulled directory (0700). Throws Error(kUsage) naming
   // the setting.
-  explicit Remote(RemoteSettings settings);
+  explicit RegistryStorage(RegistryStorageSettings settings);
 
-  const RemoteSettings& settings() const { return settings_; }
+  const RegistryStorageSettings& settings() const { return settings_; }
   // Where a capture named `name` is pushed: REPO:NAME. Throws Error(kUsage) for a name that is
   // not an OCI tag.
   store::OciRef tag_of(const std::string& name) const;
@@ -82,7 +82,7 @@ class Remote {
   store::ReachOptions reach_options() const;
 
  private:
-  RemoteSettings settings_;
+  RegistryStorageSettings settings_;
   store::OciRef repository_;
 };
 

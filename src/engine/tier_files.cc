@@ -1,4 +1,4 @@
-#include "engine/tier.h"
+#include "engine/tier_files.h"
 
 #include <poll.h>
 #include <sys/stat.h>
@@ -33,6 +33,7 @@ namespace gpusnap::engine {
 namespace {
 
 namespace stdfs = std::filesystem;
+namespace folder = tier::folder;
 using nlohmann::json;
 
 Error bad_entry(const stdfs::path& dir, const std::string& name, const std::string& why) {
@@ -86,31 +87,29 @@ stdfs::path make_tier_dir(const stdfs::path& staging, pid_t pid) {
 }
 
 TierContents check_tier_dir(const stdfs::path& dir) {
-  static const std::regex kImage(R"(([0-9]{1,10})-w[0-9]{1,4}\.img)");
-  static const std::regex kIndex(R"([0-9]{1,10}\.json)");
-  static const std::regex kLayout(R"([0-9]{1,10}\.layout)");
   TierContents contents;
   std::vector<stdfs::path> indexes;
   std::error_code ec;
   for (stdfs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
-    if (++contents.files > kMaxTierEntries) {
-      throw bad_entry(dir, name, "more than " + std::to_string(kMaxTierEntries) + " entries");
+    if (++contents.files > folder::kMaxEntries) {
+      throw bad_entry(dir, name, "more than " + std::to_string(folder::kMaxEntries) + " entries");
     }
     struct stat st {};
     if (::lstat(it->path().c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
       throw bad_entry(dir, name, "not a regular file");
     }
-    if (std::regex_match(name, kIndex)) {
-      if (static_cast<uintmax_t>(st.st_size) > kMaxTierIndexBytes) {
+    const folder::EntryKind kind = folder::classify(name).kind;
+    if (kind == folder::EntryKind::kIndex) {
+      if (static_cast<uintmax_t>(st.st_size) > folder::kMaxIndexBytes) {
         throw bad_entry(dir, name, "an index larger than 1 MiB");
       }
       indexes.push_back(it->path());
-    } else if (std::regex_match(name, kLayout)) {
-      if (static_cast<uintmax_t>(st.st_size) > kMaxTierLayoutBytes) {
+    } else if (kind == folder::EntryKind::kLayout) {
+      if (static_cast<uintmax_t>(st.st_size) > folder::kMaxLayoutBytes) {
         throw bad_entry(dir, name, "a layout larger than 64 MiB");
       }
-    } else if (!std::regex_match(name, kImage)) {
+    } else if (kind != folder::EntryKind::kDrainFile) {
       throw bad_entry(dir, name, "not a file of the tier (PID-wN.img, PID.json or PID.layout)");
     }
   }
@@ -118,36 +117,24 @@ TierContents check_tier_dir(const stdfs::path& dir) {
   for (const auto& path : indexes) {
     // Bounded again as it is read: the workload may have grown the file since the listing.
     std::string text;
-    if (!fs::try_read_regular_file(path, &text, kMaxTierIndexBytes)) {
+    if (!fs::try_read_regular_file(path, &text, folder::kMaxIndexBytes)) {
       throw bad_entry(dir, path.filename().string(),
                       errno == EFBIG ? "an index larger than 1 MiB"
                                      : "an index that cannot be read (" + errno_text(errno) + ")");
     }
     std::string why;
-    const std::optional<json> parsed = json_text::parse(text, &why);
-    if (!parsed) throw bad_entry(dir, path.filename().string(), "a malformed index (" + why + ")");
-    try {
-      const json& index = *parsed;
-      if (index.at("format") != "gpusnap-tier" || index.at("version") != 1) {
-        throw bad_entry(dir, path.filename().string(), "an index of another format");
+    const std::optional<folder::TierIndex> index = folder::parse_index(text, &why);
+    if (!index) throw bad_entry(dir, path.filename().string(), "a malformed index (" + why + ")");
+    for (const auto& f : index->files) {
+      if (stdfs::file_size(dir / f.path, ec) != f.size || ec) {
+        throw bad_entry(dir, path.filename().string(),
+                        "an index naming " + f.path + ", which is not there at " +
+                            std::to_string(f.size) + " bytes");
       }
-      for (const auto& f : index.at("files")) {
-        const auto name = f.at("path").get<std::string>();
-        const auto size = f.at("size").get<uintmax_t>();
-        if (!std::regex_match(name, kImage) || stdfs::file_size(dir / name, ec) != size || ec) {
-          throw bad_entry(dir, path.filename().string(),
-                          "an index naming " + name + ", which is not there at " +
-                              std::to_string(size) + " bytes");
-        }
-      }
-      for (const auto& g : index.at("gpus")) {
-        const auto bytes = g.at("bytes").get<uint64_t>();
-        contents.gpu_bytes[g.at("uuid").get<std::string>()] += bytes;
-        contents.bytes += bytes;
-      }
-    } catch (const json::exception& e) {
-      throw bad_entry(dir, path.filename().string(),
-                      std::string("a malformed index (") + e.what() + ")");
+    }
+    for (const auto& g : index->gpus) {
+      contents.gpu_bytes[g.uuid] += g.bytes;
+      contents.bytes += g.bytes;
     }
   }
   if (contents.files == 0) stdfs::remove(dir, ec);
@@ -296,16 +283,10 @@ bool searchable_by_all(const stdfs::path& dir) {
 // an artifact before its checksums are checked, so bounded in size and depth.
 std::string tier_gpu(const stdfs::path& index) {
   std::string text;
-  if (!fs::try_read_regular_file(index, &text, kMaxTierIndexBytes)) return {};
-  const std::optional<json> doc = json_text::parse(text);
-  try {
-    if (!doc) return {};
-    const auto& gpus = doc->at("gpus");
-    if (!gpus.is_array() || gpus.size() != 1) return {};
-    return gpus.at(0).at("uuid").get<std::string>();
-  } catch (const json::exception&) {
-    return {};
-  }
+  if (!fs::try_read_regular_file(index, &text, folder::kMaxIndexBytes)) return {};
+  const std::optional<folder::TierIndex> parsed = folder::parse_index(text);
+  if (!parsed || parsed->gpus.size() != 1) return {};
+  return parsed->gpus.front().uuid;
 }
 
 }  // namespace
@@ -319,11 +300,9 @@ TierPrefills::TierPrefills(const stdfs::path& artifact,
   std::error_code ec;
   if (!program || !stdfs::is_directory(tier, ec)) return;
   std::vector<std::string> pids;
-  static const std::regex kLayout(R"(([0-9]{1,10})\.layout)");
   for (stdfs::directory_iterator it(tier, ec), end; !ec && it != end; it.increment(ec)) {
-    std::smatch m;
-    const std::string name = it->path().filename().string();
-    if (std::regex_match(name, m, kLayout)) pids.push_back(m[1]);
+    const folder::Entry e = folder::classify(it->path().filename().string());
+    if (e.kind == folder::EntryKind::kLayout) pids.push_back(e.pid);
   }
   if (pids.empty()) return;
   try {
@@ -353,7 +332,7 @@ void TierPrefills::start(const stdfs::path& program, const stdfs::path& tier,
     if (::mkdir(dir.c_str(), 0711) != 0) throw sys_error("cannot create " + dir.string(), errno);
     bool any = false;
     for (const auto& pid : pids) {
-      const auto index = tier / (pid + ".json");
+      const auto index = tier / folder::index_name(pid);
       const std::string recorded = tier_gpu(index);
       struct stat st {};
       // A workload that could not reach the socket would fill by itself beside the prefill's
@@ -430,10 +409,11 @@ std::set<std::string> TierPrefills::files_read(const Manifest& manifest) const {
     if (r->sums) summing.insert(r->pid);
   }
   std::set<std::string> files;
-  static const std::regex kDrainFile(R"(tier/([0-9]{1,10})-w[0-9]{1,4}\.img)");
+  const std::string prefix = std::string(kTierDirName) + "/";
   for (const auto& f : manifest.files) {
-    std::smatch m;
-    if (std::regex_match(f.path, m, kDrainFile) && summing.count(m[1]) > 0) files.insert(f.path);
+    if (!f.path.starts_with(prefix)) continue;
+    const folder::Entry e = folder::classify(std::string_view(f.path).substr(prefix.size()));
+    if (e.kind == folder::EntryKind::kDrainFile && summing.count(e.pid) > 0) files.insert(f.path);
   }
   return files;
 }
@@ -483,7 +463,6 @@ std::optional<std::vector<FileRecord>> parse_prefill_sums(const std::string& tex
                                                           const std::string& pid,
                                                           uint64_t chunk_bytes) {
   if (text.size() > kMaxPrefillSumsBytes || chunk_bytes == 0) return std::nullopt;
-  static const std::regex kName(R"([0-9]{1,10}-w[0-9]{1,4}\.img)");
   static const std::regex kHex(R"([0-9a-f]{32})");
   std::vector<FileRecord> files;
   std::set<std::string> names;
@@ -493,12 +472,13 @@ std::optional<std::vector<FileRecord>> parse_prefill_sums(const std::string& tex
     std::string name;
     std::string size;
     words >> name >> size;
-    if (!std::regex_match(name, kName) || name.rfind(pid + "-w", 0) != 0 ||
+    const folder::Entry entry = folder::classify(name);
+    if (entry.kind != folder::EntryKind::kDrainFile || entry.pid != pid ||
         !names.insert(name).second || size.empty() || size.size() > 15 ||
         size.find_first_not_of("0123456789") != std::string::npos) {
       return std::nullopt;
     }
-    FileRecord rec{"tier/" + name, std::stoull(size), {}};
+    FileRecord rec{std::string(kTierDirName) + "/" + name, std::stoull(size), {}};
     const uint64_t chunks = std::max<uint64_t>(1, (rec.size + chunk_bytes - 1) / chunk_bytes);
     for (std::string hex; words >> hex;) {
       if (!std::regex_match(hex, kHex) || rec.chunks.size() >= chunks) return std::nullopt;

@@ -579,7 +579,7 @@ def find_tier_library():
 
 
 class MemoryTier:
-    """libgpusnap-tier.so's drain and fill (include/gpusnap/tier.h), through ctypes."""
+    """libgpusnap-tier.so's drain and fill (clients/include/gpusnap/tier_api.h), through ctypes."""
 
     SERVING, DRAINED = 1, 2
 

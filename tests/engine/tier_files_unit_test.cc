@@ -1,6 +1,6 @@
-// gpusnap's side of the memory tier (src/engine/tier.h): the folder handed to the workload, the
-// checks of what it left there, and how its memory is counted and named to copies.
-#include "engine/tier.h"
+// gpusnap's side of the memory tier (src/engine/tier_files.h): the folder handed to the workload,
+// the checks of what it left there, and how its memory is counted and named to copies.
+#include "engine/tier_files.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -246,7 +246,7 @@ TEST(TierPrefills, AnIndexNoCaptureWroteStartsNoPrefill) {
   write(artifact / "tier" / "8.json",
         R"({"gpus":)" + std::string(100000, '[') + std::string(100000, ']') + "}");
   write(artifact / "tier" / "9.json", R"({"gpus":[{"uuid":"GPU-a","bytes":8}],"pad":")" +
-                                          std::string(kMaxTierIndexBytes, 'x') + "\"}");
+                                          std::string(tier::folder::kMaxIndexBytes, 'x') + "\"}");
   const auto script = run / "prefill.sh";
   write(script, "#!/bin/sh\necho \"$2\" >> " + (run / "calls").string() +
                     "\necho \"prefill of $2 done\" >&2\n");
