@@ -157,16 +157,20 @@ def _string_map(ctx, key):
         raise BadRequest(f"context.{key} is not an object")
     for k, v in value.items():
         if not isinstance(v, str):
-            raise BadRequest(f"context.{key}[{k!r}] is not a string")
+            # The key quoted as JSON writes it, as the C++ client names it.
+            raise BadRequest(f"context.{key}[{json.dumps(k, ensure_ascii=False)}] is not a string")
     return dict(value)
 
 
-def _int(obj, key, default, where=""):
+def _int(obj, key, default, lo, hi, where=""):
     value = obj.get(key, default)
-    # bool is an int in Python, not in JSON.
-    if type(value) is not int:
-        raise BadRequest(f"{where}{key} is not an integer")
+    # bool is an int in Python, not in JSON. The bounds are the C++ client's.
+    if type(value) is not int or not lo <= value <= hi:
+        raise BadRequest(f"{where}{key} is not an integer in range")
     return value
+
+
+_INT32 = (-(1 << 31), (1 << 31) - 1)
 
 
 def _parse_request(kind, data):
@@ -181,9 +185,7 @@ def _parse_request(kind, data):
     rid = obj["id"]
     try:
         if kind == "pause":
-            timeout_ms = _int(obj, "timeout_ms", 0)
-            if timeout_ms < 0:
-                raise BadRequest("timeout_ms is negative")
+            timeout_ms = _int(obj, "timeout_ms", 0, 0, 1 << 40)
             return Request("pause", rid, timeout_ms=timeout_ms, tier_dir=_string(obj, "tier_dir"))
         ctx = obj.get("context")
         if not isinstance(ctx, dict):
@@ -195,8 +197,8 @@ def _parse_request(kind, data):
         if not isinstance(artifact_id, str):
             raise BadRequest("context.artifact_id is not a string")
         context = ResumeContext(restored=restored,
-                                copy=_int(ctx, "copy", 0, "context."),
-                                copies=_int(ctx, "copies", 1, "context."),
+                                copy=_int(ctx, "copy", 0, *_INT32, "context."),
+                                copies=_int(ctx, "copies", 1, *_INT32, "context."),
                                 artifact_id=artifact_id,
                                 gpu_map=_string_map(ctx, "gpu_map"),
                                 settings=_string_map(ctx, "settings"),

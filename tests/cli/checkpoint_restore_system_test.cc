@@ -20,35 +20,30 @@
 
 #include "common/fs.h"
 #include "common/proc.h"
-#include "testing/harness.h"
+#include "testing/capture_restore.h"
 
 namespace gpusnap::testing {
 namespace {
 
 using nlohmann::json;
+using CheckpointRestore = CaptureRestoreTest;
+using Verify = CaptureRestoreTest;
+using BadInput = CaptureRestoreTest;
+using Faults = CaptureRestoreTest;
 
-TEST(CheckpointRestore, TwoCopiesRunBesideTheSource) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload source(
-      dir, {"--mib", "64", "--threads", "4", "--children", "1", "--file", (dir / "data").string()});
+TEST_F(CheckpointRestore, TwoCopiesRunBesideTheSource) {
+  auto& source = start(
+      {"--mib", "64", "--threads", "4", "--children", "1", "--file", (dir / "data").string()});
   ASSERT_EQ(ask(source.port(), "INCR"), "1");
   std::string seed = field(ask(source.port(), "INFO"), "seed");
   ASSERT_FALSE(seed.empty());
 
-  auto snap = dir / "snap";
-  auto cp = gpusnap({"checkpoint", "--pid", std::to_string(source.pid()), "-o", snap.string(),
-                     "--leave-running", "--json"});
-  ASSERT_EQ(cp.exit_code, 0) << cp.err;
-  auto cp_doc = json::parse(cp.out);
+  auto cp_doc = json::parse(capture({"--leave-running", "--json"}).out);
   EXPECT_EQ(cp_doc.at("processes").get<int>(), 2);  // the workload and its child
   EXPECT_TRUE(std::filesystem::exists(snap / "manifest.json"));
   EXPECT_TRUE(running(source.pid()));
 
-  auto rs = gpusnap({"restore", snap.string(), "--replicas", "2", "--publish",
-                     std::to_string(source.port()), "--json"});
-  ASSERT_EQ(rs.exit_code, 0) << rs.err;
-  Copies reaper{json::parse(rs.out)};
+  Copies reaper = restore({"--replicas", "2"});
   ASSERT_EQ(reaper.copies.size(), 2u);
   EXPECT_NE(reaper.copies[0].pid, reaper.copies[1].pid);
 
@@ -67,60 +62,43 @@ TEST(CheckpointRestore, TwoCopiesRunBesideTheSource) {
   EXPECT_EQ(ask(source.port(), "INCR"), "2");
 }
 
-TEST(CheckpointRestore, WithoutLeaveRunningTheSourceStops) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload source(dir, {"--mib", "16", "--lock-file", (dir / "lock").string(), "--unlinked",
-                        dir.path().string()});
-  pid_t pid = source.pid();
-  auto snap = dir / "snap";
-  auto cp = gpusnap({"checkpoint", "--pid", std::to_string(pid), "-o", snap.string()});
-  ASSERT_EQ(cp.exit_code, 0) << cp.err;
+TEST_F(CheckpointRestore, WithoutLeaveRunningTheSourceStops) {
+  pid_t pid = start({"--mib", "16", "--lock-file", (dir / "lock").string(), "--unlinked",
+                     dir.path().string()})
+                  .pid();
+  capture();
   EXPECT_TRUE(eventually([&] { return !running(pid); }));
 
   auto vr = gpusnap({"verify", snap.string()});
   EXPECT_EQ(vr.exit_code, 0) << vr.err;
 
   // The file lock and the unlinked file come back with the copy.
-  auto rs =
-      gpusnap({"restore", snap.string(), "--publish", std::to_string(source.port()), "--json"});
-  ASSERT_EQ(rs.exit_code, 0) << rs.err;
-  Copies reaper{json::parse(rs.out)};
+  Copies reaper = restore();
   EXPECT_EQ(ask(reaper.copies[0].port, "CHECK").substr(0, 2), "OK");
 }
 
 // A worker whose stdin and stdout are pipes to its parent (Python's subprocess with PIPE): those
 // pipes are the tree's own, and a copy keeps them. Only stdio that leads out of the tree (the
 // log the test gave the parent) goes to the copy's output.log.
-TEST(CheckpointRestore, AWorkerPipedToItsParentKeepsItsPipesInTheCopy) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload source(dir,
-                  {"python3", build_path("tests/frameworks.py"), "--framework", "tree", "--cpu"},
-                  std::chrono::seconds(30));
+TEST_F(CheckpointRestore, AWorkerPipedToItsParentKeepsItsPipesInTheCopy) {
+  auto& source =
+      start({"python3", build_path("tests/frameworks.py"), "--framework", "tree", "--cpu"},
+            std::chrono::seconds(30));
   auto before = ask(source.port(), "CHECK");
   ASSERT_EQ(before.substr(0, 12), "OK max_err=0") << before;
-  auto snap = dir / "snap";
-  auto cp = gpusnap({"checkpoint", "--pid", std::to_string(source.pid()), "-o", snap.string(),
-                     "--leave-running"});
-  ASSERT_EQ(cp.exit_code, 0) << cp.err;
+  capture({"--leave-running"});
   auto manifest = json::parse(fs::read_file(snap / "manifest.json"));
   ASSERT_EQ(manifest["processes"].size(), 2u);
   EXPECT_EQ(manifest["processes"][1]["stdio"].size(), 1u)  // its stderr, the test's log
       << manifest["processes"][1]["stdio"].dump();
-  auto rs =
-      gpusnap({"restore", snap.string(), "--publish", std::to_string(source.port()), "--json"});
-  ASSERT_EQ(rs.exit_code, 0) << rs.err;
-  Copies reaper{json::parse(rs.out)};
+  Copies reaper = restore();
   auto after = ask(reaper.copies[0].port, "CHECK");
   EXPECT_EQ(after.substr(0, 12), "OK max_err=0") << after;
   EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 12), "OK max_err=0");
 }
 
-TEST(CheckpointRestore, EstablishedConnectionSurvivesTheCapture) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload source(dir, {"--mib", "8"});
+TEST_F(CheckpointRestore, EstablishedConnectionSurvivesTheCapture) {
+  auto& source = start({"--mib", "8"});
   // A client connected across the checkpoint: CRIU must dump the established connection and
   // the source must keep serving it afterwards.
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -133,10 +111,7 @@ TEST(CheckpointRestore, EstablishedConnectionSurvivesTheCapture) {
   char buf[16] = {};
   ASSERT_EQ(::read(fd, buf, sizeof buf), 5);
 
-  auto snap = dir / "snap";
-  auto cp = gpusnap({"checkpoint", "--pid", std::to_string(source.pid()), "-o", snap.string(),
-                     "--leave-running"});
-  ASSERT_EQ(cp.exit_code, 0) << cp.err;
+  capture({"--leave-running"});
   ASSERT_EQ(::write(fd, "PING\n", 5), 5);
   ASSERT_EQ(::read(fd, buf, sizeof buf), 5);
   EXPECT_EQ(std::string(buf, 5), "PONG\n");
@@ -144,22 +119,13 @@ TEST(CheckpointRestore, EstablishedConnectionSurvivesTheCapture) {
 
   // The copy restores with the connection closed (its peer is not in the copy's namespace)
   // and serves new ones.
-  auto rs =
-      gpusnap({"restore", snap.string(), "--publish", std::to_string(source.port()), "--json"});
-  ASSERT_EQ(rs.exit_code, 0) << rs.err;
-  Copies reaper{json::parse(rs.out)};
+  Copies reaper = restore();
   EXPECT_EQ(ask(reaper.copies[0].port, "PING"), "PONG");
 }
 
-TEST(CheckpointRestore, InspectShowsTheTree) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload source(dir, {"--mib", "8", "--children", "2"});
-  auto snap = dir / "snap";
-  ASSERT_EQ(gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
-                     "--leave-running"})
-                .exit_code,
-            0);
+TEST_F(CheckpointRestore, InspectShowsTheTree) {
+  auto& source = start({"--mib", "8", "--children", "2"});
+  capture({"--leave-running"});
   auto human = gpusnap({"inspect", snap.string()});
   ASSERT_EQ(human.exit_code, 0) << human.err;
   EXPECT_NE(human.out.find("processes  3"), std::string::npos) << human.out;
@@ -194,15 +160,9 @@ void flip_byte(const std::filesystem::path& file, off_t offset) {
   ::close(fd);
 }
 
-TEST(Verify, CatchesOneFlippedByteAndRestoreRefuses) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload source(dir, {"--mib", "16"});
-  auto snap = dir / "snap";
-  ASSERT_EQ(gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
-                     "--leave-running"})
-                .exit_code,
-            0);
+TEST_F(Verify, CatchesOneFlippedByteAndRestoreRefuses) {
+  start({"--mib", "16"});
+  capture({"--leave-running"});
   auto pages = largest_file(snap);
   flip_byte(pages, static_cast<off_t>(std::filesystem::file_size(pages) / 2));
 
@@ -222,15 +182,9 @@ TEST(Verify, CatchesOneFlippedByteAndRestoreRefuses) {
   EXPECT_EQ(pid_namespaces(), before);  // refused before anything started
 }
 
-TEST(BadInput, EachGetsItsMessageAndExitCode) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload source(dir, {"--mib", "4"});
-  auto snap = dir / "snap";
-  ASSERT_EQ(gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
-                     "--leave-running"})
-                .exit_code,
-            0);
+TEST_F(BadInput, EachGetsItsMessageAndExitCode) {
+  auto& source = start({"--mib", "4"});
+  capture({"--leave-running"});
 
   auto expect = [](const CliResult& r, int code, const std::string& text) {
     EXPECT_EQ(r.exit_code, code) << r.err;
@@ -290,23 +244,19 @@ TEST(BadInput, EachGetsItsMessageAndExitCode) {
   expect(gpusnap({"inspect", truncated.string()}), 4, "is not valid JSON");
 }
 
-TEST(BadInput, IoUringIsRefusedBeforeAnythingIsFrozen) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  std::unique_ptr<Workload> source;
+TEST_F(BadInput, IoUringIsRefusedBeforeAnythingIsFrozen) {
   try {
-    source = std::make_unique<Workload>(dir, std::vector<std::string>{"--mib", "4", "--io-uring"});
+    start({"--mib", "4", "--io-uring"});
   } catch (const std::exception& e) {
     GTEST_SKIP() << "skipped: io_uring is disabled on this host";
   }
-  auto r =
-      gpusnap({"checkpoint", "-p", std::to_string(source->pid()), "-o", (dir / "snap").string()});
+  auto r = gpusnap({"checkpoint", "-p", std::to_string(source().pid()), "-o", snap.string()});
   EXPECT_EQ(r.exit_code, 6);
   EXPECT_NE(r.err.find("holds an io_uring instance"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("gpusnap run"), std::string::npos) << r.err;
   EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
   EXPECT_FALSE(std::filesystem::exists(dir / "snap.criu-dump.log"));  // CRIU never ran
-  EXPECT_EQ(ask(source->port(), "CHECK").substr(0, 2), "OK");
+  EXPECT_EQ(ask(source().port(), "CHECK").substr(0, 2), "OK");
 }
 
 // Every directory entry of `dir` whose name contains `part`.
@@ -334,11 +284,8 @@ std::vector<pid_t> criu_processes(const std::string& needle) {
   return out;
 }
 
-TEST(Faults, KilledMidCheckpointLeavesSourceRunningAndNoArtifact) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload source(dir, {"--mib", "1024", "--threads", "2"});
-  auto snap = dir / "snap";
+TEST_F(Faults, KilledMidCheckpointLeavesSourceRunningAndNoArtifact) {
+  auto& source = start({"--mib", "1024", "--threads", "2"});
   common::SpawnOptions o;
   o.argv = {gpusnap_bin(), "checkpoint",  "-p",     std::to_string(source.pid()),
             "-o",          snap.string(), "--quiet"};
@@ -357,15 +304,9 @@ TEST(Faults, KilledMidCheckpointLeavesSourceRunningAndNoArtifact) {
   EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
 }
 
-TEST(Faults, FailedRestoreLeavesNoProcessOrNamespace) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload source(dir, {"--mib", "8"});
-  auto snap = dir / "snap";
-  ASSERT_EQ(gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
-                     "--leave-running"})
-                .exit_code,
-            0);
+TEST_F(Faults, FailedRestoreLeavesNoProcessOrNamespace) {
+  start({"--mib", "8"});
+  capture({"--leave-running"});
   // Damage CRIU's view of the process tree in a way only CRIU notices (with --no-verify).
   auto pstree = snap / "criu" / "pstree.img";
   std::filesystem::resize_file(pstree, 0);
@@ -383,15 +324,9 @@ TEST(Faults, FailedRestoreLeavesNoProcessOrNamespace) {
   EXPECT_TRUE(eventually([&] { return pid_namespaces() == before; }));
 }
 
-TEST(Faults, KilledMidRestoreLeavesNoProcessOrNamespace) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload source(dir, {"--mib", "1024", "--threads", "2"});
-  auto snap = dir / "snap";
-  ASSERT_EQ(gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
-                     "--leave-running"})
-                .exit_code,
-            0);
+TEST_F(Faults, KilledMidRestoreLeavesNoProcessOrNamespace) {
+  auto& source = start({"--mib", "1024", "--threads", "2"});
+  capture({"--leave-running"});
   auto before = pid_namespaces();
   common::SpawnOptions o;
   o.argv = {gpusnap_bin(), "restore", snap.string(), "--replicas", "2", "--no-verify", "--quiet"};

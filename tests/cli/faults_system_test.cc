@@ -24,13 +24,16 @@
 #include "common/fd.h"
 #include "common/fs.h"
 #include "common/subprocess.h"
-#include "testing/harness.h"
+#include "testing/capture_restore.h"
 
 namespace gpusnap::testing {
 namespace {
 
 namespace stdfs = std::filesystem;
 using nlohmann::json;
+using BadCommandLine = CaptureRestoreTest;
+using Permissions = CaptureRestoreTest;
+using Faults = CaptureRestoreTest;
 
 // A tmpfs of `size` mounted at DIR/NAME for the test's lifetime.
 class SmallFilesystem {
@@ -65,12 +68,10 @@ void expect_error(const CliResult& r, int code, const std::string& line) {
   EXPECT_EQ(r.err, "gpusnap: error: " + line + "\n");
 }
 
-TEST(BadCommandLine, RefusedBeforeAnyCapture) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload source(dir);
+TEST_F(BadCommandLine, RefusedBeforeAnyCapture) {
+  auto& source = start();
   const auto pid = std::to_string(source.pid());
-  const auto out = (dir / "snap").string();
+  const auto out = snap.string();
   const std::string help = " (fix: see `gpusnap checkpoint --help`)";
   expect_error(gpusnap({"checkpoint", "--pid", pid, "-o", out, "extra"}), 2,
                "unexpected argument 'extra' for checkpoint" + help);
@@ -103,31 +104,26 @@ TEST(BadCommandLine, RefusedBeforeAnyCapture) {
   EXPECT_EQ(ask(source.port(), "CHECK").substr(0, 2), "OK");
 }
 
-TEST(BadCommandLine, ReadOnlyOutputIsAUsageError) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
+TEST_F(BadCommandLine, ReadOnlyOutputIsAUsageError) {
   SmallFilesystem ro(dir, "ro", "size=1m");
   if (!ro.mounted()) GTEST_SKIP() << "skipped: cannot mount a tmpfs here";
   ASSERT_EQ(::mount(nullptr, ro.path().c_str(), nullptr, MS_REMOUNT | MS_RDONLY, nullptr), 0);
-  Workload source(dir);
-  expect_error(gpusnap({"checkpoint", "--pid", std::to_string(source.pid()), "-o",
+  expect_error(gpusnap({"checkpoint", "--pid", std::to_string(start().pid()), "-o",
                         (ro.path() / "snap").string(), "--quiet"}),
                2,
                "output directory " + ro.path().string() +
                    " is read-only (fix: choose an -o path on a writable filesystem)");
 }
 
-TEST(Permissions, ArtifactIsRootOnlyWhateverTheUmask) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload source(dir, {"--mib", "8"});
+TEST_F(Permissions, ArtifactIsRootOnlyWhateverTheUmask) {
+  start({"--mib", "8"});
   const mode_t old = ::umask(022);  // the child gpusnap inherits it
-  auto cp = gpusnap({"checkpoint", "--pid", std::to_string(source.pid()), "-o",
-                     (dir / "snap").string(), "--leave-running"});
+  auto cp = gpusnap({"checkpoint", "--pid", std::to_string(source().pid()), "-o", snap.string(),
+                     "--leave-running"});
   ::umask(old);
   ASSERT_EQ(cp.exit_code, 0) << cp.err;
   int checked = 0;
-  for (const auto& e : stdfs::recursive_directory_iterator(dir / "snap")) {
+  for (const auto& e : stdfs::recursive_directory_iterator(snap)) {
     struct stat st {};
     ASSERT_EQ(::lstat(e.path().c_str(), &st), 0);
     EXPECT_EQ(st.st_mode & 077, 0u) << e.path() << " is readable by others";
@@ -137,16 +133,12 @@ TEST(Permissions, ArtifactIsRootOnlyWhateverTheUmask) {
 }
 
 // Kills gpusnap with SIGKILL at a random moment of a capture, `kTrials` times.
-TEST(Faults, KilledAtRandomPointsOfACapture) {
-  SKIP_WITHOUT_CRIU();
+TEST_F(Faults, KilledAtRandomPointsOfACapture) {
   constexpr int kTrials = 12;
-  TempDir dir;
-  Workload source(dir, {"--mib", "32", "--threads", "2"});
+  auto& source = start({"--mib", "32", "--threads", "2"});
   // How long a whole capture takes here: the kills fall within it.
   const auto started = std::chrono::steady_clock::now();
-  auto full = gpusnap({"checkpoint", "--pid", std::to_string(source.pid()), "-o",
-                       (dir / "whole").string(), "--leave-running"});
-  ASSERT_EQ(full.exit_code, 0) << full.err;
+  capture({"--leave-running"});
   const auto span = std::chrono::duration_cast<std::chrono::milliseconds>(
       std::chrono::steady_clock::now() - started);
   std::mt19937 rng(std::random_device{}());
@@ -160,10 +152,10 @@ TEST(Faults, KilledAtRandomPointsOfACapture) {
     o.argv = {
         gpusnap_bin(),           "checkpoint",      "--pid",  std::to_string(source.pid()), "-o",
         (out / "snap").string(), "--leave-running", "--quiet"};
-    common::Subprocess capture(o);
+    common::Subprocess killed(o);
     std::this_thread::sleep_for(std::chrono::milliseconds(delay));
-    capture.kill(SIGKILL);
-    capture.wait();
+    killed.kill(SIGKILL);
+    killed.wait();
     // The guardian finishes (or abandons) CRIU's dump on its own; recover sweeps the rest.
     ASSERT_TRUE(eventually(
         [&] {
@@ -189,15 +181,13 @@ TEST(Faults, KilledAtRandomPointsOfACapture) {
 }
 
 // A capture that runs out of space in CRIU's dump, `kTrials` times.
-TEST(Faults, DiskFullDuringTheDumpKeepsTheRealLog) {
-  SKIP_WITHOUT_CRIU();
+TEST_F(Faults, DiskFullDuringTheDumpKeepsTheRealLog) {
   constexpr int kTrials = 3;
-  TempDir dir;
   // Room enough for the capture's own check before anything is frozen (it asks for the tree's
   // memory, ~60 MiB); the disk fills once CRIU's dump has started, as another writer would.
   SmallFilesystem small(dir, "small", "size=96m");
   if (!small.mounted()) GTEST_SKIP() << "skipped: cannot mount a tmpfs here";
-  Workload source(dir, {"--mib", "48"});
+  auto& source = start({"--mib", "48"});
   for (int trial = 0; trial < kTrials; ++trial) {
     const auto out = small.path() / "snap";
     const auto filler = small.path() / "filler";
@@ -261,11 +251,9 @@ bool capture_lock_held(pid_t pid) {
 // A gpusnap killed while CRIU dumps, `kTrials` times: the guardian finishes the dump, and the
 // process stays locked against a new capture until it has (the lock used to die with gpusnap,
 // and a capture started then ran into the orphaned dump inside CRIU).
-TEST(Faults, KilledCaptureKeepsTheLockUntilItsGuardianEnds) {
-  SKIP_WITHOUT_CRIU();
+TEST_F(Faults, KilledCaptureKeepsTheLockUntilItsGuardianEnds) {
   constexpr int kTrials = 3;
-  TempDir dir;
-  Workload source(dir, {"--mib", "512"});
+  auto& source = start({"--mib", "512"});
   for (int trial = 0; trial < kTrials; ++trial) {
     const auto out = dir / "out";
     stdfs::create_directories(out);
@@ -279,7 +267,7 @@ TEST(Faults, KilledCaptureKeepsTheLockUntilItsGuardianEnds) {
               "--leave-running",
               "--no-host-images",
               "--quiet"};
-    common::Subprocess capture(o);
+    common::Subprocess killed(o);
     // The dump has started when its log exists in the staging folder.
     ASSERT_TRUE(eventually(
         [&] {
@@ -291,8 +279,8 @@ TEST(Faults, KilledCaptureKeepsTheLockUntilItsGuardianEnds) {
         },
         std::chrono::seconds(30)))
         << "trial " << trial;
-    capture.kill(SIGKILL);
-    capture.wait();
+    killed.kill(SIGKILL);
+    killed.wait();
     EXPECT_TRUE(capture_lock_held(source.pid()))
         << "trial " << trial << ": the process was unlocked while its dump still ran";
     // Released once the guardian is done; then recover leaves nothing, the source answers.
@@ -307,11 +295,9 @@ TEST(Faults, KilledCaptureKeepsTheLockUntilItsGuardianEnds) {
 }
 
 // Two captures of one process started together, `kTrials` times: one wins, the other says so.
-TEST(Faults, ConcurrentCapturesOfOneProcess) {
-  SKIP_WITHOUT_CRIU();
+TEST_F(Faults, ConcurrentCapturesOfOneProcess) {
   constexpr int kTrials = 4;
-  TempDir dir;
-  Workload source(dir, {"--mib", "32"});
+  auto& source = start({"--mib", "32"});
   int refused = 0;
   for (int trial = 0; trial < kTrials; ++trial) {
     std::vector<CliResult> results(2);

@@ -21,12 +21,14 @@
 #include "common/proc.h"
 #include "common/subprocess.h"
 #include "engine/python_site.h"
-#include "testing/harness.h"
+#include "testing/capture_restore.h"
 
 namespace gpusnap::testing {
 namespace {
 
 using nlohmann::json;
+using Handshake = CaptureRestoreTest;
+using MemoryTierPlumbing = CaptureRestoreTest;
 
 std::string cxx_worker() { return build_path("tests/gpusnap-example-handshake-worker"); }
 
@@ -48,10 +50,10 @@ uint16_t read_port(const std::filesystem::path& ready) {
   return static_cast<uint16_t>(std::stoi(text));
 }
 
-void run_capture_and_restore(const std::vector<std::string>& worker) {
-  TempDir dir;
+// `gpusnap run` of `worker` captured into `snap`, and two copies restored from it.
+void run_capture_and_restore(const TempDir& dir, const std::filesystem::path& snap,
+                             const std::vector<std::string>& worker) {
   auto ready = dir / "port";
-  auto snap = dir / "snap";
   std::vector<std::string> args = {"run", "-o", snap.string(), "--leave-running", "--json", "--"};
   args.insert(args.end(), worker.begin(), worker.end());
   args.insert(args.end(), {"--cache-mib", "256", "--ready-file", ready.string()});
@@ -86,10 +88,7 @@ void run_capture_and_restore(const std::vector<std::string>& worker) {
   EXPECT_LT(manifest["total_bytes"].get<uint64_t>(), 128ull << 20);
   EXPECT_FALSE(manifest["handshake"].is_null());
 
-  auto rs = gpusnap({"restore", snap.string(), "--replicas", "2", "--set", "greeting=hello",
-                     "--publish", std::to_string(port), "--json"});
-  ASSERT_EQ(rs.exit_code, 0) << rs.err;
-  Copies copies{json::parse(rs.out)};
+  Copies copies = restore(snap, port, {"--replicas", "2", "--set", "greeting=hello"});
   EXPECT_TRUE(copies.doc["handshake"].get<bool>());
   for (size_t i = 0; i < 2; ++i) {
     // RESUMED came before restore returned: the copy serves at once, with its own context.
@@ -105,26 +104,21 @@ void run_capture_and_restore(const std::vector<std::string>& worker) {
   EXPECT_EQ(ask(port, "INCR"), "2");
 }
 
-TEST(Handshake, RunCapturesAtReadyAndCopiesResumeWithTheirOwnContext) {
-  SKIP_WITHOUT_CRIU();
-  run_capture_and_restore({cxx_worker()});
+TEST_F(Handshake, RunCapturesAtReadyAndCopiesResumeWithTheirOwnContext) {
+  run_capture_and_restore(dir, snap, {cxx_worker()});
 }
 
-TEST(Handshake, PythonClientDoesTheSame) {
-  SKIP_WITHOUT_CRIU();
-  run_capture_and_restore({"python3", build_path("tests/handshake_worker.py")});
+TEST_F(Handshake, PythonClientDoesTheSame) {
+  run_capture_and_restore(dir, snap, {"python3", build_path("tests/handshake_worker.py")});
 }
 
-TEST(Handshake, WorkloadThatNeverSaysReadyTimesOutAndIsStopped) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
+TEST_F(Handshake, WorkloadThatNeverSaysReadyTimesOutAndIsStopped) {
   auto marker = (dir / "never-ready-port").string();
-  auto run =
-      gpusnap({"run", "-o", (dir / "snap").string(), "--ready-timeout", "2", "--", "/usr/bin/env",
-               "GPUSNAP_EXAMPLE_NEVER_READY=1", cxx_worker(), "--ready-file", marker});
+  auto run = gpusnap({"run", "-o", snap.string(), "--ready-timeout", "2", "--", "/usr/bin/env",
+                      "GPUSNAP_EXAMPLE_NEVER_READY=1", cxx_worker(), "--ready-file", marker});
   EXPECT_EQ(run.exit_code, 11) << run.err;
   EXPECT_NE(run.err.find("did not say READY within 2 s"), std::string::npos) << run.err;
-  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  EXPECT_FALSE(std::filesystem::exists(snap));
   // gpusnap launched it and it never became capturable: it is gone.
   EXPECT_TRUE(eventually([&] {
     for (const auto& e : std::filesystem::directory_iterator("/proc")) {
@@ -154,16 +148,14 @@ struct HandshakeWorker {
   }
 };
 
-TEST(Handshake, FailedPauseAbortsTheCaptureAndLeavesTheSourceServing) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
+TEST_F(Handshake, FailedPauseAbortsTheCaptureAndLeavesTheSourceServing) {
   HandshakeWorker worker(dir, "fail");
   ASSERT_EQ(ask(worker.process->port(), "INCR"), "1");
-  auto cp = gpusnap(
-      {"checkpoint", "-p", std::to_string(worker.process->pid()), "-o", (dir / "snap").string()});
+  auto cp =
+      gpusnap({"checkpoint", "-p", std::to_string(worker.process->pid()), "-o", snap.string()});
   EXPECT_EQ(cp.exit_code, 9) << cp.err;
   EXPECT_NE(cp.err.find("answered FAILED to pause: refused by test"), std::string::npos) << cp.err;
-  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  EXPECT_FALSE(std::filesystem::exists(snap));
   EXPECT_EQ(ask(worker.process->port(), "INCR"), "2");
   EXPECT_TRUE(running(worker.process->pid()));
 }
@@ -171,16 +163,13 @@ TEST(Handshake, FailedPauseAbortsTheCaptureAndLeavesTheSourceServing) {
 // gpusnap killed (SIGKILL: nothing of its own runs) while the workload pauses: the capture's
 // guardian resumes the workload once its pause ends, with no gpusnap run afterwards, and
 // removes the staging directory.
-TEST(Handshake, GpusnapKilledDuringThePauseLeavesTheWorkloadServing) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
+TEST_F(Handshake, GpusnapKilledDuringThePauseLeavesTheWorkloadServing) {
   HandshakeWorker worker(dir, "slow");  // 3 s to pause
   const uint16_t port = worker.process->port();
   ASSERT_EQ(ask(port, "INCR"), "1");
   common::SpawnOptions o;
-  o.argv = {
-      gpusnap_bin(),           "checkpoint", "-p", std::to_string(worker.process->pid()), "-o",
-      (dir / "snap").string(), "--quiet"};
+  o.argv = {gpusnap_bin(), "checkpoint",  "-p",     std::to_string(worker.process->pid()),
+            "-o",          snap.string(), "--quiet"};
   common::Subprocess cp(o);
   ASSERT_TRUE(eventually([&] { return std::filesystem::exists(worker.control / "pause"); }));
   // The workload polls every 20-50 ms: by now it is in its 3 s pause.
@@ -199,7 +188,7 @@ TEST(Handshake, GpusnapKilledDuringThePauseLeavesTheWorkloadServing) {
   const auto info = ask(port, "INFO");
   EXPECT_EQ(field(info, "restored"), "0") << info;
   EXPECT_NE(field(info, "cache_mib"), "0") << info;
-  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  EXPECT_FALSE(std::filesystem::exists(snap));
   EXPECT_TRUE(eventually([&] {
     for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
       if (e.path().filename().string().rfind(".snap", 0) == 0) return false;
@@ -261,19 +250,13 @@ StandInRun run_tier_standin(const TempDir& dir, const std::filesystem::path& sna
 }
 
 // `gpusnap verify` of `snap` (its tier files are checksummed like the rest), then two copies of
-// it, each publishing `port`; no copies when the restore failed (reported).
+// it, each publishing `port` (a restore that fails stops the test).
 Copies verify_and_restore_two_copies(const std::filesystem::path& snap, uint16_t port) {
   EXPECT_EQ(gpusnap({"verify", snap.string()}).exit_code, 0);
-  auto rs = gpusnap(
-      {"restore", snap.string(), "--replicas", "2", "--publish", std::to_string(port), "--json"});
-  EXPECT_EQ(rs.exit_code, 0) << rs.err;
-  return Copies{rs.exit_code == 0 ? json::parse(rs.out) : json{{"copies", json::array()}}};
+  return restore(snap, port, {"--replicas", "2"});
 }
 
-TEST(MemoryTierPlumbing, DrainedIntoTheArtifactChecksummedAndFilledByEachCopy) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  auto snap = dir / "snap";
+TEST_F(MemoryTierPlumbing, DrainedIntoTheArtifactChecksummedAndFilledByEachCopy) {
   auto source = run_tier_standin(dir, snap);
   const uint16_t port = source.port;
   ASSERT_NE(port, 0);
@@ -311,10 +294,7 @@ TEST(MemoryTierPlumbing, DrainedIntoTheArtifactChecksummedAndFilledByEachCopy) {
 // A workload of several processes with a tier each (tensor-parallel ranks), one of them
 // speaking the handshake for all through gpusnap_handshake.TierGroup: every rank drains its own
 // files into the one folder, and every rank of every copy fills from the artifact.
-TEST(MemoryTierPlumbing, EveryRankOfAWorkloadDrainsAndFillsItsOwnTier) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  auto snap = dir / "snap";
+TEST_F(MemoryTierPlumbing, EveryRankOfAWorkloadDrainsAndFillsItsOwnTier) {
   auto source = run_tier_standin(dir, snap, {"--ranks", "3"});
   const uint16_t port = source.port;
   ASSERT_NE(port, 0);
@@ -343,10 +323,7 @@ TEST(MemoryTierPlumbing, EveryRankOfAWorkloadDrainsAndFillsItsOwnTier) {
   }
 }
 
-TEST(MemoryTierPlumbing, ADamagedTierFileRefusesTheRestore) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  auto snap = dir / "snap";
+TEST_F(MemoryTierPlumbing, ADamagedTierFileRefusesTheRestore) {
   std::vector<std::string> args = {"run", "-o", snap.string(), "--json", "--"};
   auto worker = tier_standin();
   args.insert(args.end(), worker.begin(), worker.end());
@@ -370,9 +347,7 @@ TEST(MemoryTierPlumbing, ADamagedTierFileRefusesTheRestore) {
 
 // gpusnap killed after the workload's tier has written its files: the guardian has the
 // workload fill them back before it removes the staging directory.
-TEST(MemoryTierPlumbing, GpusnapKilledDuringTheDrainLeavesTheWorkloadWithItsMemory) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
+TEST_F(MemoryTierPlumbing, GpusnapKilledDuringTheDrainLeavesTheWorkloadWithItsMemory) {
   auto control = dir / "control";
   std::filesystem::create_directories(control);
   auto argv = tier_standin("3");  // files written, then 3 s before the memory is released
@@ -382,8 +357,8 @@ TEST(MemoryTierPlumbing, GpusnapKilledDuringTheDrainLeavesTheWorkloadWithItsMemo
   ASSERT_TRUE(eventually([&] { return std::filesystem::exists(control / "ready"); }));
   ASSERT_EQ(ask(worker.port(), "CHECK"), "OK");
   common::SpawnOptions o;
-  o.argv = {gpusnap_bin(),           "checkpoint", "-p", std::to_string(worker.pid()), "-o",
-            (dir / "snap").string(), "--quiet"};
+  o.argv = {gpusnap_bin(), "checkpoint",  "-p",     std::to_string(worker.pid()),
+            "-o",          snap.string(), "--quiet"};
   common::Subprocess cp(o);
   // Killed once the drain's files are there: from then on they may be the only copy.
   ASSERT_TRUE(eventually([&] {
@@ -412,24 +387,18 @@ TEST(MemoryTierPlumbing, GpusnapKilledDuringTheDrainLeavesTheWorkloadWithItsMemo
   })) << "a staging directory was left";
 }
 
-TEST(Handshake, WorkloadDyingDuringThePauseAbortsTheCapture) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
+TEST_F(Handshake, WorkloadDyingDuringThePauseAbortsTheCapture) {
   HandshakeWorker worker(dir, "die");
-  auto cp = gpusnap(
-      {"checkpoint", "-p", std::to_string(worker.process->pid()), "-o", (dir / "snap").string()});
+  auto cp =
+      gpusnap({"checkpoint", "-p", std::to_string(worker.process->pid()), "-o", snap.string()});
   EXPECT_EQ(cp.exit_code, 9) << cp.err;
   EXPECT_NE(cp.err.find("exited during pause"), std::string::npos) << cp.err;
-  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  EXPECT_FALSE(std::filesystem::exists(snap));
 }
 
-TEST(Handshake, CheckpointSaysWhenItCapturesWithoutTheHandshake) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  Workload plain(dir, {"--mib", "4"});
-  auto cp = gpusnap({"checkpoint", "-p", std::to_string(plain.pid()), "-o", (dir / "snap").string(),
-                     "--leave-running"});
-  ASSERT_EQ(cp.exit_code, 0) << cp.err;
+TEST_F(Handshake, CheckpointSaysWhenItCapturesWithoutTheHandshake) {
+  start({"--mib", "4"});
+  auto cp = capture({"--leave-running"});
   EXPECT_NE(cp.err.find("does not speak the workload handshake"), std::string::npos) << cp.err;
 }
 
@@ -444,10 +413,7 @@ size_t launched() {
   return n;
 }
 
-TEST(Handshake, RunRefusesAPreloadLibraryThatIsNotThere) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  auto snap = dir / "snap";
+TEST_F(Handshake, RunRefusesAPreloadLibraryThatIsNotThere) {
   size_t before = launched();
   auto r = common::run_capture({"/usr/bin/env",
                                 "GPUSNAP_PRELOAD_LIBRARY=/nonexistent/libgpusnap-preload.so",
@@ -468,17 +434,15 @@ TEST(Handshake, RunRefusesAPreloadLibraryThatIsNotThere) {
 // beside the built gpusnap; the real libgpusnap-tier.so, found beside libgpusnap-preload.so in
 // LD_PRELOAD, is the allocator and the tier the client drains (nothing allocated, nothing to drain
 // on a CPU). The GPU test is MemoryTier.GpusnapRunInstallsTheTierWithoutTheOneLine.
-TEST(Handshake, RunWithMemoryTierInstallsTheTierWhenThePythonWorkloadImportsTorch) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
+TEST_F(Handshake, RunWithMemoryTierInstallsTheTierWhenThePythonWorkloadImportsTorch) {
   const auto report_path = dir / "report.json";
   const auto standin = build_path("tests/torch_standin");
   ScopedEnv python_path("PYTHONPATH", standin);
   ScopedEnv torch_log("TORCH_STANDIN_LOG", (dir / "torch.log").string());
   ScopedEnv no_site(engine::kPythonSiteEnv, "");
-  auto run = gpusnap({"run", "--memory-tier", "-o", (dir / "snap").string(), "--json",
-                      "--ready-timeout", "30", "--", "python3",
-                      build_path("tests/tier_site_probe.py"), "--report", report_path.string()});
+  auto run = gpusnap({"run", "--memory-tier", "-o", snap.string(), "--json", "--ready-timeout",
+                      "30", "--", "python3", build_path("tests/tier_site_probe.py"), "--report",
+                      report_path.string()});
   std::string text;
   ASSERT_TRUE(fs::try_read_file(report_path, &text)) << run.err;
   const json report = json::parse(text);
@@ -506,10 +470,7 @@ TEST(Handshake, RunWithMemoryTierInstallsTheTierWhenThePythonWorkloadImportsTorc
       << doc["notes"];
 }
 
-TEST(Handshake, RunWithMemoryTierRefusesAMissingPythonSiteFolder) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  auto snap = dir / "snap";
+TEST_F(Handshake, RunWithMemoryTierRefusesAMissingPythonSiteFolder) {
   size_t before = launched();
   ScopedEnv site(engine::kPythonSiteEnv, (dir / "no-such-folder").string());
   auto run = gpusnap({"run", "--memory-tier", "-o", snap.string(), "--", "python3", "-c", "1"});
@@ -525,10 +486,8 @@ TEST(Handshake, RunWithMemoryTierRefusesAMissingPythonSiteFolder) {
   EXPECT_EQ(launched(), before);  // no launch directory left behind
 }
 
-TEST(Handshake, RunRefusesIoUringToTheWorkload) {
-  SKIP_WITHOUT_CRIU();
-  TempDir dir;
-  auto run = gpusnap({"run", "-o", (dir / "snap").string(), "--ready-timeout", "10", "--",
+TEST_F(Handshake, RunRefusesIoUringToTheWorkload) {
+  auto run = gpusnap({"run", "-o", snap.string(), "--ready-timeout", "10", "--",
                       build_path("tests/gpusnap-test-workload"), "--io-uring"});
   // The test workload insists on io_uring: under `gpusnap run` the kernel says ENOSYS, as it
   // would where io_uring is absent, and the workload says so.

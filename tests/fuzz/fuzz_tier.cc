@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "engine/tier_files.h"
@@ -35,19 +36,30 @@ constexpr std::size_t kFileBytes = std::size_t{96} << 10;
 constexpr std::size_t kGranularity = std::size_t{2} << 20;  // the fake's
 constexpr std::size_t kMaxFilled = std::size_t{16} << 20;
 
-// kFiles files of kFileBytes, made once.
+// kFiles files of kFileBytes, made once and removed at exit (the corpus replay runs in every
+// suite run).
 const std::filesystem::path& files_folder() {
-  static const std::filesystem::path dir = [] {
-    char name[] = "/tmp/gpusnap-fuzz-tier-XXXXXX";
-    if (::mkdtemp(name) == nullptr) std::abort();
-    const std::vector<char> bytes(kFileBytes, 'x');
-    for (std::size_t k = 0; k < kFiles; ++k) {
-      std::ofstream(std::filesystem::path(name) / ("f" + std::to_string(k)), std::ios::binary)
-          .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  struct Folder {
+    std::filesystem::path path;
+    Folder() {
+      char name[] = "/tmp/gpusnap-fuzz-tier-XXXXXX";
+      if (::mkdtemp(name) == nullptr) std::abort();
+      path = name;
+      const std::vector<char> bytes(kFileBytes, 'x');
+      for (std::size_t k = 0; k < kFiles; ++k) {
+        std::ofstream(path / ("f" + std::to_string(k)), std::ios::binary)
+            .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+      }
     }
-    return std::filesystem::path(name);
-  }();
-  return dir;
+    Folder(const Folder&) = delete;
+    Folder& operator=(const Folder&) = delete;
+    ~Folder() {
+      std::error_code ec;
+      std::filesystem::remove_all(path, ec);
+    }
+  };
+  static const Folder folder;
+  return folder.path;
 }
 
 void fill(const tier::TierLayout& layout) {

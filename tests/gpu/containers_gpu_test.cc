@@ -4,6 +4,7 @@
 // inside the placeholder's network namespace. The containers' root is the host's programs
 // (testing/containers.h, make_python_bundle), with the NVIDIA devices. "skipped: no GPU" without
 // one, "skipped: runc ..." without runc on the PATH (the GPU machine has none: carry Debian's).
+#include <cstdint>
 #include <filesystem>
 #include <iostream>
 #include <string>
@@ -85,18 +86,24 @@ json capture_and_restore(const std::string& tier_flag, double gib,
   return json::parse(fs::read_file(snap / "manifest.json"));
 }
 
+// The bytes of the artifact's tier files (tier/...), from its manifest.
+uint64_t tier_bytes(const json& manifest) {
+  uint64_t total = 0;
+  for (const auto& f : manifest.at("files")) {
+    if (f.at("path").get<std::string>().rfind("tier/", 0) == 0) {
+      total += f.at("size").get<uint64_t>();
+    }
+  }
+  return total;
+}
+
 // The tier's folders are mounted into the containers (docs/containers.md): the
 // weights go through the tier's files, and the copy fills from them.
 TEST(GpuContainer, WithTheMemoryTierRestoresIntoAPlaceholderBitExact) {
   GPUSNAP_SKIP_IF_BLOCKED(blocker());
   const json manifest = capture_and_restore("--tier", 4);
   ASSERT_FALSE(manifest.is_null());
-  uint64_t tier = 0;
-  for (const auto& f : manifest.at("files")) {
-    if (f.at("path").get<std::string>().rfind("tier/", 0) == 0)
-      tier += f.at("size").get<uint64_t>();
-  }
-  EXPECT_GE(tier, 4ULL << 30);
+  EXPECT_GE(tier_bytes(manifest), 4ULL << 30);
 }
 
 // `gpusnap init --memory-tier`: the workload never calls use_memory_tier() (--tier-by-gpusnap
@@ -106,12 +113,7 @@ TEST(GpuContainer, InitWithMemoryTierInstallsTheTierWithoutTheOneLine) {
   GPUSNAP_SKIP_IF_BLOCKED(blocker());
   const json manifest = capture_and_restore("--tier-by-gpusnap", 4, {"--memory-tier"});
   ASSERT_FALSE(manifest.is_null());
-  uint64_t tier = 0;
-  for (const auto& f : manifest.at("files")) {
-    if (f.at("path").get<std::string>().rfind("tier/", 0) == 0)
-      tier += f.at("size").get<uint64_t>();
-  }
-  EXPECT_GE(tier, 4ULL << 30);
+  EXPECT_GE(tier_bytes(manifest), 4ULL << 30);
 }
 
 // Without the tier the driver's host copy goes into host images through a mount in the

@@ -20,7 +20,7 @@
 #include "common/subprocess.h"
 #include "common/syscall_injection.h"
 #include "gpu/driver.h"
-#include "testing/harness.h"
+#include "testing/capture_restore.h"
 
 namespace gpusnap::testing {
 namespace {
@@ -39,6 +39,19 @@ std::optional<std::string> gpu_blocker(size_t gpus_needed = 1) {
 
 #define SKIP_WITHOUT_GPU(n) GPUSNAP_SKIP_IF_BLOCKED(gpu_blocker(n))
 
+// The CLI's capture and restore fixture, skipped where there is no GPU; a test that needs more
+// than one says so again in its body.
+class GpuTest : public CaptureRestoreTest {
+ protected:
+  void SetUp() override { SKIP_WITHOUT_GPU(1); }
+};
+using CudaWorkload = GpuTest;
+using TorchWorkload = GpuTest;
+using Remap = GpuTest;
+using KvCache = GpuTest;
+using MemoryTier = GpuTest;
+using MultiGpu = GpuTest;
+
 void record(const std::string& name, const json& result) {
   std::cout << "RESULT " << name << " " << result.dump() << std::endl;
 }
@@ -56,16 +69,11 @@ std::vector<std::string> torch_graph(const TempDir& dir, double gib) {
 
 std::string ok(const std::string& reply) { return reply.substr(0, 2); }
 
-TEST(CudaWorkload, CheckpointLeaveRunningThenRestoreWithMemoryIntact) {
-  SKIP_WITHOUT_GPU(1);
-  TempDir dir;
-  Workload source(dir, cuda_pattern(4), std::chrono::seconds(120));
+TEST_F(CudaWorkload, CheckpointLeaveRunningThenRestoreWithMemoryIntact) {
+  auto& source = start(cuda_pattern(4), std::chrono::seconds(120));
   auto before = ask(source.port(), "CHECK", std::chrono::seconds(60));
   ASSERT_EQ(ok(before), "OK") << before;
-  auto snap = dir / "snap";
-  auto cp = gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
-                     "--leave-running", "--json"});
-  ASSERT_EQ(cp.exit_code, 0) << cp.err;
+  auto cp = capture({"--leave-running", "--json"});
   record("cuda-4gib-checkpoint", json::parse(cp.out));
   // The source got its GPU state back and works on.
   EXPECT_EQ(ask(source.port(), "CHECK", std::chrono::seconds(60)), before);
@@ -75,29 +83,21 @@ TEST(CudaWorkload, CheckpointLeaveRunningThenRestoreWithMemoryIntact) {
   EXPECT_GE(inspect["gpu"]["processes"][0]["bytes"].get<uint64_t>(), 4ull << 30);
   EXPECT_FALSE(inspect["gpu"]["gpus"][0]["uuid"].get<std::string>().empty());
 
-  auto rs =
-      gpusnap({"restore", snap.string(), "--publish", std::to_string(source.port()), "--json"});
-  ASSERT_EQ(rs.exit_code, 0) << rs.err;
-  Copies copies{json::parse(rs.out)};
+  Copies copies = restore();
   record("cuda-4gib-restore", copies.doc);
   EXPECT_EQ(ask(copies.port(0), "CHECK", std::chrono::seconds(60)), before);
 }
 
-TEST(CudaWorkload, PreloadGivesTheDriversCheckpointItsMemoryAndEveryByteSurvives) {
-  SKIP_WITHOUT_GPU(1);
-  TempDir dir;
+TEST_F(CudaWorkload, PreloadGivesTheDriversCheckpointItsMemoryAndEveryByteSurvives) {
   // Started as `gpusnap run` and `gpusnap init` start workloads: with libgpusnap-preload.so.
   std::vector<std::string> argv = {
       "/usr/bin/env", "LD_PRELOAD=" + build_path("libgpusnap-preload.so"), "GPUSNAP_PRELOAD_LOG=1"};
   auto pattern = cuda_pattern(4);
   argv.insert(argv.end(), pattern.begin(), pattern.end());
-  Workload source(dir, argv, std::chrono::seconds(120));
+  auto& source = start(argv, std::chrono::seconds(120));
   auto before = ask(source.port(), "CHECK", std::chrono::seconds(60));
   ASSERT_EQ(ok(before), "OK") << before;
-  auto snap = dir / "snap";
-  auto cp = gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
-                     "--leave-running", "--json"});
-  ASSERT_EQ(cp.exit_code, 0) << cp.err;
+  auto cp = capture({"--leave-running", "--json"});
   record("cuda-4gib-preload-checkpoint", json::parse(cp.out));
   EXPECT_EQ(cp.err.find("runs without libgpusnap-preload.so"), std::string::npos) << cp.err;
   // The driver's region (4 GiB of pattern and the driver's own state) went through the library.
@@ -118,37 +118,24 @@ TEST(CudaWorkload, PreloadGivesTheDriversCheckpointItsMemoryAndEveryByteSurvives
       << cp.out;
   EXPECT_EQ(ask(source.port(), "CHECK", std::chrono::seconds(60)), before);
 
-  auto rs =
-      gpusnap({"restore", snap.string(), "--publish", std::to_string(source.port()), "--json"});
-  ASSERT_EQ(rs.exit_code, 0) << rs.err;
-  Copies copies{json::parse(rs.out)};
+  Copies copies = restore();
   EXPECT_EQ(ask(copies.port(0), "CHECK", std::chrono::seconds(60)), before);
 }
 
-TEST(CudaWorkload, TwoCopiesAtOnceOnOneGpu) {
-  SKIP_WITHOUT_GPU(1);
-  TempDir dir;
-  Workload source(dir, cuda_pattern(2), std::chrono::seconds(120));
+TEST_F(CudaWorkload, TwoCopiesAtOnceOnOneGpu) {
+  auto& source = start(cuda_pattern(2), std::chrono::seconds(120));
   auto before = ask(source.port(), "CHECK", std::chrono::seconds(60));
-  auto snap = dir / "snap";
-  auto cp = gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string()});
-  ASSERT_EQ(cp.exit_code, 0) << cp.err;
-  auto rs = gpusnap({"restore", snap.string(), "--replicas", "2", "--publish",
-                     std::to_string(source.port()), "--json"});
-  ASSERT_EQ(rs.exit_code, 0) << rs.err;
-  Copies copies{json::parse(rs.out)};
+  capture();
+  Copies copies = restore({"--replicas", "2"});
   record("cuda-2gib-two-copies-restore", copies.doc);
   for (size_t i = 0; i < 2; ++i) {
     EXPECT_EQ(ask(copies.port(i), "CHECK", std::chrono::seconds(60)), before) << "copy " << i;
   }
 }
 
-TEST(CudaWorkload, LockTimeoutLeavesTheWorkloadRunning) {
-  SKIP_WITHOUT_GPU(1);
-  TempDir dir;
-  Workload source(dir, cuda_pattern(1), std::chrono::seconds(120));
+TEST_F(CudaWorkload, LockTimeoutLeavesTheWorkloadRunning) {
+  auto& source = start(cuda_pattern(1), std::chrono::seconds(120));
   ASSERT_EQ(ask(source.port(), "BUSY 6000").substr(0, 4), "BUSY");
-  auto snap = dir / "snap";
   auto cp = gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
                      "--gpu-lock-timeout", "1"});
   EXPECT_EQ(cp.exit_code, 11) << cp.err;
@@ -159,9 +146,7 @@ TEST(CudaWorkload, LockTimeoutLeavesTheWorkloadRunning) {
 
 // The node agent carries GPU snapshots: the same checkpoint and restore as above, asked of a
 // running gpusnap-agent through `gpusnap --agent SOCKET`, storage named by the agent.
-TEST(CudaWorkload, CheckpointAndRestoreThroughTheAgent) {
-  SKIP_WITHOUT_GPU(1);
-  TempDir dir;
+TEST_F(CudaWorkload, CheckpointAndRestoreThroughTheAgent) {
   const std::string socket = (dir / "agent.sock").string();
   common::UniqueFd log(::open((dir / "agent.log").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
   common::SpawnOptions o;
@@ -184,7 +169,7 @@ TEST(CudaWorkload, CheckpointAndRestoreThroughTheAgent) {
       std::chrono::seconds(30)))
       << fs::read_file(dir / "agent.log");
 
-  Workload source(dir, cuda_pattern(4), std::chrono::seconds(120));
+  auto& source = start(cuda_pattern(4), std::chrono::seconds(120));
   auto before = ask(source.port(), "CHECK", std::chrono::seconds(60));
   ASSERT_EQ(ok(before), "OK") << before;
   auto cp = gpusnap({"--agent", socket, "checkpoint", "-p", std::to_string(source.pid()), "-o",
@@ -219,10 +204,8 @@ void expect_killed_capture_undone(common::Subprocess& cp, Workload& source,
 
 // gpusnap killed (SIGKILL) in the middle of the driver's checkpoint: the capture's guardian
 // returns the workload's GPU state, with no gpusnap run afterwards, and nothing is written.
-TEST(CudaWorkload, GpusnapKilledDuringTheGpuCheckpointLeavesTheWorkloadWorking) {
-  SKIP_WITHOUT_GPU(1);
-  TempDir dir;
-  Workload source(dir, cuda_pattern(4), std::chrono::seconds(120));
+TEST_F(CudaWorkload, GpusnapKilledDuringTheGpuCheckpointLeavesTheWorkloadWorking) {
+  auto& source = start(cuda_pattern(4), std::chrono::seconds(120));
   auto before = ask(source.port(), "CHECK", std::chrono::seconds(60));
   ASSERT_EQ(ok(before), "OK") << before;
   const std::filesystem::path journal = "/run/gpusnap/journal";
@@ -236,13 +219,13 @@ TEST(CudaWorkload, GpusnapKilledDuringTheGpuCheckpointLeavesTheWorkloadWorking) 
   };
   const auto old_entries = entries();
   common::SpawnOptions o;
-  o.argv = {gpusnap_bin(),           "checkpoint", "-p", std::to_string(source.pid()), "-o",
-            (dir / "snap").string(), "--quiet"};
+  o.argv = {gpusnap_bin(), "checkpoint",  "-p",     std::to_string(source.pid()),
+            "-o",          snap.string(), "--quiet"};
   common::Subprocess cp(o);
   // The journal entry appears before the lock; the checkpoint of 4 GiB then takes ~2.7 s.
   ASSERT_TRUE(eventually([&] { return entries() != old_entries; }, std::chrono::seconds(30)));
   std::this_thread::sleep_for(std::chrono::milliseconds(800));
-  expect_killed_capture_undone(cp, source, before, dir / "snap");
+  expect_killed_capture_undone(cp, source, before, snap);
   record("killed-mid-gpu-checkpoint", {{"answer", ask(source.port(), "CHECK")}});
 }
 
@@ -317,25 +300,17 @@ void kill_direct_capture(const std::string& name, bool after_the_drivers_call) {
   record(name, {{"answer", ask(source.port(), "CHECK")}});
 }
 
-TEST(CudaWorkload, GpusnapKilledWhileTheDriverWritesIntoTheArtifactLeavesTheWorkloadWorking) {
-  SKIP_WITHOUT_GPU(1);
+TEST_F(CudaWorkload, GpusnapKilledWhileTheDriverWritesIntoTheArtifactLeavesTheWorkloadWorking) {
   kill_direct_capture("killed-mid-direct-gpu-checkpoint", false);
 }
 
-TEST(CudaWorkload, GpusnapKilledAfterTheDriverWroteIntoTheArtifactLeavesTheWorkloadWorking) {
-  SKIP_WITHOUT_GPU(1);
+TEST_F(CudaWorkload, GpusnapKilledAfterTheDriverWroteIntoTheArtifactLeavesTheWorkloadWorking) {
   kill_direct_capture("killed-after-direct-gpu-checkpoint", true);
 }
 
-TEST(CudaWorkload, RefusesCopiesThatDoNotFitInGpuMemory) {
-  SKIP_WITHOUT_GPU(1);
-  TempDir dir;
-  Workload source(dir, cuda_pattern(4), std::chrono::seconds(120));
-  auto snap = dir / "snap";
-  ASSERT_EQ(gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
-                     "--leave-running"})
-                .exit_code,
-            0);
+TEST_F(CudaWorkload, RefusesCopiesThatDoNotFitInGpuMemory) {
+  start(cuda_pattern(4), std::chrono::seconds(120));
+  capture({"--leave-running"});
   auto rs = gpusnap({"restore", snap.string(), "--replicas", "100"});
   EXPECT_EQ(rs.exit_code, 5) << rs.err;
   EXPECT_NE(rs.err.find("free, the 100 copy(ies) need"), std::string::npos) << rs.err;
@@ -344,40 +319,25 @@ TEST(CudaWorkload, RefusesCopiesThatDoNotFitInGpuMemory) {
   EXPECT_NE(bad.err.find("no GPU '99' on this host"), std::string::npos) << bad.err;
 }
 
-TEST(TorchWorkload, CudaGraphReplaysAfterRestore) {
-  SKIP_WITHOUT_GPU(1);
-  TempDir dir;
-  Workload source(dir, torch_graph(dir, 4), std::chrono::seconds(600));
+TEST_F(TorchWorkload, CudaGraphReplaysAfterRestore) {
+  auto& source = start(torch_graph(dir, 4), std::chrono::seconds(600));
   auto before = ask(source.port(), "CHECK", std::chrono::seconds(60));
   ASSERT_EQ(ok(before), "OK") << before;
   record("torch-4gib-ready", {{"info", ask(source.port(), "INFO")}});
-  auto snap = dir / "snap";
-  auto cp =
-      gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(), "--json"});
-  ASSERT_EQ(cp.exit_code, 0) << cp.err;
+  auto cp = capture({"--json"});
   record("torch-4gib-checkpoint", json::parse(cp.out));
-  auto rs =
-      gpusnap({"restore", snap.string(), "--publish", std::to_string(source.port()), "--json"});
-  ASSERT_EQ(rs.exit_code, 0) << rs.err;
-  Copies copies{json::parse(rs.out)};
+  Copies copies = restore();
   record("torch-4gib-restore", copies.doc);
   auto after = ask(copies.port(0), "CHECK", std::chrono::seconds(60));
   EXPECT_EQ(after.substr(0, 13), "OK max_err=0 ") << after;
 }
 
-TEST(Remap, SnapshotFromGpu0RestoresOntoGpu1) {
+TEST_F(Remap, SnapshotFromGpu0RestoresOntoGpu1) {
   SKIP_WITHOUT_GPU(2);
-  TempDir dir;
-  Workload source(dir, cuda_pattern(2), std::chrono::seconds(120));
+  auto& source = start(cuda_pattern(2), std::chrono::seconds(120));
   auto before = ask(source.port(), "CHECK", std::chrono::seconds(60));
-  auto snap = dir / "snap";
-  ASSERT_EQ(
-      gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string()}).exit_code,
-      0);
-  auto rs = gpusnap({"restore", snap.string(), "--gpu-map", "0=1", "--publish",
-                     std::to_string(source.port()), "--json"});
-  ASSERT_EQ(rs.exit_code, 0) << rs.err;
-  Copies copies{json::parse(rs.out)};
+  capture();
+  Copies copies = restore({"--gpu-map", "0=1"});
   record("cuda-2gib-remap-restore", copies.doc);
   EXPECT_EQ(ask(copies.port(0), "CHECK", std::chrono::seconds(60)), before);
   // The driver places the copy's memory on GPU 1.
@@ -402,9 +362,7 @@ json run_kv_worker(const TempDir& dir, const std::string& name, double kv_gib) {
   return run.exit_code == 0 ? json::parse(run.out) : json();
 }
 
-TEST(KvCache, TheCacheNeverEntersTheArtifactAndTheGraphReplaysAfterRestore) {
-  SKIP_WITHOUT_GPU(1);
-  TempDir dir;
+TEST_F(KvCache, TheCacheNeverEntersTheArtifactAndTheGraphReplaysAfterRestore) {
   auto none = run_kv_worker(dir, "kv0", 0);
   auto big = run_kv_worker(dir, "kv8", 8);
   ASSERT_FALSE(none.is_null());
@@ -420,10 +378,7 @@ TEST(KvCache, TheCacheNeverEntersTheArtifactAndTheGraphReplaysAfterRestore) {
   // --publish needs the copy's port: the one the source listened on (its ready file).
   std::string port_text;
   ASSERT_TRUE(fs::try_read_file(dir / "kv8.port", &port_text));
-  auto rs = gpusnap({"restore", (dir / "kv8").string(), "--publish",
-                     std::to_string(std::stoi(port_text)), "--json"});
-  ASSERT_EQ(rs.exit_code, 0) << rs.err;
-  Copies copies{json::parse(rs.out)};
+  Copies copies = restore(dir / "kv8", std::stoi(port_text));
   record("kv-cache-restore", copies.doc);
   auto check = ask(copies.port(0), "CHECK", std::chrono::seconds(60));
   EXPECT_EQ(check.substr(0, 12), "OK max_err=0") << check;
@@ -482,12 +437,7 @@ void tier_round_trip(const std::string& name, double gib,
   EXPECT_GE(static_cast<double>(tier_bytes(artifact)), gib * (1ULL << 30));
   std::string port_text;
   ASSERT_TRUE(fs::try_read_file(dir / (name + ".port"), &port_text));
-  std::vector<std::string> args = {"restore", artifact.string(), "--publish",
-                                   std::to_string(std::stoi(port_text)), "--json"};
-  args.insert(args.end(), restore_args.begin(), restore_args.end());
-  auto rs = gpusnap(args);
-  ASSERT_EQ(rs.exit_code, 0) << rs.err;
-  Copies copies{json::parse(rs.out)};
+  Copies copies = restore(artifact, std::stoi(port_text), restore_args);
   record(name + "-checkpoint", run);
   record(name + "-restore", copies.doc);
   ASSERT_FALSE(copies.copies.empty());
@@ -499,25 +449,22 @@ void tier_round_trip(const std::string& name, double gib,
   }
 }
 
-TEST(MemoryTier, FourGiBBitExactAfterRestoreAndTheGraphReplays) {
-  SKIP_WITHOUT_GPU(1);
+TEST_F(MemoryTier, FourGiBBitExactAfterRestoreAndTheGraphReplays) {
   tier_round_trip("tier-4gib", 4);
 }
 
-TEST(MemoryTier, SixteenGiBBitExactAfterRestoreAndTheGraphReplays) {
-  SKIP_WITHOUT_GPU(1);
+TEST_F(MemoryTier, SixteenGiBBitExactAfterRestoreAndTheGraphReplays) {
   tier_round_trip("tier-16gib", 16);
 }
 
 // Three copies of one tier artifact at once onto one GPU: each copy's prefill fills it, only the
 // first one checksums the files as it reads them (engine::TierPrefills), and every copy's weights
 // are bit-exact.
-TEST(MemoryTier, CopiesRestoredAtOnceAreEachBitExact) {
-  SKIP_WITHOUT_GPU(1);
+TEST_F(MemoryTier, CopiesRestoredAtOnceAreEachBitExact) {
   tier_round_trip("tier-2gib-copies", 2, {"--replicas", "3"});
 }
 
-TEST(MemoryTier, RestoredOntoAnotherGpuWithGpuMap) {
+TEST_F(MemoryTier, RestoredOntoAnotherGpuWithGpuMap) {
   SKIP_WITHOUT_GPU(2);
   tier_round_trip("tier-2gib-remap", 2, {"--gpu-map", "0=1"});
 }
@@ -525,8 +472,7 @@ TEST(MemoryTier, RestoredOntoAnotherGpuWithGpuMap) {
 // The same workload without the call to use_memory_tier(): `gpusnap run --memory-tier` has its
 // Python install the tier at `import torch` (clients/python/gpusnap_site/sitecustomize.py), and the
 // weights go through the tier's files as with the one line.
-TEST(MemoryTier, GpusnapRunInstallsTheTierWithoutTheOneLine) {
-  SKIP_WITHOUT_GPU(1);
+TEST_F(MemoryTier, GpusnapRunInstallsTheTierWithoutTheOneLine) {
   tier_round_trip("tier-4gib-by-gpusnap", 4, {}, TierRoute::kGpusnapRun);
 }
 
@@ -536,18 +482,15 @@ TEST(MemoryTier, GpusnapRunInstallsTheTierWithoutTheOneLine) {
 // the staging folder before the guardian removes it: every weight bit-exact, the graph replaying,
 // nothing written. With a stand-in on CPU:
 // MemoryTierPlumbing.GpusnapKilledDuringTheDrainLeavesTheWorkloadWithItsMemory.
-TEST(MemoryTier, GpusnapKilledAfterTheDrainLeavesTheWorkloadServingWithItsMemory) {
-  SKIP_WITHOUT_GPU(1);
-  TempDir dir;
+TEST_F(MemoryTier, GpusnapKilledAfterTheDrainLeavesTheWorkloadServingWithItsMemory) {
   const auto control = dir / "control";
   std::filesystem::create_directories(control);
   const char* weights = std::getenv("GPUSNAP_TEST_WEIGHTS");
-  Workload source(dir,
-                  {"/usr/bin/env", "GPUSNAP_CONTROL_DIR=" + control.string(),
-                   "GPUSNAP_TIER_LIBRARY=" + build_path("libgpusnap-tier.so"), "python3",
-                   build_path("tests/torch_tier.py"), "--tier", "--gib", "4", "--weights",
-                   weights != nullptr ? weights : (dir / "weights.bin").string()},
-                  std::chrono::seconds(300));
+  auto& source = start({"/usr/bin/env", "GPUSNAP_CONTROL_DIR=" + control.string(),
+                        "GPUSNAP_TIER_LIBRARY=" + build_path("libgpusnap-tier.so"), "python3",
+                        build_path("tests/torch_tier.py"), "--tier", "--gib", "4", "--weights",
+                        weights != nullptr ? weights : (dir / "weights.bin").string()},
+                       std::chrono::seconds(300));
   const auto before = ask(source.port(), "CHECK", std::chrono::seconds(60));
   ASSERT_EQ(before.substr(0, 13), "OK max_err=0 ") << before;
   const std::string index = std::to_string(source.pid()) + ".json";
@@ -562,8 +505,8 @@ TEST(MemoryTier, GpusnapKilledAfterTheDrainLeavesTheWorkloadServingWithItsMemory
     return false;
   };
   common::SpawnOptions o;
-  o.argv = {gpusnap_bin(),           "checkpoint", "-p", std::to_string(source.pid()), "-o",
-            (dir / "snap").string(), "--quiet"};
+  o.argv = {gpusnap_bin(), "checkpoint",  "-p",     std::to_string(source.pid()),
+            "-o",          snap.string(), "--quiet"};
   common::Subprocess cp(o);
   ASSERT_TRUE(eventually([&] { return staging_has(index); }, std::chrono::seconds(120)));
   cp.kill(SIGKILL);
@@ -580,7 +523,7 @@ TEST(MemoryTier, GpusnapKilledAfterTheDrainLeavesTheWorkloadServingWithItsMemory
   EXPECT_EQ(field(after, "pid"), field(before, "pid"));  // the same process, not a copy
   const auto verify = ask(source.port(), "VERIFY", std::chrono::seconds(300));
   EXPECT_EQ(verify.substr(0, 3), "OK ") << verify;
-  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  EXPECT_FALSE(std::filesystem::exists(snap));
   EXPECT_TRUE(eventually([&] {
     std::error_code ec;
     for (const auto& e : std::filesystem::directory_iterator(dir.path(), ec)) {
@@ -591,9 +534,7 @@ TEST(MemoryTier, GpusnapKilledAfterTheDrainLeavesTheWorkloadServingWithItsMemory
   record("tier-killed-after-drain", {{"check", after}, {"verify", verify}});
 }
 
-TEST(MemoryTier, WorkloadWithoutTheTierIsCapturedAsBefore) {
-  SKIP_WITHOUT_GPU(1);
-  TempDir dir;
+TEST_F(MemoryTier, WorkloadWithoutTheTierIsCapturedAsBefore) {
   auto run = run_tier_worker(dir, "notier", 1, TierRoute::kNone);
   ASSERT_FALSE(run.is_null());
   EXPECT_EQ(tier_bytes(dir / "notier"), 0u);
@@ -604,9 +545,7 @@ TEST(MemoryTier, WorkloadWithoutTheTierIsCapturedAsBefore) {
 // weights) on the tier: greedy generate() after the restore gives the tokens it gave before
 // the capture, token for token, with the weights carried by the tier's files (and, where
 // gpusnap-tier-prefill is beside gpusnap, filled ahead of the copy's resume).
-TEST(MemoryTier, TransformersLlamaGeneratesTheSameTokensAfterRestore) {
-  SKIP_WITHOUT_GPU(1);
-  TempDir dir;
+TEST_F(MemoryTier, TransformersLlamaGeneratesTheSameTokensAfterRestore) {
   const auto ready = dir / "llama.port";
   auto run = gpusnap({"run", "-o", (dir / "llama").string(), "--json", "--", "python3",
                       build_path("tests/llama_tier.py"), "--tier", "--layers", "4", "--ready-file",
@@ -616,10 +555,7 @@ TEST(MemoryTier, TransformersLlamaGeneratesTheSameTokensAfterRestore) {
   EXPECT_GE(tier_bytes(dir / "llama"), 3ull << 30);
   std::string port_text;
   ASSERT_TRUE(fs::try_read_file(ready, &port_text));
-  auto rs = gpusnap({"restore", (dir / "llama").string(), "--publish",
-                     std::to_string(std::stoi(port_text)), "--json"});
-  ASSERT_EQ(rs.exit_code, 0) << rs.err;
-  Copies copies{json::parse(rs.out)};
+  Copies copies = restore(dir / "llama", std::stoi(port_text));
   record("tier-llama-checkpoint", json::parse(run.out));
   record("tier-llama-restore", copies.doc);
   auto check = ask(copies.port(0), "CHECK", std::chrono::seconds(120));
@@ -631,9 +567,7 @@ TEST(MemoryTier, TransformersLlamaGeneratesTheSameTokensAfterRestore) {
 // tensor): on the tier each capture reuses the temporaries it freed, as PyTorch's private pools
 // do, so the graphs take about what they take on PyTorch's own allocator rather than the sum of
 // every temporary; and after a restore every graph replays to its answer.
-TEST(MemoryTier, GraphsReuseWhatTheirCaptureFreedAndReplayAfterRestore) {
-  SKIP_WITHOUT_GPU(1);
-  TempDir dir;
+TEST_F(MemoryTier, GraphsReuseWhatTheirCaptureFreedAndReplayAfterRestore) {
   const std::string script = build_path("tests/graph_pools.py");
   auto graphs_took = [](const std::string& info) {
     return std::stoll(field(info, "used_after")) - std::stoll(field(info, "used_before"));
@@ -651,10 +585,7 @@ TEST(MemoryTier, GraphsReuseWhatTheirCaptureFreedAndReplayAfterRestore) {
   ASSERT_EQ(run.exit_code, 0) << run.err;
   std::string port_text;
   ASSERT_TRUE(fs::try_read_file(ready, &port_text));
-  auto rs = gpusnap({"restore", (dir / "pools").string(), "--publish",
-                     std::to_string(std::stoi(port_text)), "--json"});
-  ASSERT_EQ(rs.exit_code, 0) << rs.err;
-  Copies copies{json::parse(rs.out)};
+  Copies copies = restore(dir / "pools", std::stoi(port_text));
   auto check = ask(copies.port(0), "CHECK", std::chrono::seconds(60));
   EXPECT_EQ(check.substr(0, 13), "OK max_err=0 ") << check;
   EXPECT_NE(check.find(" graphs=5 "), std::string::npos) << check;
@@ -691,10 +622,7 @@ void torch_compile_on_tier(const std::string& name, TierRoute route) {
   EXPECT_GE(tier_bytes(dir / name), 256ull << 20);  // 8 bf16 layers of 4096 x 4096
   std::string port_text;
   ASSERT_TRUE(fs::try_read_file(ready, &port_text));
-  auto rs = gpusnap({"restore", (dir / name).string(), "--publish",
-                     std::to_string(std::stoi(port_text)), "--json"});
-  ASSERT_EQ(rs.exit_code, 0) << rs.err;
-  Copies copies{json::parse(rs.out)};
+  Copies copies = restore(dir / name, std::stoi(port_text));
   auto check = ask(copies.port(0), "CHECK", std::chrono::seconds(120));
   EXPECT_EQ(check.substr(0, 12), "OK max_err=0") << check;
   const std::string info = ask(copies.port(0), "INFO");
@@ -705,13 +633,11 @@ void torch_compile_on_tier(const std::string& name, TierRoute route) {
                 {"restore", copies.doc}});
 }
 
-TEST(MemoryTier, TorchCompileReduceOverheadRestoresExactly) {
-  SKIP_WITHOUT_GPU(1);
+TEST_F(MemoryTier, TorchCompileReduceOverheadRestoresExactly) {
   torch_compile_on_tier("tier-torch-compile", TierRoute::kOneLine);
 }
 
-TEST(MemoryTier, TorchCompileUnderGpusnapRunMemoryTierRestoresExactly) {
-  SKIP_WITHOUT_GPU(1);
+TEST_F(MemoryTier, TorchCompileUnderGpusnapRunMemoryTierRestoresExactly) {
   torch_compile_on_tier("tier-torch-compile-by-gpusnap", TierRoute::kGpusnapRun);
 }
 
@@ -730,16 +656,12 @@ std::map<pid_t, std::string> gpu_of(gpu::Driver& driver) {
   return out;
 }
 
-TEST(MultiGpu, TensorParallelWorkloadCapturedAndRestoredAsOne) {
+TEST_F(MultiGpu, TensorParallelWorkloadCapturedAndRestoredAsOne) {
   SKIP_WITHOUT_GPU(2);
-  TempDir dir;
-  Workload source(dir, torch_tp(2, 2), std::chrono::seconds(600));
+  auto& source = start(torch_tp(2, 2), std::chrono::seconds(600));
   auto before = ask(source.port(), "CHECK", std::chrono::seconds(60));
   ASSERT_EQ(before, "OK ranks=2 max_err=0");
-  auto snap = dir / "snap";
-  auto cp =
-      gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(), "--json"});
-  ASSERT_EQ(cp.exit_code, 0) << cp.err;
+  auto cp = capture({"--json"});
   record("torch-tp2-checkpoint", json::parse(cp.out));
   auto inspect = json::parse(gpusnap({"inspect", snap.string(), "--json"}).out);
   ASSERT_EQ(inspect["gpu"]["processes"].size(), 2u);
@@ -748,12 +670,8 @@ TEST(MultiGpu, TensorParallelWorkloadCapturedAndRestoredAsOne) {
   auto driver = gpu::open_nvidia_driver();
   auto facts = driver->facts();
   for (const std::string map : {"", "0=1,1=0"}) {
-    std::vector<std::string> args = {"restore", snap.string(), "--publish",
-                                     std::to_string(source.port()), "--json"};
-    if (!map.empty()) args.insert(args.end(), {"--gpu-map", map});
-    auto rs = gpusnap(args);
-    ASSERT_EQ(rs.exit_code, 0) << rs.err;
-    Copies copies{json::parse(rs.out)};
+    Copies copies = restore(map.empty() ? std::vector<std::string>{}
+                                        : std::vector<std::string>{"--gpu-map", map});
     record(map.empty() ? "torch-tp2-restore" : "torch-tp2-restore-swapped", copies.doc);
     EXPECT_EQ(ask(copies.port(0), "CHECK", std::chrono::seconds(60)), before) << "map " << map;
     if (!map.empty()) {
@@ -804,15 +722,10 @@ std::string run_tp_on_tier(const std::filesystem::path& snap, const std::filesys
 // (TierGroup, RankTier over the socketpairs CRIU restores). After the restore each rank has
 // taken over its own prefill and both graphs replay to the answer. On two GPUs with NCCL:
 // MultiGpu.TensorParallelRanksEachWithTheirOwnTier.
-TEST(MemoryTier, TwoRanksOnOneGpuEachWithTheirOwnTier) {
-  SKIP_WITHOUT_GPU(1);
-  TempDir dir;
-  auto snap = dir / "tp-one-gpu-tier";
+TEST_F(MemoryTier, TwoRanksOnOneGpuEachWithTheirOwnTier) {
   const std::string port = run_tp_on_tier(snap, dir / "tp.port", 2, 1, {"--one-gpu"});
   ASSERT_FALSE(port.empty());
-  auto rs = gpusnap({"restore", snap.string(), "--publish", port, "--json"});
-  ASSERT_EQ(rs.exit_code, 0) << rs.err;
-  Copies copies{json::parse(rs.out)};
+  Copies copies = restore(snap, std::stoi(port));
   record("tp-one-gpu-tier-restore", copies.doc);
   size_t taken = 0;
   for (const auto& note : copies.doc["notes"]) {
@@ -823,18 +736,14 @@ TEST(MemoryTier, TwoRanksOnOneGpuEachWithTheirOwnTier) {
   ask(copies.port(0), "QUIT", std::chrono::seconds(30));
 }
 
-TEST(MultiGpu, TensorParallelRanksEachWithTheirOwnTier) {
+TEST_F(MultiGpu, TensorParallelRanksEachWithTheirOwnTier) {
   SKIP_WITHOUT_GPU(2);
-  TempDir dir;
-  auto snap = dir / "tp-tier";
   const std::string port = run_tp_on_tier(snap, dir / "tp-tier.port", 2, 2);
   ASSERT_FALSE(port.empty());
   for (const std::string map : {"", "0=1,1=0"}) {
-    std::vector<std::string> rargs = {"restore", snap.string(), "--publish", port, "--json"};
-    if (!map.empty()) rargs.insert(rargs.end(), {"--gpu-map", map});
-    auto rs = gpusnap(rargs);
-    ASSERT_EQ(rs.exit_code, 0) << rs.err;
-    Copies copies{json::parse(rs.out)};
+    Copies copies = restore(
+        snap, std::stoi(port),
+        map.empty() ? std::vector<std::string>{} : std::vector<std::string>{"--gpu-map", map});
     record(map.empty() ? "torch-tp2-tier-restore" : "torch-tp2-tier-restore-swapped", copies.doc);
     EXPECT_EQ(ask(copies.port(0), "CHECK", std::chrono::seconds(60)), "OK ranks=2 max_err=0")
         << "map " << map;
@@ -842,12 +751,10 @@ TEST(MultiGpu, TensorParallelRanksEachWithTheirOwnTier) {
   }
 }
 
-TEST(MultiGpu, RefusesNcclTransportsTheDriverCannotCarry) {
+TEST_F(MultiGpu, RefusesNcclTransportsTheDriverCannotCarry) {
   SKIP_WITHOUT_GPU(2);
-  TempDir dir;
-  Workload source(dir, torch_tp(2, 1, /*nccl_defaults=*/true), std::chrono::seconds(600));
-  auto cp =
-      gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", (dir / "snap").string()});
+  auto& source = start(torch_tp(2, 1, /*nccl_defaults=*/true), std::chrono::seconds(600));
+  auto cp = gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string()});
   EXPECT_EQ(cp.exit_code, 6) << cp.err;
   EXPECT_NE(cp.err.find("NCCL_P2P_DISABLE=1"), std::string::npos) << cp.err;
   EXPECT_EQ(ask(source.port(), "CHECK", std::chrono::seconds(60)), "OK ranks=2 max_err=0");
@@ -899,18 +806,19 @@ json restore_and_check(const std::filesystem::path& snap, uint16_t port) {
   return {{"restore", copies.doc}, {"restore_to_first_answer_s", to_answer}, {"answer", after}};
 }
 
-// The whole row for a workload that is captured (the source stopped) and restored.
-void framework_row(const std::string& name, const std::vector<std::string>& argv) {
-  TempDir dir;
-  Workload source(dir, argv, std::chrono::seconds(600));
+class FrameworksTest : public GpuTest {
+ protected:
+  // The whole row for a workload that is captured (the source stopped) and restored.
+  void framework_row(const std::string& name, const std::vector<std::string>& argv);
+};
+using Frameworks = FrameworksTest;
+
+void FrameworksTest::framework_row(const std::string& name, const std::vector<std::string>& argv) {
+  auto& source = start(argv, std::chrono::seconds(600));
   auto before = ask(source.port(), "CHECK", std::chrono::seconds(120));
   ASSERT_EQ(before.substr(0, 12), "OK max_err=0") << before;
   auto info = ask(source.port(), "INFO");
-  auto snap = dir / "snap";
-  auto cp =
-      gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(), "--json"},
-              std::chrono::minutes(5));
-  ASSERT_EQ(cp.exit_code, 0) << cp.err << fs::read_file(dir / "workload.log");
+  auto cp = capture({"--json"}, std::chrono::minutes(5));
   auto row = restore_and_check(snap, source.port());
   row["info"] = info;
   row["checkpoint"] = json::parse(cp.out);
@@ -919,45 +827,36 @@ void framework_row(const std::string& name, const std::vector<std::string>& argv
   record(name, row);
 }
 
-TEST(Frameworks, TorchCompileReduceOverheadRestoresItsCudaGraphs) {
-  SKIP_WITHOUT_GPU(1);
+TEST_F(Frameworks, TorchCompileReduceOverheadRestoresItsCudaGraphs) {
   framework_row("torch-compile", framework("torch-compile"));
 }
 
-TEST(Frameworks, JaxWithPreallocationOffRestores) {
-  SKIP_WITHOUT_GPU(1);
+TEST_F(Frameworks, JaxWithPreallocationOffRestores) {
   framework_row("jax", framework("jax", {}, {"XLA_PYTHON_CLIENT_PREALLOCATE=false"}));
 }
 
-TEST(Frameworks, JaxWithPreallocationIsRefusedBeforeAnythingIsFrozen) {
-  SKIP_WITHOUT_GPU(1);
-  TempDir dir;
-  Workload source(dir, framework("jax", {}, {"-u", "XLA_PYTHON_CLIENT_PREALLOCATE"}),
-                  std::chrono::seconds(600));
+TEST_F(Frameworks, JaxWithPreallocationIsRefusedBeforeAnythingIsFrozen) {
+  auto& source = start(framework("jax", {}, {"-u", "XLA_PYTHON_CLIENT_PREALLOCATE"}),
+                       std::chrono::seconds(600));
   auto before = ask(source.port(), "CHECK", std::chrono::seconds(120));
   ASSERT_EQ(before.substr(0, 12), "OK max_err=0") << before;
-  auto cp = gpusnap(
-      {"checkpoint", "-p", std::to_string(source.pid()), "-o", (dir / "snap").string(), "--json"});
+  auto cp =
+      gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(), "--json"});
   EXPECT_EQ(cp.exit_code, 6) << cp.err;
   EXPECT_NE(cp.err.find("XLA_PYTHON_CLIENT_PREALLOCATE is unset"), std::string::npos) << cp.err;
-  EXPECT_FALSE(std::filesystem::exists(dir / "snap"));
+  EXPECT_FALSE(std::filesystem::exists(snap));
   // Nothing was frozen or moved: the source answers as before.
   EXPECT_EQ(ask(source.port(), "CHECK", std::chrono::seconds(60)).substr(0, 12), "OK max_err=0");
   record("jax-preallocation-refused", {{"stderr", cp.err}});
 }
 
-TEST(Frameworks, CupyRestores) {
-  SKIP_WITHOUT_GPU(1);
-  framework_row("cupy", framework("cupy"));
-}
+TEST_F(Frameworks, CupyRestores) { framework_row("cupy", framework("cupy")); }
 
-TEST(Frameworks, TwoProcessTreeWithACudaWorkerRestores) {
-  SKIP_WITHOUT_GPU(1);
+TEST_F(Frameworks, TwoProcessTreeWithACudaWorkerRestores) {
   framework_row("tree", framework("tree"));
 }
 
-TEST(Frameworks, CppProgramWithCublasRestores) {
-  SKIP_WITHOUT_GPU(1);
+TEST_F(Frameworks, CppProgramWithCublasRestores) {
   auto binary = build_path("tests/cublas_gemm");
   if (!std::filesystem::exists(binary)) GTEST_SKIP() << "skipped: cublas_gemm not built (no nvcc)";
   framework_row("cublas", {binary});
@@ -966,28 +865,20 @@ TEST(Frameworks, CppProgramWithCublasRestores) {
 // transformers generate() with its KV cache, and PyTorch's cached free blocks: captured once as
 // it runs (the cache in the artifact), once through the handshake (the client frees the cache at
 // the pause), and the second restored.
-TEST(Frameworks, TransformersGenerateRestoresAndItsFreeCacheIsNotCaptured) {
-  SKIP_WITHOUT_GPU(1);
-  TempDir dir;
+TEST_F(Frameworks, TransformersGenerateRestoresAndItsFreeCacheIsNotCaptured) {
   auto control = dir / "control";
   std::filesystem::create_directories(control);
-  Workload source(
-      dir,
+  auto& source = start(
       framework("transformers", {"--cache-gib", "4"}, {"GPUSNAP_CONTROL_DIR=" + control.string()}),
       std::chrono::seconds(600));
   auto before = ask(source.port(), "CHECK", std::chrono::seconds(120));
   ASSERT_EQ(before.substr(0, 12), "OK max_err=0") << before;
   auto info = ask(source.port(), "INFO");
   auto as_it_runs = dir / "as-it-runs";
-  auto cp1 = gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", as_it_runs.string(),
-                      "--leave-running", "--no-handshake", "--json"},
+  auto cp1 = capture(source.pid(), as_it_runs, {"--leave-running", "--no-handshake", "--json"},
                      std::chrono::minutes(5));
-  ASSERT_EQ(cp1.exit_code, 0) << cp1.err;
   auto paused = dir / "paused";
-  auto cp2 = gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", paused.string(),
-                      "--leave-running", "--json"},
-                     std::chrono::minutes(5));
-  ASSERT_EQ(cp2.exit_code, 0) << cp2.err;
+  auto cp2 = capture(source.pid(), paused, {"--leave-running", "--json"}, std::chrono::minutes(5));
   auto paused_doc = json::parse(cp2.out);
   EXPECT_NE(paused_doc["notes"].dump().find("of cached free GPU memory at the pause"),
             std::string::npos)

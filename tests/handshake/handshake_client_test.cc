@@ -439,7 +439,7 @@ TEST_F(HandshakeClient, StopFromInsideACallback) {
 struct RecordingTier {
   std::mutex mu;
   std::vector<std::string> log;
-  std::string drain_error, fill_error;
+  std::string drain_error, fill_error, adopt_error;
   bool drained = false;
 
   void note(std::string line) {
@@ -474,6 +474,11 @@ struct RecordingTier {
       return true;
     };
     t.drained = [this] { return drained; };
+    t.adopt = [this](const std::string& dir, std::string& error) {
+      note("adopt " + dir);
+      error = adopt_error;
+      return adopt_error.empty();
+    };
     return t;
   }
   void serve(hs::Client& c) {
@@ -502,6 +507,27 @@ TEST_F(HandshakeClient, TheTierDrainsAfterOnPauseAndFillsBeforeOnResume) {
   EXPECT_EQ(tier.lines(), (std::vector<std::string>{"on_pause", "drain /staging/tier",
                                                     "fill /art/tier GPU-a=GPU-b",
                                                     "on_resume restored /art/tier"}));
+}
+
+// A copy whose tier a prefill filled ahead takes that memory over before the fill, which then
+// copies what is left; a failed takeover is no failed resume: the fill copies everything.
+TEST_F(HandshakeClient, APrefillsMemoryIsTakenOverBeforeTheFillAndItsFailureIsNoFailure) {
+  auto c = hs::Client::from_environment();
+  RecordingTier tier;
+  tier.adopt_error = "memory tier: the prefill's memory is on device 1";
+  tier.serve(c);
+  for (const char* id : {"1", "2"}) {
+    put("pause", std::string(R"({"id":"p)") + id + R"(","tier_dir":"/t"})");
+    ASSERT_TRUE(wait_answer("paused", std::string("p") + id));
+    put("resume", std::string(R"({"id":"r)") + id +
+                      R"(","context":{"restored":true,"tier_dir":"/a","tier_prefill_dir":"/p"}})");
+    ASSERT_TRUE(wait_answer("resumed", std::string("r") + id));
+    tier.adopt_error.clear();
+  }
+  EXPECT_EQ(tier.lines(),
+            (std::vector<std::string>{"on_pause", "drain /t", "adopt /p", "fill /a",
+                                      "on_resume restored /a", "on_pause", "drain /t", "adopt /p",
+                                      "fill /a", "on_resume restored /a"}));
 }
 
 TEST_F(HandshakeClient, APauseWithoutTierDirDrainsNothing) {

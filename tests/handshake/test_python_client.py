@@ -700,5 +700,40 @@ class RankTierTest(unittest.TestCase):
         self.assertIn("not an object", str(e.exception))
 
 
+class RequestCorpus(unittest.TestCase):
+    """tests/handshake/requests: each NAME.pause or NAME.resume is a message gpusnap may write,
+    NAME.answer what the client makes of it. The C++ client reads the same files
+    (request_corpus_test.cc), so the two clients answer every one of them alike."""
+
+    def test_every_request_gets_its_answer(self):
+        folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "requests")
+        names = sorted(n for n in os.listdir(folder) if n.endswith((".pause", ".resume")))
+        self.assertGreater(len(names), 20)
+        for name in names:
+            with self.subTest(name):
+                with open(os.path.join(folder, name), "rb") as f:
+                    data = f.read()
+                with open(os.path.join(folder, os.path.splitext(name)[0] + ".answer")) as f:
+                    expected = json.load(f)
+                self.assertEqual(self._answer(os.path.splitext(name)[1][1:], data), expected)
+
+    @staticmethod
+    def _answer(kind, data):
+        try:
+            req = hs._parse_request(kind, data)
+        except hs.BadRequest as e:
+            return {"failed": str(e)}
+        if req is None:
+            return {"ignored": True}
+        if kind == "pause":
+            return {"pause": {"id": req.id, "timeout_ms": req.timeout_ms,
+                              "tier_dir": req.tier_dir}}
+        c = req.context
+        return {"resume": {"id": req.id, "restored": c.restored, "copy": c.copy,
+                           "copies": c.copies, "artifact_id": c.artifact_id,
+                           "gpu_map": c.gpu_map, "settings": c.settings,
+                           "tier_dir": c.tier_dir, "tier_prefill_dir": c.tier_prefill_dir}}
+
+
 if __name__ == "__main__":
     unittest.main()

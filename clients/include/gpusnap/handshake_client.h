@@ -44,6 +44,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -76,6 +77,8 @@ struct ResumeContext {
   std::map<std::string, std::string> gpu_map;   // old GPU uuid -> new GPU uuid (may be empty)
   std::map<std::string, std::string> settings;  // per-copy settings given at restore
   std::string tier_dir;  // where the memory tier's files are (a copy: in the artifact); may be ""
+  // Where gpusnap-tier-prefill offers this copy's memory tier filled ahead; "" if nowhere.
+  std::string tier_prefill_dir;
 };
 
 // A request the workload has to act on (see Client::poll).
@@ -97,6 +100,9 @@ struct MemoryTier {
                      std::string& error)>
       fill;
   std::function<bool()> drained;  // whether the last drain has not been filled yet
+  // Takes over what a prefill filled ahead in `dir`, before the fill (which then copies only
+  // what is left). May be unset: the fill then copies everything.
+  std::function<bool(const std::string& dir, std::string& error)> adopt;
 
   // The tier of libgpusnap-tier.so: the copy already in the process (linked, or loaded by
   // someone else) when `path` is null, else the library at `path`, loaded now and never
@@ -132,6 +138,16 @@ struct MemoryTier {
       return false;
     };
     tier.drained = [state_fn] { return state_fn() == 2; };  // GPUSNAP_TIER_DRAINED
+    using Adopt = int (*)(const char*, unsigned long long*, char*, size_t);
+    if (auto adopt_fn = reinterpret_cast<Adopt>(::dlsym(lib, "gpusnap_tier_adopt"))) {
+      tier.adopt = [adopt_fn](const std::string& dir, std::string& error) {
+        unsigned long long adopted = 0;
+        char text[1024] = {};
+        if (adopt_fn(dir.c_str(), &adopted, text, sizeof text) == 0) return true;
+        error = text;
+        return false;
+      };
+    }
     return tier;
   }
 };
@@ -630,7 +646,21 @@ inline bool parse_request(Request::Kind kind, const std::string& text, Request& 
   }
   return string_map(ctx->find("gpu_map"), "gpu_map", c.gpu_map, error) &&
          string_map(ctx->find("settings"), "settings", c.settings, error) &&
-         string_field(*ctx, "tier_dir", "context.", c.tier_dir, error);
+         string_field(*ctx, "tier_dir", "context.", c.tier_dir, error) &&
+         string_field(*ctx, "tier_prefill_dir", "context.", c.tier_prefill_dir, error);
+}
+
+// Fills a drained tier for a resume: first takes over what a prefill filled ahead (a failure
+// there is said on stderr, and the fill copies everything), then fills what is left. False with
+// `reason` set when the fill failed.
+inline bool fill_tier(MemoryTier& tier, const ResumeContext& context, std::string& reason) {
+  if (tier.adopt && !context.tier_prefill_dir.empty()) {
+    std::string why;
+    if (!tier.adopt(context.tier_prefill_dir, why)) {
+      std::fprintf(stderr, "gpusnap handshake: the tier fills by itself: %s\n", why.c_str());
+    }
+  }
+  return tier.fill(context.tier_dir, context.gpu_map, reason);
 }
 
 // The client's state. Shared (shared_ptr) between the Client and its serving thread, so that a
@@ -857,7 +887,7 @@ class Client {
   // when the fill failed (nothing stays mapped: answer failed and stay paused).
   bool fill_memory_tier(const Request& req, std::string& reason) {
     if (!state_ || !state_->tier || !state_->tier->drained()) return true;
-    return state_->tier->fill(req.context.tier_dir, req.context.gpu_map, reason);
+    return detail::fill_tier(*state_->tier, req.context, reason);
   }
 
   // Starts the serving thread and returns at once. No-op when disabled.
@@ -936,8 +966,7 @@ class Client {
           }
         } else {
           // The memory first: on_resume may use it, and allocates from the tier.
-          ok = !s.tier || !s.tier->drained() ||
-               s.tier->fill(req->context.tier_dir, req->context.gpu_map, reason);
+          ok = !s.tier || !s.tier->drained() || detail::fill_tier(*s.tier, req->context, reason);
           if (ok) ok = on_resume ? on_resume(req->context, reason) : true;
         }
       } catch (const std::exception& e) {
