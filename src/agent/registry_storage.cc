@@ -40,7 +40,8 @@ void readable_file(const std::string& file, const std::string& flag) {
 
 }  // namespace
 
-RegistryStorage::RegistryStorage(RegistryStorageSettings settings) : settings_(std::move(settings)) {
+RegistryStorage::RegistryStorage(RegistryStorageSettings settings)
+    : settings_(std::move(settings)) {
   const std::string& text = settings_.repository;
   repository_ = store::OciRef::parse(text);
   // parse() takes "latest" for a reference without a tag: the text itself says whether one

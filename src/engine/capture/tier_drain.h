@@ -1,7 +1,7 @@
 // The memory tier of a capture (docs/memory-tier.md), for engine/checkpoint.cc, on
-// top of engine/tier_files.h: the folder the workload drains its tier into at the pause (STAGING/tier),
-// what it left there checked, and its files hashed in the background beside CRIU's dump
-// (tier-hash). Its memory counts in the GPU facts (GpuCheckpoint::describe).
+// top of engine/tier_files.h: the folder the workload drains its tier into at the pause
+// (STAGING/tier), what it left there checked, and its files hashed in the background beside CRIU's
+// dump (tier-hash). Its memory counts in the GPU facts (GpuCheckpoint::describe).
 //
 // Destroying it stops the hashing (within a chunk per thread) and waits.
 #pragma once
