@@ -1,6 +1,6 @@
 // Cuts an artifact into content-addressed chunks.
 //
-// Two ways to cut, chosen per file:
+// Three ways to cut, chosen per file:
 // - Host images (GPU memory): fixed chunks, counted from the image's first byte of data (its
 //   `file_offset`), so the same GPU memory gives the same chunks whatever its address was.
 //   Holes are never read (SEEK_DATA), and GPU contents are not compressed (measured: zstd -1
@@ -9,13 +9,14 @@
 // - The memory tier's drain files (tier/PID-wK.img) whose PID.layout the artifact holds: cut
 //   where the layout's pieces begin and end, a large piece in fixed chunks from its own start,
 //   so the same GPU memory gives the same chunks whatever file and offset the drain's racing
-//   workers put it at, and whatever piece lay next to it (plan_tier_cuts below). Without a
-//   layout that reads, as every other file.
+//   workers put it at, and whatever piece lay next to it (plan_tier_cuts below). Compressed as
+//   CRIU's images are (below), as they were before. Without a layout that reads, cut as every
+//   other file.
 // - Every other file (CRIU's images, logs): content-defined chunks on page boundaries. A cut
 //   falls after a 4 KiB page whose hash has its low bits zero, so the same memory in two
 //   captures gives the same chunks even when other pages before it moved the data by whole
 //   pages in CRIU's pages image. These are zstd-compressed when that saves at least a tenth.
-// In both, a chunk loses its leading and trailing all-zero 64 KiB blocks, and an all-zero
+// In all, a chunk loses its leading and trailing all-zero 64 KiB blocks, and an all-zero
 // chunk is not stored at all: zeros are holes.
 #pragma once
 
