@@ -20,6 +20,8 @@
 #include "common/worker_pool.h"
 #include "gpusnap/error.h"
 #include "store/digest.h"
+#include "tier/folder_format.h"
+#include "tier/layout.h"
 
 namespace gpusnap::store {
 
@@ -140,6 +142,49 @@ void plan_cdc(size_t file, int fd, uint64_t size, const ChunkingOptions& o, cons
   if (start < size) tasks.push_back({file, start, size - start, o.compress});
 }
 
+// The pieces of each drain file of the artifact's memory tier, by the file's path in the
+// artifact, from the PID.layout beside it. A drain file whose layout is missing or does not read
+// is absent: it is cut like any other file. The layout is only ever used to choose cuts; every
+// chunk's digest is of the bytes read.
+std::map<std::string, std::vector<Cut>> tier_pieces(const Artifact& artifact) {
+  namespace folder = tier::folder;
+  const std::string dir = std::string(folder::kDirName) + "/";
+  std::map<std::string, std::vector<std::string>> drain_files;  // by PID
+  std::map<std::string, std::string> layouts;                   // PID -> path
+  for (const auto& f : artifact.manifest().files) {
+    if (!f.path.starts_with(dir)) continue;
+    const folder::Entry e = folder::classify(std::string_view(f.path).substr(dir.size()));
+    if (e.kind == folder::EntryKind::kDrainFile) drain_files[e.pid].push_back(f.path);
+    if (e.kind == folder::EntryKind::kLayout) layouts[e.pid] = f.path;
+  }
+  std::map<std::string, std::vector<Cut>> out;
+  for (const auto& [pid, path] : layouts) {
+    if (drain_files.count(pid) == 0) continue;
+    tier::TierLayout layout;
+    try {
+      layout = tier::read_layout(artifact.root() / path);  // bounded; checks its own counts
+    } catch (const Error&) {
+      continue;
+    }
+    std::vector<std::vector<Cut>> by_file(layout.files);
+    for (const auto& p : layout.pieces) by_file[p.file].push_back({p.offset, p.size});
+    for (size_t k = 0; k < layout.files; ++k) {
+      out[dir + folder::drain_file_name(pid, k)] = std::move(by_file[k]);
+    }
+  }
+  return out;
+}
+
+// The cuts of drain file `path` from its layout's pieces; nothing when it has no layout, or its
+// pieces do not fit it.
+std::optional<std::vector<Cut>> tier_cuts(const std::map<std::string, std::vector<Cut>>& pieces,
+                                          const std::string& path, uint64_t size,
+                                          const ChunkingOptions& o) {
+  const auto it = pieces.find(path);
+  if (it == pieces.end()) return std::nullopt;
+  return plan_tier_cuts(it->second, size, o);
+}
+
 // Per-thread scratch: the read buffer, the compression buffer and context.
 struct Scratch {
   std::unique_ptr<char[]> in;
@@ -150,11 +195,54 @@ struct Scratch {
 
 }  // namespace
 
+std::optional<std::vector<Cut>> plan_tier_cuts(std::vector<Cut> pieces, uint64_t size,
+                                               const ChunkingOptions& o) {
+  std::sort(pieces.begin(), pieces.end(),
+            [](const Cut& a, const Cut& b) { return a.offset < b.offset; });
+  std::vector<Cut> cuts;
+  // Fixed chunks from `offset`: the same bytes give the same chunks wherever they start.
+  const auto fixed = [&](uint64_t offset, uint64_t length) {
+    for (uint64_t done = 0; done < length; done += o.host_image_chunk) {
+      cuts.push_back({offset + done, std::min(o.host_image_chunk, length - done)});
+    }
+  };
+  std::optional<Cut> glued;
+  const auto close_glued = [&] {
+    if (glued) cuts.push_back(*glued);
+    glued.reset();
+  };
+  uint64_t pos = 0;
+  for (const Cut& p : pieces) {
+    if (p.length == 0) continue;
+    if (p.offset < pos || p.offset > size || p.length > size - p.offset) return std::nullopt;
+    if (p.offset > pos) {
+      close_glued();
+      fixed(pos, p.offset - pos);
+    }
+    if (p.length >= o.tier_glue_below) {
+      close_glued();
+      fixed(p.offset, p.length);
+    } else {
+      if (glued && glued->length + p.length > o.cdc_max) close_glued();
+      if (glued) {
+        glued->length += p.length;
+      } else {
+        glued = p;
+      }
+      if (glued->length >= o.tier_glue_below) close_glued();
+    }
+    pos = p.offset + p.length;
+  }
+  close_glued();
+  if (pos < size) fixed(pos, size - pos);
+  return cuts;
+}
+
 Layout chunk_artifact(const Artifact& artifact, const ChunkingOptions& o, const ChunkSink& sink,
                       Reporter& reporter, std::string_view progress_name) {
   if (o.cdc_average < kPage || (o.cdc_average & (o.cdc_average - 1)) != 0 ||
       o.cdc_max > kMaxChunkBytes || o.host_image_chunk > kMaxChunkBytes ||
-      o.host_image_chunk == 0 || o.cdc_min > o.cdc_max) {
+      o.host_image_chunk == 0 || o.cdc_min > o.cdc_max || o.tier_glue_below > o.cdc_max) {
     throw Error(ErrorKind::kUsage, "bad chunk sizes");
   }
   const Manifest& m = artifact.manifest();
@@ -172,6 +260,7 @@ Layout chunk_artifact(const Artifact& artifact, const ChunkingOptions& o, const 
                 (artifact.root() / kManifestName).string() + " is not JSON: " + why);
   }
   layout.manifest = std::move(*doc);
+  const std::map<std::string, std::vector<Cut>> pieces = tier_pieces(artifact);
   std::vector<common::UniqueFd> fds;
   std::vector<Task> tasks;
   for (size_t i = 0; i < m.files.size(); ++i) {
@@ -181,6 +270,8 @@ Layout chunk_artifact(const Artifact& artifact, const ChunkingOptions& o, const 
     fds.push_back(open_read(path));
     if (auto it = host_image_offset.find(f.path); it != host_image_offset.end()) {
       plan_fixed(i, fds.back().get(), f.size, it->second, o.host_image_chunk, tasks);
+    } else if (auto cuts = tier_cuts(pieces, f.path, f.size, o)) {
+      for (const Cut& c : *cuts) tasks.push_back({i, c.offset, c.length, o.compress});
     } else {
       plan_cdc(i, fds.back().get(), f.size, o, path.string(), tasks);
     }

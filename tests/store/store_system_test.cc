@@ -6,9 +6,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <random>
 #include <set>
 
 #include <gtest/gtest.h>
@@ -24,6 +27,8 @@
 #include "store/registry.h"
 #include "store/registry_fixture.h"
 #include "testing/harness.h"
+#include "tier/fake_tier_driver.h"
+#include "tier/memory_tier.h"
 
 namespace gpusnap::testing {
 namespace {
@@ -461,6 +466,83 @@ TEST(StoreRegistry, SecondCaptureOfTheSameWorkloadAddsLittle) {
   auto d2 = push(registry, second, "r/s:b");
   EXPECT_LE(d2.at("bytes_uploaded").get<double>() / d2.at("stored_bytes").get<double>(), 0.10)
       << d2.dump();
+}
+
+// A capture of a model's memory tier, as an artifact of the tier's folder alone: the tensors of
+// tensor_bytes() allocated from the tier (the tier's own allocator and drain, on the fake driver:
+// host memory in place of the GPU) in an order of `seed`, each filled with its own bytes, and
+// drained by the tier's racing workers into tier/PID-wK.img, PID.layout and PID.json.
+std::vector<size_t> tensor_bytes() {
+  constexpr size_t kMiB = 1 << 20;
+  std::vector<size_t> sizes;
+  // Weights: large tensors, each in a segment of its own (a piece per 4 MiB of it).
+  for (int i = 0; i < 6; ++i) sizes.insert(sizes.end(), {32 * kMiB, 12 * kMiB + 4096, 16 * kMiB});
+  // Norms and biases: small tensors, packed into shared segments in allocation order.
+  for (size_t i = 0; i < 96; ++i) sizes.push_back(512 * (8 + (i * 37) % 120));
+  return sizes;
+}
+
+sfs::path capture_tier(const sfs::path& root, pid_t pid, uint32_t seed) {
+  tier::FakeTierDriver driver(1, size_t{1} << 30);
+  tier::TierSettings settings;
+  settings.streams = 8;
+  auto t = std::make_unique<tier::Tier>(driver, settings, pid);
+  const auto sizes = tensor_bytes();
+  std::vector<size_t> order(sizes.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::mt19937 rng(seed);
+  std::shuffle(order.begin(), order.end(), rng);
+  for (size_t i : order) {
+    void* p = t->allocate(sizes[i], 0, nullptr);
+    std::mt19937_64 bytes(i);  // the tensor's bytes, whatever its address
+    std::vector<uint64_t> w(sizes[i] / 8);
+    for (auto& v : w) v = bytes();
+    driver.write(reinterpret_cast<tier::DevicePtr>(p), w.data(), sizes[i]);
+  }
+  sfs::create_directories(root / "tier");
+  t->drain(root / "tier");
+  Manifest m;
+  m.id = fs::random_id();
+  m.created = "2026-12-05T00:00:00Z";
+  m.gpusnap_version = "test";
+  m.host = HostFacts::probe("");  // pulled and checked against this host
+  m.files = checksum_tree(root, m.chunk_bytes);
+  fs::write_file(root / kManifestName, m.to_json().dump(2));
+  return root;
+}
+
+// The memory tier's drain puts each piece in whichever worker's file takes it next: two captures
+// of the same memory hold the same pieces in other files, at other offsets, next to other pieces.
+TEST(StoreRegistry, ASecondCaptureOfTheSameTierInAnotherOrderAddsAtMostFivePercent) {
+  SKIP_WITHOUT_REGISTRY();
+  TempDir dir;
+  LocalRegistry registry(dir, {});
+  const Capture first{capture_tier(dir / "first", 1001, 1), "", 0};
+  const Capture second{capture_tier(dir / "second", 2002, 2), "", 0};
+  // The same memory, placed otherwise.
+  EXPECT_NE(fs::read_file(first.path / "tier" / "1001.layout"),
+            fs::read_file(second.path / "tier" / "2002.layout"));
+
+  const json d1 = push(registry, first, "model/tier:a");
+  const json d2 = push(registry, second, "model/tier:b");
+  const double added = d2.at("bytes_uploaded").get<double>() / d2.at("stored_bytes").get<double>();
+  print_result("dedup_tier_second_capture", {{"stored_bytes", d2.at("stored_bytes")},
+                                             {"bytes_uploaded", d2.at("bytes_uploaded")},
+                                             {"chunks", d2.at("chunks")},
+                                             {"chunks_uploaded", d2.at("chunks_uploaded")},
+                                             {"fraction_new", added}});
+  EXPECT_LE(added, 0.05) << d2.dump();
+  EXPECT_EQ(d1.at("bytes_uploaded"), d1.at("stored_bytes"));
+
+  // Cut anywhere, it is still the capture: pulled back byte for byte.
+  const auto out = dir / "pulled";
+  auto pull = gpusnap({"pull", registry.ref("model/tier:b"), "-o", out.string(), "--plain-http",
+                       "--cache", (dir / "cache").string(), "-q"});
+  ASSERT_EQ(pull.exit_code, 0) << pull.err;
+  for (const auto& e : sfs::directory_iterator(second.path / "tier")) {
+    const auto name = e.path().filename();
+    EXPECT_TRUE(fs::read_file(out / "tier" / name) == fs::read_file(e.path())) << name;
+  }
 }
 
 TEST(StoreRegistry, NodeCacheKeepsItsBudgetLeastRecentlyUsedFirst) {

@@ -4,7 +4,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstring>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <random>
 #include <set>
@@ -28,6 +31,7 @@
 #include "store/registry.h"
 #include "store/snapshot_manifest.h"
 #include "testing/unit.h"
+#include "tier/layout.h"
 
 namespace gpusnap::testing {
 namespace {
@@ -242,6 +246,186 @@ TEST(Store, LayoutRefusesPathsOutsideTheArtifactAndOverlaps) {
   auto bad_digest = doc;
   bad_digest["files"][0]["extents"][0][2] = "sha256:xyz";
   EXPECT_NE(message(bad_digest).find("not a sha256 digest"), std::string::npos);
+}
+
+// ---- The memory tier's drain files, cut at their pieces -------------------------------------
+
+// A model's memory as the drain's pieces: large pieces of whole tensors (4 MiB, the drain's piece
+// size, a tensor's last 1.5 MiB, one larger than a chunk) and many small ones (norms, biases),
+// each of its own bytes.
+std::vector<std::string> model_pieces() {
+  std::vector<std::string> out;
+  std::mt19937_64 rng(7);
+  auto piece = [&](uint64_t size) {
+    std::string s(size, '\0');
+    for (size_t i = 0; i + 8 <= s.size(); i += 8) {
+      const uint64_t v = rng();
+      std::memcpy(s.data() + i, &v, 8);
+    }
+    out.push_back(std::move(s));
+  };
+  for (int i = 0; i < 12; ++i) piece(4 << 20);
+  for (int i = 0; i < 4; ++i) piece(3 << 19);
+  piece(10 << 20);
+  for (int i = 0; i < 60; ++i) piece(512 * (1 + rng() % 64));  // 512 B to 32 KiB
+  return out;
+}
+
+// The pieces as a drain with `files` workers racing for them might leave them: taken in an order
+// of `seed`, each appended to one of the files, chosen by `seed` too. Returns each chunk the cuts
+// make (its digest and size) and how many bytes the small pieces are.
+struct DrainCut {
+  std::map<std::string, uint64_t> chunks;
+  uint64_t small_bytes = 0;
+};
+DrainCut drain_and_cut(const std::vector<std::string>& pieces, size_t files, uint32_t seed) {
+  const store::ChunkingOptions o;
+  std::vector<size_t> order(pieces.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::mt19937 rng(seed);
+  std::shuffle(order.begin(), order.end(), rng);
+  std::vector<std::string> data(files);
+  std::vector<std::vector<store::Cut>> where(files);
+  DrainCut out;
+  for (size_t i : order) {
+    const size_t k = rng() % files;
+    where[k].push_back({data[k].size(), pieces[i].size()});
+    data[k] += pieces[i];
+    if (pieces[i].size() < o.tier_glue_below) out.small_bytes += pieces[i].size();
+  }
+  for (size_t k = 0; k < files; ++k) {
+    const auto cuts = store::plan_tier_cuts(where[k], data[k].size(), o);
+    EXPECT_TRUE(cuts.has_value());
+    if (!cuts) continue;
+    uint64_t pos = 0;
+    for (const store::Cut& c : *cuts) {
+      EXPECT_EQ(c.offset, pos) << "the cuts cover the file in order";
+      EXPECT_LE(c.length, std::max(o.host_image_chunk, o.cdc_max));
+      pos = c.offset + c.length;
+      out.chunks[store::sha256_digest(std::string_view(data[k]).substr(c.offset, c.length))] =
+          c.length;
+    }
+    EXPECT_EQ(pos, data[k].size());
+  }
+  return out;
+}
+
+TEST(StoreTierCuts, TheSamePiecesInOtherFilesAndOrdersGiveTheSameChunks) {
+  const auto pieces = model_pieces();
+  const DrainCut a = drain_and_cut(pieces, 3, 1);
+  const DrainCut b = drain_and_cut(pieces, 5, 2);
+  uint64_t total = 0;
+  uint64_t only_in_b = 0;
+  for (const auto& [digest, size] : b.chunks) {
+    total += size;
+    if (a.chunks.count(digest) == 0) only_in_b += size;
+  }
+  for (const auto& p : pieces) {
+    if (p.size() < store::ChunkingOptions{}.tier_glue_below) continue;
+    // A large piece's chunks are its own, from its start: in both drains, whatever file and
+    // offset each put it at.
+    for (size_t at = 0; at < p.size(); at += store::ChunkingOptions{}.host_image_chunk) {
+      const auto d = store::sha256_digest(
+          std::string_view(p).substr(at, store::ChunkingOptions{}.host_image_chunk));
+      EXPECT_EQ(a.chunks.count(d), 1u);
+      EXPECT_EQ(b.chunks.count(d), 1u);
+    }
+  }
+  // What the second drain adds is at most its glued small pieces, whose neighbours changed.
+  EXPECT_LE(only_in_b, b.small_bytes);
+  EXPECT_LT(only_in_b * 20, total) << only_in_b << " of " << total << " bytes new";
+  // Glued: far fewer chunks than small pieces.
+  EXPECT_LT(b.chunks.size(), pieces.size() - 30);
+}
+
+TEST(StoreTierCuts, PiecesThatDoNotFitTheFileGiveNoCutsAndUnnamedBytesAreCutToo) {
+  const store::ChunkingOptions o;
+  const uint64_t mib = 1 << 20;
+  EXPECT_FALSE(store::plan_tier_cuts({{0, 2 * mib}, {mib, 2 * mib}}, 4 * mib, o))
+      << "overlapping pieces";
+  EXPECT_FALSE(store::plan_tier_cuts({{3 * mib, 2 * mib}}, 4 * mib, o)) << "past the end";
+  EXPECT_FALSE(store::plan_tier_cuts({{~uint64_t{0}, 2}}, 4 * mib, o)) << "an offset that wraps";
+  // A gap and a tail no piece names; a piece larger than a chunk; two small pieces glued.
+  const auto cuts = store::plan_tier_cuts(
+      {{20 * mib, 4096}, {mib, 10 * mib}, {20 * mib + 4096, 8192}}, 24 * mib, o);
+  ASSERT_TRUE(cuts);
+  EXPECT_EQ(*cuts, (std::vector<store::Cut>{{0, mib},
+                                            {mib, 8 * mib},
+                                            {9 * mib, 2 * mib},
+                                            {11 * mib, 8 * mib},
+                                            {19 * mib, mib},
+                                            {20 * mib, 12288},
+                                            {20 * mib + 12288, 4 * mib - 12288}}));
+}
+
+// An artifact of one drain: two drain files and the layout of their pieces (`layout_text`
+// instead, when given: a layout that does not read).
+sfs::path make_tier_artifact(const sfs::path& root, const std::string& layout_text = "") {
+  sfs::create_directories(root / "tier");
+  const auto pieces = model_pieces();
+  tier::TierLayout layout;
+  layout.files = 2;
+  std::string data[2];
+  tier::DevicePtr va = 0x7f0000000000;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const size_t k = i % 2;
+    layout.segments.push_back({va, pieces[i].size(), 0});
+    layout.pieces.push_back({va, pieces[i].size(), 0, k, data[k].size()});
+    data[k] += pieces[i];
+    va += 64 << 20;
+  }
+  fs::write_file(root / "tier" / "42-w0.img", data[0]);
+  fs::write_file(root / "tier" / "42-w1.img", data[1]);
+  if (layout_text.empty()) {
+    tier::write_layout(root / "tier" / "42.layout", layout);
+  } else {
+    fs::write_file(root / "tier" / "42.layout", layout_text);
+  }
+  Manifest m;
+  m.id = fs::random_id();
+  m.created = "2026-12-01T00:00:00Z";
+  m.gpusnap_version = "test";
+  m.host.page_size = 4096;
+  m.files = checksum_tree(root, m.chunk_bytes);
+  fs::write_file(root / kManifestName, m.to_json().dump(2));
+  return root;
+}
+
+TEST(StoreTierCuts, ADrainIsCutAtItsPiecesAndComesBackWholeWithOrWithoutItsLayout) {
+  TempDir dir;
+  for (const std::string bad : {"", "not a layout"}) {
+    SCOPED_TRACE(bad.empty() ? "with its layout" : "with a layout that does not read");
+    const auto src = make_tier_artifact(dir / ("src" + std::to_string(bad.size())), bad);
+    store::BlobStore blobs(dir / "store");
+    const auto stored = chunk_into(src, blobs);
+    // With the layout, every chunk of the first file starts at a piece (pieces alternate
+    // between the two files); without, the cuts are content-defined and fall anywhere.
+    std::set<uint64_t> piece_starts;
+    uint64_t at = 0;
+    const auto pieces = model_pieces();
+    for (size_t i = 0; i < pieces.size(); i += 2) {
+      piece_starts.insert(at);
+      at += pieces[i].size();
+    }
+    bool all_at_pieces = true;
+    for (const auto& f : stored.layout.files) {
+      if (f.path != "tier/42-w0.img") continue;
+      for (const auto& e : f.extents) {
+        if (piece_starts.count(e.offset) == 0 && piece_starts.count(e.offset - (8 << 20)) == 0)
+          all_at_pieces = false;
+      }
+    }
+    EXPECT_EQ(all_at_pieces, bad.empty());
+    // Either way the snapshot is the artifact, byte for byte.
+    const auto out = dir / ("out" + std::to_string(bad.size()));
+    Reporter quiet;
+    store::materialise(
+        store::Layout::from_json(json::parse(stored.layout.to_json().dump())), out,
+        [&](const store::BlobInfo& b) { return blobs.get(b.digest, b.size); }, {}, quiet);
+    for (const char* f : {"tier/42-w0.img", "tier/42-w1.img", "tier/42.layout"}) {
+      EXPECT_TRUE(fs::read_file(out / f) == fs::read_file(src / f)) << f;
+    }
+  }
 }
 
 // What `read` throws: an Error of kind kBadArtifact, its message; "accepted" when it returns.
