@@ -105,10 +105,11 @@ std::string overview(const std::vector<Command>& cmds) {
 }
 
 std::string man_page(const Command& cmd, const std::string& version) {
-  const std::string title = "GPUSNAP-" + upper(cmd.name);
-  std::string out = ".TH " + title + " 1 \"\" \"gpusnap " + roff(version) + "\" \"gpusnap\"\n";
-  out +=
-      ".SH NAME\ngpusnap\\-" + roff(cmd.name) + " \\- " + roff(first_sentence(cmd.summary)) + "\n";
+  // gpusnap.1 is the tool's own page; every other is gpusnap-COMMAND.1.
+  const std::string page = cmd.name == "gpusnap" ? cmd.name : "gpusnap-" + cmd.name;
+  std::string out =
+      ".TH " + upper(page) + " 1 \"\" \"gpusnap " + roff(version) + "\" \"gpusnap\"\n";
+  out += ".SH NAME\n" + roff(page) + " \\- " + roff(first_sentence(cmd.summary)) + "\n";
   std::string usage = cmd.usage;
   if (usage.rfind("gpusnap ", 0) == 0) usage = usage.substr(8);
   out += ".SH SYNOPSIS\n.B gpusnap\n" + roff(usage) + "\n";

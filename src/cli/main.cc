@@ -342,135 +342,166 @@ void add_store_commands(std::vector<Command>& cmds) {
               std::make_move_iterator(more.end()));
 }
 
+// The table of commands, one function per entry: its name, usage, summary, flags and what
+// runs it. Help, man pages and the completion are all made from it (cli/help.h).
+Command checkpoint_command() {
+  return {
+      "checkpoint",
+      "gpusnap checkpoint (--pid PID | --container ID) -o ARTIFACT [options]",
+      "Capture the process tree rooted at PID into a new artifact directory. The source is\n"
+      "stopped after a successful capture unless --leave-running is given; on any failure it\n"
+      "is left running and nothing appears at ARTIFACT.",
+      {{"--pid", "-p", "PID", "root of the process tree to capture"},
+       {"--output", "-o", "ARTIFACT", "artifact directory to create (must not exist)"},
+       {"--leave-running", "", "", "keep the source running after the capture"},
+       kGroup,
+       {"--ghost-limit-mib", "", "MIB", "largest unlinked-but-open file to store (default 256)"},
+       {"--gpu-lock-timeout", "", "SECONDS",
+        "how long each CUDA process may take to drain its GPU work (default 10)"},
+       {"--no-handshake", "", "", "capture as it runs even if the workload speaks the handshake"},
+       {"--handshake-timeout", "", "SECONDS",
+        "how long the workload may take to pause (default 60)"},
+       kNoHostImages,
+       kNoDirectHostImages,
+       kHostImageFile,
+       kIoThreads,
+       {"--container", "", "ID",
+        "capture the workload of this runc container (its PID 1: `gpusnap init -- CMD`)"},
+       {"--runtime-root", "", "DIR",
+        "runc's state directory (default: found among /run/runc and containerd's "
+        "/run/containerd/runc/NAMESPACE)"},
+       kCriu,
+       kJson,
+       kQuiet,
+       kHelp},
+      cmd_checkpoint};
+}
+
+Command run_command() {
+  return {
+      "run",
+      "gpusnap run -o ARTIFACT [--leave-running] [--memory-tier] -- COMMAND [ARGS...]",
+      "Launch a workload so that it can be captured (own session, output to a log, io_uring\n"
+      "refused, a handshake directory in $GPUSNAP_CONTROL_DIR, libgpusnap-preload.so in\n"
+      "LD_PRELOAD for a faster GPU checkpoint, XLA_PYTHON_CLIENT_PREALLOCATE=false unless set,\n"
+      "as JAX with preallocation dies at the GPU checkpoint), wait until it says READY, pause\n"
+      "it, capture it, then stop it or, with --leave-running, resume it.\n"
+      "--memory-tier: a PyTorch workload speaking the handshake in Python gets the memory tier\n"
+      "without calling use_memory_tier(): gpusnap's Python folder goes first on its PYTHONPATH\n"
+      "(found by $GPUSNAP_PYTHON_SITE, else python/ beside gpusnap, else /opt/gpusnap/python)\n"
+      "with GPUSNAP_MEMORY_TIER=1, and the tier is installed when it imports torch.",
+      {{"--output", "-o", "ARTIFACT", "artifact directory to create (must not exist)"},
+       {"--leave-running", "", "", "resume the workload after the capture"},
+       {"--memory-tier", "", "",
+        "have a Python workload install the memory tier when it imports torch"},
+       kGroup,
+       {"--ready-timeout", "", "SECONDS", "how long it may take to say READY (default 600)"},
+       {"--handshake-timeout", "", "SECONDS", "how long it may take to pause (default 60)"},
+       kNoHostImages,
+       kNoDirectHostImages,
+       kHostImageFile,
+       kIoThreads,
+       kCriu,
+       kJson,
+       kQuiet,
+       kHelp},
+      cmd_run};
+}
+
+Command restore_command() {
+  return {
+      "restore",
+      "gpusnap restore ARTIFACT [--replicas N] [--publish [ADDR:][HOSTPORT:]PORT]...",
+      "Start N copies of the captured workload. Each copy runs in fresh PID, mount, network,\n"
+      "IPC and UTS namespaces, so copies and the source never clash. --publish makes a port of\n"
+      "each copy reachable from the host: copy i listens on HOSTPORT+i (or a free port).\n"
+      "Every byte is verified against the manifest before a copy can run (with GPU state:\n"
+      "while CRIU restores, before any GPU state goes back).",
+      {{"--replicas", "-n", "N", "number of copies (default 1)"},
+       {"--publish", "", "[ADDR:][HOSTPORT:]PORT", "forward a host port to PORT in each copy",
+        true},
+       {"--gpu-map", "", "OLD=NEW[,...]",
+        "restore GPU OLD of the artifact onto GPU NEW here (UUIDs or indexes)", true},
+       {"--set", "", "KEY=VALUE", "a setting for the copies' resume context (handshake)", true},
+       {"--handshake-timeout", "", "SECONDS", "how long each copy may take to resume (default 60)"},
+       {"--no-verify", "", "", "skip the byte check (the format checks still run)"},
+       {"--into-container", "", "ID",
+        "restore into this runc container's namespaces (its PID 1: `gpusnap init "
+        "--placeholder`)"},
+       {"--runtime-root", "", "DIR",
+        "runc's state directory (default: found among /run/runc and containerd's "
+        "/run/containerd/runc/NAMESPACE)"},
+       {"--run-dir", "", "DIR", "where copies keep logs and state (default /run/gpusnap)"},
+       {"--timeout", "", "SECONDS", "give up on CRIU's restore after this long (default 300)"},
+       kCriu,
+       kJson,
+       kQuiet,
+       kHelp},
+      cmd_restore};
+}
+
+Command init_command() {
+  return {
+      "init",
+      "gpusnap init [--placeholder | --memory-tier] [-- COMMAND [ARGS...]]",
+      "PID 1 of a container. With a command: run it (in its own session, with\n"
+      "libgpusnap-preload.so in LD_PRELOAD), reap orphans, pass SIGTERM, SIGINT and SIGHUP on\n"
+      "to it, exit with its status; the container can then be captured with `checkpoint\n"
+      "--container`. With --placeholder: wait until `restore\n"
+      "--into-container` puts a snapshot into this container, then do the same for it.\n"
+      "--memory-tier: as for `gpusnap run`, a PyTorch workload speaking the handshake in Python\n"
+      "gets the memory tier when it imports torch, through gpusnap's Python folder (python/\n"
+      "beside this gpusnap: /opt/gpusnap/bin/python on a node, or $GPUSNAP_PYTHON_SITE).",
+      {{"--placeholder", "", "", "wait for a snapshot to be restored into this container"},
+       {"--memory-tier", "", "",
+        "have a Python workload install the memory tier when it imports torch"},
+       kHelp},
+      cmd_init};
+}
+
+Command recover_command() {
+  return {
+      "recover",
+      "gpusnap recover [--pid PID]",
+      "Return to RUNNING every CUDA process a killed gpusnap left locked or checkpointed (from\n"
+      "gpusnap's journal), or those of the tree at PID, and remove the staging directories a\n"
+      "killed gpusnap left. Checkpoint and restore do this by themselves when they start.",
+      {{"--pid", "-p", "PID", "also return this process tree's CUDA processes to RUNNING"},
+       {"--run-dir", "", "DIR", "gpusnap's state directory (default /run/gpusnap)"},
+       kJson,
+       kHelp},
+      cmd_recover};
+}
+
+Command inspect_command() {
+  return {"inspect",
+          "gpusnap inspect ARTIFACT [--json]",
+          "Show what an artifact holds: processes, memory, sizes, the host facts a restore needs.",
+          {kJson, kHelp},
+          cmd_inspect};
+}
+
+Command verify_command() {
+  return {"verify",
+          "gpusnap verify ARTIFACT [--json]",
+          "Check every byte of an artifact against its manifest.",
+          {kJson, kQuiet, kHelp},
+          cmd_verify};
+}
+
+Command list_command() {
+  return {"list",
+          "gpusnap list [DIR] [--json]",
+          "List the artifacts in a snapshot directory (default " + std::string(kDefaultStorage) +
+              ", the agent's storage).",
+          {kJson, kHelp},
+          cmd_list};
+}
+
 std::vector<Command> commands() {
-  std::vector<Command> cmds{
-      {"checkpoint",
-       "gpusnap checkpoint (--pid PID | --container ID) -o ARTIFACT [options]",
-       "Capture the process tree rooted at PID into a new artifact directory. The source is\n"
-       "stopped after a successful capture unless --leave-running is given; on any failure it\n"
-       "is left running and nothing appears at ARTIFACT.",
-       {{"--pid", "-p", "PID", "root of the process tree to capture"},
-        {"--output", "-o", "ARTIFACT", "artifact directory to create (must not exist)"},
-        {"--leave-running", "", "", "keep the source running after the capture"},
-        kGroup,
-        {"--ghost-limit-mib", "", "MIB", "largest unlinked-but-open file to store (default 256)"},
-        {"--gpu-lock-timeout", "", "SECONDS",
-         "how long each CUDA process may take to drain its GPU work (default 10)"},
-        {"--no-handshake", "", "", "capture as it runs even if the workload speaks the handshake"},
-        {"--handshake-timeout", "", "SECONDS",
-         "how long the workload may take to pause (default 60)"},
-        kNoHostImages,
-        kNoDirectHostImages,
-        kHostImageFile,
-        kIoThreads,
-        {"--container", "", "ID",
-         "capture the workload of this runc container (its PID 1: `gpusnap init -- CMD`)"},
-        {"--runtime-root", "", "DIR",
-         "runc's state directory (default: found among /run/runc and containerd's "
-         "/run/containerd/runc/NAMESPACE)"},
-        kCriu,
-        kJson,
-        kQuiet,
-        kHelp},
-       cmd_checkpoint},
-      {"run",
-       "gpusnap run -o ARTIFACT [--leave-running] [--memory-tier] -- COMMAND [ARGS...]",
-       "Launch a workload so that it can be captured (own session, output to a log, io_uring\n"
-       "refused, a handshake directory in $GPUSNAP_CONTROL_DIR, libgpusnap-preload.so in\n"
-       "LD_PRELOAD for a faster GPU checkpoint, XLA_PYTHON_CLIENT_PREALLOCATE=false unless set,\n"
-       "as JAX with preallocation dies at the GPU checkpoint), wait until it says READY, pause\n"
-       "it, capture it, then stop it or, with --leave-running, resume it.\n"
-       "--memory-tier: a PyTorch workload speaking the handshake in Python gets the memory tier\n"
-       "without calling use_memory_tier(): gpusnap's Python folder goes first on its PYTHONPATH\n"
-       "(found by $GPUSNAP_PYTHON_SITE, else python/ beside gpusnap, else /opt/gpusnap/python)\n"
-       "with GPUSNAP_MEMORY_TIER=1, and the tier is installed when it imports torch.",
-       {{"--output", "-o", "ARTIFACT", "artifact directory to create (must not exist)"},
-        {"--leave-running", "", "", "resume the workload after the capture"},
-        {"--memory-tier", "", "",
-         "have a Python workload install the memory tier when it imports torch"},
-        kGroup,
-        {"--ready-timeout", "", "SECONDS", "how long it may take to say READY (default 600)"},
-        {"--handshake-timeout", "", "SECONDS", "how long it may take to pause (default 60)"},
-        kNoHostImages,
-        kNoDirectHostImages,
-        kHostImageFile,
-        kIoThreads,
-        kCriu,
-        kJson,
-        kQuiet,
-        kHelp},
-       cmd_run},
-      {"restore",
-       "gpusnap restore ARTIFACT [--replicas N] [--publish [ADDR:][HOSTPORT:]PORT]...",
-       "Start N copies of the captured workload. Each copy runs in fresh PID, mount, network,\n"
-       "IPC and UTS namespaces, so copies and the source never clash. --publish makes a port of\n"
-       "each copy reachable from the host: copy i listens on HOSTPORT+i (or a free port).\n"
-       "Every byte is verified against the manifest before a copy can run (with GPU state:\n"
-       "while CRIU restores, before any GPU state goes back).",
-       {{"--replicas", "-n", "N", "number of copies (default 1)"},
-        {"--publish", "", "[ADDR:][HOSTPORT:]PORT", "forward a host port to PORT in each copy",
-         true},
-        {"--gpu-map", "", "OLD=NEW[,...]",
-         "restore GPU OLD of the artifact onto GPU NEW here (UUIDs or indexes)", true},
-        {"--set", "", "KEY=VALUE", "a setting for the copies' resume context (handshake)", true},
-        {"--handshake-timeout", "", "SECONDS",
-         "how long each copy may take to resume (default 60)"},
-        {"--no-verify", "", "", "skip the byte check (the format checks still run)"},
-        {"--into-container", "", "ID",
-         "restore into this runc container's namespaces (its PID 1: `gpusnap init "
-         "--placeholder`)"},
-        {"--runtime-root", "", "DIR",
-         "runc's state directory (default: found among /run/runc and containerd's "
-         "/run/containerd/runc/NAMESPACE)"},
-        {"--run-dir", "", "DIR", "where copies keep logs and state (default /run/gpusnap)"},
-        {"--timeout", "", "SECONDS", "give up on CRIU's restore after this long (default 300)"},
-        kCriu,
-        kJson,
-        kQuiet,
-        kHelp},
-       cmd_restore},
-      {"init",
-       "gpusnap init [--placeholder | --memory-tier] [-- COMMAND [ARGS...]]",
-       "PID 1 of a container. With a command: run it (in its own session, with\n"
-       "libgpusnap-preload.so in LD_PRELOAD), reap orphans, pass SIGTERM, SIGINT and SIGHUP on\n"
-       "to it, exit with its status; the container can then be captured with `checkpoint\n"
-       "--container`. With --placeholder: wait until `restore\n"
-       "--into-container` puts a snapshot into this container, then do the same for it.\n"
-       "--memory-tier: as for `gpusnap run`, a PyTorch workload speaking the handshake in Python\n"
-       "gets the memory tier when it imports torch, through gpusnap's Python folder (python/\n"
-       "beside this gpusnap: /opt/gpusnap/bin/python on a node, or $GPUSNAP_PYTHON_SITE).",
-       {{"--placeholder", "", "", "wait for a snapshot to be restored into this container"},
-        {"--memory-tier", "", "",
-         "have a Python workload install the memory tier when it imports torch"},
-        kHelp},
-       cmd_init},
-      {"recover",
-       "gpusnap recover [--pid PID]",
-       "Return to RUNNING every CUDA process a killed gpusnap left locked or checkpointed (from\n"
-       "gpusnap's journal), or those of the tree at PID, and remove the staging directories a\n"
-       "killed gpusnap left. Checkpoint and restore do this by themselves when they start.",
-       {{"--pid", "-p", "PID", "also return this process tree's CUDA processes to RUNNING"},
-        {"--run-dir", "", "DIR", "gpusnap's state directory (default /run/gpusnap)"},
-        kJson,
-        kHelp},
-       cmd_recover},
-      {"inspect",
-       "gpusnap inspect ARTIFACT [--json]",
-       "Show what an artifact holds: processes, memory, sizes, the host facts a restore needs.",
-       {kJson, kHelp},
-       cmd_inspect},
-      {"verify",
-       "gpusnap verify ARTIFACT [--json]",
-       "Check every byte of an artifact against its manifest.",
-       {kJson, kQuiet, kHelp},
-       cmd_verify},
-      {"list",
-       "gpusnap list [DIR] [--json]",
-       "List the artifacts in a snapshot directory (default " + std::string(kDefaultStorage) +
-           ", the agent's storage).",
-       {kJson, kHelp},
-       cmd_list},
-  };
+  std::vector<Command> cmds{checkpoint_command(), run_command(),     restore_command(),
+                            init_command(),       recover_command(), inspect_command(),
+                            verify_command(),     list_command()};
   add_store_commands(cmds);
   return cmds;
 }
@@ -513,8 +544,12 @@ int cmd_help(const std::vector<Command>& cmds, const std::vector<std::string>& r
     for (const auto& c : cmds) {
       write_page(dir, "gpusnap-" + c.name + ".1", man_page(c, GPUSNAP_VERSION));
     }
-    const Command top{
-        "gpusnap", "gpusnap [--agent SOCKET] COMMAND [options]", overview(cmds), {}, nullptr};
+    // gpusnap.1's NAME line is its summary's first sentence: the tool's, not the usage line.
+    const Command top{"gpusnap",
+                      "gpusnap [--agent SOCKET] COMMAND [options]",
+                      "Capture an initialised workload and start copies of it. " + overview(cmds),
+                      {},
+                      nullptr};
     write_page(dir, "gpusnap.1", man_page(top, GPUSNAP_VERSION));
     return 0;
   }
