@@ -22,16 +22,8 @@ const std::vector<std::string> kCommands{"checkpoint", "run",     "restore", "in
 
 // The output of a shell command (its stdout and stderr) and its exit code.
 CliResult shell(const std::string& script) {
-  TempDir dir;
-  const auto out = dir.path() / "out";
-  common::SpawnOptions o;
-  o.argv = {"/bin/bash", "-c", script + " >" + out.string() + " 2>&1"};
-  common::Subprocess p(o);
-  const auto status = p.wait();
-  CliResult r;
-  r.exit_code = status && status->exited ? status->code : -1;
-  fs::try_read_file(out, &r.out);
-  return r;
+  const auto run = common::run_capture({"/bin/bash", "-c", script});
+  return {run.status.exited ? run.status.code : -1, run.output, ""};
 }
 
 TEST(CliHelp, HelpCommandDescribesTheCommandNotTheOverview) {
