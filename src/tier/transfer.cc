@@ -219,7 +219,15 @@ void log_line(const char* what, const TransferReport& r) {
 }  // namespace
 
 std::vector<Tier::Piece> Tier::live_pieces() const {
-  // Runs of adjacent live blocks in one segment, cut at the piece size, in address order.
+  // Runs of adjacent live blocks in one segment, cut at the piece size, in address order. A
+  // block of kAloneBytes or more (a tensor of a megabyte or more) is a run of its own: the
+  // store cuts its chunks at the pieces' starts (store/chunker.h), so a tensor that starts a
+  // piece is stored as the same chunks whatever its neighbours, and a second capture that
+  // allocated the same tensors in another order adds nothing for it. Merged with a neighbour,
+  // its bytes would sit at an offset that depends on the allocation order (30 % of a capture
+  // new again in StoreRegistry.ASecondCaptureOfTheSameTierInAnotherOrder..., 1-10 MiB tensors).
+  // Only small blocks are merged: a piece each would cost more in copies than they weigh.
+  constexpr std::size_t kAloneBytes = std::size_t{1} << 20;
   std::vector<Piece> pieces;
   const std::size_t max = settings_.piece_bytes;
   auto emit = [&](DevicePtr start, std::size_t size, int device) {
@@ -231,8 +239,11 @@ std::vector<Tier::Piece> Tier::live_pieces() const {
   std::size_t run_size = 0;
   DevicePtr run_segment = 0;
   int run_device = 0;
+  bool run_alone = false;
   for (const auto& [addr, b] : blocks_) {
-    if (b.allocated && run_size > 0 && b.segment == run_segment && addr == run_start + run_size) {
+    const bool alone = b.size >= kAloneBytes;
+    if (b.allocated && run_size > 0 && !alone && !run_alone && b.segment == run_segment &&
+        addr == run_start + run_size) {
       run_size += b.size;
       continue;
     }
@@ -243,6 +254,7 @@ std::vector<Tier::Piece> Tier::live_pieces() const {
       run_size = b.size;
       run_segment = b.segment;
       run_device = segments_.at(b.segment).device;
+      run_alone = alone;
     }
   }
   if (run_size > 0) emit(run_start, run_size, run_device);

@@ -477,6 +477,9 @@ std::vector<size_t> tensor_bytes() {
   std::vector<size_t> sizes;
   // Weights: large tensors, each in a segment of its own (a piece per 4 MiB of it).
   for (int i = 0; i < 6; ++i) sizes.insert(sizes.end(), {32 * kMiB, 12 * kMiB + 4096, 16 * kMiB});
+  // Embeddings, projections of small layers, buffers: medium tensors (1-10 MiB), which share
+  // segments, so that their neighbours depend on the allocation order.
+  for (size_t i = 0; i < 24; ++i) sizes.push_back(kMiB + (i * 397 % 37) * 256 * 1024);
   // Norms and biases: small tensors, packed into shared segments in allocation order.
   for (size_t i = 0; i < 96; ++i) sizes.push_back(512 * (8 + (i * 37) % 120));
   return sizes;
