@@ -370,13 +370,17 @@ struct Options {
   std::string ready_file;
   // Fixed memory pattern (the store's dedup tests capture two identical workloads); 0: random.
   std::uint64_t seed = 0;
+  // Tensor-like buffers of 1-10 MiB and more, one mapping each, allocated in an order drawn from
+  // `order` (0: by index): the same bytes at other addresses, as a model loaded twice.
+  unsigned tensors = 0;
+  std::uint64_t order = 0;
 };
 
 void print_usage(std::FILE* out) {
   std::fprintf(out,
                "usage: %s [--port N] [--mib N] [--threads N] [--children N] [--file PATH]\n"
                "       [--lock-file PATH] [--unlinked DIR] [--io-uring] [--ready-file PATH]\n"
-               "       [--seed N]\n"
+               "       [--seed N] [--tensors N] [--order N]\n"
                "Test workload for gpusnap; see tests/workload/README.md.\n",
                kProgram.data());
 }
@@ -435,6 +439,10 @@ Options parse_options(int argc, char** argv) {
       o.ready_file = take_path();
     } else if (arg == "--seed") {
       o.seed = take_uint(UINT64_MAX);
+    } else if (arg == "--tensors") {
+      o.tensors = static_cast<unsigned>(take_uint(1024));
+    } else if (arg == "--order") {
+      o.order = take_uint(UINT64_MAX);
     } else if (arg == "--io-uring" && !has_inline_value) {
       o.io_uring = true;
     } else {
@@ -467,6 +475,7 @@ class Workload {
     block_termination_signals();
     memory_ = Mapping(opts_.mib << 20);
     fill_pattern(memory_, seed_);
+    allocate_tensors();
     if (!opts_.file.empty()) open_file();
     if (!opts_.lock_file.empty()) open_lock();
     if (!opts_.unlinked_dir.empty()) open_unlinked();
@@ -541,6 +550,26 @@ class Workload {
           fds.push_back(*fd);
     }
     for (int fd : fds) ::close(fd);
+  }
+
+  // Tensor i: 1 MiB + (i * 397 mod 37) quarter-MiB, every fourth 16 MiB more, its words
+  // splitmix64(w ^ tensor_seed(i)). Mapped in a shuffled order, so that their place in the
+  // address space (and in a capture's page images) depends on --order, not on the bytes.
+  void allocate_tensors() {
+    std::vector<unsigned> order(opts_.tensors);
+    for (unsigned i = 0; i < opts_.tensors; ++i) order[i] = i;
+    std::uint64_t state = opts_.order;
+    for (unsigned i = opts_.tensors; opts_.order != 0 && i > 1; --i) {
+      state = splitmix64(state);
+      std::swap(order[i - 1], order[state % i]);
+    }
+    tensors_.resize(opts_.tensors);
+    for (unsigned i : order) {
+      const std::size_t bytes = (std::size_t{1} << 20) + (i * 397 % 37) * (std::size_t{1} << 18) +
+                                (i % 4 == 0 ? std::size_t{16} << 20 : 0);
+      tensors_[i] = Mapping(bytes);
+      fill_pattern(tensors_[i], splitmix64(seed_ ^ (0x7e4500000000ULL + i)));
+    }
   }
 
   static std::uint64_t read_seed() {
@@ -810,6 +839,10 @@ class Workload {
 
   std::optional<std::string> check_memory() const {
     if (auto bad = pattern_mismatch(memory_, seed_)) return "memory word " + std::to_string(*bad);
+    for (std::size_t i = 0; i < tensors_.size(); ++i) {
+      if (auto bad = pattern_mismatch(tensors_[i], splitmix64(seed_ ^ (0x7e4500000000ULL + i))))
+        return "tensor " + std::to_string(i) + " word " + std::to_string(*bad);
+    }
     return std::nullopt;
   }
 
@@ -926,6 +959,7 @@ class Workload {
   std::uint64_t seed_ = 0;
   std::vector<Child> children_;
   Mapping memory_;
+  std::vector<Mapping> tensors_;  // by index, whatever the order they were mapped in
   Fd file_;
   Fd lock_;
   Fd unlinked_;
