@@ -30,9 +30,9 @@
 namespace gpusnap::agent {
 
 struct RegistryStorageSettings {
-  std::string repository;           // oci://HOST[:PORT]/REPO, no tag, no digest
-  store::RegistryOptions registry;  // plain HTTP, CA file, credentials file
-  int jobs = 8;                     // chunks in flight
+  std::string repository;            // oci://HOST[:PORT]/REPO, no tag, no digest
+  store::RegistryOptions registry;   // plain HTTP, CA file, credentials file
+  int jobs = store::default_jobs();  // chunks in flight
   std::filesystem::path cache = "/var/lib/gpusnap/cache";
   uint64_t cache_budget = 64ull << 30;
   std::filesystem::path pulled;  // where pulled snapshots are materialised (RUN_DIR/pulled)

@@ -125,7 +125,7 @@ store::TransferOptions transfer_options(const Args& args) {
   store::read_registry_flags(args, "--", o.registry);
   o.registry.retries = static_cast<int>(args.get_int("--retries", 5, 0, 100));
   o.registry.max_rate = static_cast<uint64_t>(args.get_int("--max-rate-mib", 0, 0, 1 << 20)) << 20;
-  o.jobs = static_cast<int>(args.get_int("--jobs", 8, 1, 256));
+  o.jobs = static_cast<int>(args.get_int("--jobs", store::default_jobs(), 1, 256));
   return o;
 }
 
@@ -175,7 +175,7 @@ std::vector<FlagSpec> remote_flags() {
   auto flags = store::registry_flags("--");
   flags.insert(
       flags.end(),
-      {{"--jobs", "-j", "N", "chunks in flight (default 8)"},
+      {{"--jobs", "-j", "N", "chunks in flight (default: twice the cores, 8 to 32)"},
        {"--retries", "", "N", "attempts after a failed request, with backoff (default 5)"},
        {"--max-rate-mib", "", "MIB", "limit the transfer to MIB per second (default: none)"}});
   return flags;

@@ -3,11 +3,13 @@
 #include <fcntl.h>
 #include <sys/file.h>
 
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <set>
+#include <thread>
 
 #include "artifact/writer.h"
 #include "common/fd.h"
@@ -115,6 +117,11 @@ class Partials {
 };
 
 }  // namespace
+
+int default_jobs() {
+  const auto cores = static_cast<int>(std::thread::hardware_concurrency());
+  return std::clamp(2 * cores, 8, 32);
+}
 
 SnapshotSizes SnapshotSizes::of(const Layout& layout) {
   return {layout.apparent_bytes(), layout.data_bytes(), layout.stored_bytes(),
