@@ -11,7 +11,12 @@ std::vector<args::FlagSpec> registry_flags(const std::string& prefix) {
       {prefix + "auth-file", "", "FILE",
        "the registry's credentials (auth.json / docker config.json, e.g. a mounted Secret; "
        "default: $REGISTRY_AUTH_FILE, $XDG_RUNTIME_DIR/containers/auth.json, "
-       "~/.docker/config.json)"}};
+       "~/.docker/config.json)"},
+      // Spelled as skopeo spells it, in both programs: it is the node's file, not the registry's.
+      {"--registries-conf", "", "FILE",
+       "registry mirrors, as containers-registries.conf(5) writes them, tried before the "
+       "origin for pulls (default: $CONTAINERS_REGISTRIES_CONF, else "
+       "/etc/containers/registries.conf and registries.conf.d/)"}};
 }
 
 void read_registry_flags(const args::Args& args, const std::string& prefix,
@@ -19,6 +24,7 @@ void read_registry_flags(const args::Args& args, const std::string& prefix,
   options.plain_http = args.has(prefix + "plain-http");
   options.ca_file = args.get(prefix + "ca-file");
   options.auth_file = args.get(prefix + "auth-file");
+  options.registries_conf = args.get("--registries-conf");
   options.flag_prefix = prefix;  // the registry's hints name the flags as this program spells them
 }
 

@@ -43,6 +43,9 @@ struct RegistryOptions {
   int retries = 5;          // attempts after the first
   std::chrono::milliseconds backoff{200};
   uint64_t max_rate = 0;  // bytes per second across all transfers; 0: no limit
+  // containers-registries.conf to read mirrors from (store/mirrors.h); empty: the usual places.
+  std::string registries_conf;
+  bool mirrors = true;  // false: the origin alone (a mirror's own Registry)
   // How the caller spells the settings its errors' hints name (store/flags.h): "--" for the
   // CLI's --ca-file, --plain-http and --auth-file, "--registry-" for the agent's.
   std::string flag_prefix = "--";

@@ -18,6 +18,7 @@
 #include "store/blob_store.h"
 #include "store/digest.h"
 #include "store/materialise.h"
+#include "store/mirrors.h"
 
 namespace gpusnap::store {
 
@@ -69,7 +70,7 @@ std::string image_config(const Manifest& m, const json& labels) {
   return config.dump();
 }
 
-RemoteSnapshot read_remote_with(Registry& registry) {
+RemoteSnapshot read_remote_with(PullRegistries& registry) {
   auto [body, digest] = registry.fetch_manifest();
   const std::string name = registry.ref().str();
   SnapshotManifest m = read_snapshot_manifest(body, name);
@@ -195,13 +196,13 @@ PushResult push(const std::filesystem::path& path, const OciRef& ref, const Tran
 }
 
 RemoteSnapshot read_remote(const OciRef& ref, const TransferOptions& options) {
-  Registry registry(ref, options.registry);
+  PullRegistries registry(ref, options.registry);
   return read_remote_with(registry);
 }
 
 PullResult pull(const OciRef& ref, const PullOptions& o, Reporter& reporter) {
   Phases phases(reporter);
-  Registry registry(ref, o.transfer.registry);
+  PullRegistries registry(ref, o.transfer.registry);  // the node's mirrors, then the origin
   RemoteSnapshot snap = phases.run("manifest", [&] {
     auto s = o.snapshot ? *o.snapshot : read_remote_with(registry);
     if (o.check) o.check(Manifest::from_json(s.layout.manifest));
@@ -261,6 +262,11 @@ PullResult pull(const OciRef& ref, const PullOptions& o, Reporter& reporter) {
         mo, reporter);
   });
   if (partials) partials->remove();
+  for (const auto& line : registry.take_notes()) reporter.note(line);
+  if (registry.bytes_from_mirrors() > 0) {
+    reporter.note(std::to_string(registry.bytes_from_mirrors()) + " of the " +
+                  std::to_string(bytes_fetched.load()) + " bytes fetched came from mirrors");
+  }
   phases.run("cache", [&] {
     cache.record_snapshot(key, ref.by_digest(snap.digest), snap.layout,
                           o.output_in_cache ? o.output : std::filesystem::path());

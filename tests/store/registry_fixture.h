@@ -23,6 +23,9 @@ class LocalRegistry {
     // The host address it listens on, and its certificate names: another than loopback for
     // clients in other network namespaces (testing/node_network.h).
     std::string address = "127.0.0.1";
+    // Non-empty: a pull-through cache of the registry at this URL (docker-registry's
+    // `proxy: remoteurl:`), as a cluster-local mirror runs.
+    std::string proxy_remote;
   };
 
   // Why the registry cannot run here (docker-registry, openssl or htpasswd missing).

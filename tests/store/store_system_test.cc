@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <random>
 #include <set>
 
@@ -576,6 +577,77 @@ TEST(StoreRegistry, ASecondCaptureOfTheSameTierInAnotherOrderAddsAtMostFivePerce
     const auto name = e.path().filename();
     EXPECT_TRUE(fs::read_file(out / "tier" / name) == fs::read_file(e.path())) << name;
   }
+}
+
+// How many times a registry served a blob of REPO, from its access log.
+size_t blob_gets(const LocalRegistry& registry, const std::string& repo) {
+  const std::string log = registry.log();
+  const std::string needle = "\"GET /v2/" + repo + "/blobs/";
+  size_t n = 0;
+  for (size_t at = log.find(needle); at != std::string::npos; at = log.find(needle, at + 1)) ++n;
+  return n;
+}
+
+// A node's registries.conf names a pull-through cache (docker-registry with `proxy:`) in front
+// of the origin: pulls go through it, a second node's pull costs the origin nothing, a damaged
+// chunk in the mirror and a mirror that is down still give the snapshot, byte for byte.
+TEST(StoreRegistry, PullsGoThroughTheMirrorsOfRegistriesConfAndNeverTrustThem) {
+  SKIP_WITHOUT_REGISTRY();
+  TempDir dir;
+  LocalRegistry origin(dir, {});
+  LocalRegistry::Options mo;
+  mo.proxy_remote = "http://" + origin.host();
+  std::optional<LocalRegistry> mirror(std::in_place, dir, mo);
+  auto c = capture(dir, "snap", "24", "5");
+  push(origin, c, "team/snap:v1");
+  const size_t pushed_gets = blob_gets(origin, "team/snap");
+  const auto conf = dir / "registries.conf";
+  fs::write_file(conf, "[[registry]]\nlocation = \"" + origin.host() +
+                           "\"\n\n[[registry.mirror]]\nlocation = \"" + mirror->host() +
+                           "\"\ninsecure = true\n");
+  auto pull = [&](const std::string& name) {
+    auto r = gpusnap({"pull", origin.ref("team/snap:v1"), "-o", (dir / name).string(),
+                      "--plain-http", "--cache", (dir / ("cache-" + name)).string(),
+                      "--registries-conf", conf.string(), "--json"});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(contents(dir / name), contents(c.path)) << name;
+    return json::parse(r.out);
+  };
+  const json first = pull("first");
+  const size_t through_mirror = blob_gets(origin, "team/snap") - pushed_gets;
+  EXPECT_GT(first.at("chunks_fetched").get<size_t>(), 2u);
+  // docker-registry's proxy fetches a blob it lacks twice from its remote: once streamed to
+  // the client, once to keep (its storeLocal). So the first node costs the origin 2x.
+  EXPECT_LE(through_mirror, 2 * (first.at("chunks_fetched").get<size_t>() + 1)) << origin.log();
+  EXPECT_TRUE(Contains(first.at("notes").dump(), "came from mirrors")) << first.dump();
+
+  // A second node: the mirror holds every chunk now, the origin serves none.
+  pull("second");
+  EXPECT_EQ(blob_gets(origin, "team/snap") - pushed_gets, through_mirror);
+
+  // The mirror's copy of a chunk damaged: refused by its digest, fetched from the origin.
+  // Any chunk the mirror keeps will do: its largest blob file.
+  sfs::path victim;
+  uintmax_t largest = 0;
+  for (const auto& e : sfs::recursive_directory_iterator(mirror->storage())) {
+    if (e.is_regular_file() && e.path().filename() == "data" && e.file_size() > largest) {
+      largest = e.file_size();
+      victim = e.path();
+    }
+  }
+  ASSERT_FALSE(victim.empty());
+  {
+    std::string bytes = fs::read_file(victim);
+    bytes[bytes.size() / 2] ^= 0x5a;
+    fs::write_file(victim, bytes);
+  }
+  const json third = pull("third");
+  EXPECT_TRUE(Contains(third.at("notes").dump(), "fetched from the next")) << third.dump();
+
+  // The mirror down: the origin alone, with a note.
+  mirror.reset();
+  const json fourth = pull("fourth");
+  EXPECT_TRUE(Contains(fourth.at("notes").dump(), "did not serve the manifest")) << fourth.dump();
 }
 
 TEST(StoreRegistry, NodeCacheKeepsItsBudgetLeastRecentlyUsedFirst) {
