@@ -90,17 +90,17 @@ void EventLog::operation_started(const Operation& op) const {
   write(std::move(fields), text);
 }
 
-void EventLog::operation_finished(const Operation& op, OperationState state, const json& error,
+void EventLog::operation_finished(const Operation& op, OperationState outcome, const json& error,
                                   std::optional<double> seconds) const {
-  const std::string outcome = state_name(state);
+  const std::string outcome_name = state_name(outcome);
   const json subject = subject_of(op);
   Fields fields = {{"event", "operation-finished"},
                    {"id", op.id},
                    {"kind", kind_name(op.kind)},
-                   {"outcome", outcome},
+                   {"outcome", outcome_name},
                    {"duration_s", seconds ? Fields(*seconds) : Fields()}};
   for (const auto& [key, value] : subject.items()) fields[key] = value;
-  std::string text = "operation " + op.id + " " + kind_name(op.kind) + " " + outcome;
+  std::string text = "operation " + op.id + " " + kind_name(op.kind) + " " + outcome_name;
   if (seconds) text += " in " + seconds_text(*seconds) + " s";
   if (!subject.empty()) text += " (" + subject_text(subject) + ")";
   if (error.is_object()) {
