@@ -123,6 +123,9 @@ class Agent {
     process_.reset();
   }
 
+  // Another signal, as an operator or the kubelet sends one.
+  void signal(int number) { process_->kill(number); }
+
   std::optional<common::ExitStatus> wait_exit(std::chrono::seconds limit) {
     return process_->wait(limit);
   }
@@ -688,6 +691,44 @@ TEST(AgentRecovery, AnOperationAcceptedButNotStartedIsReportedNotRun) {
                         "started; nothing was done (fix: send the request again)\n"),
       std::string::npos)
       << agent->log();
+  EXPECT_TRUE(eventually([&] { return counter(worker.port()) > 0; })) << ask(worker.port(), "INFO");
+}
+
+// SIGTERM: the running checkpoint finishes, the pending one is failed, and the log says both
+// before the agent exits 0.
+TEST(AgentStop, SigtermFinishesTheRunningCheckpointAndFailsThePendingOne) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Agent agent(dir);
+  SlowPausingWorker worker(dir);
+  auto running = agent.post("/v1/checkpoints", {{"artifact", "a"}, {"pid", worker.pid()}});
+  auto pending = agent.post("/v1/checkpoints", {{"artifact", "b"}, {"pid", worker.pid()}});
+  ASSERT_EQ(running.status, 202) << running.body;
+  ASSERT_EQ(pending.status, 202) << pending.body;
+  ASSERT_TRUE(eventually([&] { return worker.asked_to_pause(); }));
+  agent.signal(SIGTERM);
+  const auto status = agent.wait_exit(std::chrono::seconds(60));
+  ASSERT_TRUE(status.has_value()) << agent.log();
+  EXPECT_TRUE(status->ok()) << status->describe() << "\n" << agent.log();
+  EXPECT_TRUE(std::filesystem::is_directory(agent.storage() / "a")) << agent.log();
+  EXPECT_FALSE(std::filesystem::exists(agent.storage() / "b"));
+  EXPECT_TRUE(std::filesystem::is_empty(agent.state() / "operations"));
+  const std::string log = agent.log();
+  const std::string a = running.doc["operation"]["id"], b = pending.doc["operation"]["id"];
+  const std::string pid = std::to_string(worker.pid());
+  EXPECT_NE(log.find(" gpusnap-agent: signal 15: finishing the running operations\n"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find(" gpusnap-agent: operation " + a + " checkpoint succeeded in "),
+            std::string::npos)
+      << log;
+  EXPECT_NE(
+      log.find(" gpusnap-agent: operation " + b + " checkpoint failed (artifact b, pid " + pid +
+               "): internal: the agent stopped before this checkpoint started; nothing was "
+               "done (fix: send the request again)\n"),
+      std::string::npos)
+      << log;
+  EXPECT_EQ(log.find("operation " + b + " checkpoint started"), std::string::npos) << log;
   EXPECT_TRUE(eventually([&] { return counter(worker.port()) > 0; })) << ask(worker.port(), "INFO");
 }
 
