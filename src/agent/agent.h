@@ -11,8 +11,8 @@
 //             driver's restore, which leaves a process FAILED for good; two checkpoints of
 //             overlapping trees would fight over the same processes' locks.
 //   prefetch  pulls into the node cache, `prefetch_workers` at a time. A prefetch touches no
-//             GPU but may take as long as its registry: one from a registry that trickles held
-//             the single queue there was, and a checkpoint waited behind it for a minute.
+//             GPU but takes as long as its registry does: in the gpu lane, one from a registry
+//             that trickles would hold every checkpoint and restore behind it.
 // Each lane holds at most `max_pending` pending operations; beyond it a request is refused
 // (LaneFull) before anything is journaled, so that a flood costs neither memory nor fsyncs.
 #pragma once
