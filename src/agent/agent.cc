@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
+#include <cstdio>
 
 #include "artifact/writer.h"
 #include "common/fd.h"
@@ -191,12 +193,16 @@ json pulled_document(const store::SnapshotSource& source) {
 
 Agent::Agent(AgentConfig config)
     : config_(std::move(config)),
+      log_(config_.log_format),
       remote_(config_.remote ? std::optional<RegistryStorage>(std::in_place, *config_.remote)
                              : std::nullopt),
       journal_(config_.state_dir) {
   if (config_.node.empty()) config_.node = hostname();
   recover();
-  worker_ = std::jthread([this](const std::stop_token& stop) { work(stop); });
+  gpu_.workers.emplace_back([this](const std::stop_token& stop) { work(gpu_, stop); });
+  for (size_t i = 0; i < std::max<size_t>(config_.prefetch_workers, 1); ++i) {
+    prefetch_.workers.emplace_back([this](const std::stop_token& stop) { work(prefetch_, stop); });
+  }
 }
 
 Agent::~Agent() { stop(); }
@@ -207,24 +213,36 @@ void Agent::stop() noexcept {
     if (stopping_) return;
     stopping_ = true;
   }
-  worker_.request_stop();
-  wake_.notify_all();
-  if (worker_.joinable()) worker_.join();
+  // Every lane is told first, then each is waited for: a restore may wait for a prefetch's
+  // pull (PullClaim), which must go on meanwhile.
+  for (Lane* lane : {&gpu_, &prefetch_}) {
+    for (auto& worker : lane->workers) worker.request_stop();
+    lane->wake.notify_all();
+  }
+  for (Lane* lane : {&gpu_, &prefetch_}) {
+    for (auto& worker : lane->workers) {
+      if (worker.joinable()) worker.join();
+    }
+  }
   // What never started: failed now, so that nobody waits for it and no journal entry outlives
   // the agent for an operation that did nothing.
   std::lock_guard lock(mu_);
-  for (const auto& op : queue_) {
-    op->state = OperationState::kFailed;
-    op->finished_at = utc::now(utc::Precision::kMilliseconds);
-    op->error =
-        error_json(Error(ErrorKind::kInternal,
-                         "the agent stopped before this " + std::string(kind_name(op->kind)) +
-                             " started; nothing was done",
-                         "send the request again"));
-    metrics_.failed_without_running(kind_name(op->kind), Error::kind_name(ErrorKind::kInternal));
-    journal_.erase(op->id);
+  for (Lane* lane : {&gpu_, &prefetch_}) {
+    for (const auto& op : lane->queue) {
+      op->state = OperationState::kFailed;
+      op->finished_at = utc::now(utc::Precision::kMilliseconds);
+      op->error =
+          error_json(Error(ErrorKind::kInternal,
+                           "the agent stopped before this " + std::string(kind_name(op->kind)) +
+                               " started; nothing was done",
+                           "send the request again"));
+      metrics_.failed_without_running(kind_name(op->kind), Error::kind_name(ErrorKind::kInternal));
+      log_.operation_finished(*op, op->state, op->error, std::nullopt);
+      journal_.erase(op->id);
+    }
+    lane->queue.clear();
+    metrics_.pending(lane->name, 0);
   }
-  queue_.clear();
 }
 
 json Agent::submit_checkpoint(const json& body) {
@@ -271,12 +289,24 @@ json Agent::submit(OperationKind kind, json request) {
   if (stopping_) {
     throw Error(ErrorKind::kEnvironment, "the agent is stopping", "send the request again later");
   }
+  Lane& lane = lane_of(kind);
+  if (lane.queue.size() >= config_.max_pending) {
+    const std::string what =
+        kind == OperationKind::kPrefetch ? "prefetches" : "checkpoints and restores";
+    throw LaneFull("the agent already holds " + std::to_string(lane.queue.size()) + " pending " +
+                       what + ", the most it queues (--max-pending " +
+                       std::to_string(config_.max_pending) + ")",
+                   "send the request again after Retry-After seconds, or start the agent with a "
+                   "larger --max-pending",
+                   static_cast<int>(std::clamp(std::ceil(lane.last_seconds), 1.0, 60.0)));
+  }
   // Journaled before it is acknowledged: a client told "accepted" learns how it ended, even
   // across a restart.
   journal_.record(op->id, journal_entry(*op));
   add(op);
-  queue_.push_back(op);
-  wake_.notify_all();
+  lane.queue.push_back(op);
+  metrics_.pending(lane.name, static_cast<int64_t>(lane.queue.size()));
+  lane.wake.notify_all();
   return op->to_json();
 }
 
@@ -324,21 +354,22 @@ json Agent::snapshot(const std::string& name) const {
   return engine::inspect_document(Artifact::open(config_.engine.storage / name));
 }
 
-void Agent::work(const std::stop_token& stop) {
+void Agent::work(Lane& lane, const std::stop_token& stop) {
   for (;;) {
     std::shared_ptr<Operation> op;
     {
       std::unique_lock lock(mu_);
       // Wakes every second without work, to reap the copies that ended.
-      wake_.wait_for(lock, stop, std::chrono::seconds(1), [&] { return !queue_.empty(); });
+      lane.wake.wait_for(lock, stop, std::chrono::seconds(1), [&] { return !lane.queue.empty(); });
       if (stop.stop_requested()) return;
-      if (!queue_.empty()) {
-        op = queue_.front();
-        queue_.pop_front();
+      if (!lane.queue.empty()) {
+        op = lane.queue.front();
+        lane.queue.pop_front();
+        metrics_.pending(lane.name, static_cast<int64_t>(lane.queue.size()));
       }
     }
-    reap_copies();
-    if (op) run(op);
+    if (&lane == &gpu_) reap_copies();  // restores, which release copies, run there alone
+    if (op) run(lane, op);
   }
 }
 
@@ -354,9 +385,12 @@ std::vector<std::string> Agent::notes_of(const Operation& op) const {
   return op.notes;
 }
 
-void Agent::run(const std::shared_ptr<Operation>& op) {
+void Agent::run(Lane& lane, const std::shared_ptr<Operation>& op) {
   const std::string kind = kind_name(op->kind);
   json entry;
+  // Logged before the state shows it: whoever sees the operation running finds its line. Its
+  // id, kind and request do not change once it is accepted.
+  log_.operation_started(*op);
   {
     std::lock_guard lock(mu_);
     op->state = OperationState::kRunning;
@@ -379,13 +413,16 @@ void Agent::run(const std::shared_ptr<Operation>& op) {
     error = error_json(Error(ErrorKind::kInternal, std::string("internal error: ") + e.what()));
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - op->started).count();
+  const auto outcome = error.is_null() ? OperationState::kSucceeded : OperationState::kFailed;
+  log_.operation_finished(*op, outcome, error, seconds);
   {
     std::lock_guard lock(mu_);
-    op->state = error.is_null() ? OperationState::kSucceeded : OperationState::kFailed;
+    op->state = outcome;
     op->finished_at = utc::now(utc::Precision::kMilliseconds);
     op->result = std::move(result);
     op->error = error;
     op->progress = nullptr;
+    lane.last_seconds = seconds;
   }
   metrics_.finished(kind, error.is_null() ? "succeeded" : "failed", seconds,
                     error.is_null() ? "" : error.at("kind").get<std::string>(), bytes);
@@ -433,10 +470,12 @@ json Agent::run_restore(Operation& op, json& entry, uint64_t& bytes) {
   // pulled while it restores, as `gpusnap restore oci://` does.
   std::string where = options.artifact.string();
   std::error_code ec;
+  std::optional<PullClaim> claim;  // before the source: its pull has ended when this goes
   if (remote_ && !std::filesystem::exists(options.artifact, ec)) {
     where = (request.reference ? remote_->check_reference(*request.reference)
                                : remote_->tag_of(request.artifact))
                 .str();
+    claim.emplace(*this, where, reporter);
   }
   PrefixReporter pull_reporter(reporter, "pull-");
   store::SnapshotSource source(where, reach_options(options), store::Arrival::kWhileRestoring,
@@ -457,6 +496,7 @@ json Agent::run_prefetch(Operation& op, const json& entry, uint64_t& bytes) {
   OperationReporter reporter(mu_, op, metrics_, journal_, entry);
   const auto ref =
       request.reference.empty() ? r.tag_of(request.artifact) : r.check_reference(request.reference);
+  PullClaim claim(*this, ref.str(), reporter);
   PrefixReporter pull_reporter(reporter, "pull-");
   store::SnapshotSource source(ref.str(), reach_options(RestoreOptions{}),
                                store::Arrival::kBeforeReturning, pull_reporter);
@@ -465,6 +505,35 @@ json Agent::run_prefetch(Operation& op, const json& entry, uint64_t& bytes) {
   bytes = result["bytes_fetched"].get<uint64_t>();
   result["notes"] = notes_of(op);
   return result;
+}
+
+Agent::PullClaim::PullClaim(Agent& agent, std::string reference, Reporter& reporter)
+    : agent_(agent), reference_(std::move(reference)) {
+  const auto since = Clock::now();
+  bool waited = false;
+  {
+    std::unique_lock lock(agent_.mu_);
+    while (agent_.pulling_.contains(reference_)) {
+      waited = true;
+      agent_.pull_ended_.wait(lock);
+    }
+    agent_.pulling_.insert(reference_);
+  }
+  if (waited) {
+    char seconds[32];
+    std::snprintf(seconds, sizeof seconds, "%.1f",
+                  std::chrono::duration<double>(Clock::now() - since).count());
+    reporter.note("waited " + std::string(seconds) + " s for another operation's pull of " +
+                  reference_);
+  }
+}
+
+Agent::PullClaim::~PullClaim() {
+  {
+    std::lock_guard lock(agent_.mu_);
+    agent_.pulling_.erase(reference_);
+  }
+  agent_.pull_ended_.notify_all();
 }
 
 store::ReachOptions Agent::reach_options(const RestoreOptions& restore) const {
@@ -550,6 +619,7 @@ void Agent::recover_operations(std::vector<std::string>& actions) noexcept {
       op->error = error_json(
           Error(ErrorKind::kInternal, interrupted_message(*op, e), "send the request again"));
       metrics_.failed_without_running(kind_name(op->kind), Error::kind_name(ErrorKind::kInternal));
+      log_.operation_finished(*op, op->state, op->error, std::nullopt);
       recovered.push_back(op);
     } catch (const std::exception& err) {
       actions.push_back("journal entry " + leftover.path.string() + " unreadable: " + err.what());

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "agent/agent.h"
+#include "agent/log.h"
 #include "agent/server.h"
 #include "common/args.h"
 #include "common/fs.h"
@@ -42,7 +43,13 @@ std::vector<args::FlagSpec> flags() {
       {"--criu", "", "PATH", "the criu binary (default: as gpusnap locates it)"},
       {"--registry", "", "oci://HOST[:PORT]/REPO",
        "registry storage: push each capture there as REPO:NAME, pull what a restore needs and "
-       "this node does not hold"}};
+       "this node does not hold"},
+      {"--max-pending", "", "N",
+       "pending operations each lane holds, checkpoints and restores in one, prefetches in the "
+       "other; more are refused with 429 (default 64)"},
+      {"--prefetch-workers", "", "N", "prefetches that run at once (default 1, at most 16)"},
+      {"--log-format", "", "text|json",
+       "the log's lines: text, or JSON lines for a log pipeline (default text)"}};
   for (auto& more : {store::registry_flags(kRegistryPrefix), store::cache_flags()}) {
     f.insert(f.end(), more.begin(), more.end());
   }
@@ -54,8 +61,9 @@ std::vector<args::FlagSpec> flags() {
 const char* const kUsage = "gpusnap-agent [options]";
 const char* const kSummary =
     "Serve gpusnap's checkpoints and restores to local callers over a Unix socket (mode 0660),\n"
-    "and optionally over TCP with a bearer token. Operations run one at a time; each is\n"
-    "journaled so that a restarted agent recovers and reports what its predecessor left.";
+    "and optionally over TCP with a bearer token. Checkpoints and restores run one at a time,\n"
+    "prefetches in a lane of their own; each operation is journaled so that a restarted agent\n"
+    "recovers and reports what its predecessor left, and logged as it starts and ends.";
 
 Error usage(const std::string& what) {
   return Error(ErrorKind::kUsage, what, "see `gpusnap-agent --help`");
@@ -137,7 +145,8 @@ void make_private_dir(const std::filesystem::path& dir) {
 // execs.
 void on_sigpipe(int /*signal*/) {}
 
-int run(const std::vector<std::string>& argv) {
+// `format` is set as soon as the flags are read: main() writes an error in it.
+int run(const std::vector<std::string>& argv, LogFormat& format) {
   std::optional<args::Args> parsed;
   try {
     parsed.emplace("agent", flags(), argv);
@@ -154,6 +163,7 @@ int run(const std::vector<std::string>& argv) {
     return 0;
   }
   if (!args.positional().empty()) throw usage("unexpected argument '" + args.positional()[0] + "'");
+  format = log_format_from_name(args.get("--log-format", "text"));
   if (::geteuid() != 0) {
     throw Error(ErrorKind::kEnvironment, "gpusnap-agent must run as root",
                 "CRIU and the GPU driver's checkpoint calls need root");
@@ -202,6 +212,9 @@ int run(const std::vector<std::string>& argv) {
   config.engine.artifact_group = config_group;
   config.state_dir = args.get("--state-dir", config.state_dir.string());
   config.remote = remote_settings(args, config.engine.run_dir);
+  config.max_pending = static_cast<size_t>(args.get_int("--max-pending", 64, 1, 1 << 20));
+  config.prefetch_workers = static_cast<size_t>(args.get_int("--prefetch-workers", 1, 1, 16));
+  config.log_format = format;
   make_private_dir(config.engine.storage);
   make_private_dir(config.state_dir);
 
@@ -219,19 +232,20 @@ int run(const std::vector<std::string>& argv) {
   Server server(listen);  // binds first: single-threaded here (the socket's umask)
   Agent agent(config);    // recovers what a previous agent left, then takes work
   // Said before the first answer: whoever got one can read where the agent listens.
-  std::fprintf(stderr, "gpusnap-agent %s: serving %s", GPUSNAP_VERSION, listen.socket_path.c_str());
+  std::string serving =
+      std::string("gpusnap-agent ") + GPUSNAP_VERSION + ": serving " + listen.socket_path;
   if (server.tcp_port() > 0) {
-    std::fprintf(stderr, " and %s:%d (bearer token)", listen.tcp_address.c_str(),
-                 server.tcp_port());
+    serving +=
+        " and " + listen.tcp_address + ":" + std::to_string(server.tcp_port()) + " (bearer token)";
   }
-  std::fprintf(stderr, "; storage %s", config.engine.storage.c_str());
-  if (config.remote) std::fprintf(stderr, " and %s", config.remote->repository.c_str());
-  std::fprintf(stderr, "\n");
+  serving += "; storage " + config.engine.storage.string();
+  if (config.remote) serving += " and " + config.remote->repository;
+  agent.log().agent(serving);
   server.start(agent);
 
   int signal = 0;
   ::sigwait(&stop_signals, &signal);
-  std::fprintf(stderr, "gpusnap-agent: signal %d: finishing the running operation\n", signal);
+  agent.log().agent("signal " + std::to_string(signal) + ": finishing the running operations");
   server.stop();
   agent.stop();
   return 0;
@@ -242,10 +256,11 @@ int run(const std::vector<std::string>& argv) {
 }  // namespace gpusnap::agent
 
 int main(int argc, char** argv) {
+  auto format = gpusnap::agent::LogFormat::kText;
   try {
-    return gpusnap::agent::run(std::vector<std::string>(argv + 1, argv + argc));
+    return gpusnap::agent::run(std::vector<std::string>(argv + 1, argv + argc), format);
   } catch (const gpusnap::Error& e) {
-    std::fprintf(stderr, "gpusnap-agent: error: %s\n", e.one_line().c_str());
+    gpusnap::agent::EventLog(format).fatal(e);
     return e.exit_code();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gpusnap-agent: internal error: %s\n", e.what());

@@ -16,6 +16,7 @@ const std::vector<double> kPhaseBounds = {0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1,
                                           2.5,   5,    10,   30,  60,   300};
 const char* const kKinds[] = {"checkpoint", "restore", "prefetch"};
 const char* const kResults[] = {"succeeded", "failed"};
+const char* const kLanes[] = {"gpu", "prefetch"};
 
 // Shortest text that reads back as the same double; Prometheus' spellings of the infinities.
 std::string number(double v) {
@@ -96,6 +97,7 @@ Metrics::Metrics() {
     duration_.emplace(kind, Histogram(kOperationBounds));
     bytes_[kind] = 0;
   }
+  for (const char* lane : kLanes) pending_[lane] = 0;
 }
 
 void Metrics::started(const std::string& kind) {
@@ -124,6 +126,11 @@ void Metrics::phase(const std::string& kind, const std::string& phase, double se
   phases_.try_emplace({kind, phase}, kPhaseBounds).first->second.observe(seconds);
 }
 
+void Metrics::pending(const std::string& lane, int64_t count) {
+  std::lock_guard lock(mu_);
+  pending_[lane] = count;
+}
+
 std::string Metrics::render() const {
   std::lock_guard lock(mu_);
   std::string out;
@@ -137,6 +144,10 @@ std::string Metrics::render() const {
          "Operations running now (pending ones excluded).");
   for (const auto& [kind, n] : in_flight_)
     sample(out, "gpusnap_operations_in_flight", label("kind", kind), n);
+  header(out, "gpusnap_operations_pending", "gauge",
+         "Operations accepted and waiting to run, by lane (gpu: checkpoints and restores).");
+  for (const auto& [lane, n] : pending_)
+    sample(out, "gpusnap_operations_pending", label("lane", lane), n);
   header(out, "gpusnap_operation_duration_seconds", "histogram",
          "Time from an operation's start to its end.");
   for (const auto& [kind, h] : duration_) {

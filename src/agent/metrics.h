@@ -3,6 +3,7 @@
 //
 //   gpusnap_operations_total{kind,result}            operations that ended
 //   gpusnap_operations_in_flight{kind}               operations running now (not pending)
+//   gpusnap_operations_pending{lane}                 operations waiting in each lane (agent.h)
 //   gpusnap_operation_duration_seconds{kind}         histogram, from start to end
 //   gpusnap_phase_duration_seconds{kind,phase}       histogram, each engine phase
 //   gpusnap_artifact_bytes_total{kind}               written by checkpoints, read by restores,
@@ -48,6 +49,8 @@ class Metrics {
   // as failed, with no duration.
   void failed_without_running(const std::string& kind, const std::string& error_kind);
   void phase(const std::string& kind, const std::string& phase, double seconds);
+  // The number of operations waiting in `lane` now.
+  void pending(const std::string& lane, int64_t count);
   // The text format, version 0.0.4.
   std::string render() const;
 
@@ -55,6 +58,7 @@ class Metrics {
   mutable std::mutex mu_;
   std::map<std::pair<std::string, std::string>, uint64_t> operations_;  // kind, result
   std::map<std::string, int64_t> in_flight_;
+  std::map<std::string, int64_t> pending_;  // by lane
   std::map<std::string, Histogram> duration_;
   std::map<std::pair<std::string, std::string>, Histogram> phases_;  // kind, phase
   std::map<std::string, uint64_t> bytes_;

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <system_error>
@@ -76,6 +75,11 @@ bool read_body(const httplib::Request& req, const httplib::ContentReader& read, 
 void answer_errors(httplib::Response& res, const std::function<void()>& handle) {
   try {
     handle();
+  } catch (const LaneFull& e) {
+    // Too many requests, not a fault of this one: the caller may send it again, and says when.
+    reply_error(res, e);
+    res.status = 429;
+    res.set_header("Retry-After", std::to_string(e.retry_after_s()));
   } catch (const Error& e) {
     reply_error(res, e);
   } catch (const std::exception& e) {
@@ -174,11 +178,15 @@ void install(httplib::Server& server, Agent& agent) {
         reply_error(res, Error(ErrorKind::kInternal, "internal error in the agent"));
       });
   // One line per request that changes something or fails: an operator's trail, without the
-  // polling.
-  server.set_logger([](const httplib::Request& req, const httplib::Response& res) {
+  // polling. A refusal carries its error, which the caller alone would otherwise have seen.
+  server.set_logger([&agent](const httplib::Request& req, const httplib::Response& res) {
     if (req.method == "GET" && res.status < 400) return;
-    std::fprintf(stderr, "gpusnap-agent: %s %s -> %d\n", req.method.c_str(), req.path.c_str(),
-                 res.status);
+    json error;
+    if (res.status >= 400) {
+      const json doc = json::parse(res.body, nullptr, false);
+      if (doc.is_object() && doc.contains("error")) error = doc["error"];
+    }
+    agent.log().request(req.method, req.path, res.status, error);
   });
 }
 

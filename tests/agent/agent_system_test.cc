@@ -5,6 +5,7 @@
 #include <grp.h>
 #include <net/if.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -18,8 +19,11 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <list>
 #include <memory>
 #include <optional>
+#include <regex>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -49,6 +53,7 @@ struct Answer {
   json doc;
   std::string body;
   std::string allow;
+  std::string retry_after;
 };
 
 constexpr const char* kTcpToken = "s3cret-token-0123456789abcdef";
@@ -118,6 +123,9 @@ class Agent {
     process_.reset();
   }
 
+  // Another signal, as an operator or the kubelet sends one.
+  void signal(int number) { process_->kill(number); }
+
   std::optional<common::ExitStatus> wait_exit(std::chrono::seconds limit) {
     return process_->wait(limit);
   }
@@ -143,6 +151,7 @@ class Agent {
     a.status = r->status;
     a.body = r->body;
     a.allow = r->get_header_value("Allow");
+    a.retry_after = r->get_header_value("Retry-After");
     a.doc = json::parse(r->body, nullptr, false);
     return a;
   }
@@ -674,6 +683,52 @@ TEST(AgentRecovery, AnOperationAcceptedButNotStartedIsReportedNotRun) {
   EXPECT_EQ(op["error"]["message"],
             "the agent restarted before the checkpoint of two started; nothing was done");
   EXPECT_EQ(agent->get("/v1/operations").doc["operations"].size(), 2u);
+  // Not only in the journal: the restarted agent's log says so too, with no duration.
+  EXPECT_NE(
+      agent->log().find(" gpusnap-agent: operation " + id +
+                        " checkpoint failed (artifact two, pid " + std::to_string(worker.pid()) +
+                        "): internal: the agent restarted before the checkpoint of two "
+                        "started; nothing was done (fix: send the request again)\n"),
+      std::string::npos)
+      << agent->log();
+  EXPECT_TRUE(eventually([&] { return counter(worker.port()) > 0; })) << ask(worker.port(), "INFO");
+}
+
+// SIGTERM: the running checkpoint finishes, the pending one is failed, and the log says both
+// before the agent exits 0.
+TEST(AgentStop, SigtermFinishesTheRunningCheckpointAndFailsThePendingOne) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Agent agent(dir);
+  SlowPausingWorker worker(dir);
+  auto running = agent.post("/v1/checkpoints", {{"artifact", "a"}, {"pid", worker.pid()}});
+  auto pending = agent.post("/v1/checkpoints", {{"artifact", "b"}, {"pid", worker.pid()}});
+  ASSERT_EQ(running.status, 202) << running.body;
+  ASSERT_EQ(pending.status, 202) << pending.body;
+  ASSERT_TRUE(eventually([&] { return worker.asked_to_pause(); }));
+  agent.signal(SIGTERM);
+  const auto status = agent.wait_exit(std::chrono::seconds(60));
+  ASSERT_TRUE(status.has_value()) << agent.log();
+  EXPECT_TRUE(status->ok()) << status->describe() << "\n" << agent.log();
+  EXPECT_TRUE(std::filesystem::is_directory(agent.storage() / "a")) << agent.log();
+  EXPECT_FALSE(std::filesystem::exists(agent.storage() / "b"));
+  EXPECT_TRUE(std::filesystem::is_empty(agent.state() / "operations"));
+  const std::string log = agent.log();
+  const std::string a = running.doc["operation"]["id"], b = pending.doc["operation"]["id"];
+  const std::string pid = std::to_string(worker.pid());
+  EXPECT_NE(log.find(" gpusnap-agent: signal 15: finishing the running operations\n"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find(" gpusnap-agent: operation " + a + " checkpoint succeeded in "),
+            std::string::npos)
+      << log;
+  EXPECT_NE(
+      log.find(" gpusnap-agent: operation " + b + " checkpoint failed (artifact b, pid " + pid +
+               "): internal: the agent stopped before this checkpoint started; nothing was "
+               "done (fix: send the request again)\n"),
+      std::string::npos)
+      << log;
+  EXPECT_EQ(log.find("operation " + b + " checkpoint started"), std::string::npos) << log;
   EXPECT_TRUE(eventually([&] { return counter(worker.port()) > 0; })) << ask(worker.port(), "INFO");
 }
 
@@ -744,6 +799,111 @@ TEST(AgentCli, ThroughTheAgentTheCliPrintsAndExitsAsDirect) {
   ASSERT_EQ(copies.copies.size(), 1u);
   EXPECT_EQ(ask(copies.port(0), "CHECK").substr(0, 2), "OK");
 }
+
+// The lines of the agent's log that mention `needle`.
+std::vector<std::string> lines_with(const std::string& log, const std::string& needle) {
+  std::vector<std::string> out;
+  std::istringstream in(log);
+  for (std::string line; std::getline(in, line);) {
+    if (line.find(needle) != std::string::npos) out.push_back(line);
+  }
+  return out;
+}
+
+// A failed checkpoint left no trace in the agent's log, which held request lines alone, with no
+// time. Each operation now logs its start and its end: the time, its id, kind, outcome and
+// duration, and when it failed its error's kind and message; in text, or JSON lines.
+class AgentLogFormat : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(AgentLogFormat, OperationsLogTheirStartAndEndWithOutcomeAndError) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Agent agent(dir, {"--log-format", GetParam()});
+  Workload source(dir, {"--mib", "4"});
+  const pid_t gone = dead_pid();
+  auto failed = agent.run("/v1/checkpoints", {{"artifact", "x"}, {"pid", gone}});
+  ASSERT_EQ(failed["state"], "failed") << failed.dump(2);
+  auto done = agent.run("/v1/checkpoints", {{"artifact", "snap"}, {"pid", source.pid()}});
+  ASSERT_EQ(done["state"], "succeeded") << done.dump(2);
+  const std::string failed_id = failed["id"], done_id = done["id"];
+  const std::string log = agent.log();
+  const std::string time = R"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z)";
+  const std::string gone_text = std::to_string(gone), pid_text = std::to_string(source.pid());
+
+  if (GetParam() == "text") {
+    auto expect_line = [&](const std::string& id, const std::string& pattern) {
+      const auto lines = lines_with(log, "operation " + id + " ");
+      EXPECT_EQ(std::count_if(
+                    lines.begin(), lines.end(),
+                    [&](const std::string& l) { return std::regex_match(l, std::regex(pattern)); }),
+                1)
+          << pattern << "\nin:\n"
+          << log;
+    };
+    const std::string prefix = time + " gpusnap-agent: operation ";
+    expect_line(failed_id, prefix + failed_id + R"( checkpoint started \(artifact x, pid )" +
+                               gone_text + R"(\))");
+    expect_line(failed_id, prefix + failed_id +
+                               R"( checkpoint failed in \d+\.\d{3} s \(artifact x, pid )" +
+                               gone_text + R"(\): not-found: no process with pid )" + gone_text +
+                               R"(( \(fix: .*\))?)");
+    expect_line(done_id, prefix + done_id + R"( checkpoint started \(artifact snap, pid )" +
+                             pid_text + R"(\))");
+    expect_line(done_id, prefix + done_id +
+                             R"( checkpoint succeeded in \d+\.\d{3} s \(artifact snap, pid )" +
+                             pid_text + R"(\))");
+    // Request lines keep their time, and every line opens with one.
+    EXPECT_EQ(lines_with(log, " gpusnap-agent: POST /v1/checkpoints -> 202").size(), 2u) << log;
+    std::istringstream in(log);
+    for (std::string line; std::getline(in, line);) {
+      EXPECT_TRUE(std::regex_search(line, std::regex("^" + time + " gpusnap-agent: "))) << line;
+    }
+    return;
+  }
+  // JSON lines: every line is an object opening with its time.
+  std::vector<json> events;
+  std::istringstream in(log);
+  for (std::string line; std::getline(in, line);) {
+    const json doc = json::parse(line, nullptr, false);
+    ASSERT_TRUE(doc.is_object()) << line;
+    EXPECT_TRUE(std::regex_match(doc.value("time", ""), std::regex(time))) << line;
+    EXPECT_EQ(line.rfind("{\"time\":", 0), 0u) << line;
+    events.push_back(doc);
+  }
+  auto event = [&](const std::string& name, const std::string& id) {
+    json found;
+    int n = 0;
+    for (const auto& e : events) {
+      if (e.value("event", "") == name && e.value("id", "") == id) found = e, ++n;
+    }
+    EXPECT_EQ(n, 1) << name << " " << id << "\nin:\n" << log;
+    found.erase("time");
+    return found;
+  };
+  EXPECT_EQ(event("operation-started", failed_id), (json{{"event", "operation-started"},
+                                                         {"id", failed_id},
+                                                         {"kind", "checkpoint"},
+                                                         {"artifact", "x"},
+                                                         {"pid", gone}}));
+  json end = event("operation-finished", failed_id);
+  EXPECT_EQ(end["outcome"], "failed") << end;
+  EXPECT_GE(end["duration_s"].get<double>(), 0) << end;
+  EXPECT_EQ(end["error"]["kind"], "not-found") << end;
+  EXPECT_EQ(end["error"]["message"], "no process with pid " + gone_text) << end;
+  EXPECT_EQ(event("operation-started", done_id)["pid"], source.pid());
+  end = event("operation-finished", done_id);
+  EXPECT_EQ(end["outcome"], "succeeded") << end;
+  EXPECT_GT(end["duration_s"].get<double>(), 0) << end;
+  EXPECT_FALSE(end.contains("error")) << end;
+  int requests = 0;
+  for (const auto& e : events) {
+    requests += e.value("event", "") == "request" && e.value("path", "") == "/v1/checkpoints" &&
+                e.value("status", 0) == 202;
+  }
+  EXPECT_EQ(requests, 2) << log;
+}
+
+INSTANTIATE_TEST_SUITE_P(TextAndJson, AgentLogFormat, ::testing::Values("text", "json"));
 
 // Raw bytes to the agent's Unix socket; the status of its answer (0: none).
 int raw_status(const std::string& socket, const std::string& request) {
@@ -1434,6 +1594,257 @@ TEST_F(AgentsAndRegistryOverTls, WrongCredentialsOrNoCaFailTheRequestAndNothingI
   EXPECT_EQ(entries(a_dir_ / "run" / "pulled"), std::vector<std::string>{});
   EXPECT_EQ(a_->get("/v1/healthz").status, 200);
   EXPECT_EQ(b_->get("/v1/healthz").status, 200);
+}
+
+// A front for a real registry that relays each request to it, one request a connection, and
+// sends the registry's answers to GET requests (manifests and blobs: what a pull reads) back one
+// byte a second, as a registry behind a congested or throttled link does. Uploads and their
+// answers pass at full speed, so that a push through the front is as fast as without it.
+class TricklingFront {
+ public:
+  explicit TricklingFront(const LocalRegistry& registry)
+      : registry_port_(static_cast<uint16_t>(
+            std::stoi(registry.host().substr(registry.host().rfind(':') + 1)))) {
+    listener_ = common::UniqueFd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t size = sizeof addr;
+    if (!listener_ || ::bind(listener_.get(), reinterpret_cast<sockaddr*>(&addr), size) != 0 ||
+        ::listen(listener_.get(), 64) != 0 ||
+        ::getsockname(listener_.get(), reinterpret_cast<sockaddr*>(&addr), &size) != 0) {
+      throw std::runtime_error("the trickling front cannot listen");
+    }
+    port_ = ntohs(addr.sin_port);
+    acceptor_ = std::jthread([this](const std::stop_token& stop) { accept(stop); });
+  }
+
+  // oci://127.0.0.1:PORT/REPO, through the front.
+  std::string ref(const std::string& repo) const {
+    return "oci://127.0.0.1:" + std::to_string(port_) + "/" + repo;
+  }
+  // GET answers being sent now, byte by byte.
+  int trickling() const { return trickling_; }
+
+ private:
+  void accept(const std::stop_token& stop) {
+    while (!stop.stop_requested()) {
+      pollfd p{listener_.get(), POLLIN, 0};
+      if (::poll(&p, 1, 100) <= 0) continue;
+      auto client = std::make_shared<common::UniqueFd>(
+          ::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      if (!*client) continue;
+      connections_.emplace_back(
+          [this, client](const std::stop_token& s) { serve(client->get(), s); });
+    }
+  }
+
+  void serve(int client, const std::stop_token& stop) {
+    // The request head, then the same head to the registry with "Connection: close".
+    std::string data;
+    char buf[65536];
+    size_t end = std::string::npos;
+    while (end == std::string::npos) {
+      pollfd p{client, POLLIN, 0};
+      if (stop.stop_requested()) return;
+      if (::poll(&p, 1, 100) <= 0) continue;
+      const ssize_t n = ::recv(client, buf, sizeof buf, 0);
+      if (n <= 0) return;
+      data.append(buf, static_cast<size_t>(n));
+      end = data.find("\r\n\r\n");
+    }
+    const bool trickle = data.rfind("GET ", 0) == 0;
+    std::string head;
+    for (size_t at = 0; at < end;) {
+      const size_t eol = std::min(data.find("\r\n", at), end);
+      std::string line = data.substr(at, eol - at);
+      at = eol + 2;
+      std::string lower = line;
+      std::transform(lower.begin(), lower.end(), lower.begin(), ::tolower);
+      if (lower.rfind("connection:", 0) != 0) head += line + "\r\n";
+    }
+    head += "Connection: close\r\n\r\n" + data.substr(end + 4);
+    common::UniqueFd server(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(registry_port_);
+    if (::connect(server.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+        ::send(server.get(), head.data(), head.size(), MSG_NOSIGNAL) !=
+            static_cast<ssize_t>(head.size())) {
+      return;
+    }
+    // Both ways until the registry has answered and closed, and its answer is all sent.
+    if (trickle) ++trickling_;
+    std::string answer;  // read from the registry, not yet sent
+    bool server_open = true;
+    auto next_byte = std::chrono::steady_clock::now();
+    while (!stop.stop_requested() && (server_open || !answer.empty())) {
+      pollfd p[2] = {{server_open ? server.get() : -1, POLLIN, 0}, {client, POLLIN, 0}};
+      ::poll(p, 2, 100);
+      if ((p[0].revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
+        const ssize_t n = ::recv(server.get(), buf, sizeof buf, 0);
+        if (n <= 0) server_open = false;
+        if (n > 0) answer.append(buf, static_cast<size_t>(n));
+      }
+      if ((p[1].revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
+        const ssize_t n = ::recv(client, buf, sizeof buf, 0);
+        if (n <= 0) break;  // the caller left
+        ::send(server.get(), buf, static_cast<size_t>(n), MSG_NOSIGNAL);
+      }
+      const size_t bytes = trickle ? 1 : answer.size();
+      if (answer.empty() || std::chrono::steady_clock::now() < next_byte) continue;
+      if (::send(client, answer.data(), bytes, MSG_NOSIGNAL) != static_cast<ssize_t>(bytes)) break;
+      answer.erase(0, bytes);
+      next_byte = std::chrono::steady_clock::now() + std::chrono::seconds(trickle ? 1 : 0);
+    }
+    if (trickle) --trickling_;
+  }
+
+  uint16_t registry_port_;
+  uint16_t port_ = 0;
+  common::UniqueFd listener_;
+  std::atomic<int> trickling_{0};
+  // The acceptor alone adds to it; joined after the acceptor (declared before it).
+  std::list<std::jthread> connections_;
+  std::jthread acceptor_;
+};
+
+// An agent whose registry storage is a real registry behind a TricklingFront: its prefetches
+// trickle, its pushes do not.
+class AgentBesideATricklingRegistry : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    SKIP_WITHOUT_CRIU();
+    if (auto why = LocalRegistry::blocker()) GTEST_SKIP() << "skipped: " << *why;
+    registry_.emplace(registry_dir_, LocalRegistry::Options{});
+    front_.emplace(*registry_);
+  }
+  std::vector<std::string> args(std::vector<std::string> more = {}) const {
+    std::vector<std::string> out = {"--registry", front_->ref("snapshots"), "--registry-plain-http",
+                                    "--cache", (dir_ / "cache").string()};
+    out.insert(out.end(), more.begin(), more.end());
+    return out;
+  }
+  // Posts a prefetch the registry does not have, and waits until the front trickles its answer
+  // (a 404 of some 150 bytes: two and a half minutes) beside the `before` it trickled already,
+  // and the operation runs.
+  std::string held_prefetch(const Agent& agent, int before = 0) const {
+    auto a = agent.post("/v1/prefetch", {{"artifact", "trickled"}});
+    EXPECT_EQ(a.status, 202) << a.body;
+    const std::string id = a.doc["operation"].value("id", "");
+    EXPECT_TRUE(eventually(
+        [&] {
+          return front_->trickling() == before + 1 &&
+                 agent.get("/v1/operations/" + id).doc.value("state", "") == "running";
+        },
+        std::chrono::seconds(30)))
+        << agent.log();
+    return id;
+  }
+
+  TempDir registry_dir_, dir_;
+  std::optional<LocalRegistry> registry_;
+  std::optional<TricklingFront> front_;
+};
+
+// A prefetch from a trickling registry held the agent's single queue, and a checkpoint stayed
+// pending for 50 s and more behind it. Prefetches now have a lane of their own.
+TEST_F(AgentBesideATricklingRegistry, ACheckpointAndARestoreDoNotWaitBehindAPrefetch) {
+  Agent agent(dir_, args());
+  Workload source(dir_, {"--mib", "16"});
+  const std::string prefetch = held_prefetch(agent);
+
+  const auto since = std::chrono::steady_clock::now();
+  auto cp = agent.run("/v1/checkpoints", {{"artifact", "snap"}, {"pid", source.pid()}});
+  ASSERT_EQ(cp["state"], "succeeded") << cp.dump(2);
+  EXPECT_NE(cp["result"].value("reference", ""), "") << cp.dump(2);  // pushed, at full speed
+  auto rs = agent.run("/v1/restores",
+                      {{"artifact", "snap"}, {"publish", {std::to_string(source.port())}}});
+  ASSERT_EQ(rs["state"], "succeeded") << rs.dump(2);
+  Copies copies(rs["result"]);
+  const auto took = std::chrono::steady_clock::now() - since;
+  EXPECT_LT(took, std::chrono::seconds(60));
+  EXPECT_EQ(ask(copies.port(0), "CHECK").substr(0, 2), "OK");
+  // Both ran while the prefetch still trickled: beside it, not after it.
+  EXPECT_EQ(agent.get("/v1/operations/" + prefetch).doc["state"], "running");
+  EXPECT_EQ(front_->trickling(), 1);
+  const std::string metrics = agent.get("/metrics").body;
+  EXPECT_EQ(sample(metrics, R"(gpusnap_operations_in_flight{kind="prefetch"})"), 1);
+  EXPECT_EQ(sample(metrics, R"(gpusnap_operations_pending{lane="gpu"})"), 0);
+}
+
+// With the lanes apart, a restore of a snapshot a prefetch is pulling would fetch it beside the
+// prefetch, and one of the two pulls fail on the other's node copy. It waits for that pull
+// instead, and for no other.
+TEST_F(AgentBesideATricklingRegistry, ARestoreWaitsForThePrefetchOfItsSnapshotAlone) {
+  Agent agent(dir_, args());
+  const std::string prefetch = held_prefetch(agent);  // of "trickled"
+  auto same = agent.post("/v1/restores", {{"artifact", "trickled"}});
+  ASSERT_EQ(same.status, 202) << same.body;
+  const std::string id = same.doc["operation"]["id"];
+  ASSERT_TRUE(eventually([&] {
+    return agent.get("/v1/operations/" + id).doc.value("state", "") == "running";
+  })) << agent.log();
+  // Running, but asking the registry nothing: it waits for the prefetch's pull.
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  const json waiting = agent.get("/v1/operations/" + id).doc;
+  EXPECT_EQ(waiting["state"], "running") << waiting.dump(2);
+  EXPECT_TRUE(waiting["phases"].empty()) << waiting.dump(2);
+  EXPECT_EQ(front_->trickling(), 1);
+  EXPECT_EQ(agent.get("/v1/operations/" + prefetch).doc["state"], "running");
+  // On another agent, a restore of another snapshot does not wait for that prefetch: its own
+  // pull trickles beside it; nor does a prefetch of a third, with two prefetch workers.
+  TempDir other_dir;
+  Agent other(other_dir, args({"--prefetch-workers", "2"}));
+  held_prefetch(other, 1);
+  auto restore = other.post("/v1/restores", {{"artifact", "another"}});
+  ASSERT_EQ(restore.status, 202) << restore.body;
+  EXPECT_TRUE(eventually([&] { return front_->trickling() == 3; })) << front_->trickling();
+  auto third = other.post("/v1/prefetch", {{"artifact", "third"}});
+  ASSERT_EQ(third.status, 202) << third.body;
+  EXPECT_TRUE(eventually([&] { return front_->trickling() == 4; })) << front_->trickling();
+}
+
+// 2,000 prefetches were accepted behind a trickling one, each journaled with an fsync. A lane
+// now holds --max-pending pending operations; beyond it a request gets 429 and nothing of it
+// is kept, while the other lane still takes work.
+TEST_F(AgentBesideATricklingRegistry, PrefetchesPastTheBoundGet429AndNoJournalEntry) {
+  Agent agent(dir_, args({"--max-pending", "4"}));
+  const std::string running = held_prefetch(agent);
+  for (int i = 0; i < 4; ++i) {
+    auto a = agent.post("/v1/prefetch", {{"artifact", "p" + std::to_string(i)}});
+    EXPECT_EQ(a.status, 202) << a.body;
+  }
+  for (int i = 0; i < 40; ++i) {
+    auto a = agent.post("/v1/prefetch", {{"artifact", "flood" + std::to_string(i)}});
+    ASSERT_EQ(a.status, 429) << a.body;
+    EXPECT_EQ(a.doc["error"]["kind"], "environment") << a.body;
+    EXPECT_EQ(a.doc["error"]["message"],
+              "the agent already holds 4 pending prefetches, the most it queues (--max-pending 4)")
+        << a.body;
+    EXPECT_EQ(a.doc["error"]["hint"],
+              "send the request again after Retry-After seconds, or start the agent with a larger "
+              "--max-pending")
+        << a.body;
+    // No prefetch has ended yet: the lane's first guess, 5 s.
+    EXPECT_EQ(a.retry_after, "5") << a.body;
+  }
+  // The journal holds the running prefetch and the bound's pending ones, no more.
+  EXPECT_EQ(entries(agent.state() / "operations").size(), 5u);
+  EXPECT_EQ(agent.get("/v1/operations").doc["operations"].size(), 5u);
+  const std::string metrics = agent.get("/metrics").body;
+  EXPECT_EQ(sample(metrics, R"(gpusnap_operations_pending{lane="prefetch"})"), 4);
+  EXPECT_EQ(sample(metrics, R"(gpusnap_operations_pending{lane="gpu"})"), 0);
+  EXPECT_NE(agent.log().find("POST /v1/prefetch -> 429: environment: the agent already holds 4 "
+                             "pending prefetches"),
+            std::string::npos)
+      << agent.log();
+  // The other lane has room: a checkpoint is taken and runs.
+  Workload source(dir_, {"--mib", "4"});
+  auto cp = agent.run("/v1/checkpoints", {{"artifact", "snap"}, {"pid", source.pid()}});
+  EXPECT_EQ(cp["state"], "succeeded") << cp.dump(2);
+  EXPECT_EQ(agent.get("/v1/operations/" + running).doc["state"], "running");
 }
 
 TEST(AgentBadInput, RegistrySettingsAreCheckedAtStart) {

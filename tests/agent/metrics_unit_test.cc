@@ -34,6 +34,9 @@ TEST(Metrics, EveryKindStartsAtZero) {
            "gpusnap_operations_total{kind=\"restore\",result=\"succeeded\"} 0",
            "# TYPE gpusnap_operations_in_flight gauge",
            "gpusnap_operations_in_flight{kind=\"restore\"} 0",
+           "# TYPE gpusnap_operations_pending gauge",
+           "gpusnap_operations_pending{lane=\"gpu\"} 0",
+           "gpusnap_operations_pending{lane=\"prefetch\"} 0",
            "gpusnap_operations_total{kind=\"prefetch\",result=\"failed\"} 0",
            "gpusnap_artifact_bytes_total{kind=\"prefetch\"} 0",
            "# TYPE gpusnap_operation_duration_seconds histogram",
@@ -52,6 +55,8 @@ TEST(Metrics, CountsOperationsPhasesBytesAndFailures) {
   Metrics m;
   m.started("checkpoint");
   EXPECT_TRUE(has_line(m.render(), "gpusnap_operations_in_flight{kind=\"checkpoint\"} 1"));
+  m.pending("prefetch", 3);
+  EXPECT_TRUE(has_line(m.render(), "gpusnap_operations_pending{lane=\"prefetch\"} 3"));
   m.phase("checkpoint", "dump", 0.3);
   m.phase("checkpoint", "dump", 2);
   m.finished("checkpoint", "succeeded", 3, "", 1000);
