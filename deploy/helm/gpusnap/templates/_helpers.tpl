@@ -34,3 +34,12 @@ app.kubernetes.io/component: agent
 {{- define "gpusnap.claimName" -}}
 {{- default (printf "%s-snapshots" (include "gpusnap.fullname" .)) .Values.storage.pvc.existingClaim -}}
 {{- end -}}
+
+{{- /* The agent's PriorityClass: the one named, else the chart's own, else none. */ -}}
+{{- define "gpusnap.priorityClassName" -}}
+{{- if .Values.priorityClassName -}}
+{{- .Values.priorityClassName -}}
+{{- else if .Values.priorityClass.create -}}
+{{- printf "%s-node" (include "gpusnap.fullname" .) -}}
+{{- end -}}
+{{- end -}}
