@@ -39,6 +39,7 @@ VARIANTS = {
     "no-controller": ["controller.enabled=false"],
     "own-namespace-and-priority": ["podSecurity.labelNamespace=false", "priorityClass.create=false",
                                    "priorityClassName=system-node-critical"],
+    "metrics": ["metrics.enabled=true", "metrics.service.enabled=true", "metrics.port=9100"],
     "oci-plain": ["storage.type=oci", "storage.oci.registry=registry.local:5000",
                   "storage.oci.plainHttp=true"],
 }
@@ -66,6 +67,9 @@ BAD_VALUES = [
     (["controller.pollMs=100"], "at '/controller': additional properties 'pollMs' not allowed"),
     (["priorityClass.value=2000000000"],
      "at '/priorityClass/value': maximum: got 2×10⁰⁹, want 1×10⁰⁹"),
+    (["metrics.port=http"], "at '/metrics/port': got string, want integer"),
+    (["metrics.port=70000"], "at '/metrics/port': maximum: got 70,000, want 65,535"),
+    (["metrics.enabled=on"], "at '/metrics/enabled': got string, want boolean"),
     (["storage.type=oci"], "storage.oci.registry is required with storage.type=oci"),
 ]
 
@@ -249,6 +253,37 @@ class ChartTest(unittest.TestCase):
         self.assertEqual(m_pod["priorityClassName"], m_pc["metadata"]["name"])
         self.assertEqual({k: m_pc[k] for k in ("value", "preemptionPolicy", "globalDefault")},
                          {k: c_pc[k] for k in ("value", "preemptionPolicy", "globalDefault")})
+
+    def test_metrics_are_off_until_asked_then_scrapable(self):
+        docs = render()
+        pod, c = containers(docs)
+        self.assertFalse([a for a in c["agent"]["args"] if a.startswith("--metrics-listen")])
+        self.assertNotIn("ports", c["agent"])
+        self.assertNotIn("annotations", one(docs, "DaemonSet")["spec"]["template"]["metadata"])
+        self.assertFalse([d for d in docs if d["kind"] == "Service"])
+        docs = render("metrics.enabled=true", "metrics.service.enabled=true", "metrics.port=9100")
+        ds = one(docs, "DaemonSet")
+        pod, c = containers(docs)
+        self.assertIn("--metrics-listen=0.0.0.0:9100", c["agent"]["args"])
+        self.assertEqual(c["agent"]["ports"], [{"name": "metrics", "containerPort": 9100,
+                                                "protocol": "TCP"}])
+        scrape = {"prometheus.io/scrape": "true", "prometheus.io/port": "9100",
+                  "prometheus.io/path": "/metrics"}
+        self.assertEqual(ds["spec"]["template"]["metadata"]["annotations"], scrape)
+        service = one(docs, "Service")
+        self.assertEqual(service["metadata"]["annotations"], scrape)
+        self.assertEqual(service["spec"]["clusterIP"], "None")
+        self.assertEqual(service["spec"]["selector"], ds["spec"]["selector"]["matchLabels"])
+        self.assertEqual(service["spec"]["ports"], [{"name": "metrics", "port": 9100,
+                                                     "targetPort": "metrics", "protocol": "TCP"}])
+        # The agent takes the flag (its own --help, from this build).
+        if os.environ.get("GPUSNAP_AGENT"):
+            help_text = subprocess.run([os.environ["GPUSNAP_AGENT"], "--help"],
+                                       capture_output=True, text=True, check=True).stdout
+            self.assertIn("--metrics-listen ADDR:PORT", help_text)
+        # Without the annotations, with the listener.
+        docs = render("metrics.enabled=true", "metrics.podAnnotations=false")
+        self.assertNotIn("annotations", one(docs, "DaemonSet")["spec"]["template"]["metadata"])
 
     def test_controller_probe_waits_at_least_three_polls(self):
         for values, limit in ((["controller.pollMillis=2000"], 120),

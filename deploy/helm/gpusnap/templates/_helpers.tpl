@@ -43,3 +43,10 @@ app.kubernetes.io/component: agent
 {{- printf "%s-node" (include "gpusnap.fullname" .) -}}
 {{- end -}}
 {{- end -}}
+
+{{- /* Where a Prometheus that reads annotations finds the agent's metrics. */ -}}
+{{- define "gpusnap.scrapeAnnotations" -}}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .Values.metrics.port | quote }}
+prometheus.io/path: /metrics
+{{- end -}}
