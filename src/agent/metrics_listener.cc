@@ -111,7 +111,7 @@ std::string node_families(const Agent& agent) {
   // From the operations' history, newest last: pending ones are the queue.
   int64_t queued = 0;
   std::map<std::string, double> last_success;  // kind -> end time
-  const auto history = agent.operations();  // kept: the loop reads into it
+  const auto history = agent.operations();     // kept: the loop reads into it
   for (const auto& op : history.at("operations")) {
     const auto state = op.value("state", "");
     if (state == "pending") ++queued;
