@@ -119,13 +119,14 @@ class ChartTest(unittest.TestCase):
     def test_lint_is_strictly_clean(self):
         for files in [[]] + [[f] for f in EXAMPLES]:
             with self.subTest(values=[f.name for f in files]):
-                args = ["lint", "--strict", str(CHART)]
+                args = ["lint", "--strict", str(CHART), "--namespace", "gpusnap-system"]
                 for f in files:
                     args += ["-f", str(f)]
                 r = helm(*args, check=False)
                 self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
                 self.assertIn("0 chart(s) failed", r.stdout)
                 self.assertNotIn("[WARNING]", r.stdout)
+                self.assertNotIn("funcMap fail", r.stdout + r.stderr)  # a template's fail()
 
     def test_every_render_matches_the_kubernetes_schemas(self):
         if shutil.which("node") is None or not (MODELS / "node_modules" / "kubernetes-models").is_dir():
@@ -172,7 +173,7 @@ class ChartTest(unittest.TestCase):
     def test_every_typo_is_refused_with_its_message(self):
         for values, message in BAD_VALUES:
             with self.subTest(values=values):
-                args = ["template", "gpusnap", str(CHART)]
+                args = ["template", "gpusnap", str(CHART), "--namespace", "gpusnap-system"]
                 for v in values:
                     args += ["--set", v]
                 r = helm(*args, check=False)
@@ -189,6 +190,15 @@ class ChartTest(unittest.TestCase):
         self.assertEqual(ns["metadata"]["annotations"]["helm.sh/resource-policy"], "keep")
         self.assertFalse([d for d in render("podSecurity.labelNamespace=false")
                           if d["kind"] == "Namespace"])
+        # Never a shared namespace: the release would own it and relabel it.
+        for shared in ("default", "kube-system"):
+            r = helm("template", "gpusnap", str(CHART), "-n", shared, check=False)
+            self.assertNotEqual(r.returncode, 0)
+            self.assertIn(f"podSecurity.labelNamespace would make the release own and relabel "
+                          f"namespace {shared}", r.stderr)
+            r = helm("template", "gpusnap", str(CHART), "-n", shared, "--set",
+                     "podSecurity.labelNamespace=false", check=False)
+            self.assertEqual(r.returncode, 0, r.stderr)
 
     def test_agent_runs_at_a_priority_admission_accepts(self):
         docs = render()
