@@ -67,6 +67,8 @@ BAD_VALUES = [
     (["controller.pollMs=100"], "at '/controller': additional properties 'pollMs' not allowed"),
     (["priorityClass.value=2000000000"],
      "at '/priorityClass/value': maximum: got 2×10⁰⁹, want 1×10⁰⁹"),
+    (["priorityClass.preemptionPolicy=never"], "at '/priorityClass/preemptionPolicy': value must be"
+     " one of 'Never', 'PreemptLowerPriority'"),
     (["metrics.port=http"], "at '/metrics/port': got string, want integer"),
     (["metrics.port=70000"], "at '/metrics/port': maximum: got 70,000, want 65,535"),
     (["metrics.enabled=on"], "at '/metrics/enabled': got string, want boolean"),
@@ -208,6 +210,8 @@ class ChartTest(unittest.TestCase):
         self.assertFalse(pc["metadata"]["name"].startswith("system-"))
         self.assertEqual((pc["value"], pc["preemptionPolicy"], pc["globalDefault"]),
                          (1000000000, "Never", False))
+        pc = one(render("priorityClass.preemptionPolicy=PreemptLowerPriority"), "PriorityClass")
+        self.assertEqual(pc["preemptionPolicy"], "PreemptLowerPriority")
         # A class of the operator's own replaces the chart's.
         docs = render("priorityClassName=system-node-critical")
         self.assertFalse([d for d in docs if d["kind"] == "PriorityClass"])
