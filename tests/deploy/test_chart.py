@@ -2,11 +2,12 @@
 """The Helm chart rendered by the real helm (scripts/install-k8s-tools puts it, kubectl and the
 API's schemas under /opt/gpusnap): `helm lint --strict`, every example values file and a set of
 value combinations rendered, each render validated against the Kubernetes API's OpenAPI schemas
-and by yamllint, each typo of the values refused with its message, and what the renders promise
-an operator -- the namespace's Pod Security labels, a PriorityClass admission accepts, a Role
-for one watched namespace, the grace period, and probes that ask the programs whether they
-answer. The probes' commands are run as rendered against the real gpusnap-agent and
-gpusnap-controller of this build. Exits 77 ("skipped: helm not installed") without helm."""
+(types, enums, required and unknown fields) and by yamllint, each typo of the values refused
+with its message, and what the renders promise an operator -- the namespace's Pod Security
+labels, a PriorityClass admission accepts, a Role for one watched namespace, the grace period,
+metrics behind a value, and probes that ask the programs whether they answer. The probes'
+commands are run as rendered against the real gpusnap-agent and gpusnap-controller of this
+build. Exits 77 ("skipped: helm not installed") without helm."""
 
 import functools
 import json
@@ -152,6 +153,8 @@ class ChartTest(unittest.TestCase):
         pod, _ = containers(docs)
         pod["terminationGracePeriodSeconds"] = "900"
         del one(docs, "ClusterRoleBinding")["roleRef"]["name"]
+        agent = pod["containers"][0]
+        agent["readinessProb"] = agent.pop("readinessProbe")
         r = subprocess.run(["node", str(VALIDATE), str(MODELS)], input=json.dumps(docs),
                            capture_output=True, text=True)
         self.assertEqual(r.returncode, 1)
@@ -159,6 +162,9 @@ class ChartTest(unittest.TestCase):
                       " must be integer", r.stdout)
         self.assertIn("ClusterRoleBinding gpusnap-controller: data/roleRef must have required"
                       " property name", r.stdout)
+        self.assertIn("DaemonSet gpusnap-agent: data/spec/template/spec/containers/0/readinessProb:"
+                      " unknown field", r.stdout)
+        self.assertEqual(len(r.stdout.splitlines()), 3, r.stdout)
 
     def test_every_render_passes_yamllint(self):
         if shutil.which("yamllint") is None:
