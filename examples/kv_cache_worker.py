@@ -13,7 +13,7 @@ worker shows how to leave it out while keeping the CUDA graphs that read it:
   a CUDA graph whose answer reads rows spread over the whole cache, so a wrong cache gives a
   wrong answer. The answer with the cache filled with a fixed pattern is computed once, before
   any checkpoint, and kept.
-- It speaks the handshake (clients/python/gpusnap_handshake.py). On `pause` it synchronizes, unmaps
+- It speaks the handshake (clients/python/gpusnap_handshake/__init__.py). On `pause` it synchronizes, unmaps
   and releases the physical memory and keeps the address reservation (the graph holds those
   addresses). On `resume` it maps fresh physical memory at the same addresses, fills in the
   pattern again and answers `resumed`. The artifact therefore holds the weights and the graph,
@@ -53,7 +53,8 @@ T0 = time.monotonic()
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 for _dir in (os.path.join(_HERE, "..", "clients", "python"), _HERE):  # the repository, or a copy beside
-    if os.path.exists(os.path.join(_dir, "gpusnap_handshake.py")):
+    if os.path.exists(os.path.join(_dir, "gpusnap_handshake")) or os.path.exists(
+            os.path.join(_dir, "gpusnap_handshake.py")):
         sys.path.insert(0, _dir)
         break
 import gpusnap_handshake  # noqa: E402

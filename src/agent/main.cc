@@ -10,11 +10,15 @@
 #include <cerrno>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "agent/agent.h"
 #include "agent/log.h"
+#include "agent/metrics_listener.h"
 #include "agent/server.h"
 #include "common/args.h"
 #include "common/fs.h"
@@ -36,6 +40,8 @@ std::vector<args::FlagSpec> flags() {
        "the group that may read the artifacts (name or gid; default: root only)"},
       {"--listen", "", "ADDR:PORT", "also serve TCP (requires --token-file; port 0: any)"},
       {"--token-file", "", "FILE", "the bearer token TCP callers must send (one line)"},
+      {"--metrics-listen", "", "ADDR:PORT",
+       "also serve GET /metrics alone on TCP, read-only and without a token (port 0: any)"},
       {"--storage", "", "DIR", "where artifacts live (default /var/lib/gpusnap/snapshots)"},
       {"--state-dir", "", "DIR", "the operations journal (default /var/lib/gpusnap/agent)"},
       {"--run-dir", "", "DIR", "the engine's run directory (default /run/gpusnap)"},
@@ -67,6 +73,20 @@ const char* const kSummary =
 
 Error usage(const std::string& what) {
   return Error(ErrorKind::kUsage, what, "see `gpusnap-agent --help`");
+}
+
+// The ADDR:PORT of --listen or --metrics-listen (`flag`). Throws Error(kUsage).
+std::pair<std::string, int> address_and_port(const std::string& flag, const std::string& where,
+                                             const std::string& example) {
+  const auto colon = where.rfind(':');
+  char* end = nullptr;
+  const long port =
+      colon == std::string::npos ? -1 : std::strtol(where.c_str() + colon + 1, &end, 10);
+  if (colon == std::string::npos || colon == 0 || end == nullptr || *end != '\0' || port < 0 ||
+      port > 65535) {
+    throw usage("bad " + flag + " '" + where + "': use ADDR:PORT, e.g. " + example);
+  }
+  return {where.substr(0, colon), static_cast<int>(port)};
 }
 
 // The bearer token: the file's first line. A file anyone can read is refused, since the token
@@ -183,18 +203,14 @@ int run(const std::vector<std::string>& argv, LogFormat& format) {
     throw usage("--listen and --token-file go together: TCP callers must send a token");
   }
   if (args.has("--listen")) {
-    const auto where = args.get("--listen");
-    const auto colon = where.rfind(':');
-    char* end = nullptr;
-    const long port =
-        colon == std::string::npos ? -1 : std::strtol(where.c_str() + colon + 1, &end, 10);
-    if (colon == std::string::npos || colon == 0 || end == nullptr || *end != '\0' || port < 0 ||
-        port > 65535) {
-      throw usage("bad --listen '" + where + "': use ADDR:PORT, e.g. 127.0.0.1:7070");
-    }
-    listen.tcp_address = where.substr(0, colon);
-    listen.tcp_port = static_cast<int>(port);
+    std::tie(listen.tcp_address, listen.tcp_port) =
+        address_and_port("--listen", args.get("--listen"), "127.0.0.1:7070");
     listen.token = read_token(args.get("--token-file"));
+  }
+
+  std::optional<std::pair<std::string, int>> metrics_at;
+  if (args.has("--metrics-listen")) {
+    metrics_at = address_and_port("--metrics-listen", args.get("--metrics-listen"), "0.0.0.0:9464");
   }
 
   AgentConfig config;
@@ -230,7 +246,9 @@ int run(const std::vector<std::string>& argv, LogFormat& format) {
   ::sigaction(SIGPIPE, &pipe_action, nullptr);
 
   Server server(listen);  // binds first: single-threaded here (the socket's umask)
-  Agent agent(config);    // recovers what a previous agent left, then takes work
+  std::optional<MetricsListener> metrics;
+  if (metrics_at) metrics.emplace(metrics_at->first, metrics_at->second);
+  Agent agent(config);  // recovers what a previous agent left, then takes work
   // Said before the first answer: whoever got one can read where the agent listens.
   std::string serving =
       std::string("gpusnap-agent ") + GPUSNAP_VERSION + ": serving " + listen.socket_path;
@@ -238,15 +256,18 @@ int run(const std::vector<std::string>& argv, LogFormat& format) {
     serving +=
         " and " + listen.tcp_address + ":" + std::to_string(server.tcp_port()) + " (bearer token)";
   }
+  if (metrics) serving += ", metrics on " + metrics_at->first + ":" + std::to_string(metrics->port());
   serving += "; storage " + config.engine.storage.string();
   if (config.remote) serving += " and " + config.remote->repository;
   agent.log().agent(serving);
   server.start(agent);
+  if (metrics) metrics->start(agent);
 
   int signal = 0;
   ::sigwait(&stop_signals, &signal);
   agent.log().agent("signal " + std::to_string(signal) + ": finishing the running operations");
   server.stop();
+  if (metrics) metrics->stop();
   agent.stop();
   return 0;
 }

@@ -15,6 +15,7 @@
 #include <httplib.h>
 
 #include "agent/access.h"
+#include "agent/metrics_listener.h"
 #include "common/fd.h"
 #include "gpusnap/error.h"
 
@@ -171,7 +172,7 @@ void install(httplib::Server& server, Agent& agent) {
              }));
   server.Get("/metrics", guarded([&agent](const httplib::Request&, httplib::Response& res) {
                res.status = 200;
-               res.set_content(agent.metrics(), "text/plain; version=0.0.4; charset=utf-8");
+               res.set_content(exposition(agent), "text/plain; version=0.0.4; charset=utf-8");
              }));
   server.set_exception_handler(
       [](const httplib::Request&, httplib::Response& res, const std::exception_ptr&) {

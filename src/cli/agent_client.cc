@@ -281,6 +281,10 @@ AgentReply agent_request(const std::string& socket, const std::string& method,
   return reply;
 }
 
+json agent_health(const std::string& socket) {
+  return checked(agent_request(socket, "GET", "/v1/healthz"), socket);
+}
+
 int run_through_agent(const std::string& socket, const args::Args& args) {
   const bool json_out = args.has("--json");
   const bool quiet = args.has("--quiet");

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "common/args.h"
 
 namespace gpusnap::cli {
@@ -44,5 +46,10 @@ struct AgentReply {
 };
 AgentReply agent_request(const std::string& socket, const std::string& method,
                          const std::string& target, const std::string& body = {});
+
+// The agent's answer to GET /v1/healthz: {"ok", "version", "node"}, which its HTTP threads give
+// only while they serve. `gpusnap --agent SOCKET version` prints it; the DaemonSet's probes run
+// that. Throws Error(kEnvironment) when the agent cannot be reached.
+nlohmann::json agent_health(const std::string& socket);
 
 }  // namespace gpusnap::cli

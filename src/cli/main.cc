@@ -557,17 +557,28 @@ int cmd_help(const std::vector<Command>& cmds, const std::vector<std::string>& r
               "see `gpusnap help`");
 }
 
-// `gpusnap version [--json]`.
-int cmd_version(const std::vector<std::string>& rest) {
-  if (rest.size() == 1 && rest[0] == "--json") {
-    std::cout << json{{"version", GPUSNAP_VERSION}}.dump(2) << "\n";
-    return 0;
-  }
-  if (!rest.empty()) {
+// `gpusnap [--agent SOCKET] version [--json]`. With --agent, the agent's version and node too:
+// it answers only while it serves, so this is also the DaemonSet's probe of the agent.
+int cmd_version(const AgentChoice& agent, const std::vector<std::string>& rest) {
+  const bool json_out = rest.size() == 1 && rest[0] == "--json";
+  if (!rest.empty() && !json_out) {
     throw Error(ErrorKind::kUsage, "version takes --json alone, not '" + rest[0] + "'",
                 "see `gpusnap help`");
   }
+  json doc{{"version", GPUSNAP_VERSION}};
+  if (agent.from_flag) {
+    const json health = agent_health(agent.socket);
+    doc["agent"] = {{"version", health.value("version", "")}, {"node", health.value("node", "")}};
+  }
+  if (json_out) {
+    std::cout << doc.dump(2) << "\n";
+    return 0;
+  }
   std::printf("gpusnap %s\n", GPUSNAP_VERSION);
+  if (doc.contains("agent")) {
+    std::printf("agent %s on node %s (%s)\n", doc["agent"]["version"].get<std::string>().c_str(),
+                doc["agent"]["node"].get<std::string>().c_str(), agent.socket.c_str());
+  }
   return 0;
 }
 
@@ -602,7 +613,7 @@ int main(int argc, char** argv) {
     }
     const std::vector<std::string> after(all.begin() + 1, all.end());
     if (all[0] == "--help" || all[0] == "-h" || all[0] == "help") return cmd_help(cmds, after);
-    if (all[0] == "--version" || all[0] == "version") return cmd_version(after);
+    if (all[0] == "--version" || all[0] == "version") return cmd_version(agent, after);
     if (all[0] == "completion") return cmd_completion(cmds, after);
     for (const auto& c : cmds) {
       if (c.name != all[0]) continue;

@@ -86,7 +86,7 @@ Error api_failure(const std::string& what, const Response& r, const std::string&
 }  // namespace
 
 Controller::Controller(const ApiConfig& api, AgentClient& agent, ControllerOptions options)
-    : api_(api), agent_(agent), options_(std::move(options)) {
+    : api_(api), agent_(agent), options_(std::move(options)), heartbeat_(options_.alive_file) {
   InformerOptions s;
   s.path = snapshots_path(options_.namespace_);
   s.watch_timeout = options_.watch_timeout;
@@ -173,12 +173,16 @@ void Controller::work() {
       std::lock_guard lock(mu_);
       if (stopping_) return;
     }
+    heartbeat_.beat();
     if (snapshots_->wait_synced(milliseconds(100)) && pods_->wait_synced(milliseconds(100))) break;
   }
+  // Each wait is at most one poll long, so that the heartbeat says the loop turns even when
+  // there is nothing to do.
   std::unique_lock lock(mu_);
   while (!stopping_) {
+    heartbeat_.beat();
     if (queue_.empty()) {
-      cv_.wait(lock);
+      cv_.wait_for(lock, options_.poll);
       continue;
     }
     auto next = queue_.begin();
@@ -186,7 +190,7 @@ void Controller::work() {
       if (it->second < next->second) next = it;
     }
     if (next->second > steady_clock::now()) {
-      cv_.wait_until(lock, next->second);
+      cv_.wait_until(lock, std::min(next->second, steady_clock::now() + options_.poll));
       continue;
     }
     std::string key = next->first;

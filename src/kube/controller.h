@@ -37,6 +37,7 @@
 
 #include "kube/agent_client.h"
 #include "kube/api_client.h"
+#include "kube/heartbeat.h"
 #include "kube/informer.h"
 #include "kube/objects.h"
 
@@ -55,6 +56,9 @@ struct ControllerOptions {
   std::string namespace_;                // watch one namespace; empty: all
   std::chrono::milliseconds poll{2000};  // how often a running operation is looked at
   std::chrono::seconds watch_timeout{300};
+  // Touched on every turn of the worker loop, which turns at least once per `poll` (a liveness
+  // probe reads its age: kube/heartbeat.h); empty: none.
+  std::filesystem::path alive_file;
   std::function<void(const std::string&)> log;  // one-line diagnostics; default: stderr
 };
 
@@ -159,6 +163,7 @@ class Controller {
   std::map<std::string, std::chrono::steady_clock::time_point> queue_;  // key → when due
   std::map<std::string, int> failures_;  // consecutive errors per key, for the backoff
   bool stopping_ = false;
+  Heartbeat heartbeat_;
   std::jthread worker_;
 };
 

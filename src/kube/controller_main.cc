@@ -39,6 +39,8 @@ const char* const kUsage =
     "/run/gpusnap/control)\n"
     "  --namespace NS         watch one namespace only (default: all)\n"
     "  --poll-ms N            how often running operations are followed (default 2000)\n"
+    "  --alive-file FILE      touched at least once per --poll-ms while the worker loop\n"
+    "                         turns, for a liveness probe that reads its age\n"
     "  --json                 errors as JSON\n"
     "  --version              show the version\n";
 
@@ -89,6 +91,8 @@ int main(int argc, char** argv) {
         options.runtime_root = value();
       else if (a == "--control-root")
         options.control_root = value();
+      else if (a == "--alive-file")
+        options.alive_file = value();
       else if (a == "--namespace")
         options.namespace_ = value();
       else if (a == "--poll-ms")

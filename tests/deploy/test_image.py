@@ -3,7 +3,7 @@
 the OCI layout is unpacked by umoci (an independent OCI implementation, which checks every
 blob's digest) into a runc bundle, and the commands deploy/'s DaemonSet gives each container
 run in it -- the agent's and the controller's programs, the init container's install command
-into a host directory, the readiness probe -- as well as gpusnap and CRIU from the image.
+into a host directory, the agent's probes against a real agent -- as well as gpusnap and CRIU from the image.
 Root, runc and umoci; exits 77 ("skipped: WHY") where one is missing."""
 
 import hashlib
@@ -11,11 +11,11 @@ import json
 import os
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 import unittest
 
 import yaml
@@ -175,20 +175,43 @@ class ImageTest(unittest.TestCase):
                          (0, f"{host_bin / 'python'}\n{host_bin / 'libgpusnap-tier.so'}\n"),
                          r.stderr)
 
-    def test_the_readiness_probe_sees_the_agents_socket(self):
+    def test_the_agents_probes_ask_a_real_agent(self):
         ds = daemonset()
         agent = next(c for c in ds["spec"]["template"]["spec"]["containers"]
                      if c["name"] == "agent")
-        probe = agent["readinessProbe"]["exec"]["command"]
-        sock_path = pathlib.Path(probe[-1])
+        probes = {tuple(agent[k]["exec"]["command"])
+                  for k in ("startupProbe", "livenessProbe", "readinessProbe")}
+        self.assertEqual(len(probes), 1, probes)
+        probe = list(probes.pop())
+        sock_path = pathlib.Path(probe[probe.index("--agent") + 1])
         run_dir = self.dir / "run-gpusnap"
         run_dir.mkdir()
-        self.assertEqual(self.run_in_image(probe, mounts=[(run_dir, str(sock_path.parent))])[0], 1)
-        with socket.socket(socket.AF_UNIX) as s:
-            s.bind(str(run_dir / sock_path.name))
-            self.assertEqual(self.run_in_image(probe, mounts=[(run_dir, str(sock_path.parent))]),
-                             (0, ""))
-
+        mounts = [(run_dir, str(sock_path.parent))]
+        # No agent: the image's gpusnap says it cannot reach it.
+        code, out = self.run_in_image(probe, mounts=mounts)
+        self.assertNotEqual(code, 0)
+        self.assertIn(str(sock_path), out)
+        # This build's agent on the host, its socket where the pod's mount puts it.
+        state = self.dir / "agent"
+        server = subprocess.Popen([str(BUILD / "gpusnap-agent"), "--socket",
+                                   str(run_dir / sock_path.name), "--storage",
+                                   str(state / "snapshots"), "--state-dir", str(state / "state"),
+                                   "--run-dir", str(state / "run")],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            for _ in range(600):
+                if (run_dir / sock_path.name).exists() or server.poll() is not None:
+                    break
+                time.sleep(0.05)
+            self.assertIsNone(server.poll())
+            code, out = self.run_in_image(probe, mounts=mounts)
+            self.assertEqual(code, 0, out)
+            self.assertRegex(out, rf"^gpusnap {VERSION}\nagent {VERSION} on node \S+ "
+                                  rf"\({sock_path}\)\n$")
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+            server.stderr.close()
 
 if __name__ == "__main__":
     why = blocker()

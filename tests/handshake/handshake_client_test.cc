@@ -15,11 +15,17 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
 namespace fs = std::filesystem;
 namespace hs = gpusnap::handshake;
+
+// The client is versioned as gpusnap is (GPUSNAP_VERSION: the CMake project version).
+static_assert(std::string_view(GPUSNAP_CLIENT_VERSION) == GPUSNAP_VERSION,
+              "set GPUSNAP_CLIENT_VERSION in clients/include/gpusnap/handshake_client.h to the "
+              "project version in CMakeLists.txt");
 using hs::detail::Json;
 
 namespace {

@@ -1,4 +1,4 @@
-"""The Python handshake client (clients/python/gpusnap_handshake.py), and the Python example worker,
+"""The Python handshake client (clients/python/gpusnap_handshake/__init__.py), and the Python example worker,
 against a temporary control directory, with this test playing gpusnap's side.
 
 Plain unittest, standard library only:  python3 tests/handshake/test_python_client.py

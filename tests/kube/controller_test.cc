@@ -59,6 +59,7 @@ class ControllerTest : public ::testing::Test {
     o.control_root = dir_ / "control";
     o.poll = 30ms;
     o.watch_timeout = 30s;
+    o.alive_file = alive_file_;
     o.log = [](const std::string& line) {
       std::fprintf(stderr, "  controller: %s\n", line.c_str());
     };
@@ -137,6 +138,7 @@ class ControllerTest : public ::testing::Test {
 
   TempDir dir_;
   FakeApiServer server_;
+  std::filesystem::path alive_file_;  // ControllerOptions::alive_file
   FakeAgent agent_{dir_ / "agent.sock"};
   HttpAgentClient client_{AgentEndpoint{dir_ / "agent.sock", "", "", 10s}};
   std::unique_ptr<Controller> controller_;
@@ -182,6 +184,21 @@ TEST_F(ControllerTest, CapturesARunningPod) {
                 "default.web-snap (agent operation op-1)",
                 "Normal Captured: " + message}));
   EXPECT_TRUE(server_.get("pods", "default", "web").has_value());  // not launched: kept
+}
+
+// The liveness probe's evidence (kube/heartbeat.h): with nothing to do, the worker loop still
+// turns once per poll and stamps its alive file; a stopped controller's file goes stale.
+TEST_F(ControllerTest, IdleWorkerLoopStampsItsAliveFileEachPoll) {
+  alive_file_ = dir_ / "alive";
+  start();
+  ASSERT_TRUE(eventually([&] { return std::filesystem::exists(alive_file_); }));
+  const auto first = std::filesystem::last_write_time(alive_file_);
+  EXPECT_TRUE(
+      eventually([&] { return std::filesystem::last_write_time(alive_file_) > first; }, 2s));
+  stop();
+  const auto stopped = std::filesystem::last_write_time(alive_file_);
+  std::this_thread::sleep_for(200ms);  // several polls of 30 ms
+  EXPECT_EQ(std::filesystem::last_write_time(alive_file_), stopped);
 }
 
 TEST_F(ControllerTest, PodOfAnotherNodeIsLeftToThatNode) {

@@ -35,6 +35,16 @@
 //   checkpointed, when any CUDA call would block.
 #pragma once
 
+// The version of gpusnap this client belongs to: the top-level CMakeLists.txt's project version,
+// which the Python client carries as gpusnap_handshake.__version__ (a static_assert in
+// tests/handshake/handshake_client_test.cc and tests/handshake/test_python_package.py keep the
+// three equal). A workload built with the client of gpusnap X matches nodes whose
+// `gpusnap version` says X.
+#define GPUSNAP_CLIENT_VERSION "0.1.0"
+#define GPUSNAP_CLIENT_VERSION_MAJOR 0
+#define GPUSNAP_CLIENT_VERSION_MINOR 1
+#define GPUSNAP_CLIENT_VERSION_PATCH 0
+
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/stat.h>

@@ -34,3 +34,19 @@ app.kubernetes.io/component: agent
 {{- define "gpusnap.claimName" -}}
 {{- default (printf "%s-snapshots" (include "gpusnap.fullname" .)) .Values.storage.pvc.existingClaim -}}
 {{- end -}}
+
+{{- /* The agent's PriorityClass: the one named, else the chart's own, else none. */ -}}
+{{- define "gpusnap.priorityClassName" -}}
+{{- if .Values.priorityClassName -}}
+{{- .Values.priorityClassName -}}
+{{- else if .Values.priorityClass.create -}}
+{{- printf "%s-node" (include "gpusnap.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* Where a Prometheus that reads annotations finds the agent's metrics. */ -}}
+{{- define "gpusnap.scrapeAnnotations" -}}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .Values.metrics.port | quote }}
+prometheus.io/path: /metrics
+{{- end -}}

@@ -1,7 +1,8 @@
 """The workload's side of the gpusnap handshake, protocol version 1.
 
-docs/handshake.md is the specification. Standard library only: copy this one file next to
-your server.
+docs/handshake.md is the specification. Standard library only: `pip install clients/python`
+(the package gpusnap-handshake, of gpusnap's own version), or copy this one file next to your
+server as gpusnap_handshake.py.
 
     import gpusnap_handshake
 
@@ -45,6 +46,8 @@ Why it is built this way:
   allocator's free blocks, so a JAX workload gives back nothing here.
 """
 
+from __future__ import annotations
+
 import ctypes
 import dataclasses
 import errno
@@ -53,7 +56,14 @@ import os
 import select
 import stat
 import sys
+import socket
 import threading
+from typing import Any, Callable, Mapping, Optional, Protocol, Union
+
+# gpusnap's version, the top-level CMakeLists.txt's project version: a client from gpusnap X
+# is the one that matches a node running gpusnap X (tests/handshake/test_python_package.py
+# keeps the two equal; `gpusnap version` prints the node's).
+__version__ = "0.1.0"
 
 PROTOCOL_VERSION = 1
 CONTROL_DIR_VARIABLE = "GPUSNAP_CONTROL_DIR"
@@ -65,12 +75,15 @@ _MAX_ANSWERED = 256
 
 @dataclasses.dataclass
 class ResumeContext:
+    """What a resume tells the workload: whether it is a restored copy, which one, and how the
+    GPUs and settings changed. on_resume(context) receives it."""
+
     restored: bool = False  # False: the source itself goes on after a capture (--leave-running)
     copy: int = 0  # this copy's index, 0..copies-1
     copies: int = 1
     artifact_id: str = ""
-    gpu_map: dict = dataclasses.field(default_factory=dict)  # old GPU uuid -> new GPU uuid
-    settings: dict = dataclasses.field(default_factory=dict)  # per-copy settings (str -> str)
+    gpu_map: dict[str, str] = dataclasses.field(default_factory=dict)  # old GPU uuid -> new
+    settings: dict[str, str] = dataclasses.field(default_factory=dict)  # per-copy settings
     tier_dir: str = ""  # where the memory tier's files are (a copy: in the artifact); "" if none
     # where gpusnap-tier-prefill offers this copy's memory tier filled ahead; "" if nowhere
     tier_prefill_dir: str = ""
@@ -78,15 +91,17 @@ class ResumeContext:
 
 @dataclasses.dataclass
 class Request:
+    """A request from gpusnap, as poll() returns it: answer it by its id."""
+
     kind: str  # "pause" or "resume"
     id: str
     timeout_ms: int = 0  # pause: gpusnap's deadline for the answer; 0 when not given
-    context: ResumeContext = None  # resume only
+    context: Optional[ResumeContext] = None  # resume only
     tier_dir: str = ""  # pause: the folder the memory tier drains into; "" if none
 
 
 class BadRequest(ValueError):
-    pass
+    """A request file that does not follow the protocol; the client answers it `failed`."""
 
 
 def _read_message(directory, name):
@@ -215,7 +230,7 @@ def _short(reason):
     return reason if len(reason) <= MAX_REASON_CHARS else reason[:MAX_REASON_CHARS] + "..."
 
 
-def release_cached_gpu_memory():
+def release_cached_gpu_memory() -> Optional[int]:
     """Frees the GPU memory PyTorch's caching allocator holds unused, on every GPU the process
     has used, and returns the bytes given back; None when torch is not imported or never touched
     CUDA (importing or initialising it here would cost seconds and create a CUDA context)."""
@@ -238,7 +253,7 @@ def _resident_bytes():
         return None
 
 
-def release_free_host_memory():
+def release_free_host_memory() -> Optional[int]:
     """Gives the C heap's free pages back to the kernel (glibc's malloc_trim(0)): memory a
     workload freed after loading (file buffers, CPU copies of weights) otherwise stays resident
     in the heap, and a capture carries it and every copy's restore re-creates it page by page.
@@ -262,6 +277,30 @@ def _relative_sleep(seconds):
     select.select([], [], [], seconds)
 
 
+PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
+
+
+class Tier(Protocol):
+    """What the client drains and fills: a MemoryTier, a TierGroup or a RankTier."""
+
+    @property
+    def drained(self) -> bool:
+        """Whether the memory is drained (released, its contents in files)."""
+
+    @property
+    def live_bytes(self) -> int:
+        """The bytes of GPU memory held allocated."""
+
+    def drain(self, directory: PathLike) -> None:
+        """Writes the memory into `directory` and releases it. Raises TierError."""
+
+    def adopt(self, directory: PathLike) -> int:
+        """Takes over memory a prefill filled; returns the bytes taken. Raises TierError."""
+
+    def fill(self, directory: Optional[PathLike], gpu_map: Optional[Mapping[str, str]]) -> None:
+        """Maps the memory again and fills it from `directory`. Raises TierError."""
+
+
 class Client:
     """The workload's handshake client. Two styles, not to be mixed on one client:
 
@@ -273,7 +312,8 @@ class Client:
     that coordinates the workload may speak.
     """
 
-    def __init__(self, control_dir, memory_tier=None, release_cached_memory=True):
+    def __init__(self, control_dir: Optional[str], memory_tier: Optional[Tier] = None,
+                 release_cached_memory: bool = True) -> None:
         """A client for an explicit directory; disabled when it is empty/None or relative.
         memory_tier: the tier the client drains and fills (default: the one use_memory_tier()
         installed, if any).
@@ -296,21 +336,24 @@ class Client:
         self._stop = threading.Event()
 
     @classmethod
-    def from_environment(cls, memory_tier=None, release_cached_memory=True):
+    def from_environment(cls, memory_tier: Optional[Tier] = None,
+                         release_cached_memory: bool = True) -> Client:
         """A client for $GPUSNAP_CONTROL_DIR; disabled when it is unset, empty or relative."""
         return cls(os.environ.get(CONTROL_DIR_VARIABLE), memory_tier, release_cached_memory)
 
     @property
-    def enabled(self):
+    def enabled(self) -> bool:
+        """Whether the client speaks at all (a control directory was given)."""
         return bool(self._dir)
 
     @property
-    def control_dir(self):
+    def control_dir(self) -> str:
+        """The control directory, or "" when disabled."""
         return self._dir
 
     # ---- announcing ----------------------------------------------------------------------
 
-    def ready(self):
+    def ready(self) -> None:
         """Writes `ready`: the workload is initialised and capturable. Retried on every poll
         while the directory is not there."""
         if not self.enabled:
@@ -325,7 +368,8 @@ class Client:
 
     # ---- the background style -------------------------------------------------------------
 
-    def serve(self, on_pause, on_resume):
+    def serve(self, on_pause: Callable[[], Optional[bool]],
+              on_resume: Callable[[ResumeContext], Optional[bool]]) -> None:
         """Starts the serving thread and returns at once. No-op when disabled."""
         if not self.enabled:
             return
@@ -336,17 +380,17 @@ class Client:
                                         name="gpusnap-handshake", daemon=True)
         self._thread.start()
 
-    def stop(self):
+    def stop(self) -> None:
         """Stops the serving thread (from inside a callback: after that callback)."""
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join()
 
-    def __enter__(self):
+    def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def _serve_loop(self, on_pause, on_resume):
@@ -395,7 +439,7 @@ class Client:
     def _tier(self):
         return self._memory_tier if self._memory_tier is not None else _installed_tier
 
-    def drain_memory_tier(self, request):
+    def drain_memory_tier(self, request: Request) -> None:
         """At a pause, after the workload released what it does not want saved: writes every
         live allocation of the memory tier into request.tier_dir, then releases the GPU memory
         (the addresses stay). Raises TierError, having released nothing, when it cannot. Does
@@ -405,7 +449,7 @@ class Client:
         if tier is not None and request.tier_dir:
             tier.drain(request.tier_dir)
 
-    def fill_memory_tier(self, request):
+    def fill_memory_tier(self, request: Request) -> None:
         """At a resume, before anything uses GPU memory: maps the memory tier's memory at the
         same addresses again and fills it. Raises TierError, leaving nothing mapped, when it
         cannot (the workload stays paused; a later resume retries). serve() calls it; the
@@ -426,7 +470,7 @@ class Client:
 
     # ---- the polling style ----------------------------------------------------------------
 
-    def poll(self):
+    def poll(self) -> Optional[Request]:
         """The next Request to act on, or None. While running that is a new `pause`; while
         paused, a new `resume`. The client itself ignores requests already answered and a
         `pause` while paused, answers `failed` to malformed requests, and answers `resumed` at
@@ -438,7 +482,7 @@ class Client:
             raise RuntimeError("gpusnap handshake: poll() while serving")
         return self._poll()
 
-    def answer_paused(self, request_id):
+    def answer_paused(self, request_id: str) -> None:
         """In-flight work done, memory released, no more GPU work until resume. Frees PyTorch's
         cached free GPU memory first and tells gpusnap how much, as "released_bytes", then gives
         the C heap's free pages back to the kernel (unless the client was made without
@@ -458,7 +502,7 @@ class Client:
             self._answer("pause", request_id, "paused", body)
             self._paused = True
 
-    def answer_resumed(self, request_id):
+    def answer_resumed(self, request_id: str) -> None:
         """Memory re-created, settings applied, serving again."""
         if not self.enabled:
             return
@@ -470,7 +514,7 @@ class Client:
             self._answer("resume", request_id, "resumed", {"id": request_id})
             self._paused = False
 
-    def answer_failed(self, request_id, reason):
+    def answer_failed(self, request_id: str, reason: object) -> None:
         """The pause or resume could not be done. After a failed pause the workload must be
         serving as before; after a failed resume it stays paused (gpusnap may resume again)."""
         if not self.enabled:
@@ -561,7 +605,7 @@ class TierError(RuntimeError):
     """The memory tier could not drain or fill; the text says why."""
 
 
-def find_tier_library():
+def find_tier_library() -> str:
     """The path of libgpusnap-tier.so: $GPUSNAP_TIER_LIBRARY, else beside the
     libgpusnap-preload.so that gpusnap put in LD_PRELOAD, else /opt/gpusnap/bin (a node's)."""
     named = os.environ.get(TIER_LIBRARY_VARIABLE)
@@ -585,7 +629,7 @@ class MemoryTier:
 
     SERVING, DRAINED = 1, 2
 
-    def __init__(self, path):
+    def __init__(self, path: str) -> None:
         self.path = path
         # The same path PyTorch's pluggable allocator opens: dlopen returns the same library,
         # so both reach the one tier of this process.
@@ -599,19 +643,23 @@ class MemoryTier:
                                                  ctypes.c_char_p, ctypes.c_size_t]
 
     @property
-    def drained(self):
-        return self._lib.gpusnap_tier_state() == self.DRAINED
+    def drained(self) -> bool:
+        """Whether the tier's memory is drained (released, its contents in files)."""
+        return bool(self._lib.gpusnap_tier_state() == self.DRAINED)
 
     @property
-    def live_bytes(self):
+    def live_bytes(self) -> int:
+        """The bytes of GPU memory the tier holds allocated."""
         return int(self._lib.gpusnap_tier_live_bytes())
 
-    def drain(self, directory):
+    def drain(self, directory: PathLike) -> None:
+        """Writes every live allocation into `directory` and releases its GPU memory, keeping
+        the addresses. Raises TierError, having released nothing."""
         error = ctypes.create_string_buffer(_ERROR_BYTES)
         if self._lib.gpusnap_tier_drain(os.fsencode(directory), error, _ERROR_BYTES) != 0:
             raise TierError(error.value.decode(errors="replace"))
 
-    def adopt(self, directory):
+    def adopt(self, directory: PathLike) -> int:
         """Takes over the memory gpusnap-tier-prefill filled for this process (offered in
         `directory`); returns the bytes taken. Raises TierError, having taken nothing."""
         error = ctypes.create_string_buffer(_ERROR_BYTES)
@@ -621,7 +669,9 @@ class MemoryTier:
             raise TierError(error.value.decode(errors="replace"))
         return adopted.value
 
-    def fill(self, directory, gpu_map):
+    def fill(self, directory: Optional[PathLike], gpu_map: Optional[Mapping[str, str]]) -> None:
+        """Maps the memory again at the same addresses (on the GPUs gpu_map names for the old
+        ones) and fills it from `directory`. Raises TierError."""
         error = ctypes.create_string_buffer(_ERROR_BYTES)
         pairs = ";".join(f"{old}={new}" for old, new in (gpu_map or {}).items())
         if self._lib.gpusnap_tier_fill(os.fsencode(directory or ""), pairs.encode(), error,
@@ -629,7 +679,7 @@ class MemoryTier:
             raise TierError(error.value.decode(errors="replace"))
 
 
-def use_memory_tier(library=None):
+def use_memory_tier(library: Optional[str] = None) -> MemoryTier:
     """Makes PyTorch allocate its GPU memory through gpusnap's memory tier. Call it once,
     before the first CUDA allocation (PyTorch can change its allocator only before it has
     allocated). Returns the MemoryTier; the handshake client drains and fills it by itself.
@@ -768,18 +818,22 @@ class TierGroup:
     its memory. fill() fills every drained member and raises the first error once all were
     tried (gpusnap then refuses the copy)."""
 
-    def __init__(self, members):
+    def __init__(self, members: list[Tier]) -> None:
         self.members = list(members)
 
     @property
-    def drained(self):
+    def drained(self) -> bool:
+        """Whether any member is drained."""
         return any(m.drained for m in self.members)
 
     @property
-    def live_bytes(self):
+    def live_bytes(self) -> int:
+        """The live bytes of every member together."""
         return sum(m.live_bytes for m in self.members)
 
-    def drain(self, directory):
+    def drain(self, directory: PathLike) -> None:
+        """Drains every member in order; on a failure fills back those drained, then raises
+        TierError."""
         done = []
         for m in self.members:
             try:
@@ -793,7 +847,7 @@ class TierGroup:
                 raise TierError(f"{e} (the ranks drained before it were filled back)") from e
             done.append(m)
 
-    def adopt(self, directory):
+    def adopt(self, directory: PathLike) -> int:
         """Every member takes over what a prefill filled for it (each rank's own socket in
         `directory`); raises TierError naming the members that could not, once all were tried:
         fill() then fills what they did not take."""
@@ -808,7 +862,8 @@ class TierGroup:
             raise TierError("; ".join(failed))
         return taken
 
-    def fill(self, directory, gpu_map):
+    def fill(self, directory: Optional[PathLike], gpu_map: Optional[Mapping[str, str]]) -> None:
+        """Fills every drained member; raises the first TierError once all were tried."""
         first = None
         for m in self.members:
             if not m.drained:
@@ -854,13 +909,15 @@ class RankTier:
     connection on loopback: CRIU restores both with the workload). call() also carries the
     workload's own requests, which serve_rank_tier() hands to its `handlers`."""
 
-    def __init__(self, sock):
+    def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self._pending = bytearray()
         self._lock = threading.Lock()
         self._drained = False
 
-    def call(self, op, **params):
+    def call(self, op: str, **params: Any) -> Any:
+        """Asks the other rank to run `op` (a tier operation, or one of its handlers) with
+        `params`; returns its result. Raises TierError with the other rank's error."""
         with self._lock:
             try:
                 _send_message(self._sock, dict(params, op=op))
@@ -876,26 +933,32 @@ class RankTier:
         return answer.get("result")
 
     @property
-    def drained(self):
+    def drained(self) -> bool:
+        """Whether this side drained the other rank's tier and has not filled it since."""
         return self._drained
 
     @property
-    def live_bytes(self):
+    def live_bytes(self) -> int:
+        """The other rank's tier's live bytes."""
         return int(self.call("live_bytes") or 0)
 
-    def drain(self, directory):
+    def drain(self, directory: PathLike) -> None:
+        """The other rank drains its tier into `directory`."""
         self.call("drain", dir=os.fsdecode(directory))
         self._drained = True
 
-    def adopt(self, directory):
+    def adopt(self, directory: PathLike) -> int:
+        """The other rank takes over what a prefill filled for it; returns the bytes taken."""
         return int(self.call("adopt", dir=os.fsdecode(directory)) or 0)
 
-    def fill(self, directory, gpu_map):
+    def fill(self, directory: Optional[PathLike], gpu_map: Optional[Mapping[str, str]]) -> None:
+        """The other rank fills its tier from `directory`."""
         self.call("fill", dir=os.fsdecode(directory or ""), gpu_map=dict(gpu_map or {}))
         self._drained = False
 
 
-def serve_rank_tier(sock, tier=None, handlers=None):
+def serve_rank_tier(sock: socket.socket, tier: Optional[Tier] = None,
+                    handlers: Optional[Mapping[str, Callable[..., Any]]] = None) -> None:
     """A rank's side of RankTier: answers requests on `sock` until the other end closes it,
     draining and filling `tier` (default: the one use_memory_tier() installed in this process)
     and calling handlers[op](**params) for the workload's own requests. Run it in a thread of
@@ -937,7 +1000,9 @@ def _answer_rank_request(sock, request, tier, handlers):
         _send_message(sock, {"ok": False, "error": str(e) or type(e).__name__})
 
 
-def serve_rank_tier_in_background(sock, tier=None, handlers=None):
+def serve_rank_tier_in_background(
+        sock: socket.socket, tier: Optional[Tier] = None,
+        handlers: Optional[Mapping[str, Callable[..., Any]]] = None) -> threading.Thread:
     """serve_rank_tier() on a daemon thread; returns the thread."""
     thread = threading.Thread(target=serve_rank_tier, args=(sock, tier, handlers), daemon=True,
                               name="gpusnap-rank-tier")
