@@ -96,7 +96,10 @@ void SnapshotSource::reach_remote(const std::string& where, const ReachOptions& 
 bool SnapshotSource::copy_intact(Reporter& reporter) {
   std::string problem;
   try {
-    const auto problems = Artifact::open(artifact_).verify({0, &reporter});
+    Phases phases(reporter);
+    const auto problems = phases.run("verify", [&] {
+      return Artifact::open(artifact_).verify({0, &reporter});
+    });
     if (problems.empty()) return true;
     problem = problems[0].path + ": " + problems[0].problem;
     if (problems.size() > 1) problem += " (and " + std::to_string(problems.size() - 1) + " more)";

@@ -275,8 +275,8 @@ PullResult pull(const OciRef& ref, const PullOptions& o, Reporter& reporter) {
     resumed = partials->take_resumed();
     for (const auto& dir : partials->dirs()) located.merge(chunk_locations(snap.layout, dir));
   }
-  phases.run("room",
-             [&] { refuse_without_room(ref.by_digest(snap.digest), o, snap, cache, resumed); });
+  // A statfs and the cache's index: quick, not a phase of its own.
+  refuse_without_room(ref.by_digest(snap.digest), o, snap, cache, resumed);
   std::atomic<uint64_t> fetched{0}, bytes_fetched{0}, cached{0}, bytes_cached{0};
   MaterialiseResult written;
   phases.run("fetch", [&] {
