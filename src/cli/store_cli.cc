@@ -215,11 +215,14 @@ std::vector<Command> store_commands() {
        "fetched chunk is checked against its digest as it arrives. A host that could not\n"
        "restore the snapshot (GPU model, driver, CPU) refuses before fetching any chunk.\n"
        "Without -o it is the node's copy, RUN_DIR/pulled/DIGEST, which `restore oci://` uses\n"
-       "and the node cache keeps within its budget (a prefetch).",
+       "and the node cache keeps within its budget (a prefetch); pulls and restores of one\n"
+       "snapshot on a node take turns, and a copy already there is verified (one found damaged\n"
+       "is pulled again). A pull that would not fit where it writes refuses before its first\n"
+       "chunk (exit 10).",
        concat(concat({{"--output", "-o", "DIR", "artifact directory to create (must not exist)"},
                       {"--run-dir", "", "DIR",
-                       "gpusnap's state directory (default /run/gpusnap); without -o the node's "
-                       "copy goes to DIR/pulled"},
+                       "gpusnap's state directory (default /run/gpusnap): the node's copy goes "
+                       "to DIR/pulled"},
                       {"--any-host", "", "", "pull even where the snapshot could not be restored"}},
                      concat(remote_flags(), cache_flags())),
               {kCriuFlag, kJsonFlag, kQuietFlag, kHelpFlag}),
