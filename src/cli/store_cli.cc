@@ -1,5 +1,6 @@
 #include "cli/store_cli.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -350,8 +351,11 @@ int cmd_pull(const Args& args) {
   if (!reach.any_host) o.check = [&](const Manifest& m) { store::check_host(m, reach); };
   o.arrival.before_chunk = [&] {
     if (stop.requested()) {
+      const int sig = stop.signal();
       throw Error(ErrorKind::kInternal,
-                  std::string("pull stopped by ") + ::strsignal(stop.signal()), "");
+                  std::string("pull stopped by ") + (sig == SIGTERM  ? "SIGTERM"
+                                                     : sig == SIGINT ? "SIGINT"
+                                                                     : "SIGHUP"));
     }
   };
   try {

@@ -24,7 +24,8 @@ StopSignals::StopSignals() {
 StopSignals::~StopSignals() {
   if (!requested()) {
     closing_ = true;
-    pthread_kill(thread_.native_handle(), SIGTERM);
+    // Blocked in that thread too: sigwaitinfo takes it, marked as ours (SI_TKILL, our pid).
+    pthread_kill(thread_.native_handle(), SIGHUP);
   }
   thread_.join();
   pthread_sigmask(SIG_SETMASK, &old_, nullptr);
