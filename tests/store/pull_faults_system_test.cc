@@ -207,7 +207,7 @@ TEST_F(PullFaults, TwoRestoresOfOneSnapshotAtOnceTakeTurns) {
     // Throttled: the first is still pulling when the second asks.
     runs.push_back(
         start("restore" + std::to_string(i),
-              node({"restore", registry->ref("r/s:v1"), "--max-rate-mib", "16", "--json", "-q"})));
+              node({"restore", registry->ref("r/s:v1"), "--max-rate-mib", "8", "--json", "-q"})));
   }
   std::vector<std::unique_ptr<Copies>> copies;
   std::string errs;
@@ -230,7 +230,7 @@ TEST_F(PullFaults, EightPullsAndRestoresOfOneSnapshotAtOnceTakeTurns) {
     const bool restore = i % 2 == 1;
     runs.push_back(start(std::string(restore ? "restore" : "pull") + std::to_string(i),
                          node({restore ? "restore" : "pull", registry->ref("r/s:v1"),
-                               "--max-rate-mib", "16", "--json", "-q"})));
+                               "--max-rate-mib", "8", "--json", "-q"})));
   }
   std::vector<std::unique_ptr<Copies>> copies;
   std::string errs;
