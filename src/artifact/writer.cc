@@ -55,6 +55,10 @@ Error output_error(const std::filesystem::path& dir, int err) {
 }  // namespace
 
 ArtifactWriter::ArtifactWriter(const std::filesystem::path& final_path, WriterOptions options)
+    : ArtifactWriter(final_path, std::move(options), StagingDir{}) {}
+
+ArtifactWriter::ArtifactWriter(const std::filesystem::path& final_path, WriterOptions options,
+                               StagingDir earlier)
     : final_(std::filesystem::absolute(final_path).lexically_normal()),
       options_(std::move(options)) {
   if (final_.filename().empty()) final_ = final_.parent_path();
@@ -79,9 +83,9 @@ ArtifactWriter::ArtifactWriter(const std::filesystem::path& final_path, WriterOp
               (std::to_string(::getpid()) + "-" + fs::random_id().substr(0, 8));
     fs::write_file_durable(record_, parent.string());
   }
+  if (!earlier.dir.empty() && take_over(std::move(earlier))) return;
   for (int attempt = 1;; ++attempt) {
-    staging_ = parent / ("." + final_.filename().string() + kStagingTag +
-                         std::to_string(::getpid()) + "-" + fs::random_id().substr(0, 8));
+    staging_ = staging_path(final_);
     // 0700 from mkdir on (the umask can only take bits away): CRIU's images, written inside
     // with its own modes, are never reachable by other users.
     if (::mkdir(staging_.c_str(), 0700) != 0) throw output_error(parent, errno);
@@ -100,6 +104,38 @@ ArtifactWriter::ArtifactWriter(const std::filesystem::path& final_path, WriterOp
     fs::remove_tree_noexcept(staging_);
     throw sys_error("create " + criu_dir().string(), err);
   }
+}
+
+std::filesystem::path ArtifactWriter::staging_path(const std::filesystem::path& final_path) {
+  return final_path.parent_path() /
+         ("." + final_path.filename().string() + kStagingTag + std::to_string(::getpid()) + "-" +
+          fs::random_id().substr(0, 8));
+}
+
+bool ArtifactWriter::take_over(StagingDir earlier) {
+  staging_ = staging_path(final_);
+  // Renamed to this writer's name: a record under run_dir names the directories by their
+  // owner's PID, so that `gpusnap recover` finds this one if this process dies too.
+  if (::renameat2(AT_FDCWD, earlier.dir.c_str(), AT_FDCWD, staging_.c_str(), RENAME_NOREPLACE) !=
+      0) {
+    return false;  // removed meanwhile (a recover): a new one is made
+  }
+  struct stat held {
+  }, named{};
+  if (!earlier.lock || ::fstat(earlier.lock.get(), &held) != 0 ||
+      ::stat(staging_.c_str(), &named) != 0 || held.st_dev != named.st_dev ||
+      held.st_ino != named.st_ino) {
+    fs::remove_tree_noexcept(staging_);
+    return false;
+  }
+  staging_lock_ = std::move(earlier.lock);
+  resumed_ = true;
+  if (::mkdir(criu_dir().c_str(), 0700) != 0 && errno != EEXIST) {
+    const int err = errno;
+    fs::remove_tree_noexcept(staging_);
+    throw sys_error("create " + criu_dir().string(), err);
+  }
+  return true;
 }
 
 bool ArtifactWriter::lock_staging() {

@@ -22,6 +22,14 @@ struct WriterOptions {
   std::filesystem::path run_dir;
 };
 
+// A staging directory an earlier writer of the same final path left (a pull killed or failed),
+// with the flock its finder holds on it: the writer takes over that same open file, since a
+// second open of the directory would conflict with the first one's lock.
+struct StagingDir {
+  std::filesystem::path dir;
+  common::UniqueFd lock;
+};
+
 class ArtifactWriter {
  public:
   // Refuses (kUsage) when `final_path` already exists or its parent directory does not. The
@@ -29,11 +37,17 @@ class ArtifactWriter {
   // the staging directory's first instant, whatever the umask; `group`, when given, may read
   // the committed artifact (WriterOptions::group).
   explicit ArtifactWriter(const std::filesystem::path& final_path, WriterOptions options = {});
+  // The same, resuming `earlier`: renamed to this writer's own staging name (its PID is the one
+  // a record names) and written into again. When it is gone meanwhile, a new one is made.
+  ArtifactWriter(const std::filesystem::path& final_path, WriterOptions options,
+                 StagingDir earlier);
   ArtifactWriter(const ArtifactWriter&) = delete;
   ArtifactWriter& operator=(const ArtifactWriter&) = delete;
   ~ArtifactWriter();
 
   const std::filesystem::path& staging() const { return staging_; }
+  // Whether the staging directory is an earlier writer's, with what it wrote.
+  bool resumed() const { return resumed_; }
   const std::filesystem::path& final_path() const { return final_; }
   std::filesystem::path criu_dir() const { return staging_ / kCriuImageDir; }
 
@@ -50,6 +64,8 @@ class ArtifactWriter {
   // any writer.
   static bool is_staging_of(const std::string& entry, const std::string& final_name);
   static bool is_staging(const std::string& entry);
+  // A new staging name for `final_path` (of this process), beside it.
+  static std::filesystem::path staging_path(const std::filesystem::path& final_path);
 
   // Staging directories are named ".NAME.staging-PID-RANDOM". Removes those in `dir` whose
   // owner is gone (a gpusnap killed before it could clean up): those nobody holds the flock
@@ -64,6 +80,8 @@ class ArtifactWriter {
   // Opens and flocks staging_ into staging_lock_. False when the directory was removed before
   // the lock was taken; throws (having removed the directory) when it cannot be locked.
   bool lock_staging();
+  // Renames `earlier` to staging_ and holds its lock. False when it is no longer there.
+  bool take_over(StagingDir earlier);
   // Removes one staging directory whose owner is dead and whose lock nobody holds.
   static void remove_stale_staging_entry(const std::filesystem::path& staged, pid_t owner) noexcept;
 
@@ -81,6 +99,7 @@ class ArtifactWriter {
   std::filesystem::path record_;  // this writer's entry under run_dir (empty: none)
   bool committed_ = false;
   bool keep_ = false;
+  bool resumed_ = false;
 };
 
 }  // namespace gpusnap::artifact

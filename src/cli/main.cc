@@ -31,6 +31,7 @@
 #include "gpusnap/checkpoint.h"
 #include "gpusnap/error.h"
 #include "gpusnap/restore.h"
+#include "store/transfer.h"
 
 namespace gpusnap::cli {
 
@@ -188,6 +189,7 @@ int cmd_restore(const Args& args) {
   auto reached = reach_for_restore(args, o);
   reached.source->prepare(o);
   auto r = restore(o, *out.reporter);
+  for (const auto& line : reached.notes()) out.reporter->note(line);
   if (auto line = reached.source->summary(); !line.empty()) out.reporter->note(line);
   json doc = engine::restore_document(r, o.artifact, out.notes());
   if (o.into_container) doc["into_container"] = o.into_container->id;
@@ -312,8 +314,11 @@ int cmd_recover(const Args& args) {
   args.no_positional();
   Output out(args);
   auto driver = gpu::open_nvidia_driver();
-  std::vector<std::string> done =
-      engine::recover_abandoned(*driver, args.get("--run-dir", "/run/gpusnap"));
+  const std::filesystem::path run_dir = args.get("--run-dir", "/run/gpusnap");
+  std::vector<std::string> done = engine::recover_abandoned(*driver, run_dir);
+  // Asked for here only, not at every checkpoint and restore: the next pull of the same
+  // snapshot would resume from what a dead pull staged, but a node short of space wants it back.
+  for (auto& line : store::remove_dead_pulls(run_dir / "pulled")) done.push_back(line);
   if (args.has("--pid")) {
     if (!driver->available()) {
       throw Error(ErrorKind::kEnvironment, "no NVIDIA driver here: " + driver->reason(),
@@ -465,7 +470,9 @@ Command recover_command() {
       "gpusnap recover [--pid PID]",
       "Return to RUNNING every CUDA process a killed gpusnap left locked or checkpointed (from\n"
       "gpusnap's journal), or those of the tree at PID, and remove the staging directories a\n"
-      "killed gpusnap left. Checkpoint and restore do this by themselves when they start.",
+      "killed gpusnap left. Checkpoint and restore do this by themselves when they start;\n"
+      "recover also removes what pulls that did not finish staged under RUN_DIR/pulled (which\n"
+      "the next pull of the same snapshot would otherwise resume from).",
       {{"--pid", "-p", "PID", "also return this process tree's CUDA processes to RUNNING"},
        {"--run-dir", "", "DIR", "gpusnap's state directory (default /run/gpusnap)"},
        kJson,

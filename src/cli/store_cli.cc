@@ -1,11 +1,13 @@
 #include "cli/store_cli.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <iostream>
 #include <map>
 
@@ -13,6 +15,7 @@
 
 #include "cli/documents.h"
 #include "common/fs.h"
+#include "common/stop_signals.h"
 #include "common/utc.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/error.h"
@@ -207,16 +210,20 @@ std::vector<Command> store_commands() {
        "Upload an artifact to an OCI registry as content-addressed chunks. Only the chunks the\n"
        "registry lacks are sent (each is asked for first); zeros are not stored.",
        concat(remote_flags(), {kJsonFlag, kQuietFlag, kHelpFlag}), cmd_push},
-      {"pull", "gpusnap pull oci://HOST[:PORT]/REPO[:TAG|@sha256:HEX] [-o DIR | --run-dir DIR]",
+      {"pull", "gpusnap pull oci://HOST[:PORT]/REPO[:TAG|@sha256:HEX] [-o DIR] [--run-dir DIR]",
        "Fetch a snapshot from an OCI registry into a new artifact directory, through the node\n"
        "cache: chunks it holds are not fetched again (a pull that was killed resumes), each\n"
        "fetched chunk is checked against its digest as it arrives. A host that could not\n"
        "restore the snapshot (GPU model, driver, CPU) refuses before fetching any chunk.\n"
        "Without -o it is the node's copy, RUN_DIR/pulled/DIGEST, which `restore oci://` uses\n"
-       "and the node cache keeps within its budget (a prefetch).",
+       "and the node cache keeps within its budget (a prefetch); pulls and restores of one\n"
+       "snapshot on a node take turns, and a copy already there is verified (one found damaged\n"
+       "is pulled again). A pull that would not fit where it writes refuses before its first\n"
+       "chunk (exit 10).",
        concat(concat({{"--output", "-o", "DIR", "artifact directory to create (must not exist)"},
                       {"--run-dir", "", "DIR",
-                       "without -o: where the node's copy goes (default /run/gpusnap)"},
+                       "gpusnap's state directory (default /run/gpusnap): the node's copy goes "
+                       "to DIR/pulled"},
                       {"--any-host", "", "", "pull even where the snapshot could not be restored"}},
                      concat(remote_flags(), cache_flags())),
               {kCriuFlag, kJsonFlag, kQuietFlag, kHelpFlag}),
@@ -306,15 +313,13 @@ int cmd_push(const Args& args) {
 
 int cmd_pull(const Args& args) {
   if (args.positional().size() != 1) throw args.usage_error("pull needs one oci:// reference");
-  if (args.has("--output") && args.has("--run-dir")) {
-    throw args.usage_error("pull takes -o DIR or --run-dir DIR, not both");
-  }
   const bool as_json = args.has("--json");
   TransferReporter reporter(as_json, args.has("--quiet"));
   auto reach = reach_options(args);
   reach.any_host = args.has("--any-host");
   if (!args.has("--output")) {
-    // The node's copy, as restore oci:// uses it: the one way a node reaches a snapshot.
+    // The node's copy, as restore oci:// uses it: the one way a node reaches a snapshot. Its
+    // staging stays when the pull is stopped: the next pull resumes from it.
     store::SnapshotSource source(args.positional()[0], reach, store::Arrival::kBeforeReturning,
                                  reporter);
     if (source.pulls()) {
@@ -325,19 +330,40 @@ int cmd_pull(const Args& args) {
                         {"artifact", source.artifact().string()},
                         {"chunks_fetched", 0},
                         {"bytes_fetched", 0},
+                        {"verified", source.verified()},
                         {"notes", {"pulled before"}}}
                        .dump(2)
                 << "\n";
     } else if (!args.has("--quiet")) {
-      std::printf("%s: already at %s\n", source.reference().c_str(), source.artifact().c_str());
+      std::printf("%s: already at %s, verified (every byte against its manifest)\n",
+                  source.reference().c_str(), source.artifact().c_str());
     }
     return 0;
   }
-  // Into a directory of the caller's: the same host check, before any chunk.
+  // Into a directory of the caller's: the same host check, before any chunk. Its staging
+  // directory is of no use to a later pull (the chunks are in the cache): a SIGTERM, SIGINT or
+  // SIGHUP stops the pull between chunks and it is removed; SIGKILLed, `gpusnap recover` finds
+  // it by its record under --run-dir.
+  common::StopSignals stop;
   auto o = pull_options(args);
   o.output = sfs::absolute(args.get("--output"));
+  o.run_dir = args.get("--run-dir", "/run/gpusnap");
   if (!reach.any_host) o.check = [&](const Manifest& m) { store::check_host(m, reach); };
-  print_pull(args, store::pull(remote_ref(args.positional()[0]), o, reporter), reporter.notes);
+  o.arrival.before_chunk = [&] {
+    if (stop.requested()) {
+      const int sig = stop.signal();
+      throw Error(ErrorKind::kInternal,
+                  std::string("pull stopped by ") + (sig == SIGTERM  ? "SIGTERM"
+                                                     : sig == SIGINT ? "SIGINT"
+                                                                     : "SIGHUP"));
+    }
+  };
+  try {
+    print_pull(args, store::pull(remote_ref(args.positional()[0]), o, reporter), reporter.notes);
+  } catch (const Error&) {
+    stop.reraise();  // its staging removed, ended by the signal that stopped it
+    throw;
+  }
   return 0;
 }
 
@@ -387,11 +413,16 @@ RestoreSource reach_for_restore(const Args& args, const RestoreOptions& restore)
   reach.criu_path = restore.criu_path;
   reach.gpu_map = restore.gpu_map;
   reach.replicas = restore.replicas;
+  reach.verify_copy = restore.verify;
   RestoreSource r;
   r.progress = std::make_unique<TransferReporter>(args.has("--json"), args.has("--quiet"));
   r.source = std::make_unique<store::SnapshotSource>(restore.artifact.string(), reach,
                                                      store::Arrival::kWhileRestoring, *r.progress);
   return r;
+}
+
+std::vector<std::string> RestoreSource::notes() const {
+  return static_cast<const TransferReporter&>(*progress).notes;
 }
 
 int inspect_remote(const Args& args, const std::string& reference) {

@@ -45,6 +45,9 @@ bool is_remote(const std::string& artifact);
 struct RestoreSource {
   std::unique_ptr<Reporter> progress;             // the pull's (declared first: outlives it)
   std::unique_ptr<store::SnapshotSource> source;  // prepare() the restore's options with it
+  // The notes the pull kept for a --json document (a wait for another pull of the snapshot, a
+  // damaged copy set aside); shown on stderr as they came otherwise.
+  std::vector<std::string> notes() const;
 };
 RestoreSource reach_for_restore(const Args& args, const RestoreOptions& restore);
 // inspect of an oci:// reference: reads the OCI manifest and config only.

@@ -1,8 +1,5 @@
 #include "engine/preflight.h"
 
-#include <linux/magic.h>
-#include <sys/statfs.h>
-#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -10,6 +7,7 @@
 #include <sstream>
 
 #include "common/fs.h"
+#include "common/room.h"
 #include "gpusnap/error.h"
 
 namespace gpusnap::engine {
@@ -201,13 +199,9 @@ uint64_t memory_available(const std::string& meminfo) {
 
 void measure_host(CaptureRoom& room, const std::filesystem::path& store) {
   room.store = store;
-  struct statfs fs_type {};
-  struct statvfs vfs {};
-  if (::statfs(store.c_str(), &fs_type) != 0 || ::statvfs(store.c_str(), &vfs) != 0) {
-    throw sys_error("statfs " + store.string(), errno);
-  }
-  room.store_in_ram = fs_type.f_type == TMPFS_MAGIC || fs_type.f_type == RAMFS_MAGIC;
-  room.store_free = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+  const fs::Room where = fs::room_of(store);
+  room.store_in_ram = where.in_ram;
+  room.store_free = where.free;
   std::string meminfo;
   room.memory_available =
       fs::try_read_file("/proc/meminfo", &meminfo) ? memory_available(meminfo) : 0;

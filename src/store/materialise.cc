@@ -5,6 +5,7 @@
 #include <unistd.h>
 #include <zstd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -15,6 +16,7 @@
 #include "common/fs.h"
 #include "common/worker_pool.h"
 #include "gpusnap/error.h"
+#include "store/blob_store.h"
 
 namespace gpusnap::store {
 
@@ -52,27 +54,37 @@ void write_sparse(int fd, const char* data, uint64_t length, uint64_t offset,
   }
 }
 
-}  // namespace
+// Makes [offset, offset + length) of the file read as zeros again: a hole where the filesystem
+// punches one, else zeros written. What a resumed staging directory holds there that the layout
+// does not say (a byte flipped in a copy set aside) goes before the layout's bytes are written.
+void clear_range(int fd, uint64_t offset, uint64_t length, const std::string& path) {
+  if (length == 0) return;
+  if (::fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset),
+                  static_cast<off_t>(length)) == 0) {
+    return;
+  }
+  const std::string zeros(std::min<uint64_t>(length, 1u << 20), '\0');
+  for (uint64_t done = 0; done < length;) {
+    const ssize_t w = ::pwrite(fd, zeros.data(), std::min<uint64_t>(zeros.size(), length - done),
+                               static_cast<off_t>(offset + done));
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) throw sys_error("write " + path, errno);
+    done += static_cast<uint64_t>(w);
+  }
+}
 
-void materialise(const Layout& layout, const sfs::path& dest, const BlobSource& source,
-                 const MaterialiseOptions& options, Reporter& reporter) {
-  const Manifest manifest = Manifest::from_json(layout.manifest);
-  artifact::ArtifactWriter writer(dest);
-  // Destroyed before the writer: on a failure it tells the writer to keep what was written.
-  class KeepOnFailure {
-   public:
-    KeepOnFailure(artifact::ArtifactWriter& writer, bool keep) : writer_(writer), keep_(keep) {}
-    KeepOnFailure(const KeepOnFailure&) = delete;
-    KeepOnFailure& operator=(const KeepOnFailure&) = delete;
-    ~KeepOnFailure() {
-      if (keep_ && std::uncaught_exceptions() > exceptions_) writer_.keep_staging();
-    }
+// Whether a failure was a full filesystem or quota (sys_error's text for ENOSPC and EDQUOT):
+// what it staged is then removed, not kept to resume from.
+bool out_of_space(const Error& e) {
+  const std::string_view what = e.what();
+  return e.kind() == ErrorKind::kEnvironment &&
+         (what.ends_with(errno_text(ENOSPC)) || what.ends_with(errno_text(EDQUOT)));
+}
 
-   private:
-    artifact::ArtifactWriter& writer_;
-    bool keep_;
-    int exceptions_ = std::uncaught_exceptions();
-  } keep_on_failure(writer, options.keep_partial);
+// The files of `layout` written into the writer's staging directory, then committed.
+MaterialiseResult write_into(artifact::ArtifactWriter& writer, const Manifest& manifest,
+                             const Layout& layout, const BlobSource& source,
+                             const MaterialiseOptions& options, Reporter& reporter) {
   // Root-only: the artifact holds a process's memory.
   sfs::permissions(writer.staging(), sfs::perms::owner_all, sfs::perm_options::replace);
   Phases phases(reporter);
@@ -91,7 +103,10 @@ void materialise(const Layout& layout, const sfs::path& dest, const BlobSource& 
     for (auto dir = path.parent_path(); dir != writer.staging(); dir = dir.parent_path()) {
       sfs::permissions(dir, sfs::perms::owner_all, sfs::perm_options::replace);
     }
-    common::UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+    // A resumed staging directory holds the files already, at their size, host images 0400.
+    if (writer.resumed()) ::chmod(path.c_str(), 0600);
+    common::UniqueFd fd(::open(
+        path.c_str(), O_WRONLY | O_CREAT | (writer.resumed() ? 0 : O_EXCL) | O_CLOEXEC, 0600));
     if (!fd) throw sys_error("create " + path.string(), errno);
     if (::ftruncate(fd.get(), static_cast<off_t>(f.size)) != 0) {
       throw sys_error("truncate " + path.string(), errno);
@@ -101,6 +116,15 @@ void materialise(const Layout& layout, const sfs::path& dest, const BlobSource& 
     // still writes it.
     if (host_image && ::fchmod(fd.get(), 0400) != 0) {
       throw sys_error("chmod " + path.string(), errno);
+    }
+    if (writer.resumed()) {
+      // What lies outside the extents reads as zeros, as the layout says.
+      uint64_t at = 0;
+      for (const Extent& e : f.extents) {
+        clear_range(fd.get(), at, e.offset - at, f.path);
+        at = e.offset + e.length;
+      }
+      clear_range(fd.get(), at, f.size - at, f.path);
     }
     fds.push_back(std::move(fd));
     for (size_t e = 0; e < f.extents.size(); ++e) {
@@ -124,6 +148,12 @@ void materialise(const Layout& layout, const sfs::path& dest, const BlobSource& 
   }
 
   std::atomic<uint64_t> done{0};
+  std::atomic<uint64_t> kept{0}, bytes_kept{0};
+  // An uncompressed extent that a resumed staging directory holds intact, verbatim at its place.
+  const auto intact = [&](const FileLayout& f, const Extent& e) {
+    return writer.resumed() && e.encoding == Encoding::kRaw &&
+           read_located({writer.staging() / f.path, e.offset, e.length}, e.digest).has_value();
+  };
   phases.run("write", [&] {
     common::for_each_index(
         jobs.size(), options.threads,
@@ -131,6 +161,15 @@ void materialise(const Layout& layout, const sfs::path& dest, const BlobSource& 
           const auto& f = layout.files[jobs[j].file];
           const Extent& e = f.extents[jobs[j].extent];
           if (hooks.before_chunk) hooks.before_chunk();
+          if (intact(f, e)) {
+            ++kept;
+            bytes_kept += e.length;
+            done += e.length;
+            if (left[jobs[j].file].fetch_sub(1) == 1 && hooks.file_written) {
+              hooks.file_written(f.path);
+            }
+            return;
+          }
           std::string blob = source({e.digest, e.stored, e.encoding});
           if (blob.size() != e.stored) {
             throw Error(ErrorKind::kBadArtifact,
@@ -150,6 +189,8 @@ void materialise(const Layout& layout, const sfs::path& dest, const BlobSource& 
             }
             blob = std::move(raw);
           }
+          // In a resumed staging directory the extent's pages that stay holes are made so.
+          if (writer.resumed()) clear_range(fds[jobs[j].file].get(), e.offset, e.length, f.path);
           write_sparse(fds[jobs[j].file].get(), blob.data(), e.length, e.offset, f.path);
           done += e.length;
           if (left[jobs[j].file].fetch_sub(1) == 1 && hooks.file_written) {
@@ -162,6 +203,29 @@ void materialise(const Layout& layout, const sfs::path& dest, const BlobSource& 
   if (hooks.before_commit) hooks.before_commit();
   // The staging tree's directories are the writer's; the files are root-only as written.
   writer.commit(manifest, phases);
+  return {kept.load(), bytes_kept.load()};
+}
+
+}  // namespace
+
+MaterialiseResult materialise(const Layout& layout, const sfs::path& dest, const BlobSource& source,
+                              const MaterialiseOptions& options, Reporter& reporter) {
+  const Manifest manifest = Manifest::from_json(layout.manifest);
+  artifact::WriterOptions wo;
+  wo.run_dir = options.run_dir;
+  artifact::ArtifactWriter writer =
+      options.resume != nullptr && !options.resume->dir.empty()
+          ? artifact::ArtifactWriter(dest, wo, std::move(*options.resume))
+          : artifact::ArtifactWriter(dest, wo);
+  try {
+    return write_into(writer, manifest, layout, source, options, reporter);
+  } catch (const Error& e) {
+    if (options.keep_partial && !out_of_space(e)) writer.keep_staging();
+    throw;
+  } catch (...) {
+    if (options.keep_partial) writer.keep_staging();
+    throw;
+  }
 }
 
 }  // namespace gpusnap::store

@@ -8,6 +8,7 @@
 #include <functional>
 #include <string>
 
+#include "artifact/writer.h"
 #include "gpusnap/phases.h"
 #include "store/layout.h"
 
@@ -36,15 +37,28 @@ struct MaterialiseOptions {
   // restore can start on the CPU images while GPU memory still arrives).
   std::string progress_name = "materialise";
   // On a failure the staging directory stays, hidden, with what was written: a pull resumes
-  // from it (store/transfer.h). Otherwise it is removed.
+  // from it (store/transfer.h). Otherwise it is removed, and so it is after a write that found
+  // no space (ENOSPC, EDQUOT) whatever this says: it would only keep the filesystem full.
   bool keep_partial = false;
+  // A staging directory an earlier materialise of `dest` left (taken over, lock included):
+  // written into again, every uncompressed extent already there intact (checked against its
+  // digest) kept as it is and not asked of the source. Null or empty: a new one.
+  artifact::StagingDir* resume = nullptr;
+  // Where the staging directory is recorded for `gpusnap recover` (WriterOptions::run_dir).
+  std::filesystem::path run_dir;
   ArrivalHooks arrival;
+};
+
+struct MaterialiseResult {
+  uint64_t extents_kept = 0;  // found intact in a resumed staging directory
+  uint64_t bytes_kept = 0;
 };
 
 // Writes the artifact at `dest` (which must not exist; its parent must). Every chunk is
 // decompressed and checked for its exact length. On any failure nothing appears at `dest`.
 // Throws Error(kBadArtifact) for a chunk that does not decode to its extent.
-void materialise(const Layout& layout, const std::filesystem::path& dest, const BlobSource& source,
-                 const MaterialiseOptions& options, Reporter& reporter);
+MaterialiseResult materialise(const Layout& layout, const std::filesystem::path& dest,
+                              const BlobSource& source, const MaterialiseOptions& options,
+                              Reporter& reporter);
 
 }  // namespace gpusnap::store

@@ -6,6 +6,8 @@
 #include "engine/compat.h"
 #include "gpu/driver.h"
 #include "gpusnap/artifact.h"
+#include "gpusnap/error.h"
+#include "store/digest.h"
 
 namespace gpusnap::store {
 
@@ -49,15 +51,21 @@ void SnapshotSource::reach_remote(const std::string& where, const ReachOptions& 
   }
   reference_ = ref.by_digest(ref.digest);
   digest_ = ref.digest;
+  // Taken before the copy is looked for: a pull or restore of the same snapshot on this node
+  // pulling now is waited for, and its copy then found complete, not fetched a second time.
+  common::UniqueFd pulling = lock_node_copy(options.pulled, digest_hex(digest_), reporter);
   auto copy = node_copy(options.cache, options.pulled, ref, [&] {
     if (!snap) snap = read_remote(ref, options.transfer);
     return snap->layout;
   });
   artifact_ = copy.path;
   use_ = std::move(copy.use);
-  // A copy already here is checked from its own manifest: by digest, nothing is read from the
-  // registry at all.
-  if (copy.found) {
+  // A copy already here is verified, then checked from its own manifest: by digest, nothing is
+  // read from the registry at all. One that fails its verification is set aside and pulled
+  // again, under the same lock.
+  if (copy.found && (!options.verify_copy || copy_intact(reporter))) {
+    pulling.reset();
+    verified_ = options.verify_copy;
     if (!options.any_host) {
       check_host(
           snap ? Manifest::from_json(snap->layout.manifest) : Artifact::open(artifact_).manifest(),
@@ -81,14 +89,36 @@ void SnapshotSource::reach_remote(const std::string& where, const ReachOptions& 
   if (arrival == Arrival::kBeforeReturning) {
     result_ = pull(ref, o, reporter);
   } else {
-    stream_ = std::make_unique<StreamingPull>(ref, std::move(o), reporter);
+    stream_ = std::make_unique<StreamingPull>(ref, std::move(o), reporter, std::move(pulling));
   }
+}
+
+bool SnapshotSource::copy_intact(Reporter& reporter) {
+  std::string problem;
+  try {
+    Phases phases(reporter);
+    const auto problems = phases.run("verify", [&] {
+      return Artifact::open(artifact_).verify({0, &reporter});
+    });
+    if (problems.empty()) return true;
+    problem = problems[0].path + ": " + problems[0].problem;
+    if (problems.size() > 1) problem += " (and " + std::to_string(problems.size() - 1) + " more)";
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::kBadArtifact) throw;
+    problem = e.what();
+  }
+  set_aside_node_copy(artifact_);
+  reporter.note("the node's copy " + artifact_.string() + " is damaged (" + problem +
+                "): set aside, pulling it again from the node cache and the registry");
+  return false;
 }
 
 void SnapshotSource::prepare(RestoreOptions& options) {
   options.artifact = artifact_;
   options.arriving = stream_.get();
   options.host_checked = checked_;
+  // Verified here a moment ago, every byte: not read a second time.
+  if (verified_) options.verify = false;
 }
 
 const PullResult* SnapshotSource::pulled() const {
@@ -98,7 +128,10 @@ const PullResult* SnapshotSource::pulled() const {
 
 std::string SnapshotSource::summary() const {
   if (!remote()) return "";
-  if (!pulls_) return "using " + artifact_.string() + ", pulled before";
+  if (!pulls_) {
+    return "using " + artifact_.string() + ", pulled before" +
+           (verified_ ? " (verified: every byte against its manifest)" : "");
+  }
   const PullResult* p = pulled();
   const std::string how = stream_ ? " while restoring" : "";
   if (p == nullptr) return "pulling " + reference_ + how + " did not end";

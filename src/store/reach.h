@@ -8,7 +8,11 @@
 //   copy     an oci:// snapshot: its node copy, found complete, or pulled there through the
 //            node cache; either before the constructor returns (Arrival::kBeforeReturning),
 //            or while the restore runs (Arrival::kWhileRestoring: an ArrivingArtifact, so
-//            that CRIU's restore starts on CRIU's images while the GPU memory still arrives)
+//            that CRIU's restore starts on CRIU's images while the GPU memory still arrives).
+//            Pulls and restores of one snapshot on one node take turns (lock_node_copy): the
+//            second waits while the first pulls, then finds its copy. A copy found here is
+//            verified (every byte against its manifest) before it is used; one that fails is
+//            set aside and pulled again, resuming from what is intact in it, with a note.
 //
 // The restore is then told the check was made (RestoreOptions::host_checked) and does not probe
 // the host again.
@@ -47,6 +51,9 @@ struct ReachOptions {
   gpu::Driver* driver = nullptr;  // nullptr: the real NVIDIA driver, if any
   std::vector<std::string> gpu_map;
   int replicas = 1;
+  // Verify a node copy found here before it is used (a restore then need not: prepare() says
+  // so); false for `restore --no-verify`.
+  bool verify_copy = true;
 };
 
 // The host check of engine/compat.h with the restore's CRIU, driver, GPU map and copies; for a
@@ -86,6 +93,8 @@ class SnapshotSource {
   const std::string& digest() const { return digest_; }
   // Whether this object pulled (or pulls) the snapshot; false: local, or the node copy was here.
   bool pulls() const { return pulls_; }
+  // Whether the node copy found here was verified (ReachOptions::verify_copy).
+  bool verified() const { return verified_; }
   // The pull's result once it ended (kBeforeReturning; kWhileRestoring once the restore
   // completed the artifact); null before, or when nothing was pulled.
   const PullResult* pulled() const;
@@ -96,12 +105,15 @@ class SnapshotSource {
   void reach_local(const std::string& where, const ReachOptions& options);
   void reach_remote(const std::string& where, const ReachOptions& options, Arrival arrival,
                     Reporter& reporter);
+  // Whether the node copy found at artifact_ is intact; one that is not is set aside, noted.
+  bool copy_intact(Reporter& reporter);
 
   std::filesystem::path artifact_;
   std::string reference_;
   std::string digest_;
   bool checked_ = false;
   bool pulls_ = false;
+  bool verified_ = false;
   SnapshotUse use_;  // the node copy, in use until the pull and the restore are done
   std::optional<PullResult> result_;
   std::unique_ptr<StreamingPull> stream_;  // last: stopped before anything above goes

@@ -14,7 +14,8 @@ bool is_criu_image(const std::string& path) {
 
 }  // namespace
 
-StreamingPull::StreamingPull(OciRef ref, PullOptions options, Reporter& reporter) {
+StreamingPull::StreamingPull(OciRef ref, PullOptions options, Reporter& reporter,
+                             common::UniqueFd held) {
   PullOptions o = std::move(options);
   o.arrival.created = [this](const std::filesystem::path& staging) {
     std::lock_guard lock(mu_);
@@ -43,19 +44,22 @@ StreamingPull::StreamingPull(OciRef ref, PullOptions options, Reporter& reporter
     criu_files_left_ = 0;
     for (const auto& f : m.files) criu_files_left_ += is_criu_image(f.path) ? 1 : 0;
   };
-  thread_ = std::thread([this, ref = std::move(ref), o = std::move(o), &reporter] {
-    try {
-      PullResult r = pull(ref, o, reporter);
-      std::lock_guard lock(mu_);
-      result_ = std::move(r);
-    } catch (...) {
-      std::lock_guard lock(mu_);
-      failure_ = std::current_exception();
-    }
-    std::lock_guard lock(mu_);
-    finished_ = true;
-    cv_.notify_all();
-  });
+  thread_ = std::thread(
+      [this, ref = std::move(ref), o = std::move(o), &reporter, held = std::move(held)]() mutable {
+        try {
+          PullResult r = pull(ref, o, reporter);
+          std::lock_guard lock(mu_);
+          result_ = std::move(r);
+        } catch (...) {
+          std::lock_guard lock(mu_);
+          failure_ = std::current_exception();
+        }
+        // The copy is committed (or nothing is): the next pull or restore of it may go on.
+        held.reset();
+        std::lock_guard lock(mu_);
+        finished_ = true;
+        cv_.notify_all();
+      });
 }
 
 StreamingPull::~StreamingPull() {

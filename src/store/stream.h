@@ -14,6 +14,7 @@
 #include <optional>
 #include <thread>
 
+#include "common/fd.h"
 #include "gpusnap/phases.h"
 #include "gpusnap/restore.h"
 #include "store/transfer.h"
@@ -23,8 +24,9 @@ namespace gpusnap::store {
 class StreamingPull final : public ArrivingArtifact {
  public:
   // Starts store::pull(ref, options) on a thread of its own (`reporter` is that thread's, for
-  // the fetch's progress). options.output is the artifact's final path.
-  StreamingPull(OciRef ref, PullOptions options, Reporter& reporter);
+  // the fetch's progress). options.output is the artifact's final path. `held` (the node copy's
+  // lock, store/transfer.h lock_node_copy) is closed as soon as the pull ended, committed or not.
+  StreamingPull(OciRef ref, PullOptions options, Reporter& reporter, common::UniqueFd held = {});
   StreamingPull(const StreamingPull&) = delete;
   StreamingPull& operator=(const StreamingPull&) = delete;
   // Stops the pull (a chunk in flight finishes, no other starts) and waits for it: a restore

@@ -1,6 +1,7 @@
 #include "store/transfer.h"
 
 #include <fcntl.h>
+#include <stdio.h>
 #include <sys/file.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include "artifact/writer.h"
 #include "common/fd.h"
 #include "common/fs.h"
+#include "common/room.h"
 #include "gpusnap/error.h"
 #include "store/blob_store.h"
 #include "store/digest.h"
@@ -83,7 +85,9 @@ RemoteSnapshot read_remote_with(PullRegistries& registry) {
 // (ArtifactWriter::remove_stale_staging) removes a locked one. A staging directory a live
 // writer holds is locked by it and skipped. Those of other snapshots that nobody holds are
 // removed: what a node keeps of pulls that did not finish is the last one's (its owner's PID
-// says nothing here: an agent restarted in its own PID namespace has the same one).
+// says nothing here: an agent restarted in its own PID namespace has the same one). The one
+// holding most is resumed (take_resumed()): the pull writes into it, so that however often pulls
+// of a snapshot are killed, one staging directory of it is left at most.
 class Partials {
  public:
   explicit Partials(const std::filesystem::path& output) {
@@ -96,26 +100,78 @@ class Partials {
           ::open(e.path().c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
       if (!fd || ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) continue;
       if (artifact::ArtifactWriter::is_staging_of(entry, name)) {
-        held_.emplace_back(e.path(), std::move(fd));
+        held_.push_back({e.path(), std::move(fd)});
       } else {
         fs::remove_tree_noexcept(e.path());
       }
     }
+    std::sort(held_.begin(), held_.end(), [](const auto& a, const auto& b) {
+      return fs::allocated_bytes(a.dir) > fs::allocated_bytes(b.dir);
+    });
+  }
+  // The one that holds most, lock included, for the pull to write into; empty when none.
+  artifact::StagingDir take_resumed() {
+    if (held_.empty()) return {};
+    artifact::StagingDir d = std::move(held_.front());
+    held_.erase(held_.begin());
+    return d;
   }
   std::vector<std::filesystem::path> dirs() const {
     std::vector<std::filesystem::path> out;
-    for (const auto& [dir, fd] : held_) out.push_back(dir);
+    for (const auto& d : held_) out.push_back(d.dir);
     return out;
   }
   // Once the copy is complete: what they held is in it.
   void remove() noexcept {
-    for (auto& [dir, fd] : held_) fs::remove_tree_noexcept(dir);
+    for (auto& d : held_) fs::remove_tree_noexcept(d.dir);
     held_.clear();
   }
 
  private:
-  std::vector<std::pair<std::filesystem::path, common::UniqueFd>> held_;
+  std::vector<artifact::StagingDir> held_;
 };
+
+// Refuses a pull whose bytes do not fit where they go (the checkpoint's room check for a
+// capture, engine/preflight.h, is the same question asked of a capture).
+void refuse_without_room(const std::string& reference, const PullOptions& o,
+                         const RemoteSnapshot& snap, const BlobStore& cache,
+                         const artifact::StagingDir& resumed) {
+  using fs::human_bytes;
+  const uint64_t held = resumed.dir.empty() ? 0 : fs::allocated_bytes(resumed.dir);
+  const uint64_t data = snap.layout.data_bytes();
+  const uint64_t files = data > held ? data - held : 0;
+  uint64_t chunks = 0;
+  for (const BlobInfo& b : snap.layout.blobs()) {
+    // Kept by the cache: every chunk of a pull into a caller's directory, a node copy's
+    // compressed ones (its uncompressed ones are in the copy).
+    const bool kept = !o.output_in_cache || b.encoding != Encoding::kRaw;
+    if (kept && !cache.has(b.digest)) chunks += b.size;
+  }
+  const auto out = o.output.parent_path();
+  const auto out_room = fs::room_of(out);
+  const auto cache_room = fs::room_of(cache.root());
+  const bool shared = out_room.device == cache_room.device;
+  const auto refuse = [&](const std::filesystem::path& where, uint64_t need, uint64_t free,
+                          const std::string& parts) {
+    throw Error(ErrorKind::kEnvironment,
+                "pulling " + reference + " needs " + human_bytes(need) + " in " + where.string() +
+                    " (" + parts + "), it has " + human_bytes(free) + " free",
+                "free space there (`gpusnap recover` removes what killed pulls left), or pull "
+                "elsewhere (-o DIR, --run-dir DIR, --cache DIR)");
+  };
+  const std::string files_part =
+      human_bytes(files) + " of the snapshot's files" +
+      (held > 0 ? " beside the " + human_bytes(held) + " an earlier pull left" : "");
+  const std::string chunks_part = human_bytes(chunks) + " of chunks for the node cache";
+  if (shared) {
+    if (files + chunks > out_room.free) {
+      refuse(out, files + chunks, out_room.free, files_part + " + " + chunks_part);
+    }
+    return;
+  }
+  if (files > out_room.free) refuse(out, files, out_room.free, files_part);
+  if (chunks > cache_room.free) refuse(cache.root(), chunks, cache_room.free, chunks_part);
+}
 
 }  // namespace
 
@@ -220,18 +276,25 @@ PullResult pull(const OciRef& ref, const PullOptions& o, Reporter& reporter) {
   // for a node copy, in what an earlier pull of it that was killed or failed left.
   std::multimap<std::string, ChunkLocation> located = cache.chunks_in_copies();
   std::optional<Partials> partials;
+  artifact::StagingDir resumed;
   if (o.output_in_cache) {
     partials.emplace(o.output);
+    resumed = partials->take_resumed();
     for (const auto& dir : partials->dirs()) located.merge(chunk_locations(snap.layout, dir));
   }
+  // A statfs and the cache's index: quick, not a phase of its own.
+  refuse_without_room(ref.by_digest(snap.digest), o, snap, cache, resumed);
   std::atomic<uint64_t> fetched{0}, bytes_fetched{0}, cached{0}, bytes_cached{0};
+  MaterialiseResult written;
   phases.run("fetch", [&] {
     MaterialiseOptions mo;
     mo.threads = o.transfer.jobs;
     mo.progress_name = "fetch";
     mo.arrival = o.arrival;
     mo.keep_partial = o.output_in_cache;
-    materialise(
+    mo.resume = &resumed;
+    mo.run_dir = o.run_dir;
+    written = materialise(
         snap.layout, o.output,
         [&](const BlobInfo& b) {
           if (cache.has(b.digest)) {
@@ -280,8 +343,8 @@ PullResult pull(const OciRef& ref, const PullOptions& o, Reporter& reporter) {
   r.sizes = SnapshotSizes::of(snap.layout);
   r.chunks_fetched = fetched;
   r.bytes_fetched = bytes_fetched;
-  r.chunks_from_cache = cached;
-  r.bytes_from_cache = bytes_cached;
+  r.chunks_from_cache = cached + written.extents_kept;
+  r.bytes_from_cache = bytes_cached + written.bytes_kept;
   r.phases = phases.timings();
   return r;
 }
@@ -304,6 +367,50 @@ NodeCopy node_copy(const std::filesystem::path& cache, const std::filesystem::pa
   store.touch(key);
   c.found = true;
   return c;
+}
+
+common::UniqueFd lock_node_copy(const std::filesystem::path& copies, const std::string& key,
+                                Reporter& reporter) {
+  const auto dir = copies.parent_path() / "locks";
+  std::filesystem::create_directories(dir);
+  std::filesystem::permissions(dir, std::filesystem::perms::owner_all,
+                               std::filesystem::perm_options::replace);
+  const auto path = dir / ("pull-" + key);
+  common::UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+  if (!fd) throw sys_error("open " + path.string(), errno);
+  if (::flock(fd.get(), LOCK_EX | LOCK_NB) == 0) return fd;
+  if (errno != EWOULDBLOCK) throw sys_error("flock " + path.string(), errno);
+  reporter.note("waiting for another pull of sha256:" + key + " on this node to end");
+  while (::flock(fd.get(), LOCK_EX) != 0) {
+    if (errno != EINTR) throw sys_error("flock " + path.string(), errno);
+  }
+  return fd;
+}
+
+void set_aside_node_copy(const std::filesystem::path& copy) {
+  const auto aside = artifact::ArtifactWriter::staging_path(copy);
+  if (::renameat2(AT_FDCWD, copy.c_str(), AT_FDCWD, aside.c_str(), RENAME_NOREPLACE) != 0) {
+    throw sys_error("rename " + copy.string() + " to " + aside.string(), errno);
+  }
+  fs::fsync_path(copy.parent_path());
+}
+
+std::vector<std::string> remove_dead_pulls(const std::filesystem::path& copies) noexcept {
+  std::vector<std::string> log;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(copies, ec)) {
+    if (!artifact::ArtifactWriter::is_staging(e.path().filename().string())) continue;
+    common::UniqueFd fd(::open(e.path().c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    // Held: a pull at work in it, or reading what it holds.
+    if (!fd || ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) continue;
+    const uint64_t bytes = fs::allocated_bytes(e.path());
+    fs::remove_tree_noexcept(e.path());
+    if (!std::filesystem::exists(std::filesystem::symlink_status(e.path(), ec))) {
+      log.push_back("removed the staging directory " + e.path().string() + " (" +
+                    fs::human_bytes(bytes) + ") of a pull that did not finish");
+    }
+  }
+  return log;
 }
 
 ImportResult import_artifact(const std::filesystem::path& path, const std::filesystem::path& cache,

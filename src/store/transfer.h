@@ -32,6 +32,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/fd.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/phases.h"
 #include "store/blob_store.h"
@@ -109,6 +110,10 @@ struct PullOptions {
   // The snapshot as the caller read it (read_remote, by digest), to check it before the pull:
   // not read from the registry a second time.
   std::optional<RemoteSnapshot> snapshot;
+  // gpusnap's state directory, where a pull into a directory of the caller's records its
+  // staging directory for `gpusnap recover` (ArtifactWriter's WriterOptions::run_dir); empty:
+  // not recorded. A node copy's staging is found in its own folder instead (remove_dead_pulls).
+  std::filesystem::path run_dir;
 };
 
 struct PullResult {
@@ -118,14 +123,37 @@ struct PullResult {
   SnapshotSizes sizes;
   uint64_t chunks_fetched = 0;
   uint64_t bytes_fetched = 0;
-  uint64_t chunks_from_cache = 0;
+  uint64_t chunks_from_cache = 0;  // the cache's blobs, the copies there are, earlier stagings
   uint64_t bytes_from_cache = 0;
   std::vector<std::string> evicted;
   std::vector<std::string> kept_in_use;  // over the budget, but in use: kept
   std::vector<PhaseTiming> phases;
 };
 
+// Before any chunk is fetched it refuses (Error kEnvironment, exit 10, with the numbers) when
+// the bytes it will write exceed the free space of the output's filesystem (and the cache's, when
+// it is another): the snapshot's files less what a resumed staging directory holds, and the
+// chunks the cache lacks that it keeps. A write that finds no space removes what it staged.
 PullResult pull(const OciRef& ref, const PullOptions& options, Reporter& reporter);
+
+// Serialises the pulls and restores of one snapshot on a node: an exclusive flock on
+// RUN_DIR/locks/pull-HEX (COPIES is RUN_DIR/pulled, HEX the manifest's digest), released when
+// the descriptor closes or its process dies. Taken before the copy is looked for, so that the
+// second of two waits, then finds the first one's copy complete. Waits as long as the holder
+// pulls, saying so once through `reporter`.
+common::UniqueFd lock_node_copy(const std::filesystem::path& copies, const std::string& key,
+                                Reporter& reporter);
+
+// Moves a node copy that failed its check (a byte flipped on disk) out of the way, under the
+// lock of lock_node_copy: it becomes a staging directory of the copy, which the next pull of
+// the snapshot resumes from, keeping every chunk still intact there (each checked against its
+// digest) and fetching the others from the cache or the registry.
+void set_aside_node_copy(const std::filesystem::path& copy);
+
+// Removes the staging directories that pulls which did not finish left under COPIES
+// (RUN_DIR/pulled), those no live pull holds: what `gpusnap recover` frees. Returns one line
+// for each. Never throws.
+std::vector<std::string> remove_dead_pulls(const std::filesystem::path& copies) noexcept;
 
 // The node's copy of the snapshot whose manifest has `digest`: COPIES/HEX (COPIES is
 // RUN_DIR/pulled), held in use from before it is looked for, so that no eviction removes it

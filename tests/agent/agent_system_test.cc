@@ -2,6 +2,7 @@
 // and state directory, driven over HTTP with cpp-httplib's client (and with the gpusnap CLI's
 // --agent), capturing and restoring the real test workload with real CRIU. Root.
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <grp.h>
 #include <net/if.h>
 #include <netinet/in.h>
@@ -35,6 +36,7 @@
 #include "common/fd.h"
 #include "common/fs.h"
 #include "common/proc.h"
+#include "common/subprocess.h"
 #include "criu/criu.h"
 #include "store/registry_fixture.h"
 #include "testing/harness.h"
@@ -1355,8 +1357,10 @@ TEST_F(AgentsAndRegistry, PrefetchWarmsTheNodeCacheAndTheRestoreFetchesNothing) 
   auto again = b_->run("/v1/restores",
                        {{"artifact", "second"}, {"reference", second}, {"publish", publish}});
   ASSERT_EQ(again["state"], "succeeded") << again.dump(2);
+  // The node's copy is verified as it is found (a damaged one would be pulled again), and the
+  // restore does not read it a second time.
   EXPECT_EQ(phase_names(again),
-            (std::vector<std::string>{"open", "verify", "criu-restore", "locate", "release"}));
+            (std::vector<std::string>{"pull-verify", "open", "criu-restore", "locate", "release"}));
   EXPECT_FALSE(again["result"]["pulled"]["pulled"].get<bool>());
   EXPECT_EQ(again["result"]["pulled"]["chunks_fetched"], 0);
   EXPECT_EQ(registry_->log(), log_before);
@@ -1430,6 +1434,54 @@ TEST_F(AgentsAndRegistry, AKilledPullLeavesNothingAndThePrefetchAgainResumes) {
       static_cast<unsigned long long>(again["result"]["chunks_from_cache"].get<uint64_t>()));
   EXPECT_EQ(gpusnap({"verify", again["result"]["artifact"].get<std::string>()}).exit_code, 0);
   EXPECT_EQ(not_root_only(pulled), std::vector<std::string>{});
+}
+
+// A `gpusnap pull` on B's node and B's prefetch of the same snapshot at once take turns on it
+// (the lock under RUN_DIR/locks): the prefetch waits for the pull, then finds its copy and
+// fetches nothing; no staging is left.
+TEST_F(AgentsAndRegistry, APullAndAPrefetchOfOneSnapshotOnOneNodeTakeTurns) {
+  Workload source = workload_on_a({"--mib", "48"});
+  const std::string reference = capture_on_a("turns", source.pid());
+  ASSERT_FALSE(reference.empty());
+  const auto pulled = b_dir_ / "run" / "pulled";
+  const auto out = b_dir_ / "pull.out";
+  common::UniqueFd out_fd(::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  common::SpawnOptions o;
+  o.argv = {gpusnap_bin(),
+            "pull",
+            reference,
+            "--run-dir",
+            (b_dir_ / "run").string(),
+            "--cache",
+            (b_dir_ / "cache").string(),
+            "--plain-http",
+            "--max-rate-mib",
+            "16",
+            "--json",
+            "-q"};
+  o.stdout_fd = out_fd.get();
+  common::Subprocess cli(o);
+  // The prefetch asks once the pull is writing.
+  ASSERT_TRUE(eventually(
+      [&] {
+        for (const auto& name : entries(pulled)) {
+          if (name[0] == '.') return true;
+        }
+        return false;
+      },
+      std::chrono::seconds(60)));
+  auto pf = b_->run("/v1/prefetch", {{"reference", reference}});
+  auto status = cli.wait(std::chrono::minutes(2));
+  ASSERT_TRUE(status && status->ok()) << fs::read_file(out);
+  ASSERT_EQ(pf["state"], "succeeded") << pf.dump(2);
+  EXPECT_FALSE(pf["result"]["pulled"].get<bool>()) << pf.dump(2);
+  EXPECT_EQ(pf["result"]["chunks_fetched"], 0);
+  EXPECT_NE(pf["result"]["notes"].dump().find("waiting for another pull of sha256:"),
+            std::string::npos)
+      << pf.dump(2);
+  EXPECT_GT(json::parse(fs::read_file(out))["chunks_fetched"].get<uint64_t>(), 0U);
+  EXPECT_EQ(entries(pulled),
+            std::vector<std::string>{reference.substr(reference.find("sha256:") + 7)});
 }
 
 // Prefetch requests are bounded and checked like every other request, and a reference outside

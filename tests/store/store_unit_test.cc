@@ -1,10 +1,12 @@
 // The store's parts on their own: references, the layout's checks, and an artifact with a
 // sparse host image cut into chunks and written back exactly (same bytes, same holes).
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -202,6 +204,65 @@ TEST(Store, MaterialisesAnArtifactExactlyWithItsHoles) {
   const auto image = "host-images/1-7f0000000000.img";
   EXPECT_EQ(data_map(dir / "out" / image), data_map(src / image));
   EXPECT_EQ(data_map(dir / "out" / image).at(0).first, static_cast<off_t>(offset));
+}
+
+// A pull killed or failed leaves its staging directory (keep_partial); the next one writes into
+// it (renamed to its own name), keeps every uncompressed extent intact there without asking the
+// source, and clears what the layout does not hold (a byte written into a hole).
+TEST(Store, MaterialiseResumesAStagingDirectoryKeepingWhatIsIntactThere) {
+  TempDir dir;
+  const auto src = make_artifact(dir / "src", 1 << 20, 1);
+  store::BlobStore blobs(dir / "store");
+  const auto layout = chunk_into(src, blobs).layout;
+  size_t extents = 0;
+  for (const auto& f : layout.files) extents += f.extents.size();
+  Reporter quiet;
+  const auto out = dir / "out";
+  store::MaterialiseOptions first;
+  first.threads = 1;
+  first.keep_partial = true;
+  int given = 0;
+  EXPECT_THROW(store::materialise(
+                   layout, out,
+                   [&](const store::BlobInfo& b) {
+                     if (given++ == 2) throw Error(ErrorKind::kEnvironment, "registry gone");
+                     return blobs.get(b.digest, b.size);
+                   },
+                   first, quiet),
+               Error);
+  std::vector<sfs::path> staged;
+  for (const auto& e : sfs::directory_iterator(dir.path())) {
+    if (e.path().filename().string().starts_with(".out.staging-")) staged.push_back(e.path());
+  }
+  ASSERT_EQ(staged.size(), 1u);
+  const std::string image = "host-images/1-7f0000000000.img";
+  {
+    ::chmod((staged[0] / image).c_str(), 0600);
+    common::UniqueFd fd(::open((staged[0] / image).c_str(), O_WRONLY | O_CLOEXEC));
+    ASSERT_EQ(::pwrite(fd.get(), "x", 1, 100), 1);  // the first MiB is a hole
+  }
+
+  artifact::StagingDir earlier{
+      staged[0], common::UniqueFd(::open(staged[0].c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC))};
+  ASSERT_EQ(::flock(earlier.lock.get(), LOCK_EX | LOCK_NB), 0);
+  store::MaterialiseOptions again;
+  again.resume = &earlier;
+  std::atomic<size_t> asked{0};
+  const auto r = store::materialise(
+      layout, out,
+      [&](const store::BlobInfo& b) {
+        ++asked;
+        return blobs.get(b.digest, b.size);
+      },
+      again, quiet);
+  EXPECT_GE(r.extents_kept, 1u);
+  EXPECT_EQ(r.extents_kept + asked, extents);
+  EXPECT_TRUE(Artifact::open(out).verify().empty());
+  for (const char* f : {"criu/pages-1.img", "host-images/1-7f0000000000.img"}) {
+    EXPECT_EQ(fs::read_file(out / f), fs::read_file(src / f)) << f;
+  }
+  EXPECT_EQ(data_map(out / image), data_map(src / image));
+  EXPECT_FALSE(sfs::exists(staged[0]));
 }
 
 TEST(Store, TheSameGpuMemoryAtAnotherAddressGivesTheSameChunks) {
