@@ -10,6 +10,8 @@
 #include <openssl/evp.h>
 
 #include <cstdlib>
+#include <functional>
+#include <optional>
 #include <regex>
 #include <thread>
 
@@ -184,7 +186,7 @@ class Registry::Lease {
       client_ = std::move(r_.pool_.back());
       r_.pool_.pop_back();
     }
-    if (!client_) client_ = r_.make_client();
+    if (!client_) client_ = r_.make_client(r_.origin_);
   }
   ~Lease() {
     std::lock_guard lock(r_.pool_mu_);
@@ -200,11 +202,125 @@ class Registry::Lease {
   std::unique_ptr<httplib::Client> client_;
 };
 
+namespace {
+
+// "HOST" or "HOST:PORT" (a port of 1..65535 in decimal) into its host and port; -1 when the
+// port is not one. The default port when none is written.
+int parse_port(const std::string& authority, std::string& host, int default_port) {
+  auto colon = authority.rfind(':');
+  if (colon == std::string::npos || authority.find(']', colon) != std::string::npos) {
+    host = authority;
+    return default_port;
+  }
+  host = authority.substr(0, colon);
+  const std::string digits = authority.substr(colon + 1);
+  if (digits.empty() || digits.size() > 5) return -1;
+  int port = 0;
+  for (char ch : digits) {
+    if (ch < '0' || ch > '9') return -1;
+    port = port * 10 + (ch - '0');
+  }
+  return port >= 1 && port <= 65535 ? port : -1;
+}
+
+Origin origin_of(const std::string& scheme, const std::string& authority) {
+  Origin o;
+  o.scheme = scheme;
+  o.authority = authority;
+  o.port = parse_port(authority, o.host, scheme == "https" ? 443 : 80);
+  return o;
+}
+
+// A text from the network, made fit for one line of a message: control characters as \xHH,
+// at most `limit` bytes.
+std::string printable(std::string_view text, size_t limit = 200) {
+  std::string out;
+  for (unsigned char ch : text.substr(0, limit)) {
+    if (ch < 0x20 || ch == 0x7f) {
+      static const char* kHex = "0123456789abcdef";
+      out += "\\x";
+      out += kHex[ch >> 4];
+      out += kHex[ch & 15];
+    } else {
+      out += static_cast<char>(ch);
+    }
+  }
+  if (text.size() > limit) out += "...";
+  return out;
+}
+
+bool is_redirect(int status) {
+  return status == 301 || status == 302 || status == 303 || status == 307 || status == 308;
+}
+
+}  // namespace
+
+Target resolve_location(const std::string& location, const Origin& from) {
+  auto bad = [&](const std::string& why) {
+    return Error(ErrorKind::kEnvironment,
+                 from.authority + " redirected to '" + printable(location) + "': " + why,
+                 "the registry's redirect (its storage's base URL) is misconfigured: fix it "
+                 "there");
+  };
+  Target t;
+  if (location.empty()) throw bad("an empty Location");
+  if (location.starts_with("/") && !location.starts_with("//")) {
+    t.origin = from;
+    t.path = location;
+    return t;
+  }
+  auto sep = location.find("://");
+  if (sep == std::string::npos) throw bad("neither an absolute path nor an http(s) URL");
+  std::string scheme = location.substr(0, sep);
+  for (auto& ch : scheme) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  if (scheme != "http" && scheme != "https") throw bad("not http or https");
+  const auto path_at = location.find_first_of("/?#", sep + 3);
+  std::string authority = location.substr(
+      sep + 3, path_at == std::string::npos ? std::string::npos : path_at - sep - 3);
+  if (authority.find('@') != std::string::npos) throw bad("credentials in the URL");
+  t.origin = origin_of(scheme, authority);
+  if (t.origin.port < 0) throw bad("the port is not a number of 1 to 65535");
+  static const std::regex kHostName(R"([A-Za-z0-9]([A-Za-z0-9.-]{0,252})|\[[0-9A-Fa-f:.]+\])");
+  if (!std::regex_match(t.origin.host, kHostName)) throw bad("the host is not a host name");
+  t.path = path_at == std::string::npos ? "/" : location.substr(path_at);
+  if (t.path.starts_with("?")) t.path = "/" + t.path;
+  if (auto hash = t.path.find('#'); hash != std::string::npos) t.path.resize(hash);
+  if (t.path.empty()) t.path = "/";
+  return t;
+}
+
+// One request as Registry::exchange sends it.
+struct Registry::Call {
+  Call(std::string m, std::string p, httplib::Headers h = {})
+      : method(std::move(m)), path(std::move(p)), headers(std::move(h)) {}
+  std::string method;  // GET, HEAD, POST or PUT
+  std::string path;    // on the registry, with its query
+  httplib::Headers headers;
+  std::string_view body;
+  std::string content_type;
+  // Receives a 2xx answer's body; to stop it, sets `refusal` and returns false.
+  std::function<bool(const char*, size_t)> on_body;
+  std::optional<Error> refusal;  // why on_body stopped the answer: thrown as it is
+};
+
+// What came back: the final answer after redirects, with the body of one that is not 2xx (its
+// first 4 KiB, for the message) and who sent it.
+struct Registry::Answer {
+  int status = 0;
+  httplib::Headers headers;
+  std::string body;
+  std::string host;  // the authority that answered: the registry's, or a redirect's target
+  std::string header(const std::string& name) const {
+    auto it = headers.find(name);
+    return it == headers.end() ? std::string() : it->second;
+  }
+};
+
 Registry::Registry(OciRef ref, RegistryOptions options)
     : ref_(std::move(ref)),
       options_(std::move(options)),
       credentials_(find_credentials(ref_.host, options_.auth_file)),
-      base_((options_.plain_http ? "http://" : "https://") + ref_.host),
+      origin_(origin_of(options_.plain_http ? "http" : "https", ref_.host)),
       limiter_(options_.max_rate) {
   if (!options_.ca_file.empty() && !std::filesystem::is_regular_file(options_.ca_file)) {
     throw Error(ErrorKind::kUsage,
@@ -214,12 +330,17 @@ Registry::Registry(OciRef ref, RegistryOptions options)
     throw Error(ErrorKind::kUsage, options_.flag_prefix + "ca-file and " + options_.flag_prefix +
                                        "plain-http exclude each other");
   }
+  if (origin_.port < 0) {
+    throw Error(ErrorKind::kUsage,
+                "bad reference '" + ref_.str() + "': the port is not 1 to 65535");
+  }
 }
 
 Registry::~Registry() = default;
 
-std::unique_ptr<httplib::Client> Registry::make_client() const {
-  auto c = std::make_unique<httplib::Client>(base_);
+std::unique_ptr<httplib::Client> Registry::make_client(const Origin& origin) const {
+  auto c = std::make_unique<httplib::Client>(origin.scheme + "://" + origin.host + ":" +
+                                             std::to_string(origin.port));
   c->set_connection_timeout(10);
   c->set_read_timeout(120);
   c->set_write_timeout(120);
@@ -227,57 +348,125 @@ std::unique_ptr<httplib::Client> Registry::make_client() const {
   // Headers and body go out in separate writes: with Nagle's algorithm the body's last
   // segment would wait for the ACK of the headers (40 ms of delayed ACK per request).
   c->set_tcp_nodelay(true);
-  c->set_follow_location(true);  // a registry may send blobs from elsewhere (object storage)
-  if (!options_.plain_http) {
+  // Redirects are followed by exchange(), not by httplib: httplib sends the Authorization
+  // header on to whatever host a redirect names, and from https on to http.
+  c->set_follow_location(false);
+  c->set_default_headers({{"User-Agent", std::string("gpusnap/") + GPUSNAP_VERSION}});
+  if (origin.scheme == "https") {
     c->enable_server_certificate_verification(true);
     if (!options_.ca_file.empty()) c->set_ca_cert_path(options_.ca_file);
   }
-  if (!credentials_.username.empty())
-    c->set_basic_auth(credentials_.username, credentials_.password);
   return c;
 }
 
 std::string Registry::where() const { return "registry " + ref_.host; }
 
-namespace {
-
-// Turns a failed exchange into an Error, or a Transient for the retry loop. `flags`: the
-// caller's flag prefix (RegistryOptions::flag_prefix), for the hints.
-[[noreturn]] void fail(const httplib::Result& res, const std::string& what,
-                       const std::string& where, bool have_credentials, const std::string& flags) {
-  if (!res) {
-    const auto err = res.error();
+Registry::Answer Registry::send(httplib::Client& client, const Origin& origin, Call& call,
+                                const std::string& path, bool with_authorization) {
+  httplib::Request req;
+  req.method = call.method;
+  req.path = path;
+  req.headers = call.headers;
+  if (with_authorization && !credentials_.username.empty()) {
+    req.headers.emplace("Authorization",
+                        "Basic " + httplib::detail::base64_encode(credentials_.username + ":" +
+                                                                  credentials_.password));
+  }
+  if (call.method == "POST" || call.method == "PUT") {
+    req.headers.emplace("Content-Type", call.content_type);
+    req.body.assign(call.body.data(), call.body.size());
+  }
+  Answer a;
+  a.host = origin.authority;
+  req.response_handler = [&](const httplib::Response& r) {
+    a.status = r.status;
+    return true;
+  };
+  req.content_receiver = [&](const char* p, size_t n, uint64_t, uint64_t) {
+    if (a.status >= 200 && a.status < 300 && call.on_body) return call.on_body(p, n);
+    if (a.body.size() < 4096) a.body.append(p, std::min(n, 4096 - a.body.size()));
+    return true;
+  };
+  httplib::Response res;
+  httplib::Error err = httplib::Error::Success;
+  if (!client.send(req, res, err)) {
     if (err == httplib::Error::SSLServerVerification || err == httplib::Error::SSLConnection) {
       throw Error(ErrorKind::kEnvironment,
-                  where + ": TLS failed (" + httplib::to_string(err) + ") while trying to " + what,
-                  "give the registry's CA with " + flags + "ca-file, or " + flags +
-                      "plain-http for a registry without TLS");
+                  origin.authority + ": TLS failed (" + httplib::to_string(err) + ")",
+                  "give the registry's CA with " + options_.flag_prefix + "ca-file, or " +
+                      options_.flag_prefix + "plain-http for a registry without TLS");
     }
-    throw Transient{httplib::to_string(err)};
+    if (err == httplib::Error::Canceled && call.refusal) throw *call.refusal;
+    throw Transient{origin.authority + ": " + httplib::to_string(err)};
   }
-  const int status = res->status;
-  if (status >= 500 || status == 429 || status == 408) {
-    throw Transient{"HTTP " + std::to_string(status)};
-  }
-  std::string body = res->body.substr(0, 300);
-  for (auto& ch : body) {
-    if (ch == '\n' || ch == '\r') ch = ' ';
-  }
-  if (status == 401 || status == 403) {
-    throw Error(ErrorKind::kEnvironment,
-                where + " refused to " + what + " (HTTP " + std::to_string(status) + ")",
-                have_credentials ? "check the credentials in the auth file"
-                                 : "log in (`skopeo login HOST`) or give " + flags + "auth-file");
-  }
-  if (status == 404) {
-    throw Error(ErrorKind::kNotFound, where + " has no " + what.substr(what.find(' ') + 1),
-                "check the reference");
-  }
-  throw Error(ErrorKind::kInternal,
-              where + " answered HTTP " + std::to_string(status) + " to " + what + ": " + body);
+  a.status = res.status;
+  a.headers = std::move(res.headers);
+  return a;
 }
 
-}  // namespace
+Registry::Answer Registry::exchange(Call& call) {
+  Lease lease(*this);
+  httplib::Client* client = &*lease;
+  std::unique_ptr<httplib::Client> elsewhere;  // a redirect's target's connection
+  Origin origin = origin_;
+  std::string path = call.path;
+  for (int hop = 0;; ++hop) {
+    Answer a = send(*client, origin, call, path, origin == origin_);
+    if (!is_redirect(a.status)) return a;
+    if (hop >= options_.max_redirects) {
+      throw Error(ErrorKind::kEnvironment,
+                  where() + ": more than " + std::to_string(options_.max_redirects) +
+                      " redirects for " + call.path,
+                  "the registry's redirect (its storage's base URL) loops: fix it there");
+    }
+    Target t = resolve_location(a.header("Location"), origin);
+    if (origin.scheme == "https" && t.origin.scheme == "http") {
+      throw Error(ErrorKind::kEnvironment,
+                  origin.authority + " redirected " + call.path + " from https to " +
+                      t.origin.str() + ": refused, the transfer would go in clear text",
+                  "serve the registry's storage over https");
+    }
+    if (t.origin == origin_) {
+      client = &*lease;
+    } else if (!(t.origin == origin)) {
+      elsewhere = make_client(t.origin);
+      client = elsewhere.get();
+    }
+    if (a.status == 303) call.method = call.method == "HEAD" ? "HEAD" : "GET";
+    origin = t.origin;
+    path = t.path;
+  }
+}
+
+// Turns an answer that is not the one asked for into an Error, or a Transient for the retry
+// loop.
+void Registry::fail(const Answer& a, const std::string& what) const {
+  const int status = a.status;
+  if (status >= 500 || status == 429 || status == 408) {
+    throw Transient{a.host + ": HTTP " + std::to_string(status)};
+  }
+  const std::string body = printable(a.body, 300);
+  const std::string flags = options_.flag_prefix;
+  // Who answered: the registry, or the host a redirect sent the request on to.
+  const std::string who =
+      a.host == ref_.host ? where() : a.host + " (a redirect of " + where() + ")";
+  if (status == 401 || status == 403) {
+    throw Error(ErrorKind::kEnvironment,
+                who + " refused to " + what + " (HTTP " + std::to_string(status) + ")",
+                !credentials_.username.empty()
+                    ? "check the credentials in " + credentials_.source
+                    : "log in (`skopeo login HOST`) or give " + flags + "auth-file");
+  }
+  if (status == 404) {
+    throw Error(ErrorKind::kNotFound, who + " has no " + what.substr(what.find(' ') + 1),
+                a.host == ref_.host ? "check the reference"
+                                    : "the registry's storage behind the redirect lacks it: "
+                                      "check the registry's redirect configuration");
+  }
+  throw Error(ErrorKind::kEnvironment,
+              who + " answered HTTP " + std::to_string(status) + " to " + what + ": " + body,
+              "check the registry's log");
+}
 
 template <class Fn>
 static auto with_retries(const RegistryOptions& o, const std::string& what,
@@ -303,11 +492,11 @@ static auto with_retries(const RegistryOptions& o, const std::string& what,
 bool Registry::blob_exists(const std::string& digest) {
   const std::string what = "look up blob " + digest;
   return with_retries(options_, what, where(), [&] {
-    Lease c(*this);
-    auto res = c->Head("/v2/" + ref_.repository + "/blobs/" + digest);
-    if (res && res->status == 200) return true;
-    if (res && res->status == 404) return false;
-    fail(res, what, where(), !credentials_.username.empty(), options_.flag_prefix);
+    Call call{"HEAD", "/v2/" + ref_.repository + "/blobs/" + digest};
+    Answer a = exchange(call);
+    if (a.status == 200) return true;
+    if (a.status == 404 && a.host == ref_.host) return false;
+    fail(a, what);
   });
 }
 
@@ -337,28 +526,28 @@ bool Registry::upload_blob_if_missing(const std::string& digest, std::string_vie
 bool Registry::upload(const std::string& digest, std::string_view data, bool mount) {
   const std::string what = "upload blob " + digest;
   return with_retries(options_, what, where(), [&] {
-    Lease c(*this);
     // With mount=DIGEST&from=this repository the POST is also the existence check: 201 when
     // the repository holds the blob (nothing to send), else 202 and an upload as without it
     // (the answer the distribution spec gives a registry that cannot mount). One request
     // instead of a HEAD and a POST: a registry spends milliseconds of CPU on each request,
     // as much as on megabytes of data (docs/benchmarks.md).
-    std::string start_path = "/v2/" + ref_.repository + "/blobs/uploads/";
+    Call start{"POST", "/v2/" + ref_.repository + "/blobs/uploads/"};
     if (mount) {
-      start_path +=
+      start.path +=
           "?mount=" + common::url_encode(digest) + "&from=" + common::url_encode(ref_.repository);
     }
-    auto start = c->Post(start_path, httplib::Headers{}, "", 0, "application/octet-stream");
-    if (mount && start && start->status == 201) return false;
-    if (!start || start->status != 202)
-      fail(start, what, where(), !credentials_.username.empty(), options_.flag_prefix);
-    std::string location = start->get_header_value("Location");
+    start.content_type = "application/octet-stream";
+    Answer started = exchange(start);
+    if (mount && started.status == 201) return false;
+    if (started.status != 202) fail(started, what);
+    std::string location = started.header("Location");
     if (location.empty()) throw Transient{"no Location in the upload's answer"};
     limiter_.consume(data.size());
-    auto put = c->Put(upload_target(location, digest), httplib::Headers{}, data.data(), data.size(),
-                      "application/octet-stream");
-    if (!put || put->status != 201)
-      fail(put, what, where(), !credentials_.username.empty(), options_.flag_prefix);
+    Call put{"PUT", upload_target(location, digest)};
+    put.body = data;
+    put.content_type = "application/octet-stream";
+    Answer stored = exchange(put);
+    if (stored.status != 201) fail(stored, what);
     return true;
   });
 }
@@ -366,42 +555,36 @@ bool Registry::upload(const std::string& digest, std::string_view data, bool mou
 std::string Registry::fetch_blob(const std::string& digest, uint64_t size) {
   const std::string what = "fetch blob " + digest;
   return with_retries(options_, what, where(), [&] {
-    Lease c(*this);
     std::string data;
     data.reserve(size);
     Sha256 hash;
-    bool too_long = false;
-    int status = 0;
-    auto res = c->Get(
-        "/v2/" + ref_.repository + "/blobs/" + digest, httplib::Headers{},
-        [&](const httplib::Response& r) {
-          status = r.status;
-          return true;
-        },
-        [&](const char* p, size_t n) {
-          if (status != 200) return data.size() + n < 4096 ? (data.append(p, n), true) : false;
-          if (data.size() + n > size) {
-            too_long = true;
-            return false;
-          }
-          limiter_.consume(n);
-          hash.update(p, n);
-          data.append(p, n);
-          return true;
-        });
-    if (too_long) {
+    Call call{"GET", "/v2/" + ref_.repository + "/blobs/" + digest};
+    call.on_body = [&](const char* p, size_t n) {
+      if (data.size() + n > size) {
+        call.refusal = Error(ErrorKind::kBadArtifact,
+                             "blob " + digest + " from " + where() + " is larger than its " +
+                                 std::to_string(size) + " bytes",
+                             "the registry's copy is damaged: push the artifact again");
+        return false;
+      }
+      limiter_.consume(n);
+      hash.update(p, n);
+      data.append(p, n);
+      return true;
+    };
+    Answer a = exchange(call);
+    if (a.status != 200) fail(a, what);
+    if (data.size() != size) {
       throw Error(ErrorKind::kBadArtifact,
-                  "blob " + digest + " from " + where() + " is larger than its " +
-                      std::to_string(size) + " bytes",
+                  "blob " + digest + " from " + a.host + " has " + std::to_string(data.size()) +
+                      " bytes where its size is " + std::to_string(size),
                   "the registry's copy is damaged: push the artifact again");
     }
-    if (!res || res->status != 200)
-      fail(res, what, where(), !credentials_.username.empty(), options_.flag_prefix);
     const std::string got = hash.finish();
-    if (data.size() != size || got != digest) {
+    if (got != digest) {
       throw Error(ErrorKind::kBadArtifact,
-                  "blob " + digest + " from " + where() + " does not match its digest (" +
-                      std::to_string(data.size()) + " bytes, " + got + ")",
+                  "blob " + digest + " from " + a.host +
+                      " does not match its digest (its bytes hash to " + got + ")",
                   "the registry's copy is damaged: push the artifact again");
     }
     return data;
@@ -411,11 +594,11 @@ std::string Registry::fetch_blob(const std::string& digest, uint64_t size) {
 std::string Registry::put_manifest(const std::string& body, const std::string& media_type) {
   const std::string what = "store manifest " + ref_.repository + ":" + ref_.tag;
   with_retries(options_, what, where(), [&] {
-    Lease c(*this);
-    auto res = c->Put("/v2/" + ref_.repository + "/manifests/" + ref_.tag, httplib::Headers{},
-                      body.data(), body.size(), media_type);
-    if (!res || res->status != 201)
-      fail(res, what, where(), !credentials_.username.empty(), options_.flag_prefix);
+    Call call{"PUT", "/v2/" + ref_.repository + "/manifests/" + ref_.tag};
+    call.body = body;
+    call.content_type = media_type;
+    Answer a = exchange(call);
+    if (a.status != 201) fail(a, what);
     return 0;
   });
   return sha256_digest(body);
@@ -424,26 +607,20 @@ std::string Registry::put_manifest(const std::string& body, const std::string& m
 std::pair<std::string, std::string> Registry::fetch_manifest() {
   const std::string what = "fetch manifest " + ref_.repository + ":" + ref_.reference();
   auto body = with_retries(options_, what, where(), [&] {
-    Lease c(*this);
     std::string data;
-    bool too_long = false;
-    auto res = c->Get("/v2/" + ref_.repository + "/manifests/" + ref_.reference(),
-                      httplib::Headers{{"Accept", "application/vnd.oci.image.manifest.v1+json"}},
-                      [&](const char* p, size_t n) {
-                        if (data.size() + n > kMaxManifestBytes) {
-                          too_long = true;
-                          return false;
-                        }
-                        data.append(p, n);
-                        return true;
-                      });
-    if (too_long) {
-      throw Error(ErrorKind::kBadArtifact, "manifest " + ref_.str() + " is larger than 4 MiB");
-    }
-    if (!res || res->status != 200) {
-      if (res && res->status != 200) res->body = data;
-      fail(res, what, where(), !credentials_.username.empty(), options_.flag_prefix);
-    }
+    Call call{"GET", "/v2/" + ref_.repository + "/manifests/" + ref_.reference(),
+              httplib::Headers{{"Accept", "application/vnd.oci.image.manifest.v1+json"}}};
+    call.on_body = [&](const char* p, size_t n) {
+      if (data.size() + n > kMaxManifestBytes) {
+        call.refusal =
+            Error(ErrorKind::kBadArtifact, "manifest " + ref_.str() + " is larger than 4 MiB");
+        return false;
+      }
+      data.append(p, n);
+      return true;
+    };
+    Answer a = exchange(call);
+    if (a.status != 200) fail(a, what);
     return data;
   });
   const std::string digest = sha256_digest(body);

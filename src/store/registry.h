@@ -1,7 +1,9 @@
 // An OCI distribution registry (docker-registry, the CNCF distribution, Harbor, ...) reached
 // over HTTP/1.1: references, credentials, and the blob and manifest calls gpusnap needs.
 // Retries with backoff on connection failures, 5xx and 429; never on a blob that arrives and
-// does not match its digest.
+// does not match its digest. Follows redirects itself (object storage, a CDN): the
+// Authorization header stays with the registry's own scheme, host and port, and https never
+// goes on to http (docs/store.md "The transport").
 #pragma once
 
 #include <chrono>
@@ -46,6 +48,8 @@ struct RegistryOptions {
   // How the caller spells the settings its errors' hints name (store/flags.h): "--" for the
   // CLI's --ca-file, --plain-http and --auth-file, "--registry-" for the agent's.
   std::string flag_prefix = "--";
+  // Redirects followed for one request: docker-registry and object storage need one.
+  int max_redirects = 5;
 };
 
 struct Credentials {
@@ -72,6 +76,28 @@ class RateLimiter {
   std::chrono::steady_clock::time_point next_{};
 };
 
+// Where an exchange goes: scheme, host and port as a URL names them. `authority` is the host
+// and port as written ("HOST" or "HOST:PORT"), the name certs.d directories use.
+struct Origin {
+  std::string scheme;  // "http" or "https"
+  std::string host;
+  int port = 0;
+  std::string authority;
+  bool operator==(const Origin& o) const {
+    return scheme == o.scheme && host == o.host && port == o.port;
+  }
+  std::string str() const { return scheme + "://" + authority; }
+};
+
+// Where a redirect's Location points, resolved against the origin that sent it (absolute, or a
+// path on the same origin). Throws Error(kEnvironment) naming `from` for a Location that is not
+// an http(s) URL or names a port outside 1..65535.
+struct Target {
+  Origin origin;
+  std::string path;  // with its query
+};
+Target resolve_location(const std::string& location, const Origin& from);
+
 class Registry {
  public:
   Registry(OciRef ref, RegistryOptions options);
@@ -97,14 +123,22 @@ class Registry {
 
  private:
   class Lease;
+  struct Call;
+  struct Answer;
   bool upload(const std::string& digest, std::string_view data, bool mount);
-  std::unique_ptr<httplib::Client> make_client() const;
+  std::unique_ptr<httplib::Client> make_client(const Origin& origin) const;
+  // One request and the redirects it is sent on, on a connection of the pool. Transport
+  // failures throw Transient (retried by the caller); a bad redirect throws Error.
+  Answer exchange(Call& call);
+  Answer send(httplib::Client& client, const Origin& origin, Call& call, const std::string& path,
+              bool with_authorization);
+  [[noreturn]] void fail(const Answer& answer, const std::string& what) const;
   std::string where() const;  // "registry HOST" for messages
 
   OciRef ref_;
   RegistryOptions options_;
   Credentials credentials_;
-  std::string base_;  // scheme://host
+  Origin origin_;  // the registry's own
   RateLimiter limiter_;
   std::mutex pool_mu_;
   std::vector<std::unique_ptr<httplib::Client>> pool_;

@@ -119,6 +119,7 @@ LocalRegistry::LocalRegistry(const TempDir& dir, const Options& o)
         "auth:\n  htpasswd:\n    realm: gpusnap-test\n    path: " + (base / "htpasswd").string() +
         "\n";
   }
+  config += o.extra_config;
   fs::write_file(base / "config.yml", config);
   common::UniqueFd logfd(::open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
   common::SpawnOptions so;

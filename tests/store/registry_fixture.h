@@ -23,6 +23,9 @@ class LocalRegistry {
     // The host address it listens on, and its certificate names: another than loopback for
     // clients in other network namespaces (testing/node_network.h).
     std::string address = "127.0.0.1";
+    // More of the registry's configuration (YAML, top level): a storage middleware, token
+    // authentication.
+    std::string extra_config;
   };
 
   // Why the registry cannot run here (docker-registry, openssl or htpasswd missing).

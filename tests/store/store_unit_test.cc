@@ -92,6 +92,31 @@ TEST(Credentials, ReadsAuthJsonAsSkopeoWritesIt) {
   EXPECT_THROW(store::find_credentials("reg:5000", (dir / "bad.json").string()), Error);
 }
 
+TEST(RedirectLocation, ResolvesAbsoluteAndRelativeAndRefusesWhatIsNoAddress) {
+  store::Origin from{"https", "reg", 5000, "reg:5000"};
+  auto t = store::resolve_location("/v2/r/blobs/x?a=1", from);
+  EXPECT_EQ(t.origin, from);
+  EXPECT_EQ(t.path, "/v2/r/blobs/x?a=1");
+  t = store::resolve_location("HTTPS://cdn.example.com/data?sig=1#frag", from);
+  EXPECT_EQ(t.origin.str(), "https://cdn.example.com");
+  EXPECT_EQ(t.origin.port, 443);
+  EXPECT_EQ(t.path, "/data?sig=1");
+  t = store::resolve_location("http://10.0.0.1:9000", from);
+  EXPECT_EQ(t.origin.port, 9000);
+  EXPECT_EQ(t.path, "/");
+  for (const char* bad :
+       {"", "ftp://h/x", "relative/path", "//h/x", "http://h:99999999999/x", "http://h:0/x",
+        "http://h:-1/x", "http://h:80a/x", "http://u:p@h/x", "http:///x", "http://h\x01/x"}) {
+    try {
+      store::resolve_location(bad, from);
+      ADD_FAILURE() << "accepted " << bad;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kEnvironment) << bad;
+      EXPECT_NE(std::string(e.what()).find("reg:5000 redirected"), std::string::npos) << e.what();
+    }
+  }
+}
+
 // A small artifact: a CRIU-like pages file and a sparse host image whose data starts at
 // `file_offset` (as a region that did not start on a 2 MiB boundary).
 sfs::path make_artifact(const sfs::path& root, uint64_t file_offset, uint32_t seed) {

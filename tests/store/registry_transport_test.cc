@@ -1,0 +1,223 @@
+// The registry client's transport (src/store/registry.cc) against registries as production runs
+// them: a real docker-registry on loopback whose blobs are redirected to another host, and
+// servers written here that misbehave the ways registries, object storage and proxies do.
+// Registry's calls are driven directly: push and pull, the CLI and the agent all reach a
+// registry through them, so what holds here holds for each.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+// The same receive buffer as src/store/registry.cc, so that both see one httplib.
+#define CPPHTTPLIB_RECV_BUFSIZ size_t(256u << 10)
+#include <httplib.h>
+
+#include "common/fs.h"
+#include "gpusnap/error.h"
+#include "store/digest.h"
+#include "store/registry.h"
+#include "store/registry_fixture.h"
+#include "testing/harness.h"
+
+namespace gpusnap::testing {
+namespace {
+
+namespace sfs = std::filesystem;
+using store::OciRef;
+using store::Registry;
+using store::RegistryOptions;
+
+// One request as a TestServer saw it.
+struct Seen {
+  std::string method;
+  std::string path;
+  std::string authorization;
+};
+
+// An HTTP server of the test's own on loopback, answering every request with `handler` and
+// recording what each request was and which Authorization header it carried.
+class TestServer {
+ public:
+  using Handler = std::function<void(const httplib::Request&, httplib::Response&)>;
+  explicit TestServer(Handler handler) : handler_(std::move(handler)) {
+    auto record = [this](const httplib::Request& req, httplib::Response& res) {
+      {
+        std::lock_guard lock(mu_);
+        seen_.push_back({req.method, req.path, req.get_header_value("Authorization")});
+      }
+      handler_(req, res);
+    };
+    server_.Get(".*", record);
+    server_.Put(".*", record);
+    server_.Post(".*", record);
+    port_ = server_.bind_to_any_port("127.0.0.1");  // listening from here on
+    thread_ = std::thread([this] { server_.listen_after_bind(); });
+  }
+  TestServer(const TestServer&) = delete;
+  TestServer& operator=(const TestServer&) = delete;
+  ~TestServer() {
+    server_.stop();
+    thread_.join();
+  }
+  std::string host() const { return "127.0.0.1:" + std::to_string(port_); }
+  std::vector<Seen> seen() const {
+    std::lock_guard lock(mu_);
+    return seen_;
+  }
+
+ private:
+  Handler handler_;
+  httplib::Server server_;
+  int port_ = 0;
+  std::thread thread_;
+  mutable std::mutex mu_;
+  std::vector<Seen> seen_;
+};
+
+// Serves the files under `root` by path: what object storage behind a registry's redirect
+// middleware does with the registry's own storage.
+TestServer::Handler serve_files(const sfs::path& root) {
+  return [root](const httplib::Request& req, httplib::Response& res) {
+    std::string data;
+    if (req.path.find("..") != std::string::npos ||
+        !fs::try_read_file(root / req.path.substr(1), &data)) {
+      res.status = 404;
+      return;
+    }
+    res.set_content(data, "application/octet-stream");
+  };
+}
+
+std::string redirect_middleware(const std::string& base_url) {
+  return "middleware:\n  storage:\n    - name: redirect\n      options:\n        baseurl: " +
+         base_url + "\n";
+}
+
+std::string auth_json(const sfs::path& file, const std::string& host, const std::string& user,
+                      const std::string& password) {
+  const std::string pair = user + ":" + password;
+  fs::write_file(file, R"({"auths":{")" + host + R"(":{"auth":")" +
+                           httplib::detail::base64_encode(pair) + R"("}}})");
+  return file.string();
+}
+
+std::string blob_of(int i) { return "chunk " + std::to_string(i) + std::string(70000, 'x'); }
+
+class RegistryTransport : public ::testing::Test {
+ protected:
+  void SetUp() override { GPUSNAP_SKIP_IF_BLOCKED(LocalRegistry::blocker()); }
+  TempDir dir_;
+};
+
+// Expects `fn` to throw an Error of `kind` whose message holds `text`; returns the message.
+template <class Fn>
+std::string expect_error(Fn&& fn, ErrorKind kind, const std::string& text) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), kind) << e.one_line();
+    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.one_line();
+    EXPECT_FALSE(e.hint().empty()) << e.one_line();
+    return e.one_line();
+  }
+  ADD_FAILURE() << "no Error with '" << text << "'";
+  return {};
+}
+
+TEST_F(RegistryTransport, ARedirectedBlobGoesOnWithoutThePassword) {
+  sfs::path storage;
+  TestServer target([&storage](const httplib::Request& req, httplib::Response& res) {
+    serve_files(storage)(req, res);
+  });
+  LocalRegistry::Options o;
+  o.username = "gpusnap";
+  o.password = "s3cret-pass";
+  o.extra_config = redirect_middleware("http://" + target.host() + "/");
+  LocalRegistry registry(dir_, o);
+  storage = registry.storage();
+
+  RegistryOptions ro;
+  ro.plain_http = true;
+  ro.retries = 0;
+  ro.auth_file = auth_json(dir_ / "auth.json", registry.host(), o.username, o.password);
+  Registry r(OciRef::parse(registry.ref("t/redirect:1")), ro);
+  for (int i = 0; i < 3; ++i) {
+    const std::string data = blob_of(i);
+    r.upload_blob(store::sha256_digest(data), data);
+  }
+  for (int i = 0; i < 3; ++i) {
+    const std::string data = blob_of(i);
+    EXPECT_EQ(r.fetch_blob(store::sha256_digest(data), data.size()), data);
+    EXPECT_TRUE(r.blob_exists(store::sha256_digest(data)));
+  }
+  // Every blob came from the other host, and none of its requests carried the password.
+  const auto seen = target.seen();
+  ASSERT_GE(seen.size(), 3u);
+  for (const auto& s : seen) EXPECT_EQ(s.authorization, "") << s.method << " " << s.path;
+  // The registry itself wanted it: without credentials it refuses.
+  RegistryOptions anonymous = ro;
+  anonymous.auth_file = auth_json(dir_ / "none.json", "elsewhere:1", "a", "b");
+  Registry without(OciRef::parse(registry.ref("t/redirect:1")), anonymous);
+  const std::string data = blob_of(0);
+  expect_error([&] { without.fetch_blob(store::sha256_digest(data), data.size()); },
+               ErrorKind::kEnvironment, "HTTP 401");
+}
+
+TEST_F(RegistryTransport, ARedirectFromHttpsToHttpIsRefused) {
+  TestServer target(serve_files(dir_ / "nothing"));
+  LocalRegistry::Options o;
+  o.tls = true;
+  o.extra_config = redirect_middleware("http://" + target.host() + "/");
+  LocalRegistry registry(dir_, o);
+  RegistryOptions ro;
+  ro.ca_file = registry.ca_file().string();
+  ro.retries = 0;
+  Registry r(OciRef::parse(registry.ref("t/tls:1")), ro);
+  const std::string data = blob_of(7);
+  r.upload_blob(store::sha256_digest(data), data);
+  expect_error([&] { r.fetch_blob(store::sha256_digest(data), data.size()); },
+               ErrorKind::kEnvironment, "from https to http://" + target.host());
+  EXPECT_TRUE(target.seen().empty());
+}
+
+// A registry (a front written here) whose redirects are bad: a port out of range, a loop, a
+// target that has nothing. Each a clear Error naming the host, never an internal error.
+TEST_F(RegistryTransport, BadRedirectsAreClearErrorsNamingTheHost) {
+  TestServer empty_storage(serve_files(dir_ / "nothing"));
+  TestServer front([&](const httplib::Request& req, httplib::Response& res) {
+    res.status = 307;
+    if (req.path.find("badport") != std::string::npos) {
+      res.set_header("Location", "http://127.0.0.1:99999999999/data");
+    } else if (req.path.find("loop") != std::string::npos) {
+      res.set_header("Location", req.path);  // relative, to itself
+    } else {
+      res.set_header("Location", "http://" + empty_storage.host() + "/data");
+    }
+  });
+  RegistryOptions ro;
+  ro.plain_http = true;
+  ro.retries = 0;
+  const std::string digest = store::sha256_digest("x");
+  Registry badport(OciRef::parse("oci://" + front.host() + "/badport/r:1"), ro);
+  expect_error([&] { badport.fetch_blob(digest, 1); }, ErrorKind::kEnvironment,
+               "the port is not a number of 1 to 65535");
+  Registry loop(OciRef::parse("oci://" + front.host() + "/loop/r:1"), ro);
+  expect_error([&] { loop.fetch_blob(digest, 1); }, ErrorKind::kEnvironment, "redirects for");
+  Registry missing(OciRef::parse("oci://" + front.host() + "/missing/r:1"), ro);
+  expect_error([&] { missing.fetch_blob(digest, 1); }, ErrorKind::kNotFound,
+               empty_storage.host() + " (a redirect of registry " + front.host() + ")");
+  EXPECT_EQ(empty_storage.seen().size(), 1u);
+}
+
+}  // namespace
+}  // namespace gpusnap::testing
