@@ -9,6 +9,10 @@
 #include <httplib.h>
 #include <openssl/evp.h>
 
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <optional>
@@ -34,7 +38,18 @@ constexpr uint64_t kMaxAuthFileBytes = 1ull << 20;
 // A failure worth another attempt: the connection broke, the registry is restarting or busy.
 struct Transient {
   std::string what;
+  bool stalled = false;  // cut by the watchdog: past its deadline, or too slow
 };
+
+using Clock = std::chrono::steady_clock;
+
+double seconds(std::chrono::milliseconds d) { return static_cast<double>(d.count()) / 1000.0; }
+
+std::string seconds_text(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g s", s);
+  return buf;
+}
 
 std::string base64_decode(const std::string& in) {
   if (in.empty() || in.size() % 4 != 0) return {};
@@ -177,6 +192,100 @@ void RateLimiter::consume(uint64_t bytes) {
   std::this_thread::sleep_until(until);
 }
 
+// Cuts attempts that run past their deadline or move fewer than stall_bytes in a stall_window
+// (RegistryOptions): httplib's timeouts are per read, so a registry that trickles a byte a
+// second, or answers headers and never a body, held a pull for ever. One thread per Registry
+// looks at every attempt in flight a few times a window and cuts one by Client::stop(), which
+// shuts its socket down (the one thing httplib allows from another thread); the attempt then
+// fails, and send() reads why from its watch. stop() waits while the attempt connects (httplib
+// connects under the lock stop() takes): the connection and read timeouts, set to twice the
+// window, bound that wait.
+class Registry::Watchdog {
+ public:
+  struct Watch {
+    httplib::Client* client = nullptr;
+    Clock::time_point deadline;
+    std::atomic<uint64_t> bytes{0};  // moved either way, counted by the attempt's thread
+    Clock::time_point mark;          // the start of the window being watched
+    uint64_t bytes_at_mark = 0;
+    std::string cut;  // why it was cut; empty while it was not
+  };
+
+  Watchdog(std::chrono::milliseconds window, uint64_t stall_bytes)
+      : window_(window),
+        stall_bytes_(stall_bytes),
+        tick_(std::clamp<std::chrono::milliseconds>(window / 4, std::chrono::milliseconds(10),
+                                                    std::chrono::milliseconds(500))),
+        thread_([this] { run(); }) {}
+  ~Watchdog() {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  Watchdog(const Watchdog&) = delete;
+  Watchdog& operator=(const Watchdog&) = delete;
+
+  // Watches `w` from now until the Guard goes.
+  class Guard {
+   public:
+    Guard(Watchdog& dog, Watch& w) : dog_(dog), w_(w) {
+      std::lock_guard lock(dog_.mu_);
+      w_.mark = Clock::now();
+      dog_.watches_.push_back(&w_);
+    }
+    ~Guard() { release(); }
+    Guard(const Guard&) = delete;
+    Guard& operator=(const Guard&) = delete;
+    // Stops watching; why the attempt was cut, or empty.
+    std::string release() {
+      std::lock_guard lock(dog_.mu_);
+      std::erase(dog_.watches_, &w_);
+      return w_.cut;
+    }
+
+   private:
+    Watchdog& dog_;
+    Watch& w_;
+  };
+
+ private:
+  void run() {
+    std::unique_lock lock(mu_);
+    while (!stopping_) {
+      cv_.wait_for(lock, tick_);
+      const auto now = Clock::now();
+      for (Watch* w : watches_) {
+        if (!w->cut.empty()) continue;
+        const uint64_t bytes = w->bytes.load(std::memory_order_relaxed);
+        if (now >= w->deadline) {
+          w->cut = "did not finish within its deadline";
+        } else if (now - w->mark >= window_) {
+          if (bytes - w->bytes_at_mark < stall_bytes_) {
+            w->cut = "moved " + std::to_string(bytes - w->bytes_at_mark) + " bytes in " +
+                     seconds_text(seconds(window_)) + " (the least is " +
+                     std::to_string(stall_bytes_) + ")";
+          }
+          w->mark = now;
+          w->bytes_at_mark = bytes;
+        }
+        if (!w->cut.empty()) w->client->stop();
+      }
+    }
+  }
+
+  const std::chrono::milliseconds window_;
+  const uint64_t stall_bytes_;
+  const std::chrono::milliseconds tick_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::vector<Watch*> watches_;
+  std::thread thread_;  // last: it starts when the rest is ready
+};
+
 // A connection borrowed from the pool for one call, returned to it after.
 class Registry::Lease {
  public:
@@ -301,6 +410,7 @@ struct Registry::Call {
   // Receives a 2xx answer's body; to stop it, sets `refusal` and returns false.
   std::function<bool(const char*, size_t)> on_body;
   std::optional<Error> refusal;  // why on_body stopped the answer: thrown as it is
+  uint64_t expect_bytes = 0;     // the answer's body at most, for the deadline
 };
 
 // What came back: the final answer after redirects, with the body of one that is not 2xx (its
@@ -321,7 +431,8 @@ Registry::Registry(OciRef ref, RegistryOptions options)
       options_(std::move(options)),
       credentials_(find_credentials(ref_.host, options_.auth_file)),
       origin_(origin_of(options_.plain_http ? "http" : "https", ref_.host)),
-      limiter_(options_.max_rate) {
+      limiter_(options_.max_rate),
+      watchdog_(std::make_unique<Watchdog>(options_.stall_window, options_.stall_bytes)) {
   if (!options_.ca_file.empty() && !std::filesystem::is_regular_file(options_.ca_file)) {
     throw Error(ErrorKind::kUsage,
                 options_.flag_prefix + "ca-file " + options_.ca_file + " is not a file");
@@ -341,9 +452,15 @@ Registry::~Registry() = default;
 std::unique_ptr<httplib::Client> Registry::make_client(const Origin& origin) const {
   auto c = std::make_unique<httplib::Client>(origin.scheme + "://" + origin.host + ":" +
                                              std::to_string(origin.port));
-  c->set_connection_timeout(10);
-  c->set_read_timeout(120);
-  c->set_write_timeout(120);
+  // Each at twice the watchdog's window: the watchdog cuts stalls first and tells why; these
+  // end a connect or TLS handshake that stalls, which it waits for (Watchdog).
+  const auto twice =
+      std::chrono::duration_cast<std::chrono::microseconds>(options_.stall_window * 2);
+  const auto sec = static_cast<time_t>(twice.count() / 1000000);
+  const auto usec = static_cast<time_t>(twice.count() % 1000000);
+  c->set_connection_timeout(std::min<time_t>(sec, 10), sec >= 10 ? 0 : usec);
+  c->set_read_timeout(sec, usec);
+  c->set_write_timeout(sec, usec);
   c->set_keep_alive(true);
   // Headers and body go out in separate writes: with Nagle's algorithm the body's last
   // segment would wait for the ACK of the headers (40 ms of delayed ACK per request).
@@ -362,7 +479,11 @@ std::unique_ptr<httplib::Client> Registry::make_client(const Origin& origin) con
 std::string Registry::where() const { return "registry " + ref_.host; }
 
 Registry::Answer Registry::send(httplib::Client& client, const Origin& origin, Call& call,
-                                const std::string& path, bool with_authorization) {
+                                const std::string& path, bool with_authorization,
+                                Clock::time_point deadline) {
+  Watchdog::Watch watch;
+  watch.client = &client;
+  watch.deadline = deadline;
   httplib::Request req;
   req.method = call.method;
   req.path = path;
@@ -374,7 +495,14 @@ Registry::Answer Registry::send(httplib::Client& client, const Origin& origin, C
   }
   if (call.method == "POST" || call.method == "PUT") {
     req.headers.emplace("Content-Type", call.content_type);
-    req.body.assign(call.body.data(), call.body.size());
+    // Written in pieces, each counted, so that the watchdog sees an upload move.
+    req.content_length_ = call.body.size();
+    req.content_provider_ = [&](size_t offset, size_t length, httplib::DataSink& sink) {
+      const size_t n = std::min<size_t>(length, 256u << 10);
+      if (!sink.write(call.body.data() + offset, n)) return false;
+      watch.bytes.fetch_add(n, std::memory_order_relaxed);
+      return true;
+    };
   }
   Answer a;
   a.host = origin.authority;
@@ -383,13 +511,19 @@ Registry::Answer Registry::send(httplib::Client& client, const Origin& origin, C
     return true;
   };
   req.content_receiver = [&](const char* p, size_t n, uint64_t, uint64_t) {
+    watch.bytes.fetch_add(n, std::memory_order_relaxed);
     if (a.status >= 200 && a.status < 300 && call.on_body) return call.on_body(p, n);
     if (a.body.size() < 4096) a.body.append(p, std::min(n, 4096 - a.body.size()));
     return true;
   };
   httplib::Response res;
   httplib::Error err = httplib::Error::Success;
-  if (!client.send(req, res, err)) {
+  Watchdog::Guard guard(*watchdog_, watch);
+  const bool sent = client.send(req, res, err);
+  if (std::string cut = guard.release(); !cut.empty()) {
+    throw Transient{origin.authority + " " + cut, true};
+  }
+  if (!sent) {
     if (err == httplib::Error::SSLServerVerification || err == httplib::Error::SSLConnection) {
       throw Error(ErrorKind::kEnvironment,
                   origin.authority + ": TLS failed (" + httplib::to_string(err) + ")",
@@ -410,8 +544,14 @@ Registry::Answer Registry::exchange(Call& call) {
   std::unique_ptr<httplib::Client> elsewhere;  // a redirect's target's connection
   Origin origin = origin_;
   std::string path = call.path;
+  // The attempt's deadline, for all its hops: the constant, and the body at the least rate.
+  uint64_t rate = options_.min_rate;
+  if (options_.max_rate != 0) rate = std::min(rate, options_.max_rate);
+  const uint64_t bytes = std::max<uint64_t>(call.body.size(), call.expect_bytes);
+  const auto deadline = Clock::now() + options_.deadline_base +
+                        std::chrono::milliseconds(bytes * 1000 / std::max<uint64_t>(rate, 1));
   for (int hop = 0;; ++hop) {
-    Answer a = send(*client, origin, call, path, origin == origin_);
+    Answer a = send(*client, origin, call, path, origin == origin_, deadline);
     if (!is_redirect(a.status)) return a;
     if (hop >= options_.max_redirects) {
       throw Error(ErrorKind::kEnvironment,
@@ -468,14 +608,27 @@ void Registry::fail(const Answer& a, const std::string& what) const {
               "check the registry's log");
 }
 
+// Runs `fn` until it returns, retrying a Transient failure after a backoff: at most
+// `retries` times, and a stalled attempt at most `stall_retries` times. Gives up with kTimeout
+// when the last attempt stalled, else with kEnvironment.
 template <class Fn>
 static auto with_retries(const RegistryOptions& o, const std::string& what,
                          const std::string& where, Fn&& fn) {
+  int stalls = 0;
   for (int attempt = 0;; ++attempt) {
     try {
       return fn();
     } catch (const Transient& t) {
-      if (attempt >= o.retries) {
+      if (t.stalled) ++stalls;
+      if (attempt >= o.retries || (t.stalled && stalls > o.stall_retries)) {
+        if (t.stalled) {
+          throw Error(ErrorKind::kTimeout,
+                      // NOLINTNEXTLINE(performance-inefficient-string-concatenation): thrown once
+                      where + ": cannot " + what + ": " + t.what + ", " + std::to_string(stalls) +
+                          (stalls == 1 ? " time" : " times"),
+                      "check the registry and the network to it (the bounds of a request are in "
+                      "`gpusnap push --help`)");
+        }
         throw Error(ErrorKind::kEnvironment,
                     // NOLINTNEXTLINE(performance-inefficient-string-concatenation): thrown once
                     where + ": cannot " + what + " after " + std::to_string(attempt + 1) +
@@ -559,6 +712,7 @@ std::string Registry::fetch_blob(const std::string& digest, uint64_t size) {
     data.reserve(size);
     Sha256 hash;
     Call call{"GET", "/v2/" + ref_.repository + "/blobs/" + digest};
+    call.expect_bytes = size;
     call.on_body = [&](const char* p, size_t n) {
       if (data.size() + n > size) {
         call.refusal = Error(ErrorKind::kBadArtifact,
@@ -610,6 +764,7 @@ std::pair<std::string, std::string> Registry::fetch_manifest() {
     std::string data;
     Call call{"GET", "/v2/" + ref_.repository + "/manifests/" + ref_.reference(),
               httplib::Headers{{"Accept", "application/vnd.oci.image.manifest.v1+json"}}};
+    call.expect_bytes = kMaxManifestBytes;
     call.on_body = [&](const char* p, size_t n) {
       if (data.size() + n > kMaxManifestBytes) {
         call.refusal =

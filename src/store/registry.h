@@ -50,6 +50,16 @@ struct RegistryOptions {
   std::string flag_prefix = "--";
   // Redirects followed for one request: docker-registry and object storage need one.
   int max_redirects = 5;
+  // The bounds of one attempt at a request (docs/store.md, "Bounds"): it must end within
+  // `deadline_base` plus its body's size at `min_rate` bytes a second, and is cut when fewer
+  // than `stall_bytes` move in a `stall_window`. A cut attempt counts as a retry, and after
+  // `stall_retries` more the request fails with kTimeout: a registry that stopped answering
+  // will not answer the next attempt either. Tests shrink them to run in seconds.
+  std::chrono::milliseconds deadline_base{60000};
+  uint64_t min_rate = 64 << 10;
+  std::chrono::milliseconds stall_window{30000};
+  uint64_t stall_bytes = 1024;
+  int stall_retries = 1;
 };
 
 struct Credentials {
@@ -123,6 +133,7 @@ class Registry {
 
  private:
   class Lease;
+  class Watchdog;
   struct Call;
   struct Answer;
   bool upload(const std::string& digest, std::string_view data, bool mount);
@@ -131,7 +142,7 @@ class Registry {
   // failures throw Transient (retried by the caller); a bad redirect throws Error.
   Answer exchange(Call& call);
   Answer send(httplib::Client& client, const Origin& origin, Call& call, const std::string& path,
-              bool with_authorization);
+              bool with_authorization, std::chrono::steady_clock::time_point deadline);
   [[noreturn]] void fail(const Answer& answer, const std::string& what) const;
   std::string where() const;  // "registry HOST" for messages
 
@@ -142,6 +153,7 @@ class Registry {
   RateLimiter limiter_;
   std::mutex pool_mu_;
   std::vector<std::unique_ptr<httplib::Client>> pool_;
+  std::unique_ptr<Watchdog> watchdog_;  // declared last: its thread stops first
 };
 
 }  // namespace gpusnap::store

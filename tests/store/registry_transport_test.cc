@@ -219,5 +219,132 @@ TEST_F(RegistryTransport, BadRedirectsAreClearErrorsNamingTheHost) {
   EXPECT_EQ(empty_storage.seen().size(), 1u);
 }
 
+// A TCP server on loopback that misbehaves as a registry can: each connection's request is read
+// (up to its blank line), then `behave` gets the socket and a flag that says the test is over.
+class RawServer {
+ public:
+  using Behaviour = std::function<void(int fd, const std::atomic<bool>& over)>;
+  explicit RawServer(Behaviour behave) : behave_(std::move(behave)) {
+    listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    if (::bind(listener_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+        ::listen(listener_, 16) != 0 ||
+        ::getsockname(listener_, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+      throw std::runtime_error("cannot listen on loopback");
+    }
+    port_ = ntohs(a.sin_port);
+    accepter_ = std::thread([this] { accept_loop(); });
+  }
+  RawServer(const RawServer&) = delete;
+  RawServer& operator=(const RawServer&) = delete;
+  ~RawServer() {
+    over_ = true;
+    ::shutdown(listener_, SHUT_RDWR);
+    accepter_.join();
+    for (auto& t : connections_) t.join();
+    ::close(listener_);
+  }
+  std::string host() const { return "127.0.0.1:" + std::to_string(port_); }
+  int accepted() const { return accepted_; }
+
+ private:
+  void accept_loop() {
+    while (!over_) {
+      int fd = ::accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd < 0) return;
+      ++accepted_;
+      connections_.emplace_back([this, fd] {
+        std::string head;
+        char ch = 0;
+        while (head.find("\r\n\r\n") == std::string::npos && ::read(fd, &ch, 1) == 1) head += ch;
+        behave_(fd, over_);
+        ::close(fd);
+      });
+    }
+  }
+
+  Behaviour behave_;
+  int listener_ = -1;
+  uint16_t port_ = 0;
+  std::atomic<bool> over_{false};
+  std::atomic<int> accepted_{0};
+  std::thread accepter_;
+  std::vector<std::thread> connections_;  // joined at the end
+};
+
+// Sleeps `d` unless the test ends first.
+void nap(std::chrono::milliseconds d, const std::atomic<bool>& over) {
+  const auto until = std::chrono::steady_clock::now() + d;
+  while (!over && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+// Small bounds, so that a stall is seen in half a second: 16 bytes in 0.5 s, 2 s and 1 MiB/s.
+RegistryOptions tight_bounds() {
+  RegistryOptions o;
+  o.plain_http = true;
+  o.retries = 5;
+  o.backoff = std::chrono::milliseconds(10);
+  o.stall_window = std::chrono::milliseconds(500);
+  o.stall_bytes = 16;
+  o.deadline_base = std::chrono::milliseconds(2000);
+  o.min_rate = 1 << 20;
+  o.stall_retries = 1;
+  return o;
+}
+
+// Fetches a 1 MiB blob from `server` with tight_bounds(); expects exit 11 naming the server
+// and `why`, with two attempts (the stall retried once), within `bound`.
+void expect_timeout(const RawServer& server, const std::string& why,
+                    std::chrono::milliseconds bound) {
+  Registry r(OciRef::parse("oci://" + server.host() + "/r/stalls:1"), tight_bounds());
+  const auto start = std::chrono::steady_clock::now();
+  const std::string message =
+      expect_error([&] { r.fetch_blob(store::sha256_digest("x"), 1 << 20); }, ErrorKind::kTimeout,
+                   "registry " + server.host() + ": cannot fetch blob sha256:");
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_NE(message.find(why), std::string::npos) << message;
+  EXPECT_NE(message.find("2 times"), std::string::npos) << message;
+  EXPECT_LT(took, bound) << message;
+  EXPECT_EQ(server.accepted(), 2) << message;
+}
+
+TEST(RegistryBounds, ASilentRegistryFailsWithExit11WithinTheWindow) {
+  RawServer silent([](int, const std::atomic<bool>& over) {
+    nap(std::chrono::seconds(60), over);  // accepts, reads the request, never answers
+  });
+  // Two attempts, each cut after one or two windows of 0.5 s.
+  expect_timeout(silent, "moved 0 bytes in 0.5 s", std::chrono::milliseconds(3000));
+}
+
+TEST(RegistryBounds, ATricklingRegistryFailsWithExit11WithinTheWindow) {
+  RawServer trickle([](int fd, const std::atomic<bool>& over) {
+    // The headers at once, then the body a byte at a time, 4 bytes a second.
+    const std::string head = "HTTP/1.1 200 OK\r\nContent-Length: 1048576\r\n\r\n";
+    if (::send(fd, head.data(), head.size(), MSG_NOSIGNAL) < 0) return;
+    while (!over && ::send(fd, "x", 1, MSG_NOSIGNAL) == 1)
+      nap(std::chrono::milliseconds(250), over);
+  });
+  expect_timeout(trickle, "bytes in 0.5 s (the least is 16)", std::chrono::milliseconds(3000));
+}
+
+TEST(RegistryBounds, ASlowRegistryFailsAtTheDeadlineOfItsBody) {
+  RawServer slow([](int fd, const std::atomic<bool>& over) {
+    // 4 KiB a second: above the stall's 16 bytes in 0.5 s, far below the deadline's 1 MiB/s
+    // (2 s + 1 s for 1 MiB).
+    const std::string head = "HTTP/1.1 200 OK\r\nContent-Length: 1048576\r\n\r\n";
+    if (::send(fd, head.data(), head.size(), MSG_NOSIGNAL) < 0) return;
+    const std::string piece(400, 'x');
+    while (!over && ::send(fd, piece.data(), piece.size(), MSG_NOSIGNAL) > 0) {
+      nap(std::chrono::milliseconds(100), over);
+    }
+  });
+  expect_timeout(slow, "did not finish within its deadline", std::chrono::milliseconds(8000));
+}
+
 }  // namespace
 }  // namespace gpusnap::testing
