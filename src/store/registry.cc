@@ -7,7 +7,9 @@
 // 8 MiB chunk. This is the only file of gpusnap that includes it.
 #define CPPHTTPLIB_RECV_BUFSIZ size_t(256u << 10)
 #include <httplib.h>
+#include <openssl/err.h>
 #include <openssl/evp.h>
+#include <openssl/x509_vfy.h>
 
 #include <algorithm>
 #include <atomic>
@@ -398,6 +400,86 @@ Target resolve_location(const std::string& location, const Origin& from) {
   return t;
 }
 
+namespace {
+
+std::string lower(std::string s) {
+  for (auto& ch : s) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  return s;
+}
+
+// %XX escapes of a URL's user and password.
+std::string percent_decode(const std::string& s) {
+  std::string out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '%' && i + 2 < s.size() && std::isxdigit(static_cast<unsigned char>(s[i + 1])) &&
+        std::isxdigit(static_cast<unsigned char>(s[i + 2]))) {
+      out += static_cast<char>(std::stoi(s.substr(i + 1, 2), nullptr, 16));
+      i += 2;
+    } else {
+      out += s[i];
+    }
+  }
+  return out;
+}
+
+bool no_proxy_covers(const std::string& list, const std::string& host, int port) {
+  const std::string h = lower(host);
+  size_t at = 0;
+  while (at <= list.size()) {
+    size_t comma = list.find(',', at);
+    if (comma == std::string::npos) comma = list.size();
+    std::string entry = list.substr(at, comma - at);
+    at = comma + 1;
+    entry.erase(0, entry.find_first_not_of(" \t"));
+    entry.erase(entry.find_last_not_of(" \t") + 1);
+    if (entry.empty()) continue;
+    if (entry == "*") return true;
+    std::string name;
+    const int p = parse_port(entry, name, 0);
+    if (p < 0 || (p != 0 && p != port)) continue;
+    name = lower(name);
+    if (name.starts_with(".")) name.erase(0, 1);
+    if (h == name || (h.size() > name.size() && h.ends_with("." + name))) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+Proxy proxy_for(const std::string& scheme, const std::string& host, int port) {
+  const char* names[2] = {"http_proxy", "HTTP_PROXY"};
+  if (scheme == "https") names[0] = "https_proxy", names[1] = "HTTPS_PROXY";
+  const char* url = env(names[0]);
+  const char* name = names[0];
+  if (url == nullptr) url = env(name = names[1]);
+  if (url == nullptr) return {};
+  const char* no = env("no_proxy");
+  if (no == nullptr) no = env("NO_PROXY");
+  if (no != nullptr && no_proxy_covers(no, host, port)) return {};
+  std::string rest = url;
+  auto bad = [&](const std::string& why) {
+    return Error(ErrorKind::kUsage, std::string(name) + "=" + printable(url) + ": " + why,
+                 "write http://[USER:PASSWORD@]HOST[:PORT], or name the registry in NO_PROXY");
+  };
+  if (auto sep = rest.find("://"); sep != std::string::npos) {
+    if (lower(rest.substr(0, sep)) != "http")
+      throw bad("gpusnap speaks to proxies in http:// only");
+    rest.erase(0, sep + 3);
+  }
+  if (auto slash = rest.find('/'); slash != std::string::npos) rest.resize(slash);
+  Proxy p;
+  if (auto at = rest.rfind('@'); at != std::string::npos) {
+    const std::string user = rest.substr(0, at);
+    const auto colon = user.find(':');
+    p.username = percent_decode(user.substr(0, colon));
+    if (colon != std::string::npos) p.password = percent_decode(user.substr(colon + 1));
+    rest.erase(0, at + 1);
+  }
+  p.port = parse_port(rest, p.host, 80);
+  if (p.port < 0 || p.host.empty()) throw bad("not HOST[:PORT] with a port of 1 to 65535");
+  return p;
+}
+
 // One request as Registry::exchange sends it.
 struct Registry::Call {
   Call(std::string m, std::string p, httplib::Headers h = {})
@@ -449,9 +531,71 @@ Registry::Registry(OciRef ref, RegistryOptions options)
 
 Registry::~Registry() = default;
 
+namespace {
+
+// The *.crt (CAs) and NAME.cert + NAME.key (client certificates) of the certs.d directories for
+// `authority`, as containers/image reads them.
+struct CertsD {
+  std::vector<std::string> cas;
+  std::string cert;
+  std::string key;
+};
+
+CertsD certs_d(const std::vector<std::string>& roots, const std::string& authority) {
+  CertsD out;
+  for (const auto& root : roots) {
+    const std::filesystem::path dir = std::filesystem::path(root) / authority;
+    std::error_code ec;
+    if (!std::filesystem::is_directory(dir, ec)) continue;
+    std::vector<std::filesystem::path> files;
+    for (const auto& e : std::filesystem::directory_iterator(dir, ec)) files.push_back(e.path());
+    std::sort(files.begin(), files.end());
+    for (const auto& f : files) {
+      if (f.extension() == ".crt") out.cas.push_back(f.string());
+      if (f.extension() == ".cert" && out.cert.empty()) {
+        auto key = f;
+        key.replace_extension(".key");
+        if (!std::filesystem::is_regular_file(key, ec)) {
+          throw Error(ErrorKind::kEnvironment,
+                      "client certificate " + f.string() + " has no key beside it",
+                      "put its key in " + key.string() + ", or remove the certificate");
+        }
+        out.cert = f.string();
+        out.key = key.string();
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::unique_ptr<X509_STORE, void (*)(X509_STORE*)> Registry::trust_store(
+    const Origin& origin) const {
+  std::unique_ptr<X509_STORE, void (*)(X509_STORE*)> store(X509_STORE_new(), X509_STORE_free);
+  if (!store) throw Error(ErrorKind::kInternal, "out of memory for the TLS trust store");
+  // The system's first (OpenSSL's default paths, which SSL_CERT_FILE and SSL_CERT_DIR move),
+  // then what --ca-file and certs.d add: a private CA for one registry must not take the
+  // public ones away from the CDN its blobs are redirected to.
+  X509_STORE_set_default_paths(store.get());
+  std::vector<std::string> files = certs_d(options_.certs_dirs, origin.authority).cas;
+  if (!options_.ca_file.empty()) files.insert(files.begin(), options_.ca_file);
+  for (const auto& f : files) {
+    if (X509_STORE_load_locations(store.get(), f.c_str(), nullptr) != 1) {
+      ERR_clear_error();
+      throw Error(ErrorKind::kUsage, "cannot read CA certificates from " + f,
+                  "give a PEM file of CA certificates");
+    }
+  }
+  return store;
+}
+
 std::unique_ptr<httplib::Client> Registry::make_client(const Origin& origin) const {
-  auto c = std::make_unique<httplib::Client>(origin.scheme + "://" + origin.host + ":" +
-                                             std::to_string(origin.port));
+  const std::string url = origin.scheme + "://" + origin.host + ":" + std::to_string(origin.port);
+  const CertsD own =
+      origin.scheme == "https" ? certs_d(options_.certs_dirs, origin.authority) : CertsD{};
+  auto c = own.cert.empty() ? std::make_unique<httplib::Client>(url)
+                            : std::make_unique<httplib::Client>(url, own.cert, own.key);
   // Each at twice the watchdog's window: the watchdog cuts stalls first and tells why; these
   // end a connect or TLS handshake that stalls, which it waits for (Watchdog).
   const auto twice =
@@ -469,14 +613,23 @@ std::unique_ptr<httplib::Client> Registry::make_client(const Origin& origin) con
   // header on to whatever host a redirect names, and from https on to http.
   c->set_follow_location(false);
   c->set_default_headers({{"User-Agent", std::string("gpusnap/") + GPUSNAP_VERSION}});
+  const Proxy proxy = proxy_for(origin.scheme, origin.host, origin.port);
+  if (!proxy.host.empty()) {
+    c->set_proxy(proxy.host, proxy.port);
+    if (!proxy.username.empty()) c->set_proxy_basic_auth(proxy.username, proxy.password);
+  }
   if (origin.scheme == "https") {
     c->enable_server_certificate_verification(true);
-    if (!options_.ca_file.empty()) c->set_ca_cert_path(options_.ca_file);
+    c->set_ca_cert_store(trust_store(origin).release());  // the client's SSL context owns it
   }
   return c;
 }
 
 std::string Registry::where() const { return "registry " + ref_.host; }
+
+std::string Registry::answered_by(const std::string& host) const {
+  return host == ref_.host ? where() : host + " (a redirect of " + where() + ")";
+}
 
 Registry::Answer Registry::send(httplib::Client& client, const Origin& origin, Call& call,
                                 const std::string& path, bool with_authorization,
@@ -587,9 +740,7 @@ void Registry::fail(const Answer& a, const std::string& what) const {
   }
   const std::string body = printable(a.body, 300);
   const std::string flags = options_.flag_prefix;
-  // Who answered: the registry, or the host a redirect sent the request on to.
-  const std::string who =
-      a.host == ref_.host ? where() : a.host + " (a redirect of " + where() + ")";
+  const std::string who = answered_by(a.host);
   if (status == 401 || status == 403) {
     throw Error(ErrorKind::kEnvironment,
                 who + " refused to " + what + " (HTTP " + std::to_string(status) + ")",
@@ -730,14 +881,15 @@ std::string Registry::fetch_blob(const std::string& digest, uint64_t size) {
     if (a.status != 200) fail(a, what);
     if (data.size() != size) {
       throw Error(ErrorKind::kBadArtifact,
-                  "blob " + digest + " from " + a.host + " has " + std::to_string(data.size()) +
-                      " bytes where its size is " + std::to_string(size),
+                  "blob " + digest + " from " + answered_by(a.host) + " has " +
+                      std::to_string(data.size()) + " bytes where its size is " +
+                      std::to_string(size),
                   "the registry's copy is damaged: push the artifact again");
     }
     const std::string got = hash.finish();
     if (got != digest) {
       throw Error(ErrorKind::kBadArtifact,
-                  "blob " + digest + " from " + a.host +
+                  "blob " + digest + " from " + answered_by(a.host) +
                       " does not match its digest (its bytes hash to " + got + ")",
                   "the registry's copy is damaged: push the artifact again");
     }

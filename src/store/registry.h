@@ -17,6 +17,7 @@
 namespace httplib {
 class Client;
 }
+struct x509_store_st;  // OpenSSL's X509_STORE
 
 namespace gpusnap::store {
 
@@ -40,9 +41,11 @@ struct OciRef {
 
 struct RegistryOptions {
   bool plain_http = false;  // http:// (for a registry on loopback or a trusted network)
-  std::string ca_file;      // PEM bundle the registry's certificate must chain to
-  std::string auth_file;    // auth.json / config.json; empty: the usual places
-  int retries = 5;          // attempts after the first
+  // PEM bundle of CAs the registry's certificate may chain to, besides the system's (OpenSSL's
+  // default paths: SSL_CERT_FILE, SSL_CERT_DIR) and those of certs.d.
+  std::string ca_file;
+  std::string auth_file;  // auth.json / config.json; empty: the usual places
+  int retries = 5;        // attempts after the first
   std::chrono::milliseconds backoff{200};
   uint64_t max_rate = 0;  // bytes per second across all transfers; 0: no limit
   // How the caller spells the settings its errors' hints name (store/flags.h): "--" for the
@@ -60,7 +63,24 @@ struct RegistryOptions {
   std::chrono::milliseconds stall_window{30000};
   uint64_t stall_bytes = 1024;
   int stall_retries = 1;
+  // Where the node keeps per-registry trust, as podman and docker do: DIR/HOST[:PORT]/ with
+  // *.crt (CAs, added to the system's) and NAME.cert + NAME.key (a client certificate). Every
+  // existing one is read, in this order. Tests point them elsewhere.
+  std::vector<std::string> certs_dirs = {"/etc/containers/certs.d", "/etc/docker/certs.d"};
 };
+
+// The proxy for an origin, from HTTPS_PROXY / HTTP_PROXY (lower-case first, as curl reads them)
+// unless NO_PROXY names the host: "*", a host or domain (".example.com" and "example.com" both
+// cover its subdomains), an IP address, each optionally with ":PORT". Only http:// proxies
+// (CONNECT for https). Empty host: no proxy. Throws Error(kUsage) for a proxy URL that is not
+// one.
+struct Proxy {
+  std::string host;
+  int port = 0;
+  std::string username;
+  std::string password;
+};
+Proxy proxy_for(const std::string& scheme, const std::string& host, int port);
 
 struct Credentials {
   std::string username;
@@ -138,6 +158,8 @@ class Registry {
   struct Answer;
   bool upload(const std::string& digest, std::string_view data, bool mount);
   std::unique_ptr<httplib::Client> make_client(const Origin& origin) const;
+  // The CAs a connection to `origin` trusts: the system's, --ca-file's, certs.d's.
+  std::unique_ptr<x509_store_st, void (*)(x509_store_st*)> trust_store(const Origin& origin) const;
   // One request and the redirects it is sent on, on a connection of the pool. Transport
   // failures throw Transient (retried by the caller); a bad redirect throws Error.
   Answer exchange(Call& call);
@@ -145,6 +167,8 @@ class Registry {
               bool with_authorization, std::chrono::steady_clock::time_point deadline);
   [[noreturn]] void fail(const Answer& answer, const std::string& what) const;
   std::string where() const;  // "registry HOST" for messages
+  // where(), or "HOST (a redirect of registry R)" for the target of a redirect.
+  std::string answered_by(const std::string& host) const;
 
   OciRef ref_;
   RegistryOptions options_;

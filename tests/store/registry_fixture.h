@@ -25,7 +25,7 @@ class LocalRegistry {
     std::string address = "127.0.0.1";
     // More of the registry's configuration (YAML, top level): a storage middleware, token
     // authentication.
-    std::string extra_config;
+    std::string extra_config = {};
   };
 
   // Why the registry cannot run here (docker-registry, openssl or htpasswd missing).

@@ -5,6 +5,7 @@
 // registry through them, so what holds here holds for each.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -12,6 +13,7 @@
 #include <chrono>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -42,6 +44,7 @@ struct Seen {
   std::string method;
   std::string path;
   std::string authorization;
+  std::string user_agent;
 };
 
 // An HTTP server of the test's own on loopback, answering every request with `handler` and
@@ -53,7 +56,8 @@ class TestServer {
     auto record = [this](const httplib::Request& req, httplib::Response& res) {
       {
         std::lock_guard lock(mu_);
-        seen_.push_back({req.method, req.path, req.get_header_value("Authorization")});
+        seen_.push_back({req.method, req.path, req.get_header_value("Authorization"),
+                         req.get_header_value("User-Agent")});
       }
       handler_(req, res);
     };
@@ -219,11 +223,28 @@ TEST_F(RegistryTransport, BadRedirectsAreClearErrorsNamingTheHost) {
   EXPECT_EQ(empty_storage.seen().size(), 1u);
 }
 
+// Sets an environment variable for one test (unset: nullptr), and restores it after.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    value != nullptr ? ::setenv(name, value, 1) : ::unsetenv(name);
+  }
+  ~ScopedEnv() { old_ ? ::setenv(name_, old_->c_str(), 1) : ::unsetenv(name_); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
 // A TCP server on loopback that misbehaves as a registry can: each connection's request is read
 // (up to its blank line), then `behave` gets the socket and a flag that says the test is over.
 class RawServer {
  public:
-  using Behaviour = std::function<void(int fd, const std::atomic<bool>& over)>;
+  using Behaviour =
+      std::function<void(int fd, const std::string& head, const std::atomic<bool>& over)>;
   explicit RawServer(Behaviour behave) : behave_(std::move(behave)) {
     listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     sockaddr_in a{};
@@ -260,7 +281,7 @@ class RawServer {
         std::string head;
         char ch = 0;
         while (head.find("\r\n\r\n") == std::string::npos && ::read(fd, &ch, 1) == 1) head += ch;
-        behave_(fd, over_);
+        behave_(fd, head, over_);
         ::close(fd);
       });
     }
@@ -314,7 +335,7 @@ void expect_timeout(const RawServer& server, const std::string& why,
 }
 
 TEST(RegistryBounds, ASilentRegistryFailsWithExit11WithinTheWindow) {
-  RawServer silent([](int, const std::atomic<bool>& over) {
+  RawServer silent([](int, const std::string&, const std::atomic<bool>& over) {
     nap(std::chrono::seconds(60), over);  // accepts, reads the request, never answers
   });
   // Two attempts, each cut after one or two windows of 0.5 s.
@@ -322,7 +343,7 @@ TEST(RegistryBounds, ASilentRegistryFailsWithExit11WithinTheWindow) {
 }
 
 TEST(RegistryBounds, ATricklingRegistryFailsWithExit11WithinTheWindow) {
-  RawServer trickle([](int fd, const std::atomic<bool>& over) {
+  RawServer trickle([](int fd, const std::string&, const std::atomic<bool>& over) {
     // The headers at once, then the body a byte at a time, 4 bytes a second.
     const std::string head = "HTTP/1.1 200 OK\r\nContent-Length: 1048576\r\n\r\n";
     if (::send(fd, head.data(), head.size(), MSG_NOSIGNAL) < 0) return;
@@ -333,7 +354,7 @@ TEST(RegistryBounds, ATricklingRegistryFailsWithExit11WithinTheWindow) {
 }
 
 TEST(RegistryBounds, ASlowRegistryFailsAtTheDeadlineOfItsBody) {
-  RawServer slow([](int fd, const std::atomic<bool>& over) {
+  RawServer slow([](int fd, const std::string&, const std::atomic<bool>& over) {
     // 4 KiB a second: above the stall's 16 bytes in 0.5 s, far below the deadline's 1 MiB/s
     // (2 s + 1 s for 1 MiB).
     const std::string head = "HTTP/1.1 200 OK\r\nContent-Length: 1048576\r\n\r\n";
@@ -344,6 +365,175 @@ TEST(RegistryBounds, ASlowRegistryFailsAtTheDeadlineOfItsBody) {
     }
   });
   expect_timeout(slow, "did not finish within its deadline", std::chrono::milliseconds(8000));
+}
+
+// Copies bytes both ways between two sockets until either side closes or the test ends.
+void pipe_both_ways(int a, int b, const std::atomic<bool>& over) {
+  char buf[65536];
+  while (!over) {
+    pollfd fds[2] = {{a, POLLIN, 0}, {b, POLLIN, 0}};
+    if (::poll(fds, 2, 100) < 0) return;
+    for (int i = 0; i < 2; ++i) {
+      if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
+      const ssize_t n = ::read(fds[i].fd, buf, sizeof buf);
+      if (n <= 0) return;
+      if (::send(fds[1 - i].fd, buf, static_cast<size_t>(n), MSG_NOSIGNAL) != n) return;
+    }
+  }
+}
+
+int connect_to(const std::string& host_port) {
+  const auto colon = host_port.rfind(':');
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(std::stoi(host_port.substr(colon + 1))));
+  ::inet_pton(AF_INET, host_port.substr(0, colon).c_str(), &a.sin_addr);
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// A forward proxy: CONNECT HOST:PORT tunnels (https), an absolute-form request is passed on
+// to its host (http). Records each connection's first request line.
+class TestProxy {
+ public:
+  TestProxy()
+      : server_([this](int fd, const std::string& head, const std::atomic<bool>& over) {
+          const std::string line = head.substr(0, head.find("\r\n"));
+          {
+            std::lock_guard lock(mu_);
+            lines_.push_back(line);
+          }
+          std::string target;
+          if (line.starts_with("CONNECT ")) {
+            target = line.substr(8, line.find(' ', 8) - 8);
+          } else if (auto at = line.find(" http://"); at != std::string::npos) {
+            target = line.substr(at + 8, line.find('/', at + 8) - at - 8);
+          }
+          const int up = target.empty() ? -1 : connect_to(target);
+          if (up < 0) {
+            const std::string no = "HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n";
+            (void)::send(fd, no.data(), no.size(), MSG_NOSIGNAL);
+            return;
+          }
+          const std::string ok = "HTTP/1.1 200 Connection established\r\n\r\n";
+          if (line.starts_with("CONNECT ")) {
+            (void)::send(fd, ok.data(), ok.size(), MSG_NOSIGNAL);
+          } else {
+            (void)::send(up, head.data(), head.size(), MSG_NOSIGNAL);
+          }
+          pipe_both_ways(fd, up, over);
+          ::close(up);
+        }) {}
+  std::string url() const { return "http://" + server_.host(); }
+  std::vector<std::string> lines() const {
+    std::lock_guard lock(mu_);
+    return lines_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<std::string> lines_;
+  RawServer server_;  // last: it stops (joining its threads) before the rest goes
+};
+
+TEST_F(RegistryTransport, ProxiesFromTheEnvironmentAndNoProxy) {
+  LocalRegistry plain(dir_, {});
+  LocalRegistry::Options o;
+  o.tls = true;
+  LocalRegistry tls(dir_, o);
+  TestProxy proxy;
+  ScopedEnv a("http_proxy", nullptr), b("https_proxy", nullptr), c("no_proxy", nullptr);
+  ScopedEnv d("HTTP_PROXY", proxy.url().c_str()), e("HTTPS_PROXY", proxy.url().c_str());
+  ScopedEnv f("NO_PROXY", "example.com, .internal");
+  const std::string data = blob_of(3);
+  const std::string digest = store::sha256_digest(data);
+
+  RegistryOptions po;
+  po.plain_http = true;
+  Registry over_http(OciRef::parse(plain.ref("t/proxied:1")), po);
+  over_http.upload_blob(digest, data);
+  EXPECT_EQ(over_http.fetch_blob(digest, data.size()), data);
+  auto lines = proxy.lines();
+  ASSERT_FALSE(lines.empty());
+  EXPECT_TRUE(lines[0].starts_with("POST http://" + plain.host() + "/v2/t/proxied/blobs/uploads/"))
+      << lines[0];
+
+  RegistryOptions to;
+  to.ca_file = tls.ca_file().string();
+  Registry over_tls(OciRef::parse(tls.ref("t/proxied:1")), to);
+  over_tls.upload_blob(digest, data);
+  EXPECT_EQ(over_tls.fetch_blob(digest, data.size()), data);
+  lines = proxy.lines();
+  EXPECT_NE(std::find(lines.begin(), lines.end(), "CONNECT " + tls.host() + " HTTP/1.1"),
+            lines.end());
+
+  // NO_PROXY naming the registry's address (with and without its port): straight to it.
+  const size_t before = proxy.lines().size();
+  for (const std::string& no :
+       std::vector<std::string>{"127.0.0.1", "localhost, " + tls.host(), "*"}) {
+    ScopedEnv g("NO_PROXY", no.c_str());
+    Registry direct(OciRef::parse(tls.ref("t/proxied:1")), to);
+    EXPECT_EQ(direct.fetch_blob(digest, data.size()), data) << no;
+  }
+  EXPECT_EQ(proxy.lines().size(), before);
+
+  ScopedEnv h("HTTPS_PROXY", "socks5://127.0.0.1:1080");
+  Registry socks(OciRef::parse(tls.ref("t/proxied:1")), to);
+  expect_error([&] { socks.blob_exists(digest); }, ErrorKind::kUsage,
+               "HTTPS_PROXY=socks5://127.0.0.1:1080: gpusnap speaks to proxies in http:// only");
+}
+
+TEST_F(RegistryTransport, CertsDirectoriesAndCaFileAddToTheSystemsTrust) {
+  LocalRegistry::Options o;
+  o.tls = true;
+  LocalRegistry first(dir_, o);
+  LocalRegistry second(dir_, o);  // another CA
+  const std::string data = blob_of(4);
+  const std::string digest = store::sha256_digest(data);
+
+  RegistryOptions ro;
+  ro.retries = 0;
+  ro.certs_dirs = {(dir_ / "containers-certs.d").string(), (dir_ / "docker-certs.d").string()};
+  Registry untrusted(OciRef::parse(first.ref("t/trust:1")), ro);
+  expect_error([&] { untrusted.blob_exists(digest); }, ErrorKind::kEnvironment, "TLS failed");
+
+  // docker's convention (the second root): HOST:PORT/ca.crt.
+  sfs::create_directories(dir_ / "docker-certs.d" / first.host());
+  sfs::copy_file(first.ca_file(), dir_ / "docker-certs.d" / first.host() / "ca.crt");
+  Registry trusted(OciRef::parse(first.ref("t/trust:1")), ro);
+  trusted.upload_blob(digest, data);
+  EXPECT_TRUE(trusted.blob_exists(digest));
+
+  // The system's CAs (here SSL_CERT_FILE, which OpenSSL's default paths read) stay trusted
+  // with --ca-file: the file adds the second registry's CA to them.
+  ScopedEnv cert_file("SSL_CERT_FILE", first.ca_file().c_str());
+  RegistryOptions both = ro;
+  both.certs_dirs = {};
+  both.ca_file = second.ca_file().string();
+  Registry to_first(OciRef::parse(first.ref("t/trust:1")), both);
+  EXPECT_TRUE(to_first.blob_exists(digest));
+  Registry to_second(OciRef::parse(second.ref("t/trust:1")), both);
+  to_second.upload_blob(digest, data);
+  EXPECT_TRUE(to_second.blob_exists(digest));
+
+  // A client certificate without its key is named.
+  fs::write_file(dir_ / "docker-certs.d" / first.host() / "client.cert", "x");
+  expect_error([&] { Registry(OciRef::parse(first.ref("t/trust:1")), ro).blob_exists(digest); },
+               ErrorKind::kEnvironment, "client.cert has no key beside it");
+}
+
+TEST_F(RegistryTransport, TheUserAgentNamesGpusnapAndItsVersion) {
+  TestServer server([](const httplib::Request&, httplib::Response& res) { res.status = 404; });
+  RegistryOptions ro;
+  ro.plain_http = true;
+  Registry r(OciRef::parse("oci://" + server.host() + "/t/agent:1"), ro);
+  EXPECT_FALSE(r.blob_exists(store::sha256_digest("x")));
+  ASSERT_EQ(server.seen().size(), 1u);
+  EXPECT_EQ(server.seen()[0].user_agent, std::string("gpusnap/") + GPUSNAP_VERSION);
 }
 
 }  // namespace
