@@ -6,14 +6,18 @@
 // httplib reads a response 4 KiB at a time by default: a read() and an append per 4 KiB of an
 // 8 MiB chunk. This is the only file of gpusnap that includes it.
 #define CPPHTTPLIB_RECV_BUFSIZ size_t(256u << 10)
+#include <fcntl.h>
 #include <httplib.h>
 #include <openssl/err.h>
 #include <openssl/evp.h>
 #include <openssl/x509_vfy.h>
+#include <poll.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -23,7 +27,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/fd.h"
 #include "common/fs.h"
+#include "common/subprocess.h"
 #include "common/url.h"
 #include "gpusnap/error.h"
 #include "store/digest.h"
@@ -63,6 +69,24 @@ std::string base64_decode(const std::string& in) {
   size_t pad = 0;
   for (size_t i = in.size(); i > 0 && in[i - 1] == '='; --i) ++pad;
   out.resize(static_cast<size_t>(n) - pad);
+  return out;
+}
+
+// A text from the network, made fit for one line of a message: control characters as \xHH,
+// at most `limit` bytes.
+std::string printable(std::string_view text, size_t limit = 200) {
+  std::string out;
+  for (unsigned char ch : text.substr(0, limit)) {
+    if (ch < 0x20 || ch == 0x7f) {
+      static const char* kHex = "0123456789abcdef";
+      out += "\\x";
+      out += kHex[ch >> 4];
+      out += kHex[ch & 15];
+    } else {
+      out += static_cast<char>(ch);
+    }
+  }
+  if (text.size() > limit) out += "...";
   return out;
 }
 
@@ -121,7 +145,88 @@ std::string OciRef::by_digest(const std::string& d) const {
   return std::string(kOciScheme) + host + "/" + repository + "@" + d;
 }
 
-Credentials find_credentials(const std::string& host, const std::string& explicit_file) {
+namespace {
+
+constexpr size_t kMaxHelperAnswer = 64u << 10;
+
+// Asks docker-credential-NAME for the host's credentials (the docker-credential protocol:
+// `get`, the server on stdin, JSON on stdout). Empty username: it has none.
+Credentials from_helper(const std::string& name, const std::string& host) {
+  static const std::regex kName("[A-Za-z0-9_.-]{1,64}");
+  const std::string program = "docker-credential-" + name;
+  auto failed = [&](const std::string& why) {
+    return Error(ErrorKind::kEnvironment, "credential helper " + program + " " + why,
+                 "check the helper (`echo " + host + " | " + program + " get`)");
+  };
+  if (!std::regex_match(name, kName)) throw failed("has a name that is not one");
+  int in[2];
+  int out[2];
+  if (::pipe2(in, O_CLOEXEC) != 0) throw sys_error("pipe", errno);
+  common::UniqueFd in_r(in[0]), in_w(in[1]);
+  if (::pipe2(out, O_CLOEXEC) != 0) throw sys_error("pipe", errno);
+  common::UniqueFd out_r(out[0]), out_w(out[1]);
+  common::SpawnOptions o;
+  o.argv = {program, "get"};
+  o.stdin_fd = in_r.get();
+  o.stdout_fd = out_w.get();
+  std::optional<common::Subprocess> child;
+  try {
+    child.emplace(o);
+  } catch (const std::exception& e) {
+    throw failed(std::string("cannot run: ") + e.what());
+  }
+  in_r.reset();
+  out_w.reset();
+  if (::write(in_w.get(), host.data(), host.size()) < 0) throw failed("did not read the host");
+  in_w.reset();
+  std::string answer;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    pollfd p{out_r.get(), POLLIN, 0};
+    if (left.count() <= 0 || ::poll(&p, 1, static_cast<int>(left.count())) <= 0) {
+      child->kill(SIGKILL);
+      throw failed("did not answer within 10 s");
+    }
+    char buf[4096];
+    const ssize_t n = ::read(out_r.get(), buf, sizeof buf);
+    if (n <= 0) break;
+    answer.append(buf, static_cast<size_t>(n));
+    if (answer.size() > kMaxHelperAnswer) {
+      child->kill(SIGKILL);
+      throw failed("answered more than 64 KiB");
+    }
+  }
+  auto status = child->wait(std::chrono::seconds(10));
+  if (!status) {
+    child->kill(SIGKILL);
+    throw failed("did not exit within 10 s");
+  }
+  if (!status->ok()) {
+    // The protocol's "credentials not found in native keychain": none, not a failure.
+    if (answer.find("credentials not found") != std::string::npos) return {};
+    throw failed("failed (" + status->describe() + "): " + printable(answer));
+  }
+  json doc = json::parse(answer, nullptr, false);
+  if (!doc.is_object() || !doc.contains("Username") || !doc["Username"].is_string() ||
+      !doc.contains("Secret") || !doc["Secret"].is_string()) {
+    throw failed("answered something other than {\"Username\":...,\"Secret\":...}");
+  }
+  Credentials c;
+  c.username = doc["Username"].get<std::string>();
+  c.password = doc["Secret"].get<std::string>();
+  c.source = program;
+  if (c.username == "<token>") {
+    throw failed("gave an identity token (OAuth2 refresh), which gpusnap cannot use yet");
+  }
+  return c;
+}
+
+}  // namespace
+
+Credentials find_credentials(const std::string& host, const std::string& repository,
+                             const std::string& explicit_file) {
   std::vector<std::string> files;
   if (!explicit_file.empty()) {
     files.push_back(explicit_file);
@@ -130,9 +235,19 @@ Credentials find_credentials(const std::string& host, const std::string& explici
     if (const char* d = env("XDG_RUNTIME_DIR"))
       files.push_back(std::string(d) + "/containers/auth.json");
     files.emplace_back("/run/containers/0/auth.json");
+    if (const char* h = env("HOME"))
+      files.push_back(std::string(h) + "/.config/containers/auth.json");
     if (const char* d = env("DOCKER_CONFIG")) files.push_back(std::string(d) + "/config.json");
     if (const char* h = env("HOME")) files.push_back(std::string(h) + "/.docker/config.json");
   }
+  // The keys an "auths" entry may have, most specific first: HOST/A/B, HOST/A, HOST.
+  std::vector<std::string> keys;
+  for (std::string r = repository; !r.empty();) {
+    keys.push_back(host + "/" + r);
+    const auto slash = r.rfind('/');
+    r.resize(slash == std::string::npos ? 0 : slash);
+  }
+  for (const auto& k : {host, "https://" + host, "http://" + host}) keys.push_back(k);
   for (const auto& file : files) {
     std::error_code ec;
     const auto size = std::filesystem::file_size(file, ec);
@@ -154,27 +269,38 @@ Credentials find_credentials(const std::string& host, const std::string& explici
     } catch (const json::exception&) {
       throw damaged("not JSON");
     }
-    if (!doc.is_object() || !doc.contains("auths") || !doc["auths"].is_object()) continue;
-    for (const auto& key : {host, "https://" + host, "http://" + host}) {
-      if (!doc["auths"].contains(key)) continue;
-      const json& entry = doc["auths"][key];
-      Credentials c;
-      c.source = file;
-      if (entry.contains("auth") && entry["auth"].is_string()) {
-        auto plain = base64_decode(entry["auth"].get<std::string>());
-        auto colon = plain.find(':');
-        if (colon == std::string::npos)
-          throw damaged("the entry for " + host + " is not base64 of user:password");
-        c.username = plain.substr(0, colon);
-        c.password = plain.substr(colon + 1);
-      } else if (entry.contains("username") && entry.contains("password") &&
-                 entry["username"].is_string() && entry["password"].is_string()) {
-        c.username = entry["username"].get<std::string>();
-        c.password = entry["password"].get<std::string>();
-      } else {
-        continue;
+    if (!doc.is_object()) continue;
+    if (doc.contains("credHelpers") && doc["credHelpers"].is_object() &&
+        doc["credHelpers"].contains(host) && doc["credHelpers"][host].is_string()) {
+      Credentials c = from_helper(doc["credHelpers"][host].get<std::string>(), host);
+      if (!c.username.empty()) return c;
+    }
+    if (doc.contains("auths") && doc["auths"].is_object()) {
+      for (const auto& key : keys) {
+        if (!doc["auths"].contains(key)) continue;
+        const json& entry = doc["auths"][key];
+        Credentials c;
+        c.source = file;
+        if (entry.contains("auth") && entry["auth"].is_string()) {
+          auto plain = base64_decode(entry["auth"].get<std::string>());
+          auto colon = plain.find(':');
+          if (colon == std::string::npos)
+            throw damaged("the entry for " + key + " is not base64 of user:password");
+          c.username = plain.substr(0, colon);
+          c.password = plain.substr(colon + 1);
+        } else if (entry.contains("username") && entry.contains("password") &&
+                   entry["username"].is_string() && entry["password"].is_string()) {
+          c.username = entry["username"].get<std::string>();
+          c.password = entry["password"].get<std::string>();
+        } else {
+          continue;
+        }
+        return c;
       }
-      return c;
+    }
+    if (doc.contains("credsStore") && doc["credsStore"].is_string()) {
+      Credentials c = from_helper(doc["credsStore"].get<std::string>(), host);
+      if (!c.username.empty()) return c;
     }
   }
   return {};
@@ -342,24 +468,6 @@ Origin origin_of(const std::string& scheme, const std::string& authority) {
   return o;
 }
 
-// A text from the network, made fit for one line of a message: control characters as \xHH,
-// at most `limit` bytes.
-std::string printable(std::string_view text, size_t limit = 200) {
-  std::string out;
-  for (unsigned char ch : text.substr(0, limit)) {
-    if (ch < 0x20 || ch == 0x7f) {
-      static const char* kHex = "0123456789abcdef";
-      out += "\\x";
-      out += kHex[ch >> 4];
-      out += kHex[ch & 15];
-    } else {
-      out += static_cast<char>(ch);
-    }
-  }
-  if (text.size() > limit) out += "...";
-  return out;
-}
-
 bool is_redirect(int status) {
   return status == 301 || status == 302 || status == 303 || status == 307 || status == 308;
 }
@@ -501,7 +609,8 @@ struct Registry::Answer {
   int status = 0;
   httplib::Headers headers;
   std::string body;
-  std::string host;  // the authority that answered: the registry's, or a redirect's target
+  std::string host;           // the authority that answered: the registry's, or a redirect's target
+  std::string authorization;  // the Authorization header the request carried
   std::string header(const std::string& name) const {
     auto it = headers.find(name);
     return it == headers.end() ? std::string() : it->second;
@@ -511,7 +620,7 @@ struct Registry::Answer {
 Registry::Registry(OciRef ref, RegistryOptions options)
     : ref_(std::move(ref)),
       options_(std::move(options)),
-      credentials_(find_credentials(ref_.host, options_.auth_file)),
+      credentials_(find_credentials(ref_.host, ref_.repository, options_.auth_file)),
       origin_(origin_of(options_.plain_http ? "http" : "https", ref_.host)),
       limiter_(options_.max_rate),
       watchdog_(std::make_unique<Watchdog>(options_.stall_window, options_.stall_bytes)) {
@@ -641,11 +750,9 @@ Registry::Answer Registry::send(httplib::Client& client, const Origin& origin, C
   req.method = call.method;
   req.path = path;
   req.headers = call.headers;
-  if (with_authorization && !credentials_.username.empty()) {
-    req.headers.emplace("Authorization",
-                        "Basic " + httplib::detail::base64_encode(credentials_.username + ":" +
-                                                                  credentials_.password));
-  }
+  Answer a;
+  if (with_authorization) a.authorization = authorization();
+  if (!a.authorization.empty()) req.headers.emplace("Authorization", a.authorization);
   if (call.method == "POST" || call.method == "PUT") {
     req.headers.emplace("Content-Type", call.content_type);
     // Written in pieces, each counted, so that the watchdog sees an upload move.
@@ -657,7 +764,6 @@ Registry::Answer Registry::send(httplib::Client& client, const Origin& origin, C
       return true;
     };
   }
-  Answer a;
   a.host = origin.authority;
   req.response_handler = [&](const httplib::Response& r) {
     a.status = r.status;
@@ -703,8 +809,17 @@ Registry::Answer Registry::exchange(Call& call) {
   const uint64_t bytes = std::max<uint64_t>(call.body.size(), call.expect_bytes);
   const auto deadline = Clock::now() + options_.deadline_base +
                         std::chrono::milliseconds(bytes * 1000 / std::max<uint64_t>(rate, 1));
+  bool fetched_token = false;
   for (int hop = 0;; ++hop) {
     Answer a = send(*client, origin, call, path, origin == origin_, deadline);
+    if (a.status == 401 && origin == origin_ && !fetched_token) {
+      // The token flow: once per request, so that a token the registry refuses ends it.
+      fetched_token = true;
+      if (fetch_token(a.header("WWW-Authenticate"), a.authorization)) {
+        --hop;
+        continue;
+      }
+    }
     if (!is_redirect(a.status)) return a;
     if (hop >= options_.max_redirects) {
       throw Error(ErrorKind::kEnvironment,
@@ -729,6 +844,131 @@ Registry::Answer Registry::exchange(Call& call) {
     origin = t.origin;
     path = t.path;
   }
+}
+
+namespace {
+
+// The parameters of a WWW-Authenticate challenge: realm="...",service="...",scope="..."
+// (quoted values may hold commas: "pull,push").
+std::map<std::string, std::string> challenge_params(const std::string& text) {
+  std::map<std::string, std::string> out;
+  size_t i = 0;
+  while (i < text.size()) {
+    while (i < text.size() && (text[i] == ' ' || text[i] == ',')) ++i;
+    const size_t eq = text.find('=', i);
+    if (eq == std::string::npos) break;
+    std::string key = lower(text.substr(i, eq - i));
+    std::string value;
+    i = eq + 1;
+    if (i < text.size() && text[i] == '"') {
+      for (++i; i < text.size() && text[i] != '"'; ++i) {
+        if (text[i] == '\\' && i + 1 < text.size()) ++i;
+        value += text[i];
+      }
+      ++i;
+    } else {
+      const size_t end = std::min(text.find(',', i), text.size());
+      value = text.substr(i, end - i);
+      i = end;
+    }
+    out[key] = value;
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string Registry::authorization() {
+  std::lock_guard lock(auth_mu_);
+  if (!scope_.empty()) {
+    // An expired token is not sent: the registry's 401 then brings a fresh one.
+    auto it = tokens_.find(scope_);
+    return it != tokens_.end() && it->second.expires > Clock::now() ? "Bearer " + it->second.value
+                                                                    : std::string();
+  }
+  if (credentials_.username.empty()) return {};
+  return "Basic " +
+         httplib::detail::base64_encode(credentials_.username + ":" + credentials_.password);
+}
+
+bool Registry::fetch_token(const std::string& challenge, const std::string& sent) {
+  if (!lower(challenge.substr(0, 7)).starts_with("bearer ")) return false;
+  auto params = challenge_params(challenge.substr(7));
+  const std::string realm = params["realm"];
+  const std::string scope = params["scope"];
+  std::lock_guard lock(auth_mu_);
+  // Another request may have fetched it while this one waited.
+  if (auto it = tokens_.find(scope); it != tokens_.end() && "Bearer " + it->second.value != sent &&
+                                     it->second.expires > Clock::now()) {
+    scope_ = scope;
+    return true;
+  }
+  auto refused = [&](const std::string& why) {
+    return Error(ErrorKind::kEnvironment,
+                 where() + "'s token realm '" + printable(realm) + "' " + why,
+                 "check the registry's token service (auth: token: realm)");
+  };
+  if (!realm.starts_with("http://") && !realm.starts_with("https://")) {
+    throw refused("is not an http(s) URL");
+  }
+  const Target t = resolve_location(realm, origin_);
+  if (origin_.scheme == "https" && t.origin.scheme == "http") {
+    throw refused("is plain http for an https registry: the credentials would go in clear text");
+  }
+  std::string path = t.path;
+  for (const char* key : {"service", "scope"}) {
+    if (params[key].empty()) continue;
+    path += (path.find('?') == std::string::npos ? "?" : "&");
+    path += std::string(key) + "=" + common::url_encode(params[key]);
+  }
+  std::string body;
+  Call call{"GET", path};
+  call.on_body = [&](const char* p, size_t n) {
+    if (body.size() + n > (64u << 10)) {
+      call.refusal = refused("answered more than 64 KiB");
+      return false;
+    }
+    body.append(p, n);
+    return true;
+  };
+  if (!credentials_.username.empty()) {
+    call.headers.emplace("Authorization",
+                         "Basic " + httplib::detail::base64_encode(credentials_.username + ":" +
+                                                                   credentials_.password));
+  }
+  auto client = make_client(t.origin);
+  const Answer a =
+      send(*client, t.origin, call, path, false, Clock::now() + options_.deadline_base);
+  if (a.status == 401 || a.status == 403) {
+    throw Error(
+        ErrorKind::kEnvironment,
+        "token server " + t.origin.authority + " of " + where() + " refused " +
+            (credentials_.username.empty() ? "an anonymous token"
+                                           : "the credentials from " + credentials_.source) +
+            " for " + printable(scope) + " (HTTP " + std::to_string(a.status) + ")",
+        credentials_.username.empty() ? "log in (`skopeo login " + ref_.host + "`) or give " +
+                                            options_.flag_prefix + "auth-file"
+                                      : "check the credentials in " + credentials_.source);
+  }
+  if (a.status != 200) fail(a, "get a token for " + scope);
+  const json doc = json::parse(body, nullptr, false);
+  std::string token;
+  for (const char* key : {"token", "access_token"}) {
+    if (doc.is_object() && doc.contains(key) && doc[key].is_string()) token = doc[key];
+    if (!token.empty()) break;
+  }
+  if (token.empty() || token.size() > (16u << 10) ||
+      token.find_first_of("\r\n") != std::string::npos) {
+    throw refused("answered no usable token");
+  }
+  // The distribution spec's default is 60 s; refreshed a little early.
+  int64_t expires_in = 60;
+  if (doc.contains("expires_in") && doc["expires_in"].is_number_integer()) {
+    expires_in = std::clamp<int64_t>(doc["expires_in"].get<int64_t>(), 10, 24 * 3600);
+  }
+  tokens_[scope] = {token, Clock::now() + std::chrono::seconds(expires_in - 5)};
+  scope_ = scope;
+  return true;
 }
 
 // Turns an answer that is not the one asked for into an Error, or a Transient for the retry

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -88,11 +89,16 @@ struct Credentials {
   std::string source;  // the file they came from
 };
 
-// Looks up credentials for `host` in `explicit_file`, else $REGISTRY_AUTH_FILE,
-// $XDG_RUNTIME_DIR/containers/auth.json, /run/containers/0/auth.json,
-// $DOCKER_CONFIG/config.json, $HOME/.docker/config.json ("auths" -> host -> "auth": base64 of
-// user:password). Empty username: none found. Throws kUsage for a damaged file.
-Credentials find_credentials(const std::string& host, const std::string& explicit_file);
+// Looks up credentials for `host` and `repository` where skopeo and podman look: in
+// `explicit_file`, else $REGISTRY_AUTH_FILE, $XDG_RUNTIME_DIR/containers/auth.json,
+// /run/containers/0/auth.json, $HOME/.config/containers/auth.json, $DOCKER_CONFIG/config.json,
+// $HOME/.docker/config.json. In each file: a "credHelpers" entry for the host, then "auths"
+// under HOST/REPOSITORY's prefixes longest first and HOST ("auth": base64 of user:password),
+// then "credsStore". A helper is docker-credential-NAME on PATH, asked `get` with the host on
+// stdin (10 s, 64 KiB of answer at most). Empty username: none found. Throws kUsage for a
+// damaged file, kEnvironment for a helper that fails.
+Credentials find_credentials(const std::string& host, const std::string& repository,
+                             const std::string& explicit_file);
 
 // Shares a byte rate between threads (--max-rate).
 class RateLimiter {
@@ -166,6 +172,14 @@ class Registry {
   Answer send(httplib::Client& client, const Origin& origin, Call& call, const std::string& path,
               bool with_authorization, std::chrono::steady_clock::time_point deadline);
   [[noreturn]] void fail(const Answer& answer, const std::string& what) const;
+  // The Authorization header for the registry's own origin: a bearer token once the registry
+  // asked for one, else Basic with the credentials, else none.
+  std::string authorization();
+  // After a 401 with a Bearer challenge: fetches a token for the challenge's scope from its
+  // realm (with the credentials, or anonymously), for authorization() to send. False when the
+  // challenge is not Bearer or the token was fetched for it already (the credentials do not
+  // reach what the request needs).
+  bool fetch_token(const std::string& challenge, const std::string& sent);
   std::string where() const;  // "registry HOST" for messages
   // where(), or "HOST (a redirect of registry R)" for the target of a redirect.
   std::string answered_by(const std::string& host) const;
@@ -177,6 +191,14 @@ class Registry {
   RateLimiter limiter_;
   std::mutex pool_mu_;
   std::vector<std::unique_ptr<httplib::Client>> pool_;
+  // Bearer tokens by scope, and the scope requests use (the last one the registry asked for).
+  struct Token {
+    std::string value;
+    std::chrono::steady_clock::time_point expires;
+  };
+  std::mutex auth_mu_;
+  std::map<std::string, Token> tokens_;
+  std::string scope_;
   std::unique_ptr<Watchdog> watchdog_;  // declared last: its thread stops first
 };
 

@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <functional>
 #include <mutex>
 #include <optional>
@@ -19,6 +20,10 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+#include <nlohmann/json.hpp>
 
 // The same receive buffer as src/store/registry.cc, so that both see one httplib.
 #define CPPHTTPLIB_RECV_BUFSIZ size_t(256u << 10)
@@ -42,7 +47,7 @@ using store::RegistryOptions;
 // One request as a TestServer saw it.
 struct Seen {
   std::string method;
-  std::string path;
+  std::string path;  // with its query, as sent
   std::string authorization;
   std::string user_agent;
 };
@@ -56,7 +61,7 @@ class TestServer {
     auto record = [this](const httplib::Request& req, httplib::Response& res) {
       {
         std::lock_guard lock(mu_);
-        seen_.push_back({req.method, req.path, req.get_header_value("Authorization"),
+        seen_.push_back({req.method, req.target, req.get_header_value("Authorization"),
                          req.get_header_value("User-Agent")});
       }
       handler_(req, res);
@@ -534,6 +539,226 @@ TEST_F(RegistryTransport, TheUserAgentNamesGpusnapAndItsVersion) {
   EXPECT_FALSE(r.blob_exists(store::sha256_digest("x")));
   ASSERT_EQ(server.seen().size(), 1u);
   EXPECT_EQ(server.seen()[0].user_agent, std::string("gpusnap/") + GPUSNAP_VERSION);
+}
+
+// base64url without padding, as JWTs write their parts.
+std::string b64url(const std::string& in) {
+  std::string s = httplib::detail::base64_encode(in);
+  for (auto& ch : s) ch = ch == '+' ? '-' : ch == '/' ? '_' : ch;
+  while (!s.empty() && s.back() == '=') s.pop_back();
+  return s;
+}
+
+// A token service as hosted registries run one (the distribution token flow): GET
+// /token?service=S&scope=repository:NAME:ACTIONS, with Basic credentials or none, answers a
+// JWT signed with a key whose certificate docker-registry trusts (rootcertbundle). Anonymous
+// callers get pull only; the right password gets what the scope asks; a wrong one 401.
+class TokenService {
+ public:
+  TokenService(const sfs::path& dir, std::string user, std::string password, int expires_in)
+      : user_(std::move(user)),
+        password_(std::move(password)),
+        expires_in_(expires_in),
+        server_([this](const httplib::Request& req, httplib::Response& res) { issue(req, res); }) {
+    key_ = dir / "token.key";
+    cert_ = dir / "token.pem";
+    const std::string cmd = "openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=token "
+                            "-keyout " +
+                            key_.string() + " -out " + cert_.string() + " >/dev/null 2>&1";
+    if (std::system(cmd.c_str()) != 0) throw std::runtime_error("openssl req failed");
+  }
+  // The registry's `auth: token` configuration.
+  std::string config() const {
+    return "auth:\n  token:\n    realm: http://" + server_.host() +
+           "/token\n    service: gpusnap-registry\n    issuer: gpusnap-token-issuer\n"
+           "    rootcertbundle: " +
+           cert_.string() + "\n";
+  }
+  std::vector<Seen> seen() const { return server_.seen(); }
+
+ private:
+  void issue(const httplib::Request& req, httplib::Response& res) {
+    const std::string auth = req.get_header_value("Authorization");
+    const bool known = auth == "Basic " + httplib::detail::base64_encode(user_ + ":" + password_);
+    if (!auth.empty() && !known) {
+      res.status = 401;
+      return;
+    }
+    // scope=repository:NAME:pull,push
+    const std::string scope = req.get_param_value("scope");
+    const auto first = scope.find(':');
+    const auto last = scope.rfind(':');
+    nlohmann::json actions = nlohmann::json::array();
+    if (first != last) {
+      std::string wanted = scope.substr(last + 1);
+      for (const char* a : {"pull", "push"}) {
+        if (wanted.find(a) != std::string::npos && (known || std::string(a) == "pull")) {
+          actions.push_back(a);
+        }
+      }
+    }
+    const auto now = std::chrono::duration_cast<std::chrono::seconds>(
+                         std::chrono::system_clock::now().time_since_epoch())
+                         .count();
+    nlohmann::json claims = {
+        {"iss", "gpusnap-token-issuer"},
+        {"sub", known ? user_ : ""},
+        {"aud", req.get_param_value("service")},
+        {"exp", now + expires_in_},
+        {"nbf", now - 10},
+        {"iat", now},
+        {"jti", fs::random_id()},
+        {"access", first == last ? nlohmann::json::array()
+                                 : nlohmann::json::array(
+                                       {{{"type", scope.substr(0, first)},
+                                         {"name", scope.substr(first + 1, last - first - 1)},
+                                         {"actions", actions}}})}};
+    res.set_content(
+        nlohmann::json{{"token", sign(claims.dump())}, {"expires_in", expires_in_}}.dump(),
+        "application/json");
+  }
+
+  // RS256 over header.claims, the header naming the signing certificate (x5c).
+  std::string sign(const std::string& claims) const {
+    std::string pem;
+    fs::try_read_file(cert_, &pem);
+    BIO* cb = BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size()));
+    X509* cert = PEM_read_bio_X509(cb, nullptr, nullptr, nullptr);
+    BIO_free(cb);
+    unsigned char* der = nullptr;
+    const int der_len = i2d_X509(cert, &der);
+    X509_free(cert);
+    const std::string x5c = httplib::detail::base64_encode(
+        std::string(reinterpret_cast<char*>(der), static_cast<size_t>(der_len)));
+    OPENSSL_free(der);
+    const std::string input =
+        b64url(nlohmann::json{{"typ", "JWT"}, {"alg", "RS256"}, {"x5c", {x5c}}}.dump()) + "." +
+        b64url(claims);
+    std::string key_pem;
+    fs::try_read_file(key_, &key_pem);
+    BIO* kb = BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size()));
+    EVP_PKEY* key = PEM_read_bio_PrivateKey(kb, nullptr, nullptr, nullptr);
+    BIO_free(kb);
+    EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+    size_t len = 0;
+    EVP_DigestSignInit(ctx, nullptr, EVP_sha256(), nullptr, key);
+    EVP_DigestSign(ctx, nullptr, &len, reinterpret_cast<const unsigned char*>(input.data()),
+                   input.size());
+    std::string sig(len, '\0');
+    EVP_DigestSign(ctx, reinterpret_cast<unsigned char*>(sig.data()), &len,
+                   reinterpret_cast<const unsigned char*>(input.data()), input.size());
+    sig.resize(len);
+    EVP_MD_CTX_free(ctx);
+    EVP_PKEY_free(key);
+    return input + "." + b64url(sig);
+  }
+
+  std::string user_;
+  std::string password_;
+  int expires_in_;
+  sfs::path key_;
+  sfs::path cert_;
+  TestServer server_;  // last: it stops before the rest goes
+};
+
+TEST_F(RegistryTransport, BearerTokensAreFetchedReusedAndRefreshed) {
+  TokenService tokens(dir_.path(), "gpusnap", "t0ken-pass", 10);
+  LocalRegistry::Options o;
+  o.extra_config = tokens.config();
+  LocalRegistry registry(dir_, o);
+  RegistryOptions ro;
+  ro.plain_http = true;
+  ro.retries = 0;
+  ro.auth_file = auth_json(dir_ / "auth.json", registry.host(), "gpusnap", "t0ken-pass");
+  Registry r(OciRef::parse(registry.ref("team/app:1")), ro);
+  for (int i = 0; i < 6; ++i) {
+    const std::string data = blob_of(i);
+    r.upload_blob(store::sha256_digest(data), data);
+    EXPECT_EQ(r.fetch_blob(store::sha256_digest(data), data.size()), data);
+  }
+  // One token for push and pull, fetched with the credentials, reused for every request.
+  auto seen = tokens.seen();
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_NE(seen[0].path.find("scope=repository%3Ateam%2Fapp%3Apull%2Cpush"), std::string::npos)
+      << seen[0].path;
+  EXPECT_TRUE(seen[0].authorization.starts_with("Basic ")) << seen[0].authorization;
+
+  // Anonymous: a pull token, enough to fetch, not to push.
+  RegistryOptions anonymous = ro;
+  anonymous.auth_file = auth_json(dir_ / "none.json", "elsewhere:1", "a", "b");
+  Registry reader(OciRef::parse(registry.ref("team/app:1")), anonymous);
+  const std::string data = blob_of(0);
+  EXPECT_EQ(reader.fetch_blob(store::sha256_digest(data), data.size()), data);
+  EXPECT_EQ(tokens.seen().back().authorization, "");
+  expect_error([&] { reader.upload_blob(store::sha256_digest("new"), "new"); },
+               ErrorKind::kEnvironment, "refused to upload blob");
+
+  // A wrong password is refused by the token service, and said so.
+  RegistryOptions wrong = ro;
+  wrong.auth_file = auth_json(dir_ / "wrong.json", registry.host(), "gpusnap", "nope");
+  Registry intruder(OciRef::parse(registry.ref("team/app:1")), wrong);
+  expect_error([&] { intruder.blob_exists(store::sha256_digest(data)); }, ErrorKind::kEnvironment,
+               "refused the credentials from");
+
+  // The token expires (10 s, used up to 5 s before): the next request fetches another.
+  const size_t before = tokens.seen().size();
+  std::this_thread::sleep_for(std::chrono::milliseconds(5200));
+  EXPECT_TRUE(r.blob_exists(store::sha256_digest(data)));
+  EXPECT_EQ(tokens.seen().size(), before + 1);
+}
+
+// docker-credential-NAME on PATH answering `get` for one host, as docker's helpers do.
+sfs::path credential_helper(const sfs::path& dir, const std::string& name,
+                            const std::string& host) {
+  sfs::create_directories(dir / "bin");
+  const sfs::path script = dir / "bin" / ("docker-credential-" + name);
+  fs::write_file(script, "#!/bin/sh\n[ \"$1\" = get ] || exit 3\nread -r host\n"
+                         "if [ \"$host\" = \"" +
+                             host +
+                             "\" ]; then\n"
+                             "  echo '{\"ServerURL\":\"" +
+                             host + "\",\"Username\":\"helped\",\"Secret\":\"from-" + name +
+                             "\"}'\n"
+                             "else echo 'credentials not found in native keychain'; exit 1; fi\n");
+  sfs::permissions(script, sfs::perms::owner_all);
+  return dir / "bin";
+}
+
+TEST(RegistryCredentials, FoundWhereSkopeoFindsThemHelpersAndRepositoryKeysIncluded) {
+  TempDir dir;
+  const sfs::path bin = credential_helper(dir.path(), "gpusnaptest", "reg.example:5000");
+  const std::string path = bin.string() + ":" + std::getenv("PATH");
+  ScopedEnv p("PATH", path.c_str());
+  ScopedEnv a("REGISTRY_AUTH_FILE", nullptr), x("XDG_RUNTIME_DIR", nullptr);
+  ScopedEnv d("DOCKER_CONFIG", nullptr), h("HOME", dir.path().c_str());
+
+  // ~/.config/containers/auth.json, with per-repository keys: the longest prefix wins.
+  sfs::create_directories(dir / ".config/containers");
+  const std::string user_a = httplib::detail::base64_encode("host:wide");
+  const std::string user_b = httplib::detail::base64_encode("team:only");
+  fs::write_file(dir / ".config/containers/auth.json",
+                 R"({"auths":{"reg.example:5000":{"auth":")" + user_a +
+                     R"("},"reg.example:5000/team":{"auth":")" + user_b + R"("}}})");
+  EXPECT_EQ(store::find_credentials("reg.example:5000", "team/app", "").username, "team");
+  EXPECT_EQ(store::find_credentials("reg.example:5000", "teammate/app", "").username, "host");
+  EXPECT_EQ(store::find_credentials("reg.example:5000", "other", "").password, "wide");
+
+  // credHelpers for the host first; credsStore for the rest.
+  fs::write_file(dir / "helpers.json",
+                 R"({"credHelpers":{"reg.example:5000":"gpusnaptest"},"auths":{}})");
+  auto c = store::find_credentials("reg.example:5000", "team/app", (dir / "helpers.json").string());
+  EXPECT_EQ(c.username, "helped");
+  EXPECT_EQ(c.password, "from-gpusnaptest");
+  fs::write_file(dir / "store.json", R"({"credsStore":"gpusnaptest"})");
+  EXPECT_EQ(
+      store::find_credentials("reg.example:5000", "x", (dir / "store.json").string()).password,
+      "from-gpusnaptest");
+  EXPECT_EQ(store::find_credentials("other:1", "x", (dir / "store.json").string()).username, "");
+
+  // A helper that is missing or hangs is an Error naming it, within its 10 s.
+  fs::write_file(dir / "missing.json", R"({"credsStore":"nosuchhelper"})");
+  expect_error([&] { store::find_credentials("h", "x", (dir / "missing.json").string()); },
+               ErrorKind::kEnvironment, "docker-credential-nosuchhelper");
 }
 
 }  // namespace

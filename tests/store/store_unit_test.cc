@@ -84,12 +84,13 @@ TEST(Credentials, ReadsAuthJsonAsSkopeoWritesIt) {
   TempDir dir;
   fs::write_file(dir / "auth.json",
                  R"({"auths":{"reg:5000":{"auth":"dXNlcjpwYXNzOndpdGg6Y29sb25z"}}})");
-  auto c = store::find_credentials("reg:5000", (dir / "auth.json").string());
+  auto c = store::find_credentials("reg:5000", "repo", (dir / "auth.json").string());
   EXPECT_EQ(c.username, "user");
   EXPECT_EQ(c.password, "pass:with:colons");
-  EXPECT_EQ(store::find_credentials("other:5000", (dir / "auth.json").string()).username, "");
+  EXPECT_EQ(store::find_credentials("other:5000", "repo", (dir / "auth.json").string()).username,
+            "");
   fs::write_file(dir / "bad.json", "{not json");
-  EXPECT_THROW(store::find_credentials("reg:5000", (dir / "bad.json").string()), Error);
+  EXPECT_THROW(store::find_credentials("reg:5000", "repo", (dir / "bad.json").string()), Error);
 }
 
 TEST(RedirectLocation, ResolvesAbsoluteAndRelativeAndRefusesWhatIsNoAddress) {
