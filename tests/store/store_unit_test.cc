@@ -513,6 +513,53 @@ TEST(SnapshotManifest, ReadsBothVersionsAndRefusesWhatIsNotASnapshotsManifest) {
   }
 }
 
+TEST(SnapshotManifest, LayersAreDescriptorsOfTheLayoutsChunksAndCountsAreCapped) {
+  TempDir dir;
+  store::BlobStore blobs(dir / "store");
+  const auto layout = chunk_into(make_artifact(dir / "src", 0, 3), blobs).layout;
+  json layers = json::array({{{"mediaType", store::kConfigMediaType},
+                              {"digest", "sha256:" + std::string(64, 'a')},
+                              {"size", 10}}});
+  for (const auto& b : layout.blobs()) {
+    layers.push_back(
+        {{"mediaType", store::kChunkMediaType}, {"digest", b.digest}, {"size", b.size}});
+  }
+  const json v2 = {{"schemaVersion", 2},
+                   {"artifactType", store::kArtifactType},
+                   {"config",
+                    {{"mediaType", store::kOciImageConfigMediaType},
+                     {"digest", "sha256:" + std::string(64, 'b')},
+                     {"size", 10}}},
+                   {"layers", layers}};
+  auto check = [&](const json& m) {
+    return refusal([&] {
+      store::check_snapshot_layers(store::read_snapshot_manifest(m.dump(), "r/s:1"), layout,
+                                   "r/s:1");
+    });
+  };
+  EXPECT_EQ(check(v2), "accepted");
+  const std::string prefix = "r/s:1 is not a gpusnap snapshot: ";
+  json empty = v2;
+  empty["layers"][1] = json::object();
+  EXPECT_EQ(check(empty), prefix + "layer 1 is not a descriptor with a sha256 digest and a size");
+  json foreign = v2;
+  foreign["layers"][1]["digest"] = "sha256:" + std::string(64, 'c');
+  EXPECT_EQ(check(foreign),
+            prefix + "layer 1 (sha256:" + std::string(64, 'c') + ") is no chunk of its layout");
+  json resized = v2;
+  resized["layers"][1]["size"] = 7;
+  EXPECT_NE(check(resized).find("layer 1 says size 7 where the layout's chunk"), std::string::npos);
+  json more = v2;
+  more["layers"].push_back(more["layers"][1]);
+  EXPECT_NE(check(more).find(" layers for a layout of "), std::string::npos);
+  // 4 MiB of empty layers is refused before it is built in memory.
+  std::string flood = R"({"config":{},"layers":[)";
+  for (int i = 0; i < 1300000; ++i) flood += "{},";
+  flood += "{}]}";
+  EXPECT_EQ(refusal([&] { store::read_snapshot_manifest(flood, "r/s:1"); }),
+            prefix + "its manifest holds more than 300000 JSON values");
+}
+
 TEST(SnapshotManifest, ALayoutNestedTooDeepOrNotALayoutIsRefused) {
   auto message = [](const std::string& body) {
     return refusal([&] { store::read_snapshot_layout(body, "r/s:v1"); });
