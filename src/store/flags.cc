@@ -5,12 +5,12 @@
 namespace gpusnap::store {
 
 std::vector<args::FlagSpec> registry_flags(const std::string& prefix) {
-  return {
-      {prefix + "plain-http", "", "", "reach the registry over plain HTTP (no TLS)"},
-      {prefix + "ca-file", "", "PEM", "CA certificates to trust besides the system's and certs.d's"},
-      {prefix + "auth-file", "", "FILE",
-       "the registry's credentials (auth.json / docker config.json, e.g. a mounted Secret; "
-       "default: where skopeo and podman look, credential helpers included)"}};
+  return {{prefix + "plain-http", "", "", "reach the registry over plain HTTP (no TLS)"},
+          {prefix + "ca-file", "", "PEM",
+           "CA certificates to trust besides the system's and certs.d's"},
+          {prefix + "auth-file", "", "FILE",
+           "the registry's credentials (auth.json / docker config.json, e.g. a mounted Secret; "
+           "default: where skopeo and podman look, credential helpers included)"}};
 }
 
 void read_registry_flags(const args::Args& args, const std::string& prefix,
