@@ -204,11 +204,21 @@ int cmd_import(const Args& args);
 
 }  // namespace
 
+// The bounds of a request to a registry (RegistryOptions' defaults, docs/store.md "Bounds"):
+// push's and pull's help say them, as the total a stalled registry can cost.
+constexpr const char* kRequestBounds =
+    "\nEach request to the registry is tried at most 1 + --retries times (after 0.2 s, doubling\n"
+    "to 5 s between). An attempt ends after 60 s plus 1 s per 64 KiB of its body (188 s for an\n"
+    "8 MiB chunk), or when fewer than 1 KiB move in 30 s; a request that stalls twice fails\n"
+    "with exit 11. A registry that stops answering fails a request within about 2 minutes; at\n"
+    "worst a request takes 1 + --retries times its deadline, plus the waits (6.2 s for 5).";
+
 std::vector<Command> store_commands() {
   return {
       {"push", "gpusnap push ARTIFACT oci://HOST[:PORT]/REPO[:TAG] [--plain-http] [--ca-file PEM]",
        "Upload an artifact to an OCI registry as content-addressed chunks. Only the chunks the\n"
-       "registry lacks are sent (each is asked for first); zeros are not stored.",
+       "registry lacks are sent (each is asked for first); zeros are not stored." +
+           std::string(kRequestBounds),
        concat(remote_flags(), {kJsonFlag, kQuietFlag, kHelpFlag}), cmd_push},
       {"pull", "gpusnap pull oci://HOST[:PORT]/REPO[:TAG|@sha256:HEX] [-o DIR] [--run-dir DIR]",
        "Fetch a snapshot from an OCI registry into a new artifact directory, through the node\n"
@@ -219,7 +229,8 @@ std::vector<Command> store_commands() {
        "and the node cache keeps within its budget (a prefetch); pulls and restores of one\n"
        "snapshot on a node take turns, and a copy already there is verified (one found damaged\n"
        "is pulled again). A pull that would not fit where it writes refuses before its first\n"
-       "chunk (exit 10).",
+       "chunk (exit 10)." +
+           std::string(kRequestBounds),
        concat(concat({{"--output", "-o", "DIR", "artifact directory to create (must not exist)"},
                       {"--run-dir", "", "DIR",
                        "gpusnap's state directory (default /run/gpusnap): the node's copy goes "

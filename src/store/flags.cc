@@ -5,18 +5,18 @@
 namespace gpusnap::store {
 
 std::vector<args::FlagSpec> registry_flags(const std::string& prefix) {
-  return {
-      {prefix + "plain-http", "", "", "reach the registry over plain HTTP (no TLS)"},
-      {prefix + "ca-file", "", "PEM", "CA certificates the registry's certificate must chain to"},
-      {prefix + "auth-file", "", "FILE",
-       "the registry's credentials (auth.json / docker config.json, e.g. a mounted Secret; "
-       "default: $REGISTRY_AUTH_FILE, $XDG_RUNTIME_DIR/containers/auth.json, "
-       "~/.docker/config.json)"},
-      // Spelled as skopeo spells it, in both programs: it is the node's file, not the registry's.
-      {"--registries-conf", "", "FILE",
-       "registry mirrors, as containers-registries.conf(5) writes them, tried before the "
-       "origin for pulls (default: $CONTAINERS_REGISTRIES_CONF, else "
-       "/etc/containers/registries.conf and registries.conf.d/)"}};
+  return {{prefix + "plain-http", "", "", "reach the registry over plain HTTP (no TLS)"},
+          {prefix + "ca-file", "", "PEM",
+           "CA certificates to trust besides the system's and certs.d's"},
+          {prefix + "auth-file", "", "FILE",
+           "the registry's credentials (auth.json / docker config.json, e.g. a mounted Secret; "
+           "default: where skopeo and podman look, credential helpers included)"},
+          // Spelled as skopeo spells it, in both programs: it is the node's file, not the
+          // registry's.
+          {"--registries-conf", "", "FILE",
+           "registry mirrors, as containers-registries.conf(5) writes them, tried before the "
+           "origin for pulls (default: $CONTAINERS_REGISTRIES_CONF, else "
+           "/etc/containers/registries.conf and registries.conf.d/)"}};
 }
 
 void read_registry_flags(const args::Args& args, const std::string& prefix,

@@ -42,4 +42,15 @@ SnapshotManifest read_snapshot_manifest(std::string_view body, const std::string
 // read_snapshot_manifest.
 Layout read_snapshot_layout(std::string_view body, const std::string& name);
 
+// The most JSON values a snapshot's manifest may hold: a manifest of docker-registry's 4 MiB
+// lists about 28,000 chunks of 6 values each. Counted before the manifest is built in memory,
+// so that 4 MiB of `{}` (1.3 million layers, 169 MB of JSON objects) is refused unread.
+inline constexpr size_t kMaxManifestValues = 300000;
+
+// Checks that the manifest's layers are what gpusnap writes for `layout`: descriptors (a
+// digest and a size) of chunks the layout names at those sizes, each once, at most one per
+// chunk besides the layout's own. Throws Error(kBadArtifact) naming the layer.
+void check_snapshot_layers(const SnapshotManifest& manifest, const Layout& layout,
+                           const std::string& name);
+
 }  // namespace gpusnap::store

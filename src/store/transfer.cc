@@ -77,6 +77,7 @@ RemoteSnapshot read_remote_with(PullRegistries& registry) {
   const std::string name = registry.ref().str();
   SnapshotManifest m = read_snapshot_manifest(body, name);
   Layout layout = read_snapshot_layout(registry.fetch_blob(m.layout_digest, m.layout_size), name);
+  check_snapshot_layers(m, layout, name);
   return {registry.ref(), digest, std::move(m.doc), std::move(layout)};
 }
 

@@ -76,6 +76,18 @@ TEST(CliHelp, OverviewGivesWholeFirstSentences) {
   EXPECT_EQ(push, " push Upload an artifact to an OCI registry as content-addressed chunks.");
 }
 
+// What a registry that stops answering can cost is said where the flags are.
+TEST(CliHelp, PushAndPullStateTheirBoundsAgainstARegistry) {
+  for (const char* name : {"push", "pull"}) {
+    auto r = gpusnap({name, "--help"});
+    EXPECT_EQ(r.exit_code, 0);
+    for (const char* said : {"1 + --retries times", "60 s plus 1 s per 64 KiB of its body",
+                             "fewer than 1 KiB move in 30 s", "exit 11"}) {
+      EXPECT_NE(r.out.find(said), std::string::npos) << name << ": " << said << "\n" << r.out;
+    }
+  }
+}
+
 TEST(CliHelp, VersionSpeaksJson) {
   auto r = gpusnap({"version", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;

@@ -120,6 +120,7 @@ LocalRegistry::LocalRegistry(const TempDir& dir, const Options& o)
         "\n";
   }
   if (!o.proxy_remote.empty()) config += "proxy:\n  remoteurl: " + o.proxy_remote + "\n";
+  config += o.extra_config;
   fs::write_file(base / "config.yml", config);
   common::UniqueFd logfd(::open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
   common::SpawnOptions so;

@@ -26,6 +26,9 @@ class LocalRegistry {
     // Non-empty: a pull-through cache of the registry at this URL (docker-registry's
     // `proxy: remoteurl:`), as a cluster-local mirror runs.
     std::string proxy_remote;
+    // More of the registry's configuration (YAML, top level): a storage middleware, token
+    // authentication.
+    std::string extra_config = {};
   };
 
   // Why the registry cannot run here (docker-registry, openssl or htpasswd missing).

@@ -86,12 +86,38 @@ TEST(Credentials, ReadsAuthJsonAsSkopeoWritesIt) {
   TempDir dir;
   fs::write_file(dir / "auth.json",
                  R"({"auths":{"reg:5000":{"auth":"dXNlcjpwYXNzOndpdGg6Y29sb25z"}}})");
-  auto c = store::find_credentials("reg:5000", (dir / "auth.json").string());
+  auto c = store::find_credentials("reg:5000", "repo", (dir / "auth.json").string());
   EXPECT_EQ(c.username, "user");
   EXPECT_EQ(c.password, "pass:with:colons");
-  EXPECT_EQ(store::find_credentials("other:5000", (dir / "auth.json").string()).username, "");
+  EXPECT_EQ(store::find_credentials("other:5000", "repo", (dir / "auth.json").string()).username,
+            "");
   fs::write_file(dir / "bad.json", "{not json");
-  EXPECT_THROW(store::find_credentials("reg:5000", (dir / "bad.json").string()), Error);
+  EXPECT_THROW(store::find_credentials("reg:5000", "repo", (dir / "bad.json").string()), Error);
+}
+
+TEST(RedirectLocation, ResolvesAbsoluteAndRelativeAndRefusesWhatIsNoAddress) {
+  store::Origin from{"https", "reg", 5000, "reg:5000"};
+  auto t = store::resolve_location("/v2/r/blobs/x?a=1", from);
+  EXPECT_EQ(t.origin, from);
+  EXPECT_EQ(t.path, "/v2/r/blobs/x?a=1");
+  t = store::resolve_location("HTTPS://cdn.example.com/data?sig=1#frag", from);
+  EXPECT_EQ(t.origin.str(), "https://cdn.example.com");
+  EXPECT_EQ(t.origin.port, 443);
+  EXPECT_EQ(t.path, "/data?sig=1");
+  t = store::resolve_location("http://10.0.0.1:9000", from);
+  EXPECT_EQ(t.origin.port, 9000);
+  EXPECT_EQ(t.path, "/");
+  for (const char* bad :
+       {"", "ftp://h/x", "relative/path", "//h/x", "http://h:99999999999/x", "http://h:0/x",
+        "http://h:-1/x", "http://h:80a/x", "http://u:p@h/x", "http:///x", "http://h\x01/x"}) {
+    try {
+      store::resolve_location(bad, from);
+      ADD_FAILURE() << "accepted " << bad;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kEnvironment) << bad;
+      EXPECT_NE(std::string(e.what()).find("reg:5000 redirected"), std::string::npos) << e.what();
+    }
+  }
 }
 
 // A small artifact: a CRIU-like pages file and a sparse host image whose data starts at
@@ -546,6 +572,53 @@ TEST(SnapshotManifest, ReadsBothVersionsAndRefusesWhatIsNotASnapshotsManifest) {
     m["layers"][0] = bad_layer;
     EXPECT_EQ(message(m.dump()), prefix + "its layout descriptor is malformed") << bad_layer;
   }
+}
+
+TEST(SnapshotManifest, LayersAreDescriptorsOfTheLayoutsChunksAndCountsAreCapped) {
+  TempDir dir;
+  store::BlobStore blobs(dir / "store");
+  const auto layout = chunk_into(make_artifact(dir / "src", 0, 3), blobs).layout;
+  json layers = json::array({{{"mediaType", store::kConfigMediaType},
+                              {"digest", "sha256:" + std::string(64, 'a')},
+                              {"size", 10}}});
+  for (const auto& b : layout.blobs()) {
+    layers.push_back(
+        {{"mediaType", store::kChunkMediaType}, {"digest", b.digest}, {"size", b.size}});
+  }
+  const json v2 = {{"schemaVersion", 2},
+                   {"artifactType", store::kArtifactType},
+                   {"config",
+                    {{"mediaType", store::kOciImageConfigMediaType},
+                     {"digest", "sha256:" + std::string(64, 'b')},
+                     {"size", 10}}},
+                   {"layers", layers}};
+  auto check = [&](const json& m) {
+    return refusal([&] {
+      store::check_snapshot_layers(store::read_snapshot_manifest(m.dump(), "r/s:1"), layout,
+                                   "r/s:1");
+    });
+  };
+  EXPECT_EQ(check(v2), "accepted");
+  const std::string prefix = "r/s:1 is not a gpusnap snapshot: ";
+  json empty = v2;
+  empty["layers"][1] = json::object();
+  EXPECT_EQ(check(empty), prefix + "layer 1 is not a descriptor with a sha256 digest and a size");
+  json foreign = v2;
+  foreign["layers"][1]["digest"] = "sha256:" + std::string(64, 'c');
+  EXPECT_EQ(check(foreign),
+            prefix + "layer 1 (sha256:" + std::string(64, 'c') + ") is no chunk of its layout");
+  json resized = v2;
+  resized["layers"][1]["size"] = 7;
+  EXPECT_NE(check(resized).find("layer 1 says size 7 where the layout's chunk"), std::string::npos);
+  json more = v2;
+  more["layers"].push_back(more["layers"][1]);
+  EXPECT_NE(check(more).find(" layers for a layout of "), std::string::npos);
+  // 4 MiB of empty layers is refused before it is built in memory.
+  std::string flood = R"({"config":{},"layers":[)";
+  for (int i = 0; i < 1300000; ++i) flood += "{},";
+  flood += "{}]}";
+  EXPECT_EQ(refusal([&] { store::read_snapshot_manifest(flood, "r/s:1"); }),
+            prefix + "its manifest holds more than 300000 JSON values");
 }
 
 TEST(SnapshotManifest, ALayoutNestedTooDeepOrNotALayoutIsRefused) {
