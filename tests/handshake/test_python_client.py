@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 
@@ -529,6 +530,82 @@ class MemoryTierClientTest(ControlDir):
 
     def test_a_prefill_that_fails_is_only_said_and_the_fill_does_it_all(self):
         self.resume_with_a_prefill("the prefill's memory is on device 1")
+
+    def test_a_pause_waits_for_gpu_work_and_holds_it_back_until_the_resume(self):
+        log = []
+        c = self.serve(RecordingTier(log), log)
+        started, release = threading.Event(), threading.Event()
+
+        def request_in_flight():
+            with c.gpu_work():
+                started.set()
+                release.wait(5)
+                log.append(("request done",))
+
+        threading.Thread(target=request_in_flight, daemon=True).start()
+        self.assertTrue(started.wait(2))
+        self.put("pause", {"id": "p1", "timeout_ms": 20000, "tier_dir": "/staging/tier"})
+        time.sleep(0.3)
+        self.assertEqual(log, [])  # the drain waits for the request in flight
+        release.set()
+        self.wait_answer("paused", "p1")
+        # A request that comes during the pause waits for the resume.
+        def request_during_pause():
+            with c.gpu_work():
+                log.append(("late request",))
+
+        late = threading.Thread(target=request_during_pause, daemon=True)
+        late.start()
+        time.sleep(0.3)
+        self.assertNotIn(("late request",), log)
+        self.put("resume", {"id": "r1", "context": {"restored": True, "tier_dir": "/a/tier"}})
+        self.wait_answer("resumed", "r1")
+        late.join(2)
+        self.assertEqual(log, [("request done",), ("on_pause",), ("drain", "/staging/tier"),
+                               ("fill", "/a/tier", {}), ("on_resume", True, "/a/tier"),
+                               ("late request",)])
+
+    def test_gpu_work_that_does_not_end_fails_the_pause_and_serving_goes_on(self):
+        log = []
+        c = self.serve(RecordingTier(log), log)
+        started, release = threading.Event(), threading.Event()
+
+        def stuck():
+            with c.gpu_work():
+                started.set()
+                release.wait(10)
+
+        threading.Thread(target=stuck, daemon=True).start()
+        self.assertTrue(started.wait(2))
+        self.put("pause", {"id": "p1", "timeout_ms": 1000, "tier_dir": "/t"})
+        reason = self.wait_answer("failed", "p1")["reason"]
+        self.assertIn("did not end within 0.5 s of the pause", reason)
+        self.assertEqual(log, [])  # neither on_pause nor the drain ran
+        with c.gpu_work():  # open again: the workload serves on
+            log.append(("next request",))
+        release.set()
+        self.assertEqual(log, [("next request",)])
+
+    def test_the_polling_style_holds_gpu_work_from_the_pause_it_hands_out(self):
+        c = hs.Client.from_environment()
+        self.put("pause", {"id": "p1", "timeout_ms": 5000})
+        req = c.poll()
+        self.assertEqual(req.kind, "pause")
+        entered = threading.Event()
+
+        def request():
+            with c.gpu_work():
+                entered.set()
+
+        t = threading.Thread(target=request, daemon=True)
+        t.start()
+        self.assertFalse(entered.wait(0.3))
+        c.answer_paused(req.id)
+        self.assertFalse(entered.wait(0.2))
+        self.put("resume", {"id": "r1", "context": {"restored": False}})
+        res = c.poll()
+        c.answer_resumed(res.id)
+        self.assertTrue(entered.wait(2))
 
     def test_a_pause_without_tier_dir_drains_nothing(self):
         log = []

@@ -48,6 +48,7 @@ Why it is built this way:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import errno
@@ -58,7 +59,7 @@ import stat
 import sys
 import socket
 import threading
-from typing import Any, Callable, Mapping, Optional, Protocol, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Union
 
 # gpusnap's version, the top-level CMakeLists.txt's project version: a client from gpusnap X
 # is the one that matches a node running gpusnap X (tests/handshake/test_python_package.py
@@ -301,6 +302,58 @@ class Tier(Protocol):
         """Maps the memory again and fills it from `directory`. Raises TierError."""
 
 
+# How long a pause waits for the GPU work in Client.gpu_work() sections to end when the request
+# gives no deadline of its own.
+GPU_WORK_WAIT_S = 60.0
+
+
+class _Gate:
+    """Sections of GPU work that a pause waits for and holds back until the resume: the memory
+    tier's drain takes the GPU memory away, and a kernel still running, or launched during the
+    pause, would read or write memory that is no longer there (CUDA_ERROR_ILLEGAL_ADDRESS, the
+    process lost). Reentrant per thread; a thread already inside is not waited for."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._inside = 0
+        self._closed = False
+        self._depth = threading.local()
+
+    @contextlib.contextmanager
+    def section(self) -> Iterator[None]:
+        depth = getattr(self._depth, "n", 0)
+        if depth == 0:
+            with self._cond:
+                self._cond.wait_for(lambda: not self._closed)
+                self._inside += 1
+        self._depth.n = depth + 1
+        try:
+            yield
+        finally:
+            self._depth.n = depth
+            if depth == 0:
+                with self._cond:
+                    self._inside -= 1
+                    self._cond.notify_all()
+
+    def close(self, timeout: float) -> bool:
+        """Holds new sections back and waits for those running; False (and open again) when
+        they did not end within `timeout` seconds."""
+        own = 1 if getattr(self._depth, "n", 0) > 0 else 0
+        with self._cond:
+            self._closed = True
+            if self._cond.wait_for(lambda: self._inside <= own, timeout):
+                return True
+            self._closed = False
+            self._cond.notify_all()
+            return False
+
+    def open(self) -> None:
+        with self._cond:
+            self._closed = False
+            self._cond.notify_all()
+
+
 class Client:
     """The workload's handshake client. Two styles, not to be mixed on one client:
 
@@ -334,6 +387,7 @@ class Client:
         self._unsent = None  # (request name, id, answer name, body) whose write failed
         self._thread = None
         self._stop = threading.Event()
+        self._gate = _Gate()
 
     @classmethod
     def from_environment(cls, memory_tier: Optional[Tier] = None,
@@ -365,6 +419,25 @@ class Client:
     def _write_ready(self):
         self._ready_written = _write_message(
             self._dir, "ready", {"protocol": PROTOCOL_VERSION, "pid": os.getpid()})
+
+    # ---- GPU work and the pause -------------------------------------------------------------
+
+    def gpu_work(self) -> contextlib.AbstractContextManager[None]:
+        """A section of GPU work (a request's forward pass, a generation step): wrap it in
+        `with client.gpu_work():` on every thread that launches GPU work. A pause waits for the
+        sections running to end and holds new ones back until the workload resumes (a failed
+        pause lets them go at once): nothing runs on the GPU while the memory tier's memory is
+        away. A pause whose sections do not end within its deadline (60 s without one) fails,
+        saying so. Works, and never blocks, when the client is disabled."""
+        return self._gate.section()
+
+    def _hold_gpu_work(self, request: Request) -> Optional[str]:
+        """Closes the gate for a pause; the reason to fail it when the work did not end."""
+        wait = request.timeout_ms / 2000.0 if request.timeout_ms else GPU_WORK_WAIT_S
+        if self._gate.close(wait):
+            return None
+        return (f"GPU work in Client.gpu_work() sections did not end within {wait:g} s of the "
+                "pause: finish in-flight requests sooner, or give the pause a longer timeout")
 
     # ---- the background style -------------------------------------------------------------
 
@@ -411,6 +484,9 @@ class Client:
                 return
             try:
                 if req.kind == "pause":
+                    held = self._hold_gpu_work(req)
+                    if held is not None:
+                        raise RuntimeError(held)
                     ok = on_pause() if on_pause else True
                     if ok is not False:
                         try:
@@ -480,7 +556,15 @@ class Client:
             return None
         if self._thread is not None:
             raise RuntimeError("gpusnap handshake: poll() while serving")
-        return self._poll()
+        req = self._poll()
+        if req is not None and req.kind == "pause":
+            # Handed out: GPU work is held back from here until the pause fails or the
+            # workload resumes (see gpu_work()).
+            held = self._hold_gpu_work(req)
+            if held is not None:
+                self.answer_failed(req.id, held)
+                return None
+        return req
 
     def answer_paused(self, request_id: str) -> None:
         """In-flight work done, memory released, no more GPU work until resume. Frees PyTorch's
@@ -513,6 +597,7 @@ class Client:
                 self._write_ready()
             self._answer("resume", request_id, "resumed", {"id": request_id})
             self._paused = False
+        self._gate.open()
 
     def answer_failed(self, request_id: str, reason: object) -> None:
         """The pause or resume could not be done. After a failed pause the workload must be
@@ -524,6 +609,8 @@ class Client:
             if self._outstanding and self._outstanding[1] == request_id:
                 kind = self._outstanding[0]
             self._answer(kind, request_id, "failed", {"id": request_id, "reason": _short(reason)})
+        if kind == "pause":
+            self._gate.open()  # the workload serves on as before
 
     # ---- internals --------------------------------------------------------------------------
 
