@@ -256,7 +256,8 @@ int run(const std::vector<std::string>& argv, LogFormat& format) {
     serving +=
         " and " + listen.tcp_address + ":" + std::to_string(server.tcp_port()) + " (bearer token)";
   }
-  if (metrics) serving += ", metrics on " + metrics_at->first + ":" + std::to_string(metrics->port());
+  if (metrics)
+    serving += ", metrics on " + metrics_at->first + ":" + std::to_string(metrics->port());
   serving += "; storage " + config.engine.storage.string();
   if (config.remote) serving += " and " + config.remote->repository;
   agent.log().agent(serving);
