@@ -785,7 +785,7 @@ Registry::Answer Registry::send(httplib::Client& client, const Origin& origin, C
   if (!sent) {
     if (err == httplib::Error::SSLServerVerification || err == httplib::Error::SSLConnection) {
       throw Error(ErrorKind::kEnvironment,
-                  origin.authority + ": TLS failed (" + httplib::to_string(err) + ")",
+                  answered_by(origin.authority) + ": TLS failed (" + httplib::to_string(err) + ")",
                   "give the registry's CA with " + options_.flag_prefix + "ca-file, or " +
                       options_.flag_prefix + "plain-http for a registry without TLS");
     }

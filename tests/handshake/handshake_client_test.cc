@@ -198,6 +198,59 @@ TEST_F(HandshakeClient, PauseIsAnsweredPausedWithTheSameId) {
   EXPECT_TRUE(no_tmp_files());
 }
 
+// The memory tier's drain takes the GPU memory away: a pause waits for the GPU work in flight,
+// holds new work back until the resume, and fails, saying so, when the work does not end.
+TEST_F(HandshakeClient, APauseWaitsForGpuWorkAndHoldsItBackUntilTheResume) {
+  auto c = hs::Client::from_environment();
+  Recorder rec;
+  rec.serve(c);
+  std::atomic<bool> release{false}, started{false}, late_done{false};
+  std::thread in_flight([&] {
+    auto work = c.gpu_work();
+    started = true;
+    while (!release) std::this_thread::sleep_for(5ms);
+  });
+  while (!started) std::this_thread::sleep_for(5ms);
+  put("pause", R"({"id":"p1","timeout_ms":20000})");
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(rec.pauses, 0) << "on_pause ran with GPU work in flight";
+  release = true;
+  in_flight.join();
+  ASSERT_TRUE(wait_answer("paused", "p1"));
+  std::thread late([&] {
+    auto work = c.gpu_work();
+    late_done = true;
+  });
+  std::this_thread::sleep_for(300ms);
+  EXPECT_FALSE(late_done) << "GPU work ran during the pause";
+  put("resume", R"({"id":"r1","context":{"restored":false}})");
+  ASSERT_TRUE(wait_answer("resumed", "r1"));
+  late.join();
+  EXPECT_TRUE(late_done);
+}
+
+TEST_F(HandshakeClient, GpuWorkThatDoesNotEndFailsThePauseAndServingGoesOn) {
+  auto c = hs::Client::from_environment();
+  Recorder rec;
+  rec.serve(c);
+  std::atomic<bool> release{false}, started{false};
+  std::thread stuck([&] {
+    auto work = c.gpu_work();
+    started = true;
+    while (!release) std::this_thread::sleep_for(5ms);
+  });
+  while (!started) std::this_thread::sleep_for(5ms);
+  put("pause", R"({"id":"p1","timeout_ms":1000})");
+  const auto j = wait_answer("failed", "p1");
+  ASSERT_TRUE(j);
+  EXPECT_NE(field(*j, "reason").find("did not end within 0.5 s of the pause"), std::string::npos)
+      << field(*j, "reason");
+  EXPECT_EQ(rec.pauses, 0);
+  { auto again = c.gpu_work(); }  // open again: this returns at once
+  release = true;
+  stuck.join();
+}
+
 TEST_F(HandshakeClient, APauseWithAnAnsweredIdIsIgnored) {
   auto c = hs::Client::from_environment();
   Recorder rec;

@@ -53,6 +53,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -675,8 +676,70 @@ inline bool fill_tier(MemoryTier& tier, const ResumeContext& context, std::strin
 
 // The client's state. Shared (shared_ptr) between the Client and its serving thread, so that a
 // Client can be moved, and stop() may be called from inside a callback.
+// Sections of GPU work that a pause waits for and holds back until the resume: the memory tier's
+// drain takes the GPU memory away, and a kernel still running, or launched during the pause,
+// would touch memory that is no longer there (CUDA_ERROR_ILLEGAL_ADDRESS, the process lost).
+// Reentrant per thread (one gate per process: the depth is the thread's, whatever the gate); a
+// thread already inside is not waited for.
+class Gate {
+ public:
+  void enter() {
+    if (depth()++ > 0) return;
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return !closed_; });
+    ++inside_;
+  }
+  void leave() {
+    if (--depth() > 0) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    --inside_;
+    cv_.notify_all();
+  }
+  // Holds new sections back and waits for those running; false (and open again) when they did
+  // not end within `wait`.
+  bool close(std::chrono::milliseconds wait) {
+    const int own = depth() > 0 ? 1 : 0;
+    std::unique_lock<std::mutex> lock(mu_);
+    closed_ = true;
+    if (cv_.wait_for(lock, wait, [&] { return inside_ <= own; })) return true;
+    closed_ = false;
+    cv_.notify_all();
+    return false;
+  }
+  void open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = false;
+    cv_.notify_all();
+  }
+
+ private:
+  static int& depth() {
+    thread_local int d = 0;
+    return d;
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int inside_ = 0;
+  bool closed_ = false;
+};
+
+// How long a pause waits for GPU work sections when the request gives no deadline: half the
+// deadline when it does.
+inline std::chrono::milliseconds gpu_work_wait(const Request& req) {
+  return req.timeout_ms > 0 ? std::chrono::milliseconds(req.timeout_ms / 2)
+                            : std::chrono::milliseconds(60000);
+}
+
+inline std::string gpu_work_not_ended(std::chrono::milliseconds wait) {
+  char text[64];
+  std::snprintf(text, sizeof text, "%g", static_cast<double>(wait.count()) / 1000.0);
+  return std::string("GPU work in Client::gpu_work() sections did not end within ") + text +
+         " s of the pause: finish in-flight requests sooner, or give the pause a longer timeout";
+}
+
 struct State {
   std::string dir;  // empty: disabled
+  Gate gate;        // GPU work sections (Client::gpu_work)
   std::mutex mu;
   bool paused = false;         // answered `paused`, and no `resumed` since
   bool ready_wanted = false;   // ready() was called
@@ -809,6 +872,7 @@ struct State {
     if (ready_wanted) write_ready();
     answer(Request::Kind::kResume, id, "resumed", "{\"id\":" + quote(id) + "}");
     paused = false;
+    gate.open();
   }
   void answer_failed(const std::string& id, const std::string& reason) {
     std::lock_guard<std::mutex> lock(mu);
@@ -821,6 +885,18 @@ struct State {
     answer(kind, id, "failed",
            "{\"id\":" + quote(id) +
                ",\"reason\":" + quote(shorten(reason.empty() ? "unspecified" : reason)) + "}");
+    if (kind == Request::Kind::kPause) gate.open();  // the workload serves on as before
+  }
+
+  // poll(), with the gate closed for a pause it hands out; a pause whose GPU work does not end
+  // in time is answered failed here and not handed out.
+  std::optional<Request> poll_holding_gpu_work() {
+    auto req = poll();
+    if (!req || req->kind != Request::Kind::kPause) return req;
+    const auto wait = gpu_work_wait(*req);
+    if (gate.close(wait)) return req;
+    answer_failed(req->id, gpu_work_not_ended(wait));
+    return std::nullopt;
   }
 };
 
@@ -900,6 +976,30 @@ class Client {
     return detail::fill_tier(*state_->tier, req.context, reason);
   }
 
+  // A section of GPU work, for as long as the object lives: wrap every section that launches GPU
+  // work (a request's forward pass, a generation step) on every thread. A pause waits for the
+  // sections running to end and holds new ones back until the workload resumes (a failed pause
+  // lets them go at once): nothing runs on the GPU while the memory tier's memory is away. A
+  // pause whose sections do not end within half its deadline (60 s without one) fails, saying
+  // so. Works, and never blocks, when the client is disabled.
+  class GpuWork {
+   public:
+    explicit GpuWork(std::shared_ptr<detail::State> s) : s_(std::move(s)) {
+      if (s_) s_->gate.enter();
+    }
+    GpuWork(GpuWork&& other) noexcept = default;
+    GpuWork& operator=(GpuWork&&) = delete;
+    GpuWork(const GpuWork&) = delete;
+    GpuWork& operator=(const GpuWork&) = delete;
+    ~GpuWork() {
+      if (s_) s_->gate.leave();
+    }
+
+   private:
+    std::shared_ptr<detail::State> s_;
+  };
+  [[nodiscard]] GpuWork gpu_work() { return GpuWork(state_); }
+
   // Starts the serving thread and returns at once. No-op when disabled.
   void serve(OnPause on_pause, OnResume on_resume) {
     if (!enabled()) return;
@@ -940,7 +1040,7 @@ class Client {
   std::optional<Request> poll() {
     if (!enabled()) return std::nullopt;
     if (thread_.joinable()) throw std::logic_error("gpusnap handshake: poll() while serving");
-    return state_->poll();
+    return state_->poll_holding_gpu_work();
   }
 
   // After a pause: in-flight work done, memory released, no more GPU work until resume.
@@ -961,7 +1061,7 @@ class Client {
   static void serve_once(detail::State& s, const OnPause& on_pause, const OnResume& on_resume) {
     // Several requests may be waiting (a pause and then a resume): handle them in order.
     while (!s.stop.load()) {
-      const auto req = s.poll();
+      const auto req = s.poll_holding_gpu_work();
       if (!req) return;
       std::string reason;
       bool ok = false;
