@@ -11,9 +11,9 @@
 #include "store/fanout.h"
 #include "testing/harness.h"
 
+namespace gpusnap::testing {
 namespace {
 
-using namespace gpusnap::testing;
 namespace sfs = std::filesystem;
 
 int run(int argc, char** argv) {
@@ -69,10 +69,11 @@ int run(int argc, char** argv) {
 }
 
 }  // namespace
+}  // namespace gpusnap::testing
 
 int main(int argc, char** argv) {
   try {
-    return run(argc, argv);
+    return gpusnap::testing::run(argc, argv);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gpusnap-fanout-bench: %s\n", e.what());
     return 1;
