@@ -81,7 +81,8 @@ std::optional<std::string> LocalRegistry::blocker() {
 }
 
 LocalRegistry::LocalRegistry(const TempDir& dir, const Options& o)
-    : address_(o.address), port_(free_port(address_)) {
+    // A node's namespace is the registry's alone: any port there is free.
+    : address_(o.node ? o.node->address() : o.address), port_(o.node ? 5000 : free_port(address_)) {
   const sfs::path base = dir / ("registry-" + fs::random_id().substr(0, 8));
   sfs::create_directories(base);
   storage_ = base / "storage";
@@ -125,6 +126,7 @@ LocalRegistry::LocalRegistry(const TempDir& dir, const Options& o)
   common::UniqueFd logfd(::open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
   common::SpawnOptions so;
   so.argv = {"docker-registry", "serve", (base / "config.yml").string()};
+  if (o.node) so.argv = o.node->enter(so.argv);
   so.stdout_fd = logfd.get();
   so.stderr_fd = logfd.get();
   process_.emplace(so);

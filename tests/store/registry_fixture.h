@@ -10,6 +10,7 @@
 #include <string>
 
 #include "common/subprocess.h"
+#include "testing/node_network.h"
 #include "testing/unit.h"
 
 namespace gpusnap::testing {
@@ -29,6 +30,9 @@ class LocalRegistry {
     // More of the registry's configuration (YAML, top level): a storage middleware, token
     // authentication.
     std::string extra_config = {};
+    // Non-null: it runs inside this node's network namespace (entered by nsenter), listening
+    // on the node's address; `address` is not used.
+    const Node* node = nullptr;
   };
 
   // Why the registry cannot run here (docker-registry, openssl or htpasswd missing).
