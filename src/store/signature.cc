@@ -108,7 +108,8 @@ bool verifies(EVP_PKEY* key, const std::string& payload, const std::string& sign
   return ok;
 }
 
-std::string sign(EVP_PKEY* key, const std::string& payload, const std::filesystem::path& file) {
+std::string sign_payload(EVP_PKEY* key, const std::string& payload,
+                         const std::filesystem::path& file) {
   std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
   size_t size = 0;
   const auto* data = reinterpret_cast<const unsigned char*>(payload.data());
@@ -312,18 +313,21 @@ void check_signature(const SignaturePolicy& policy, const OciRef& ref, const std
                   policy.file().string());
 }
 
-std::string sign_snapshot(const OciRef& ref, const std::string& digest,
-                          const std::filesystem::path& key_file, const RegistryOptions& options) {
-  const std::string pem = read_bounded(key_file, kMaxKeyBytes, "signing key",
-                                       "name a readable PEM private key (--sign KEY)");
-  const auto key = read_key(pem, key_file, true);
+SigningKey::SigningKey(const std::filesystem::path& file)
+    : file_(file),
+      key_(read_key(read_bounded(file, kMaxKeyBytes, "signing key",
+                                 "name a readable PEM private key (--sign KEY)"),
+                    file, true)) {}
+
+std::string SigningKey::sign(const OciRef& ref, const std::string& digest,
+                             const RegistryOptions& options) const {
   const json payload_doc = {{"critical",
                              {{"identity", {{"docker-reference", ref.host + "/" + ref.repository}}},
                               {"image", {{"docker-manifest-digest", digest}}},
                               {"type", kSignatureType}}},
                             {"optional", nullptr}};
   const std::string payload = payload_doc.dump();
-  const std::string signature = base64(sign(key.get(), payload, key_file));
+  const std::string signature = base64(sign_payload(key_.get(), payload, file_));
   const std::string payload_digest = sha256_digest(payload);
   // cosign's config: an empty image whose one diff_id is the payload's.
   const std::string config = json{{"architecture", ""},

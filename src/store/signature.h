@@ -84,11 +84,19 @@ class SignaturePolicy {
 void check_signature(const SignaturePolicy& policy, const OciRef& ref, const std::string& digest,
                      const RegistryOptions& options);
 
-// Signs the manifest `digest` of `ref`'s repository with the PEM private key `key_file` (ECDSA,
-// as cosign's default P-256) and stores the signature under signature_tag(digest). Returns the
-// signature's reference (oci://HOST/REPO:sha256-HEX.sig). Throws Error(kUsage) for a key it
-// cannot use.
-std::string sign_snapshot(const OciRef& ref, const std::string& digest,
-                          const std::filesystem::path& key_file, const RegistryOptions& options);
+// A PEM private key (ECDSA, as cosign's default P-256), read when constructed: push reads it
+// before its first upload, so that a key it cannot use costs nothing. Throws Error(kUsage).
+class SigningKey {
+ public:
+  explicit SigningKey(const std::filesystem::path& file);
+  // Signs the manifest `digest` of `ref`'s repository and stores the signature under
+  // signature_tag(digest). Returns its reference (oci://HOST/REPO:sha256-HEX.sig).
+  std::string sign(const OciRef& ref, const std::string& digest,
+                   const RegistryOptions& options) const;
+
+ private:
+  std::filesystem::path file_;
+  std::shared_ptr<evp_pkey_st> key_;
+};
 
 }  // namespace gpusnap::store

@@ -197,6 +197,8 @@ PushResult push(const std::filesystem::path& path, const OciRef& ref, const Tran
   }
   Phases phases(reporter);
   PushResult r;
+  std::optional<SigningKey> signer;
+  if (!o.sign_key.empty()) signer.emplace(o.sign_key);  // a key it cannot use: refused first
   auto artifact = phases.run("open", [&] { return Artifact::open(path); });
   Registry registry(ref, o.registry);
   std::mutex mu;
@@ -247,9 +249,7 @@ PushResult push(const std::filesystem::path& path, const OciRef& ref, const Tran
                            {"annotations", labels}};
     r.digest = registry.put_manifest(manifest.dump(), kOciManifestMediaType);
   });
-  if (!o.sign_key.empty()) {
-    phases.run("sign", [&] { r.signature = sign_snapshot(ref, r.digest, o.sign_key, o.registry); });
-  }
+  if (signer) phases.run("sign", [&] { r.signature = signer->sign(ref, r.digest, o.registry); });
   r.reference = ref.by_digest(r.digest);
   r.sizes = SnapshotSizes::of(layout);
   r.chunks_uploaded = uploaded;

@@ -255,6 +255,19 @@ TEST_F(Signatures, SignatureOfAnotherSnapshotIsRefused) {
   push("a", "team/a:v1", {});  // mended for the other tests
 }
 
+TEST_F(Signatures, UnusableSigningKeyIsRefusedBeforeAnyUpload) {
+  // A public key where the private one belongs: refused before the first chunk goes up.
+  auto r = gpusnap({"push", path("snap-b"), registry_->ref("fresh/b:v1"), "--plain-http", "--sign",
+                    path("k1.pub"), "-q"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("private key " + path("k1.pub").string() + " is not an unencrypted PEM key"),
+            std::string::npos)
+      << r.err;
+  const std::string log = registry_->log();
+  ASSERT_NE(log.find("/v2/team/a/blobs/"), std::string::npos) << "the log names requests";
+  EXPECT_EQ(log.find("/v2/fresh/b/blobs/"), std::string::npos) << "a chunk went up";
+}
+
 TEST_F(Signatures, DamagedPolicyIsAUsageError) {
   const auto file = local_.path() / "policy.json";
   fs::write_file(file, R"({"default": {"type": "signed"}})");
