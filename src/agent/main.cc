@@ -59,6 +59,7 @@ std::vector<args::FlagSpec> flags() {
   for (auto& more : {store::registry_flags(kRegistryPrefix), store::cache_flags()}) {
     f.insert(f.end(), more.begin(), more.end());
   }
+  f.push_back(store::signature_policy_flag());
   f.push_back({"--help", "-h", "", "show this help"});
   f.push_back({"--version", "", "", "show the version"});
   return f;
@@ -134,7 +135,9 @@ std::string helper_binary(const args::Args& args) {
 std::optional<RegistryStorageSettings> remote_settings(const args::Args& args,
                                                        const std::filesystem::path& run_dir) {
   if (!args.has("--registry")) {
-    for (const auto& more : {store::registry_flags(kRegistryPrefix), store::cache_flags()}) {
+    for (const auto& more : {store::registry_flags(kRegistryPrefix),
+                             store::cache_flags(),
+                             {store::signature_policy_flag()}}) {
       for (const auto& flag : more) {
         if (args.has(flag.name)) throw usage(flag.name + " needs --registry");
       }
@@ -146,6 +149,7 @@ std::optional<RegistryStorageSettings> remote_settings(const args::Args& args,
   store::read_registry_flags(args, kRegistryPrefix, s.registry);
   s.cache = store::cache_flag(args);
   s.cache_budget = store::cache_budget_flag(args);
+  s.policy = store::signature_policy(args);
   // Beside `gpusnap restore oci://...`'s: a snapshot either pulled is found by the other.
   s.pulled = run_dir / "pulled";
   return s;

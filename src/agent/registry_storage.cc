@@ -108,6 +108,7 @@ store::ReachOptions RegistryStorage::reach_options() const {
   o.pulled = settings_.pulled;
   o.transfer.registry = settings_.registry;
   o.transfer.jobs = settings_.jobs;
+  o.transfer.policy = settings_.policy;
   o.cache = settings_.cache;
   o.cache_budget = settings_.cache_budget;
   return o;

@@ -26,6 +26,7 @@
 #include "store/blob_store.h"
 #include "store/reach.h"
 #include "store/registry.h"
+#include "store/signature.h"
 
 namespace gpusnap::agent {
 
@@ -36,6 +37,9 @@ struct RegistryStorageSettings {
   std::filesystem::path cache = "/var/lib/gpusnap/cache";
   uint64_t cache_budget = 64ull << 30;
   std::filesystem::path pulled;  // where pulled snapshots are materialised (RUN_DIR/pulled)
+  // Which snapshots a restore or prefetch may pull (--signature-policy, store/signature.h),
+  // read when the agent starts; null: every snapshot accepted.
+  std::shared_ptr<const store::SignaturePolicy> policy;
 };
 
 // The store's phases (push: open, upload, manifest; pull: manifest, fetch, cache) as an

@@ -142,6 +142,7 @@ store::ReachOptions reach_options(const Args& args) {
   o.cache = store::cache_flag(args);
   o.cache_budget = store::cache_budget_flag(args);
   o.criu_path = args.get("--criu");
+  o.transfer.policy = store::signature_policy(args);
   return o;
 }
 
@@ -150,6 +151,7 @@ store::PullOptions pull_options(const Args& args) {
   o.transfer = transfer_options(args);
   o.cache = store::cache_flag(args);
   o.cache_budget = store::cache_budget_flag(args);
+  o.transfer.policy = store::signature_policy(args);
   return o;
 }
 
@@ -219,7 +221,14 @@ std::vector<Command> store_commands() {
        "Upload an artifact to an OCI registry as content-addressed chunks. Only the chunks the\n"
        "registry lacks are sent (each is asked for first); zeros are not stored." +
            std::string(kRequestBounds),
-       concat(remote_flags(), {kJsonFlag, kQuietFlag, kHelpFlag}), cmd_push},
+       concat(remote_flags(),
+              {{"--sign", "", "KEY",
+                "sign the snapshot's manifest with KEY, a PEM ECDSA private key (P-256, as "
+                "cosign's): stored as cosign stores it, tagged sha256-DIGEST.sig beside it"},
+               kJsonFlag,
+               kQuietFlag,
+               kHelpFlag}),
+       cmd_push},
       {"pull", "gpusnap pull oci://HOST[:PORT]/REPO[:TAG|@sha256:HEX] [-o DIR] [--run-dir DIR]",
        "Fetch a snapshot from an OCI registry into a new artifact directory, through the node\n"
        "cache: chunks it holds are not fetched again (a pull that was killed resumes), each\n"
@@ -229,7 +238,10 @@ std::vector<Command> store_commands() {
        "and the node cache keeps within its budget (a prefetch); pulls and restores of one\n"
        "snapshot on a node take turns, and a copy already there is verified (one found damaged\n"
        "is pulled again). A pull that would not fit where it writes refuses before its first\n"
-       "chunk (exit 10)." +
+       "chunk (exit 10). The node's signature policy (--signature-policy, default\n"
+       "/etc/gpusnap/policy.json when present, else every snapshot accepted) is checked before\n"
+       "anything but the manifest is read: unsigned, or signed by no trusted key where the\n"
+       "policy wants a signature, refuses with exit 4." +
            std::string(kRequestBounds),
        concat(concat({{"--output", "-o", "DIR", "artifact directory to create (must not exist)"},
                       {"--run-dir", "", "DIR",
@@ -237,7 +249,7 @@ std::vector<Command> store_commands() {
                        "to DIR/pulled"},
                       {"--any-host", "", "", "pull even where the snapshot could not be restored"}},
                      concat(remote_flags(), cache_flags())),
-              {kCriuFlag, kJsonFlag, kQuietFlag, kHelpFlag}),
+              {store::signature_policy_flag(), kCriuFlag, kJsonFlag, kQuietFlag, kHelpFlag}),
        cmd_pull},
       {"import",
        "gpusnap import ARTIFACT [--cache DIR] [--json]",
@@ -256,6 +268,7 @@ void extend_for_store(const std::string& name, std::string& usage, std::string& 
   std::vector<FlagSpec> more;
   if (name == "restore") {
     more = concat(remote_flags(), cache_flags());
+    more.push_back(store::signature_policy_flag());
     summary +=
         "\nARTIFACT may be oci://HOST/REPO[:TAG|@DIGEST]: pulled (see `gpusnap pull`) while it\n"
         "restores: CRIU's restore starts on CRIU's images while GPU memory still arrives.";
@@ -264,6 +277,7 @@ void extend_for_store(const std::string& name, std::string& usage, std::string& 
     summary += "\nOf an oci:// reference only its manifest and layout are read.";
   } else if (name == "verify") {
     more = concat(remote_flags(), cache_flags());
+    more.push_back(store::signature_policy_flag());
     more.push_back(
         {"--run-dir", "", "DIR", "where an oci:// snapshot is checked (default /run/gpusnap)"});
     summary += "\nAn oci:// reference is fetched (each chunk checked against its digest), written\n"
@@ -288,8 +302,9 @@ int cmd_push(const Args& args) {
   if (args.positional().size() != 2) throw args.usage_error("push needs ARTIFACT and oci://...");
   const bool as_json = args.has("--json");
   TransferReporter reporter(as_json, args.has("--quiet"));
-  auto r = store::push(args.positional()[0], remote_ref(args.positional()[1]),
-                       transfer_options(args), reporter);
+  auto transfer = transfer_options(args);
+  transfer.sign_key = args.get("--sign");
+  auto r = store::push(args.positional()[0], remote_ref(args.positional()[1]), transfer, reporter);
   const double upload = [&] {
     for (const auto& p : r.phases) {
       if (p.name == "upload") return p.seconds;
@@ -299,6 +314,7 @@ int cmd_push(const Args& args) {
   json doc = sizes_json(r.sizes);
   doc.update(json{{"reference", r.reference},
                   {"digest", r.digest},
+                  {"signature", r.signature.empty() ? json() : json(r.signature)},
                   {"chunks_uploaded", r.chunks_uploaded},
                   {"bytes_uploaded", r.bytes_uploaded},
                   {"phases", phases_json(r.phases)},
@@ -318,6 +334,7 @@ int cmd_push(const Args& args) {
                 static_cast<unsigned long long>(r.chunks_uploaded),
                 fs::human_bytes(r.bytes_uploaded).c_str(), total_seconds(r.phases),
                 rate(r.sizes.data_bytes, upload).c_str());
+    if (!r.signature.empty()) std::printf("  signed: %s\n", r.signature.c_str());
   }
   return 0;
 }

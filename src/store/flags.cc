@@ -43,4 +43,16 @@ uint64_t cache_budget_flag(const args::Args& args) {
   return static_cast<uint64_t>(args.get_int("--cache-budget-mib", 64 << 10, 0, 1L << 30)) << 20;
 }
 
+args::FlagSpec signature_policy_flag() {
+  return {"--signature-policy", "", "FILE",
+          "which snapshots may be pulled or restored, per registry or repository: unsigned, or "
+          "signed by which keys (JSON; default " +
+              std::string(kDefaultPolicyFile) +
+              " when it exists, else every snapshot is accepted; docs/security.md)"};
+}
+
+std::shared_ptr<const SignaturePolicy> signature_policy(const args::Args& args) {
+  return SignaturePolicy::for_node(args.get("--signature-policy"));
+}
+
 }  // namespace gpusnap::store

@@ -6,11 +6,13 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "common/args.h"
 #include "store/registry.h"
+#include "store/signature.h"
 
 namespace gpusnap::store {
 
@@ -26,5 +28,11 @@ std::vector<args::FlagSpec> cache_flags();
 std::string cache_flag(const args::Args& args);
 // --cache-budget-mib in bytes (default 64 GiB).
 uint64_t cache_budget_flag(const args::Args& args);
+
+// --signature-policy FILE, the same in both programs (docs/security.md).
+args::FlagSpec signature_policy_flag();
+// The node's signature policy (store/signature.h): --signature-policy's file, else
+// /etc/gpusnap/policy.json when it exists, else none (every snapshot accepted).
+std::shared_ptr<const SignaturePolicy> signature_policy(const args::Args& args);
 
 }  // namespace gpusnap::store

@@ -40,22 +40,30 @@ void SnapshotSource::reach_remote(const std::string& where, const ReachOptions& 
                                   Arrival arrival, Reporter& reporter) {
   OciRef ref = OciRef::parse(where);
   std::optional<RemoteSnapshot> snap;
+  TransferOptions transfer = options.transfer;
+  if (!ref.digest.empty() && transfer.policy) {
+    // Named by its digest: checked here, before a node copy of it is looked for or pulled, as
+    // a tag's is in read_remote below. A copy found here is no exception: the policy may have
+    // changed since it was pulled.
+    check_signature(*transfer.policy, ref, ref.digest, transfer.registry);
+  }
   if (ref.digest.empty()) {
     // A tag is resolved first (its manifest and layout), so that a copy already here is found
     // under its digest whatever name asked for it, and the manifest checked is the one pulled
     // whatever the tag names meanwhile.
     Phases phases(reporter);
-    snap = phases.run("resolve", [&] { return read_remote(ref, options.transfer); });
+    snap = phases.run("resolve", [&] { return read_remote(ref, transfer); });
     ref.digest = snap->digest;
     ref.tag.clear();
   }
+  transfer.policy = nullptr;  // checked above, for the digest everything below reads
   reference_ = ref.by_digest(ref.digest);
   digest_ = ref.digest;
   // Taken before the copy is looked for: a pull or restore of the same snapshot on this node
   // pulling now is waited for, and its copy then found complete, not fetched a second time.
   common::UniqueFd pulling = lock_node_copy(options.pulled, digest_hex(digest_), reporter);
   auto copy = node_copy(options.cache, options.pulled, ref, [&] {
-    if (!snap) snap = read_remote(ref, options.transfer);
+    if (!snap) snap = read_remote(ref, transfer);
     return snap->layout;
   });
   artifact_ = copy.path;
@@ -75,11 +83,11 @@ void SnapshotSource::reach_remote(const std::string& where, const ReachOptions& 
     return;
   }
   // Refused here, before any chunk, where the snapshot could not be restored.
-  if (!snap) snap = read_remote(ref, options.transfer);
+  if (!snap) snap = read_remote(ref, transfer);
   if (!options.any_host) check_host(Manifest::from_json(snap->layout.manifest), options);
   checked_ = !options.any_host;
   PullOptions o;
-  o.transfer = options.transfer;
+  o.transfer = transfer;
   o.output = artifact_;
   o.output_in_cache = true;
   o.cache = options.cache;

@@ -2,6 +2,9 @@
 // gpusnap-agent (restore, prefetch): a local artifact directory, or an oci:// reference whose
 // snapshot lands on this node as its copy RUN_DIR/pulled/HEX (store/transfer.h, node_copy).
 //
+//   trust    an oci:// snapshot: the node's signature policy (TransferOptions::policy,
+//            store/signature.h) for the manifest's digest, before anything else of it is
+//            read or a node copy of it used
 //   check    the host check (engine/compat.h), once, from the snapshot's manifest alone: the
 //            local artifact's, the node copy's when it is already here, else the registry's,
 //            before any chunk is fetched

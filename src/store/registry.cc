@@ -40,7 +40,6 @@ namespace {
 
 using nlohmann::json;
 
-constexpr uint64_t kMaxManifestBytes = 4ull << 20;  // the limit of docker-registry itself
 constexpr uint64_t kMaxAuthFileBytes = 1ull << 20;
 
 // A failure worth another attempt: the connection broke, the registry is restarting or busy.
@@ -1150,17 +1149,18 @@ std::string Registry::put_manifest(const std::string& body, const std::string& m
   return sha256_digest(body);
 }
 
-std::pair<std::string, std::string> Registry::fetch_manifest() {
+std::pair<std::string, std::string> Registry::fetch_manifest(uint64_t max_bytes) {
   const std::string what = "fetch manifest " + ref_.repository + ":" + ref_.reference();
   auto body = with_retries(options_, what, where(), [&] {
     std::string data;
     Call call{"GET", "/v2/" + ref_.repository + "/manifests/" + ref_.reference(),
               httplib::Headers{{"Accept", "application/vnd.oci.image.manifest.v1+json"}}};
-    call.expect_bytes = kMaxManifestBytes;
+    call.expect_bytes = max_bytes;
     call.on_body = [&](const char* p, size_t n) {
-      if (data.size() + n > kMaxManifestBytes) {
+      if (data.size() + n > max_bytes) {
         call.refusal =
-            Error(ErrorKind::kBadArtifact, "manifest " + ref_.str() + " is larger than 4 MiB");
+            Error(ErrorKind::kBadArtifact, "manifest " + ref_.str() + " is larger than " +
+                                               std::to_string(max_bytes) + " bytes");
         return false;
       }
       data.append(p, n);

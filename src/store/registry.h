@@ -23,6 +23,7 @@ struct x509_store_st;  // OpenSSL's X509_STORE
 namespace gpusnap::store {
 
 inline constexpr const char* kOciScheme = "oci://";
+inline constexpr uint64_t kMaxManifestBytes = 4ull << 20;  // the limit of docker-registry itself
 
 // oci://HOST[:PORT]/REPO[:TAG][@sha256:HEX]
 struct OciRef {
@@ -156,9 +157,9 @@ class Registry {
   std::string fetch_blob(const std::string& digest, uint64_t size);
   // Stores an OCI image manifest under ref().tag; returns its digest.
   std::string put_manifest(const std::string& body, const std::string& media_type);
-  // The manifest ref() names (at most 4 MiB) and its digest (checked against ref().digest when
-  // one was given).
-  std::pair<std::string, std::string> fetch_manifest();
+  // The manifest ref() names (at most `max_bytes`) and its digest (checked against ref().digest
+  // when one was given).
+  std::pair<std::string, std::string> fetch_manifest(uint64_t max_bytes = kMaxManifestBytes);
 
  private:
   class Lease;

@@ -72,8 +72,11 @@ std::string image_config(const Manifest& m, const json& labels) {
   return config.dump();
 }
 
-RemoteSnapshot read_remote_with(PullRegistries& registry) {
+RemoteSnapshot read_remote_with(PullRegistries& registry, const TransferOptions& options) {
   auto [body, digest] = registry.fetch_manifest();
+  // The digest of the manifest read, whatever the tag names or a mirror served: what a
+  // signature must name. Checked before the layout, the first of the snapshot's blobs.
+  if (options.policy) check_signature(*options.policy, registry.ref(), digest, options.registry);
   const std::string name = registry.ref().str();
   SnapshotManifest m = read_snapshot_manifest(body, name);
   Layout layout = read_snapshot_layout(registry.fetch_blob(m.layout_digest, m.layout_size), name);
@@ -194,6 +197,8 @@ PushResult push(const std::filesystem::path& path, const OciRef& ref, const Tran
   }
   Phases phases(reporter);
   PushResult r;
+  std::optional<SigningKey> signer;
+  if (!o.sign_key.empty()) signer.emplace(o.sign_key);  // a key it cannot use: refused first
   auto artifact = phases.run("open", [&] { return Artifact::open(path); });
   Registry registry(ref, o.registry);
   std::mutex mu;
@@ -244,6 +249,7 @@ PushResult push(const std::filesystem::path& path, const OciRef& ref, const Tran
                            {"annotations", labels}};
     r.digest = registry.put_manifest(manifest.dump(), kOciManifestMediaType);
   });
+  if (signer) phases.run("sign", [&] { r.signature = signer->sign(ref, r.digest, o.registry); });
   r.reference = ref.by_digest(r.digest);
   r.sizes = SnapshotSizes::of(layout);
   r.chunks_uploaded = uploaded;
@@ -254,14 +260,14 @@ PushResult push(const std::filesystem::path& path, const OciRef& ref, const Tran
 
 RemoteSnapshot read_remote(const OciRef& ref, const TransferOptions& options) {
   PullRegistries registry(ref, options.registry);
-  return read_remote_with(registry);
+  return read_remote_with(registry, options);
 }
 
 PullResult pull(const OciRef& ref, const PullOptions& o, Reporter& reporter) {
   Phases phases(reporter);
   PullRegistries registry(ref, o.transfer.registry);  // the node's mirrors, then the origin
   RemoteSnapshot snap = phases.run("manifest", [&] {
-    auto s = o.snapshot ? *o.snapshot : read_remote_with(registry);
+    auto s = o.snapshot ? *o.snapshot : read_remote_with(registry, o.transfer);
     if (o.check) o.check(Manifest::from_json(s.layout.manifest));
     return s;
   });

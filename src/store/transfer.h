@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -40,6 +41,7 @@
 #include "store/layout.h"
 #include "store/materialise.h"
 #include "store/registry.h"
+#include "store/signature.h"
 #include "store/snapshot_manifest.h"
 
 namespace gpusnap::store {
@@ -63,11 +65,17 @@ struct TransferOptions {
   RegistryOptions registry;
   int jobs = default_jobs();  // chunks in flight
   ChunkingOptions chunking;
+  // Checked by read_remote and pull once the manifest's digest is known, before the layout or
+  // any chunk is fetched (store/signature.h); null: every snapshot accepted.
+  std::shared_ptr<const SignaturePolicy> policy;
+  // push: sign the manifest with this PEM private key (store/signature.h); empty: unsigned.
+  std::filesystem::path sign_key;
 };
 
 struct PushResult {
   std::string reference;  // oci://HOST/REPO@sha256:...
   std::string digest;     // of the OCI manifest
+  std::string signature;  // oci://HOST/REPO:sha256-HEX.sig when signed
   SnapshotSizes sizes;
   uint64_t chunks_uploaded = 0;
   uint64_t bytes_uploaded = 0;
@@ -86,7 +94,8 @@ struct RemoteSnapshot {
 };
 
 // Reads and checks the OCI manifest and the config (Error kBadArtifact when it is not a gpusnap
-// snapshot or does not match its digests).
+// snapshot or does not match its digests, or when options.policy refuses it: checked before the
+// layout is fetched).
 RemoteSnapshot read_remote(const OciRef& ref, const TransferOptions& options);
 
 struct PullOptions {
