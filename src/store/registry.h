@@ -154,10 +154,12 @@ class Registry {
   // Fetches a blob of exactly `size` bytes, hashing it as it arrives. Throws
   // Error(kBadArtifact) when it does not match `digest` or has another size.
   std::string fetch_blob(const std::string& digest, uint64_t size);
-  // Stores an OCI image manifest under ref().tag; returns its digest.
-  std::string put_manifest(const std::string& body, const std::string& media_type);
-  // The manifest ref() names (at most 4 MiB) and its digest (checked against ref().digest when
-  // one was given).
+  // Stores an OCI image manifest (or index) under ref().tag, or under its digest when
+  // `by_digest` (a part of a snapshot that only its index names); returns its digest.
+  std::string put_manifest(const std::string& body, const std::string& media_type,
+                           bool by_digest = false);
+  // The manifest or index ref() names (at most 4 MiB) and its digest (checked against ref().digest
+  // when one was given).
   std::pair<std::string, std::string> fetch_manifest();
 
  private:
