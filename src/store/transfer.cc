@@ -105,13 +105,26 @@ RemoteSnapshot read_remote_with(PullRegistries& registry, const TransferOptions&
     if (!layout) {
       layout = read_snapshot_layout(registry.fetch_blob(m.layout_digest, m.layout_size), name);
       layout_digest = m.layout_digest;
+      // Each part lists a chunk at least, so that an index cannot have a pull fetch more
+      // manifests than the layout has chunks.
+      if (parts.size() > layout->blobs().size()) {
+        throw Error(ErrorKind::kBadArtifact,
+                    name + " lists " + std::to_string(parts.size()) + " manifests for " +
+                        std::to_string(layout->blobs().size()) + " chunks",
+                    "give a reference that `gpusnap push` wrote");
+      }
     } else if (m.layout_digest != layout_digest) {
       throw Error(ErrorKind::kBadArtifact,
                   part_name + " names layout " + m.layout_digest + " where the first names " +
                       layout_digest,
                   "give a reference that `gpusnap push` wrote");
     }
+    const size_t before = seen.size();
     check_snapshot_layers(m, *layout, part_name, seen);
+    if (seen.size() == before) {
+      throw Error(ErrorKind::kBadArtifact, part_name + " lists no chunk",
+                  "give a reference that `gpusnap push` wrote");
+    }
   }
   return {registry.ref(), digest, std::move(index), std::move(*layout)};
 }
