@@ -33,6 +33,7 @@
 #include "common/url.h"
 #include "gpusnap/error.h"
 #include "store/digest.h"
+#include "store/snapshot_manifest.h"
 
 namespace gpusnap::store {
 
@@ -1136,17 +1137,20 @@ std::string Registry::fetch_blob(const std::string& digest, uint64_t size) {
   });
 }
 
-std::string Registry::put_manifest(const std::string& body, const std::string& media_type) {
-  const std::string what = "store manifest " + ref_.repository + ":" + ref_.tag;
+std::string Registry::put_manifest(const std::string& body, const std::string& media_type,
+                                   bool by_digest) {
+  const std::string digest = sha256_digest(body);
+  const std::string name = by_digest ? digest : ref_.tag;
+  const std::string what = "store manifest " + ref_.repository + (by_digest ? "@" : ":") + name;
   with_retries(options_, what, where(), [&] {
-    Call call{"PUT", "/v2/" + ref_.repository + "/manifests/" + ref_.tag};
+    Call call{"PUT", "/v2/" + ref_.repository + "/manifests/" + name};
     call.body = body;
     call.content_type = media_type;
     Answer a = exchange(call);
     if (a.status != 201) fail(a, what);
     return 0;
   });
-  return sha256_digest(body);
+  return digest;
 }
 
 std::pair<std::string, std::string> Registry::fetch_manifest(uint64_t max_bytes) {
@@ -1154,7 +1158,8 @@ std::pair<std::string, std::string> Registry::fetch_manifest(uint64_t max_bytes)
   auto body = with_retries(options_, what, where(), [&] {
     std::string data;
     Call call{"GET", "/v2/" + ref_.repository + "/manifests/" + ref_.reference(),
-              httplib::Headers{{"Accept", "application/vnd.oci.image.manifest.v1+json"}}};
+              httplib::Headers{
+                  {"Accept", std::string(kOciManifestMediaType) + ", " + kOciImageIndexMediaType}}};
     call.expect_bytes = max_bytes;
     call.on_body = [&](const char* p, size_t n) {
       if (data.size() + n > max_bytes) {

@@ -15,6 +15,8 @@
 #include <string_view>
 #include <vector>
 
+#include "store/snapshot_manifest.h"  // kMaxManifestBytes
+
 namespace httplib {
 class Client;
 }
@@ -23,7 +25,6 @@ struct x509_store_st;  // OpenSSL's X509_STORE
 namespace gpusnap::store {
 
 inline constexpr const char* kOciScheme = "oci://";
-inline constexpr uint64_t kMaxManifestBytes = 4ull << 20;  // the limit of docker-registry itself
 
 // oci://HOST[:PORT]/REPO[:TAG][@sha256:HEX]
 struct OciRef {
@@ -155,10 +156,12 @@ class Registry {
   // Fetches a blob of exactly `size` bytes, hashing it as it arrives. Throws
   // Error(kBadArtifact) when it does not match `digest` or has another size.
   std::string fetch_blob(const std::string& digest, uint64_t size);
-  // Stores an OCI image manifest under ref().tag; returns its digest.
-  std::string put_manifest(const std::string& body, const std::string& media_type);
-  // The manifest ref() names (at most `max_bytes`) and its digest (checked against ref().digest
-  // when one was given).
+  // Stores an OCI image manifest (or index) under ref().tag, or under its digest when
+  // `by_digest` (a part of a snapshot that only its index names); returns its digest.
+  std::string put_manifest(const std::string& body, const std::string& media_type,
+                           bool by_digest = false);
+  // The manifest or index ref() names (at most `max_bytes`) and its digest (checked against
+  // ref().digest when one was given).
   std::pair<std::string, std::string> fetch_manifest(uint64_t max_bytes = kMaxManifestBytes);
 
  private:

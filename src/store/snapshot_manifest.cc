@@ -102,11 +102,13 @@ SnapshotManifest read_snapshot_manifest(std::string_view body, const std::string
     throw not_ours(name, "its layout descriptor is malformed");
   }
   s.layout_size = d.at("size").get<uint64_t>();
+  if (m.contains("annotations"))
+    s.part = text_of(m.at("annotations"), kPartAnnotation).substr(0, 32);
   return s;
 }
 
 void check_snapshot_layers(const SnapshotManifest& manifest, const Layout& layout,
-                           const std::string& name) {
+                           const std::string& name, std::set<std::string>& seen) {
   const json& m = manifest.doc;
   if (!m.contains("layers")) return;
   const json& layers = m.at("layers");
@@ -120,7 +122,6 @@ void check_snapshot_layers(const SnapshotManifest& manifest, const Layout& layou
                              " layers for a layout of " + std::to_string(chunks.size()) +
                              " chunks");
   }
-  std::set<std::string> seen;
   for (size_t i = first; i < layers.size(); ++i) {
     const json& d = layers.at(i);
     const std::string digest = text_of(d, "digest");
@@ -138,6 +139,152 @@ void check_snapshot_layers(const SnapshotManifest& manifest, const Layout& layou
     }
     if (!seen.insert(digest).second) throw not_ours(name, at + " repeats chunk " + digest);
   }
+}
+
+bool is_snapshot_index(std::string_view body) {
+  // As gpusnap writes it (registries serve a manifest's bytes unchanged, copies keep them):
+  // an image manifest names no index media type, and a body that is not a snapshot's index
+  // is refused by read_snapshot_index for what it is.
+  return body.find(std::string("\"mediaType\":\"") + kOciImageIndexMediaType + "\"") !=
+         std::string_view::npos;
+}
+
+std::vector<std::string> read_snapshot_index(std::string_view body, const std::string& name,
+                                             json& doc) {
+  // An index of kMaxManifestParts entries holds about 20 values each.
+  constexpr size_t kMaxIndexValues = kMaxManifestParts * 20 + 100;
+  ValueCounter counter(kMaxIndexValues);
+  json::sax_parse(body, &counter, json::input_format_t::json, false);
+  if (counter.count > kMaxIndexValues) {
+    throw not_ours(name,
+                   "its index holds more than " + std::to_string(kMaxIndexValues) + " JSON values");
+  }
+  std::string why;
+  std::optional<json> parsed = json_text::parse(body, &why);
+  if (!parsed) throw not_ours(name, "its index is not JSON: " + why);
+  doc = std::move(*parsed);
+  if (!doc.is_object() || text_of(doc, "mediaType") != kOciImageIndexMediaType ||
+      text_of(doc, "artifactType") != kArtifactType || !doc.contains("manifests") ||
+      !doc.at("manifests").is_array() || doc.at("manifests").empty()) {
+    throw not_ours(name, "its index lists no snapshot manifests");
+  }
+  const json& list = doc.at("manifests");
+  if (list.size() > kMaxManifestParts) {
+    throw not_ours(name, "its index lists " + std::to_string(list.size()) +
+                             " manifests, more than the " + std::to_string(kMaxManifestParts) +
+                             " of a snapshot");
+  }
+  std::vector<std::string> parts;
+  std::set<std::string> seen;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const json& d = list.at(i);
+    const std::string digest = text_of(d, "digest");
+    if (text_of(d, "mediaType") != kOciManifestMediaType || !valid_digest(digest) ||
+        !d.contains("size") || !d.at("size").is_number_unsigned() ||
+        d.at("size").get<uint64_t>() > kMaxManifestBytes || !seen.insert(digest).second) {
+      throw not_ours(name, "its index's manifest " + std::to_string(i) +
+                               " is not a descriptor of an image manifest of at most 4 MiB "
+                               "listed once");
+    }
+    parts.push_back(digest);
+  }
+  return parts;
+}
+
+namespace {
+
+// The title of a layer: what it stores, as OCI tools show a layer's file name. A chunk's
+// is the first file and offset it fills ("PATH@OFFSET"), cut short at a character.
+std::string title(const std::string& path, uint64_t offset) {
+  std::string t = path.size() > 200 ? path.substr(0, 200) : path;
+  while (t.size() < path.size() && !t.empty() &&
+         (static_cast<unsigned char>(path[t.size()]) & 0xC0) == 0x80) {
+    t.pop_back();
+  }
+  return t + "@" + std::to_string(offset);
+}
+
+json manifest_of(const Descriptor& config, const json& layout_layer, json layers,
+                 json annotations) {
+  layers.insert(layers.begin(), layout_layer);
+  return {
+      {"schemaVersion", 2},
+      {"mediaType", kOciManifestMediaType},
+      {"artifactType", kArtifactType},
+      {"config",
+       {{"mediaType", kOciImageConfigMediaType}, {"digest", config.digest}, {"size", config.size}}},
+      {"layers", std::move(layers)},
+      {"annotations", std::move(annotations)}};
+}
+
+}  // namespace
+
+SnapshotManifests snapshot_manifests(const Layout& layout, const Descriptor& layout_blob,
+                                     const Descriptor& config, const json& annotations,
+                                     const std::string& arch) {
+  std::map<std::string, std::string> titles;
+  for (const FileLayout& f : layout.files) {
+    for (const Extent& e : f.extents) titles.emplace(e.digest, title(f.path, e.offset));
+  }
+  const json layout_layer = {{"mediaType", kConfigMediaType},
+                             {"digest", layout_blob.digest},
+                             {"size", layout_blob.size},
+                             {"annotations", {{kTitleAnnotation, "layout.json"}}}};
+  // A part's size is its layers' and the rest's, known before it is built: each layer adds
+  // its text and a comma. The rest is measured on an empty part with the longest part
+  // annotation ("4096/4096").
+  json probe_annotations = annotations;
+  probe_annotations[kPartAnnotation] = "0000/0000";
+  const size_t empty =
+      manifest_of(config, layout_layer, json::array(), probe_annotations).dump().size();
+  std::vector<json> groups(1, json::array());
+  size_t size = empty;
+  for (const BlobInfo& b : layout.blobs()) {
+    json layer = {
+        {"mediaType", b.encoding == Encoding::kZstd ? kChunkZstdMediaType : kChunkMediaType},
+        {"digest", b.digest},
+        {"size", b.size},
+        {"annotations", {{kTitleAnnotation, titles[b.digest]}}}};
+    const size_t more = layer.dump().size() + 1;
+    if (size + more > kMaxManifestBytes && !groups.back().empty()) {
+      groups.emplace_back(json::array());
+      size = empty;
+    }
+    size += more;
+    groups.back().push_back(std::move(layer));
+  }
+  SnapshotManifests out;
+  if (groups.size() == 1) {
+    out.parts.push_back(
+        manifest_of(config, layout_layer, std::move(groups[0]), annotations).dump());
+    return out;
+  }
+  if (groups.size() > kMaxManifestParts) {
+    throw Error(ErrorKind::kUsage,
+                "the snapshot's " + std::to_string(layout.blobs().size()) + " chunks need " +
+                    std::to_string(groups.size()) + " manifests, more than the " +
+                    std::to_string(kMaxManifestParts) + " an index of a snapshot lists",
+                "push with larger chunks");
+  }
+  json manifests = json::array();
+  for (size_t i = 0; i < groups.size(); ++i) {
+    json a = annotations;
+    a[kPartAnnotation] = std::to_string(i + 1) + "/" + std::to_string(groups.size());
+    std::string body = manifest_of(config, layout_layer, std::move(groups[i]), a).dump();
+    manifests.push_back({{"mediaType", kOciManifestMediaType},
+                         {"digest", sha256_digest(body)},
+                         {"size", body.size()},
+                         {"platform", {{"architecture", arch}, {"os", "linux"}}},
+                         {"annotations", {{kPartAnnotation, a[kPartAnnotation]}}}});
+    out.parts.push_back(std::move(body));
+  }
+  out.index = json{{"schemaVersion", 2},
+                   {"mediaType", kOciImageIndexMediaType},
+                   {"artifactType", kArtifactType},
+                   {"manifests", std::move(manifests)},
+                   {"annotations", annotations}}
+                  .dump();
+  return out;
 }
 
 Layout read_snapshot_layout(std::string_view body, const std::string& name) {

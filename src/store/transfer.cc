@@ -72,16 +72,64 @@ std::string image_config(const Manifest& m, const json& labels) {
   return config.dump();
 }
 
+// Reads a snapshot's manifest (version 1 or 2), or its index and every manifest the index
+// lists (version 3): the layout from the first, each one's layers checked against it, so
+// that a pull finds out a copy that lost a part (`skopeo copy` without --all) before it
+// fetches a chunk.
 RemoteSnapshot read_remote_with(PullRegistries& registry, const TransferOptions& options) {
   auto [body, digest] = registry.fetch_manifest();
   // The digest of the manifest read, whatever the tag names or a mirror served: what a
   // signature must name. Checked before the layout, the first of the snapshot's blobs.
   if (options.policy) check_signature(*options.policy, registry.ref(), digest, options.registry);
   const std::string name = registry.ref().str();
-  SnapshotManifest m = read_snapshot_manifest(body, name);
-  Layout layout = read_snapshot_layout(registry.fetch_blob(m.layout_digest, m.layout_size), name);
-  check_snapshot_layers(m, layout, name);
-  return {registry.ref(), digest, std::move(m.doc), std::move(layout)};
+  std::set<std::string> seen;
+  if (!is_snapshot_index(body)) {
+    SnapshotManifest m = read_snapshot_manifest(body, name);
+    if (!m.part.empty()) {
+      throw Error(ErrorKind::kBadArtifact,
+                  name + " is part " + m.part + " of a snapshot split across an image index",
+                  "pull the reference `gpusnap push` printed; copy such a snapshot with "
+                  "`skopeo copy --all`, which copies the index and every part");
+    }
+    Layout layout = read_snapshot_layout(registry.fetch_blob(m.layout_digest, m.layout_size), name);
+    check_snapshot_layers(m, layout, name, seen);
+    return {registry.ref(), digest, std::move(m.doc), std::move(layout)};
+  }
+  nlohmann::json index;
+  const std::vector<std::string> parts = read_snapshot_index(body, name, index);
+  std::optional<Layout> layout;
+  std::string layout_digest;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    OciRef part_ref = registry.ref();
+    part_ref.digest = parts[i];
+    PullRegistries part_registry(part_ref, options.registry);
+    const std::string part_name = name + " (manifest " + parts[i] + ")";
+    SnapshotManifest m = read_snapshot_manifest(part_registry.fetch_manifest().first, part_name);
+    if (!layout) {
+      layout = read_snapshot_layout(registry.fetch_blob(m.layout_digest, m.layout_size), name);
+      layout_digest = m.layout_digest;
+      // Each part lists a chunk at least, so that an index cannot have a pull fetch more
+      // manifests than the layout has chunks.
+      if (parts.size() > layout->blobs().size()) {
+        throw Error(ErrorKind::kBadArtifact,
+                    name + " lists " + std::to_string(parts.size()) + " manifests for " +
+                        std::to_string(layout->blobs().size()) + " chunks",
+                    "give a reference that `gpusnap push` wrote");
+      }
+    } else if (m.layout_digest != layout_digest) {
+      throw Error(ErrorKind::kBadArtifact,
+                  part_name + " names layout " + m.layout_digest + " where the first names " +
+                      layout_digest,
+                  "give a reference that `gpusnap push` wrote");
+    }
+    const size_t before = seen.size();
+    check_snapshot_layers(m, *layout, part_name, seen);
+    if (seen.size() == before) {
+      throw Error(ErrorKind::kBadArtifact, part_name + " lists no chunk",
+                  "give a reference that `gpusnap push` wrote");
+    }
+  }
+  return {registry.ref(), digest, std::move(index), std::move(*layout)};
 }
 
 // The staging directories that pulls of the same node copy left (killed, or failed with
@@ -222,32 +270,32 @@ PushResult push(const std::filesystem::path& path, const OciRef& ref, const Tran
         reporter, "upload");
   });
   phases.run("manifest", [&] {
-    // Version 2 (layout_descriptor): the layout as layer 0, an image config for OCI tools.
+    // Version 2, or 3 beyond what one manifest holds (store/snapshot_manifest.h).
     const Manifest m = Manifest::from_json(layout.manifest);
     const json labels = annotations(layout, m);
-    json layers = json::array();
-    for (const std::string& blob : {layout.to_json().dump(), image_config(m, labels)}) {
-      const std::string d = sha256_digest(blob);
-      if (!registry.blob_exists(d)) registry.upload_blob(d, blob);
-      layers.push_back({{"mediaType", kConfigMediaType}, {"digest", d}, {"size", blob.size()}});
+    Descriptor blobs[2];
+    const std::string texts[2] = {layout.to_json().dump(), image_config(m, labels)};
+    if (texts[0].size() > kMaxLayoutBytes) {
+      throw Error(ErrorKind::kUsage,
+                  "the snapshot's layout is " + fs::human_bytes(texts[0].size()) +
+                      ", more than the " + fs::human_bytes(kMaxLayoutBytes) + " a pull reads",
+                  "push with larger chunks (fewer chunks name fewer extents)");
     }
-    const json config = {{"mediaType", kOciImageConfigMediaType},
-                         {"digest", layers[1]["digest"]},
-                         {"size", layers[1]["size"]}};
-    layers.erase(1);
-    for (const auto& b : layout.blobs()) {
-      layers.push_back(
-          {{"mediaType", b.encoding == Encoding::kZstd ? kChunkZstdMediaType : kChunkMediaType},
-           {"digest", b.digest},
-           {"size", b.size}});
+    for (int i = 0; i < 2; ++i) {
+      blobs[i] = {sha256_digest(texts[i]), texts[i].size()};
+      if (!registry.blob_exists(blobs[i].digest)) registry.upload_blob(blobs[i].digest, texts[i]);
     }
-    const json manifest = {{"schemaVersion", 2},
-                           {"mediaType", kOciManifestMediaType},
-                           {"artifactType", kArtifactType},
-                           {"config", config},
-                           {"layers", layers},
-                           {"annotations", labels}};
-    r.digest = registry.put_manifest(manifest.dump(), kOciManifestMediaType);
+    const SnapshotManifests out =
+        snapshot_manifests(layout, blobs[0], blobs[1], labels, oci_architecture(m.host.arch));
+    if (out.index.empty()) {
+      r.digest = registry.put_manifest(out.parts[0], kOciManifestMediaType);
+      return;
+    }
+    // The parts first, by digest: a registry stores an index only once what it lists is there.
+    for (const std::string& part : out.parts) {
+      registry.put_manifest(part, kOciManifestMediaType, /*by_digest=*/true);
+    }
+    r.digest = registry.put_manifest(out.index, kOciImageIndexMediaType);
   });
   if (signer) phases.run("sign", [&] { r.signature = signer->sign(ref, r.digest, o.registry); });
   r.reference = ref.by_digest(r.digest);

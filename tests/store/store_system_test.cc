@@ -27,6 +27,8 @@
 #include "store/digest.h"
 #include "store/registry.h"
 #include "store/registry_fixture.h"
+#include "store/snapshot_manifest.h"
+#include "store/transfer.h"
 #include "testing/harness.h"
 #include "tier/fake_tier_driver.h"
 #include "tier/memory_tier.h"
@@ -263,6 +265,75 @@ TEST(StoreRegistry, ManifestOfTheFirstFormatStillPulls) {
   auto inspect = gpusnap({"inspect", registry.ref("r/s:old"), "--plain-http", "--json"});
   ASSERT_EQ(inspect.exit_code, 0) << inspect.err;
   EXPECT_EQ(json::parse(inspect.out).at("id"), Artifact::open(snap.path).manifest().id);
+}
+
+// A snapshot of more chunks than one manifest of docker-registry's 4 MiB lists (about 18,000
+// with their titles): 4 KiB chunks of a 96 MiB workload, pushed as an index of manifests.
+// About 25,000 chunks, each a request to push and to pull: minutes on a busy machine.
+TEST(StoreRegistry, SnapshotBeyondOneManifestPushesAsAnIndex) {
+  SKIP_WITHOUT_REGISTRY();
+  TempDir dir;
+  LocalRegistry registry(dir, {});
+  auto snap = capture(dir, "snap", "96");
+  store::TransferOptions to;
+  to.registry.plain_http = true;
+  to.chunking.cdc_min = 4096;
+  to.chunking.cdc_average = 4096;
+  to.chunking.cdc_max = 4096;
+  to.chunking.host_image_chunk = 4096;
+  to.chunking.tier_glue_below = 4096;
+  Reporter quiet;
+  auto pushed =
+      store::push(snap.path, store::OciRef::parse(registry.ref("big/snap:v1")), to, quiet);
+  ASSERT_GT(pushed.sizes.chunks, 20000u);
+
+  json index = raw_manifest(registry, "big/snap:v1");
+  ASSERT_EQ(index.at("mediaType"), store::kOciImageIndexMediaType);
+  EXPECT_EQ(index.at("artifactType"), store::kArtifactType);
+  const json& parts = index.at("manifests");
+  ASSERT_GE(parts.size(), 2u);
+  size_t layers = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    EXPECT_LE(parts[i].at("size").get<uint64_t>(), store::kMaxManifestBytes);
+    json part = raw_manifest(registry, "big/snap@" + parts[i].at("digest").get<std::string>());
+    EXPECT_EQ(part.at("annotations").at(store::kPartAnnotation),
+              std::to_string(i + 1) + "/" + std::to_string(parts.size()));
+    EXPECT_EQ(part.at("layers").at(0).at("annotations").at(store::kTitleAnnotation), "layout.json");
+    layers += part.at("layers").size() - 1;
+  }
+  EXPECT_EQ(layers, pushed.sizes.chunks);  // every chunk listed once: none left to the GC
+
+  const std::vector<std::string> plain{"--plain-http", "--cache", (dir / "cache").string()};
+  auto pull = [&](const std::string& ref, const std::string& out) {
+    std::vector<std::string> args{"pull", registry.ref(ref), "-o", (dir / out).string()};
+    args.insert(args.end(), plain.begin(), plain.end());
+    return gpusnap(args);
+  };
+  auto pulled = pull("big/snap:v1", "pulled");
+  ASSERT_EQ(pulled.exit_code, 0) << pulled.err;
+  EXPECT_EQ(contents(dir / "pulled"), contents(snap.path));
+
+  // skopeo inspect (not --raw) shows the snapshot under the index's digest.
+  auto plain_inspect = common::run_capture(
+      {"skopeo", "inspect", "--tls-verify=false", "docker://" + registry.host() + "/big/snap:v1"});
+  ASSERT_TRUE(plain_inspect.status.ok()) << plain_inspect.output.substr(0, 2000);
+  EXPECT_EQ(json::parse(plain_inspect.output).at("Digest"), pushed.digest);
+
+  // One part alone under a tag, as `skopeo copy` without --all leaves it: the pull says so
+  // before it fetches a chunk.
+  store::RegistryOptions plain_http;
+  plain_http.plain_http = true;
+  store::Registry(store::OciRef::parse(registry.ref("big/snap:one")), plain_http)
+      .put_manifest(
+          raw_manifest(registry, "big/snap@" + parts[0].at("digest").get<std::string>()).dump(),
+          store::kOciManifestMediaType);
+  auto partial = pull("big/snap:one", "partial");
+  EXPECT_EQ(partial.exit_code, 4) << partial.err;
+  EXPECT_NE(partial.err.find("is part 1/" + std::to_string(parts.size()) +
+                             " of a snapshot split across an image index"),
+            std::string::npos)
+      << partial.err;
+  EXPECT_NE(partial.err.find("skopeo copy --all"), std::string::npos) << partial.err;
 }
 
 TEST(StoreRegistry, TlsWithBasicAuth) {

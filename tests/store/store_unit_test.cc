@@ -594,8 +594,9 @@ TEST(SnapshotManifest, LayersAreDescriptorsOfTheLayoutsChunksAndCountsAreCapped)
                    {"layers", layers}};
   auto check = [&](const json& m) {
     return refusal([&] {
+      std::set<std::string> seen;
       store::check_snapshot_layers(store::read_snapshot_manifest(m.dump(), "r/s:1"), layout,
-                                   "r/s:1");
+                                   "r/s:1", seen);
     });
   };
   EXPECT_EQ(check(v2), "accepted");
@@ -634,6 +635,83 @@ TEST(SnapshotManifest, ALayoutNestedTooDeepOrNotALayoutIsRefused) {
                            "syntax error while parsing object key - unexpected ']'; expected "
                            "string literal");
   EXPECT_EQ(message("{}").rfind("bad snapshot layout: ", 0), 0u) << message("{}");
+}
+
+// A layout of `chunks` distinct chunks of 4 KiB in one file, as the manifest writer sees it.
+store::Layout layout_of_chunks(size_t chunks) {
+  store::Layout layout;
+  store::FileLayout f{"checkpoint/pages-1.img", chunks * 4096, {}};
+  for (size_t i = 0; i < chunks; ++i) {
+    f.extents.push_back(
+        {i * 4096, 4096, store::sha256_digest(std::to_string(i)), store::Encoding::kZstd, 1000});
+  }
+  layout.files.push_back(std::move(f));
+  return layout;
+}
+
+TEST(SnapshotManifest, ChunksBeyondOneManifestAreSplitAcrossAnIndex) {
+  const store::Descriptor layout_blob{"sha256:" + std::string(64, 'a'), 100};
+  const store::Descriptor config{"sha256:" + std::string(64, 'b'), 10};
+  const json labels = {{"org.gpusnap.artifact.id", "x"}};
+
+  // Few chunks: one manifest (version 2), every layer titled with what it stores.
+  const auto few =
+      store::snapshot_manifests(layout_of_chunks(3), layout_blob, config, labels, "amd64");
+  ASSERT_EQ(few.parts.size(), 1u);
+  EXPECT_TRUE(few.index.empty());
+  const json one = json::parse(few.parts[0]);
+  EXPECT_EQ(one.at("layers").size(), 4u);
+  EXPECT_EQ(one.at("layers")[0].at("annotations").at(store::kTitleAnnotation), "layout.json");
+  EXPECT_EQ(one.at("layers")[2].at("annotations").at(store::kTitleAnnotation),
+            "checkpoint/pages-1.img@4096");
+  EXPECT_FALSE(one.at("annotations").contains(store::kPartAnnotation));
+  EXPECT_FALSE(store::is_snapshot_index(few.parts[0]));
+
+  // 40,000 chunks (about 9 MiB of layers): parts under docker-registry's 4 MiB, an index of
+  // them, each chunk in exactly one part, read back as pull reads them.
+  const store::Layout big = layout_of_chunks(40000);
+  const auto split = store::snapshot_manifests(big, layout_blob, config, labels, "amd64");
+  ASSERT_GE(split.parts.size(), 3u);
+  ASSERT_TRUE(store::is_snapshot_index(split.index));
+  json index;
+  const auto digests = store::read_snapshot_index(split.index, "r/s:1", index);
+  ASSERT_EQ(digests.size(), split.parts.size());
+  EXPECT_EQ(index.at("annotations"), labels);
+  std::set<std::string> seen;
+  for (size_t i = 0; i < split.parts.size(); ++i) {
+    EXPECT_LE(split.parts[i].size(), store::kMaxManifestBytes);
+    EXPECT_EQ(digests[i], store::sha256_digest(split.parts[i]));
+    const auto m = store::read_snapshot_manifest(split.parts[i], "r/s:1");
+    EXPECT_EQ(m.layout_digest, layout_blob.digest);
+    EXPECT_EQ(m.part, std::to_string(i + 1) + "/" + std::to_string(split.parts.size()));
+    store::check_snapshot_layers(m, big, "r/s:1", seen);
+  }
+  EXPECT_EQ(seen.size(), 40000u);
+
+  // An index that is not one gpusnap writes is refused for what it is.
+  const std::string prefix = "r/s:1 is not a gpusnap snapshot: ";
+  auto refused = [&](const json& doc) {
+    return refusal([&] {
+      json out;
+      store::read_snapshot_index(doc.dump(), "r/s:1", out);
+    });
+  };
+  json twice = index;
+  twice["manifests"][1] = twice["manifests"][0];
+  EXPECT_EQ(refused(twice), prefix + "its index's manifest 1 is not a descriptor of an image "
+                                     "manifest of at most 4 MiB listed once");
+  json nested = index;
+  nested["manifests"][0]["mediaType"] = store::kOciImageIndexMediaType;
+  EXPECT_EQ(refused(nested), prefix + "its index's manifest 0 is not a descriptor of an image "
+                                      "manifest of at most 4 MiB listed once");
+  json many = index;
+  many["manifests"] = json::array();
+  for (size_t i = 0; i <= store::kMaxManifestParts; ++i) many["manifests"].push_back(1);
+  EXPECT_EQ(refused(many), prefix + "its index lists 4097 manifests, more than the 4096 of a "
+                                    "snapshot");
+  json foreign = index;
+  foreign.erase("artifactType");
+  EXPECT_EQ(refused(foreign), prefix + "its index lists no snapshot manifests");
 }
 
 // The cache writes chunks with O_DIRECT where the filesystem takes it (whole blocks through an
