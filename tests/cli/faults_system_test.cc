@@ -188,6 +188,9 @@ TEST_F(Faults, DiskFullDuringTheDumpKeepsTheRealLog) {
   SmallFilesystem small(dir, "small", "size=96m");
   if (!small.mounted()) GTEST_SKIP() << "skipped: cannot mount a tmpfs here";
   auto& source = start({"--mib", "48"});
+  // On a loaded machine the dump may end before the filler thread runs: that attempt had room
+  // and proves nothing, so it is made again (at most 3x the trials).
+  int attempts = 0;
   for (int trial = 0; trial < kTrials; ++trial) {
     const auto out = small.path() / "snap";
     const auto filler = small.path() / "filler";
@@ -213,6 +216,12 @@ TEST_F(Faults, DiskFullDuringTheDumpKeepsTheRealLog) {
     done = true;
     fill.join();
     stdfs::remove(filler);
+    if (cp.exit_code == 0 && ++attempts < 3 * kTrials) {
+      std::printf("faults: the dump ended before the disk filled; again\n");
+      stdfs::remove_all(out);
+      --trial;
+      continue;
+    }
     EXPECT_EQ(cp.exit_code, 7) << cp.err;
     const auto kept = out.string() + ".criu-dump.log";
     EXPECT_NE(cp.err.find("(log: " + kept + ")"), std::string::npos) << cp.err;
