@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -36,16 +37,24 @@ struct PortPublish {
 // An artifact whose files are still being written while the restore starts: a snapshot pulled
 // from a registry (store/stream.h). The restore waits for each part where it first needs it:
 // CRIU's images before criu-restore, the rest (host images, the memory tier) before it
-// checks the bytes and hands GPU memory to the driver. Without GPU state CRIU's restore lets the
-// copies run, so everything is awaited first.
+// checks the bytes and hands GPU memory to the driver; the memory tier's fill done ahead takes
+// its files as they arrive (watch). Without GPU state CRIU's restore lets the copies run, so
+// everything is awaited first.
 class ArrivingArtifact {
  public:
   virtual ~ArrivingArtifact() = default;
   // The directory being written: its manifest.json there, every file at its size. Blocks
   // until then; throws the transfer's Error.
   virtual std::filesystem::path staging() = 0;
-  // Blocks until CRIU's images (every file but host images and the tier's) are written.
+  // Blocks until CRIU's images (every file but the GPU memory's: host images and the tier's
+  // drain files) are written.
   virtual void await_criu_images() = 0;
+  // Calls `progress(path, bytes)` each time more of the file at `path` (relative to the
+  // artifact) is written from its first byte, each byte checked against its digest: at once
+  // for what is written already, then from the pull's threads, one call at a time. It must
+  // not block, and is called until the pull ends.
+  using Progress = std::function<void(const std::string& path, uint64_t bytes)>;
+  virtual void watch(Progress progress) = 0;
   // Blocks until every file is written and the artifact is committed; returns its final path.
   // Called only once nothing reads the staging directory by its path.
   virtual std::filesystem::path complete() = 0;

@@ -99,7 +99,8 @@ class Restore {
           phase([&] { artifact.emplace(Artifact::open(options_.artifact = arrival.await_all())); });
           break;
         case RestoreStep::kStartTierPrefills:
-          tier.start_prefills(options_.artifact, artifact->manifest(), gpu.gpu_map(), options_);
+          tier.start_prefills(arrival.open_path(options_.artifact), artifact->manifest(),
+                              gpu.gpu_map(), options_, arrival.still_arriving());
           break;
         case RestoreStep::kVerify:
           phase([&] { engine::ArtifactCheck::run(*artifact, phases_.reporter()); });

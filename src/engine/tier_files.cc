@@ -1,12 +1,14 @@
 #include "engine/tier_files.h"
 
 #include <poll.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <fcntl.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -14,6 +16,8 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <regex>
@@ -226,6 +230,10 @@ std::optional<stdfs::path> prefill_program() {
 // and SUMS-FD).
 constexpr int kPrefillDoneFd = 3;
 constexpr int kPrefillSumsFd = 4;
+// For an arriving artifact: the tier's folder (DIR is /proc/self/fd/5) and the socket that says
+// how much of each drain file is there (ARRIVAL-FD).
+constexpr int kPrefillDirFd = 5;
+constexpr int kPrefillArrivalFd = 6;
 
 // How reading a pipe to its end ended.
 enum class PipeEnd { kEndOfFile, kStopped, kReadError };
@@ -291,9 +299,44 @@ std::string tier_gpu(const stdfs::path& index) {
 
 }  // namespace
 
+// The sockets on which the prefills of an arriving artifact learn what is written
+// (tier/arrival.h): one per prefill, gpusnap's end, by the process whose drain files it fills.
+class TierPrefills::Feeds {
+ public:
+  void add(std::string pid, common::UniqueFd fd) {
+    std::lock_guard lock(mu_);
+    feeds_.push_back({std::move(pid), std::move(fd)});
+  }
+  // A line "NAME BYTES" to each prefill of the drain file's process. The socket's buffer holds
+  // every line of a pull (a line per chunk written, some 30 bytes each): a send never waits on
+  // a prefill, and one that fails (the prefill ended) closes that socket alone.
+  void send(const std::string& path, uint64_t bytes) {
+    const std::string prefix = std::string(kTierDirName) + "/";
+    if (!path.starts_with(prefix)) return;
+    const std::string name = path.substr(prefix.size());
+    const folder::Entry e = folder::classify(name);
+    if (e.kind != folder::EntryKind::kDrainFile) return;
+    const std::string line = name + " " + std::to_string(bytes) + "\n";
+    std::lock_guard lock(mu_);
+    for (auto& [pid, fd] : feeds_) {
+      if (pid != e.pid || !fd) continue;
+      const ssize_t n = ::send(fd.get(), line.data(), line.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n != static_cast<ssize_t>(line.size())) fd.reset();
+    }
+  }
+  void close_all() {
+    std::lock_guard lock(mu_);
+    feeds_.clear();
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::pair<std::string, common::UniqueFd>> feeds_;
+};
+
 TierPrefills::TierPrefills(const stdfs::path& artifact,
                            const std::map<std::string, std::string>& gpu_map, int copies,
-                           const stdfs::path& run_dir, uint64_t chunk_bytes)
+                           const stdfs::path& run_dir, uint64_t chunk_bytes, bool arriving)
     : chunk_bytes_(chunk_bytes) {
   const auto program = prefill_program();
   const stdfs::path tier = stdfs::absolute(artifact) / kTierDirName;
@@ -306,7 +349,7 @@ TierPrefills::TierPrefills(const stdfs::path& artifact,
   }
   if (pids.empty()) return;
   try {
-    start(*program, tier, pids, gpu_map, copies, run_dir, chunk_bytes);
+    start(*program, tier, pids, gpu_map, copies, run_dir, chunk_bytes, arriving);
   } catch (...) {
     stop_all();  // no destructor runs for a constructor that throws
     throw;
@@ -316,8 +359,13 @@ TierPrefills::TierPrefills(const stdfs::path& artifact,
 void TierPrefills::start(const stdfs::path& program, const stdfs::path& tier,
                          const std::vector<std::string>& pids,
                          const std::map<std::string, std::string>& gpu_map, int copies,
-                         const stdfs::path& run_dir, uint64_t chunk_bytes) {
+                         const stdfs::path& run_dir, uint64_t chunk_bytes, bool arriving) {
   std::error_code ec;
+  if (arriving) {
+    tier_dir_ = common::UniqueFd(::open(tier.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+    if (!tier_dir_) throw sys_error("cannot open " + tier.string(), errno);
+    feeds_ = std::make_shared<Feeds>();
+  }
   // A folder of its own for this restore: root's, traversable, a socket per copy and process
   // owned by the workload's user (who owns the tier's files).
   std::random_device rd;
@@ -360,9 +408,22 @@ void TierPrefills::start(const stdfs::path& program, const stdfs::path& tier,
         // Room for every line at once (a few KiB per file): the prefill never waits on gpusnap.
         (void)::fcntl(sums->write.get(), F_SETPIPE_SZ, 1 << 20);
       }
+      std::array<int, 2> feed{-1, -1};
+      if (arriving) {
+        if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, feed.data()) != 0) {
+          throw sys_error("socketpair", errno);
+        }
+        // Room for thousands of lines (a line per chunk written), beyond the default limit
+        // where root may: Feeds::send never waits, and the prefill reads from its start.
+        const int room = 8 << 20;
+        if (::setsockopt(feed[0], SOL_SOCKET, SO_SNDBUFFORCE, &room, sizeof room) != 0) {
+          (void)::setsockopt(feed[0], SOL_SOCKET, SO_SNDBUF, &room, sizeof room);
+        }
+      }
+      common::UniqueFd ours(feed[0]), theirs(feed[1]);
       common::SpawnOptions o;
       o.argv = {program.string(),
-                tier.string(),
+                arriving ? "/proc/self/fd/" + std::to_string(kPrefillDirFd) : tier.string(),
                 pid,
                 (dir / (pid + ".sock")).string(),
                 gpu,
@@ -371,14 +432,20 @@ void TierPrefills::start(const stdfs::path& program, const stdfs::path& tier,
                 "60000",
                 std::to_string(kPrefillDoneFd),
                 summing ? std::to_string(kPrefillSumsFd) : "-1",
-                summing ? std::to_string(chunk_bytes) : "0"};
+                summing ? std::to_string(chunk_bytes) : "0",
+                arriving ? std::to_string(kPrefillArrivalFd) : "-1"};
       o.stderr_fd = log_fd.get();
       o.keep_fds = {{done.write.get(), kPrefillDoneFd}};
       if (summing) o.keep_fds.emplace_back(sums->write.get(), kPrefillSumsFd);
+      if (arriving) {
+        o.keep_fds.emplace_back(tier_dir_.get(), kPrefillDirFd);
+        o.keep_fds.emplace_back(theirs.get(), kPrefillArrivalFd);
+      }
       auto run = std::make_unique<Running>(
           Running{common::Subprocess(o), log, "copy " + std::to_string(c) + ", process " + pid,
                   std::move(done.read), pid, summing ? std::move(sums->read) : common::UniqueFd()});
       running_.push_back(std::move(run));
+      if (arriving) feeds_->add(pid, std::move(ours));
       any = true;
     }
     copy_dirs_.push_back(any ? dir : stdfs::path());
@@ -387,7 +454,16 @@ void TierPrefills::start(const stdfs::path& program, const stdfs::path& tier,
 
 TierPrefills::~TierPrefills() { stop_all(); }
 
+std::function<void(const std::string&, uint64_t)> TierPrefills::arrival_feed() const {
+  // Shared, not borrowed: the pull's threads call it until the pull ends, which may be after
+  // this object is gone (the restore failed); by then the feeds are closed and it does nothing.
+  return [feeds = feeds_](const std::string& path, uint64_t bytes) {
+    if (feeds) feeds->send(path, bytes);
+  };
+}
+
 void TierPrefills::stop_all() noexcept {
+  if (feeds_) feeds_->close_all();
   running_.clear();  // each Subprocess kills and reaps a prefill still running
   copy_dirs_.clear();
   if (!root_.empty()) {

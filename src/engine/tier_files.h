@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <exception>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -22,6 +23,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/fd.h"
 #include "gpusnap/artifact.h"
 #include "tier/folder_format.h"
 
@@ -101,10 +103,14 @@ class TierPrefills {
  public:
   // `gpu_map`: old GPU UUID -> new, as the restore maps them; `chunk_bytes`: the manifest's
   // checksum chunk, for the sums the prefills compute as they read (0: none). Starts the
-  // prefills.
+  // prefills. `arriving`: the artifact is still being written (its staging directory, its
+  // tier's index and layout files there): the prefills read each drain file's bytes once
+  // arrived() said they are there, and reach the folder through a descriptor, which its rename
+  // to the artifact's final name leaves valid.
   TierPrefills(const std::filesystem::path& artifact,
                const std::map<std::string, std::string>& gpu_map, int copies,
-               const std::filesystem::path& run_dir, uint64_t chunk_bytes = 0);
+               const std::filesystem::path& run_dir, uint64_t chunk_bytes = 0,
+               bool arriving = false);
   // Stops any prefill still running and removes their folder.
   ~TierPrefills();
   TierPrefills(const TierPrefills&) = delete;
@@ -112,6 +118,11 @@ class TierPrefills {
 
   // The resume context's tier_prefill_dir for copy `copy`: "" when none runs for it.
   nlohmann::json context_dir(int copy) const;
+
+  // For an arriving artifact: what tells the prefills that the first `bytes` of the file at
+  // `path` (relative to the artifact) are written, for ArrivingArtifact::watch. It may outlive
+  // this object (then it does nothing), never blocks on a prefill, and is safe from any thread.
+  std::function<void(const std::string& path, uint64_t bytes)> arrival_feed() const;
 
   // The drain files of the manifest ("tier/PID-wK.img") that the first copy's prefills read and
   // checksum (the other copies' prefills read the same files without): with chunk_bytes, their
@@ -133,15 +144,18 @@ class TierPrefills {
 
  private:
   struct Running;
+  class Feeds;
   void start(const std::filesystem::path& program, const std::filesystem::path& tier,
              const std::vector<std::string>& pids,
              const std::map<std::string, std::string>& gpu_map, int copies,
-             const std::filesystem::path& run_dir, uint64_t chunk_bytes);
+             const std::filesystem::path& run_dir, uint64_t chunk_bytes, bool arriving);
   void stop_all() noexcept;
   std::filesystem::path root_;
   uint64_t chunk_bytes_ = 0;
   std::vector<std::filesystem::path> copy_dirs_;
   std::vector<std::unique_ptr<Running>> running_;
+  common::UniqueFd tier_dir_;     // arriving: the tier's folder, for the prefills
+  std::shared_ptr<Feeds> feeds_;  // arriving: a socket per prefill
 };
 
 // The check of the tier's `files` the prefills read (TierPrefills::files_read), by the sums the

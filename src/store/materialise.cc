@@ -10,6 +10,8 @@
 #include <cerrno>
 #include <cstring>
 #include <exception>
+#include <functional>
+#include <mutex>
 
 #include "artifact/writer.h"
 #include "common/fd.h"
@@ -73,6 +75,56 @@ void clear_range(int fd, uint64_t offset, uint64_t length, const std::string& pa
   }
 }
 
+// How much of each file is written from its first byte, for ArrivalHooks::prefix_written: a
+// file's prefix ends at its first extent not yet written (the holes before it read as zeros
+// already), or at its size. Extents are written out of order by many threads; one lock for all
+// is enough, taken once per extent (megabytes).
+class WrittenPrefixes {
+ public:
+  using Hook = std::function<void(const std::string& path, uint64_t bytes)>;
+  WrittenPrefixes(const Layout& layout, const Hook& hook) : layout_(layout), hook_(hook) {
+    if (!hook_) return;
+    for (const auto& f : layout.files) written_.emplace_back(f.extents.size(), false);
+    next_.assign(layout.files.size(), 0);
+    prefix_.assign(layout.files.size(), 0);
+  }
+  // Once the files exist: what each has before any extent is written (a file that starts with a
+  // hole, or is all holes).
+  void announce() {
+    if (!hook_) return;
+    std::lock_guard lock(mu_);
+    for (size_t i = 0; i < layout_.files.size(); ++i) {
+      const FileLayout& f = layout_.files[i];
+      const uint64_t bytes = f.extents.empty() ? f.size : f.extents.front().offset;
+      if (bytes > prefix_[i]) {
+        prefix_[i] = bytes;
+        hook_(f.path, bytes);
+      }
+    }
+  }
+  void written(size_t file, size_t extent) {
+    if (!hook_) return;
+    std::lock_guard lock(mu_);
+    written_[file][extent] = true;
+    const FileLayout& f = layout_.files[file];
+    size_t& next = next_[file];
+    while (next < f.extents.size() && written_[file][next]) ++next;
+    const uint64_t bytes = next < f.extents.size() ? f.extents[next].offset : f.size;
+    if (bytes > prefix_[file]) {
+      prefix_[file] = bytes;
+      hook_(f.path, bytes);
+    }
+  }
+
+ private:
+  const Layout& layout_;
+  const Hook& hook_;
+  std::mutex mu_;
+  std::vector<std::vector<bool>> written_;
+  std::vector<size_t> next_;
+  std::vector<uint64_t> prefix_;
+};
+
 // Whether a failure was a full filesystem or quota (sys_error's text for ENOSPC and EDQUOT):
 // what it staged is then removed, not kept to resume from.
 bool out_of_space(const Error& e) {
@@ -94,7 +146,8 @@ MaterialiseResult write_into(artifact::ArtifactWriter& writer, const Manifest& m
   };
   std::vector<common::UniqueFd> fds;
   std::vector<Job> jobs;
-  std::vector<Job> later;  // host images: after CRIU's images
+  std::vector<Job> host_images;  // after CRIU's images: the driver's restore reads them later
+  std::vector<Job> drain;        // the tier's drain files, last: the tier fills from them last
   uint64_t total = 0;
   for (size_t i = 0; i < layout.files.size(); ++i) {
     const auto& f = layout.files[i];
@@ -127,16 +180,26 @@ MaterialiseResult write_into(artifact::ArtifactWriter& writer, const Manifest& m
       clear_range(fd.get(), at, f.size - at, f.path);
     }
     fds.push_back(std::move(fd));
+    auto& queue = host_image ? host_images : holds_gpu_memory(f.path) ? drain : jobs;
     for (size_t e = 0; e < f.extents.size(); ++e) {
-      (host_image ? later : jobs).push_back({i, e});
+      queue.push_back({i, e});
       total += f.extents[e].length;
     }
   }
-  jobs.insert(jobs.end(), later.begin(), later.end());
+  // The drain files by offset across the files, not one file after another: the tier's fill
+  // reads every file at once (a worker each), so each worker gets its file's bytes as soon as
+  // any arrive, and all of them keep pace with the pull instead of one at a time.
+  std::stable_sort(drain.begin(), drain.end(), [&](const Job& a, const Job& b) {
+    return layout.files[a.file].extents[a.extent].offset <
+           layout.files[b.file].extents[b.extent].offset;
+  });
+  jobs.insert(jobs.end(), host_images.begin(), host_images.end());
+  jobs.insert(jobs.end(), drain.begin(), drain.end());
   const ArrivalHooks& hooks = options.arrival;
   // Extents left to write, per file: the last one written tells file_written.
   std::vector<std::atomic<size_t>> left(layout.files.size());
   for (size_t i = 0; i < layout.files.size(); ++i) left[i] = layout.files[i].extents.size();
+  WrittenPrefixes prefixes(layout, hooks.prefix_written);
   if (hooks.created) {
     fs::write_file(writer.staging() / kManifestName, manifest.to_json().dump(2) + "\n");
     hooks.created(writer.staging());
@@ -145,6 +208,7 @@ MaterialiseResult write_into(artifact::ArtifactWriter& writer, const Manifest& m
         if (f.extents.empty()) hooks.file_written(f.path);  // all zeros: written already
       }
     }
+    prefixes.announce();
   }
 
   std::atomic<uint64_t> done{0};
@@ -165,6 +229,7 @@ MaterialiseResult write_into(artifact::ArtifactWriter& writer, const Manifest& m
             ++kept;
             bytes_kept += e.length;
             done += e.length;
+            prefixes.written(jobs[j].file, jobs[j].extent);
             if (left[jobs[j].file].fetch_sub(1) == 1 && hooks.file_written) {
               hooks.file_written(f.path);
             }
@@ -193,6 +258,7 @@ MaterialiseResult write_into(artifact::ArtifactWriter& writer, const Manifest& m
           if (writer.resumed()) clear_range(fds[jobs[j].file].get(), e.offset, e.length, f.path);
           write_sparse(fds[jobs[j].file].get(), blob.data(), e.length, e.offset, f.path);
           done += e.length;
+          prefixes.written(jobs[j].file, jobs[j].extent);
           if (left[jobs[j].file].fetch_sub(1) == 1 && hooks.file_written) {
             hooks.file_written(f.path);
           }
@@ -207,6 +273,10 @@ MaterialiseResult write_into(artifact::ArtifactWriter& writer, const Manifest& m
 }
 
 }  // namespace
+
+bool holds_gpu_memory(const std::string& path) {
+  return path.starts_with("host-images/") || (path.starts_with("tier/") && path.ends_with(".img"));
+}
 
 MaterialiseResult materialise(const Layout& layout, const sfs::path& dest, const BlobSource& source,
                               const MaterialiseOptions& options, Reporter& reporter) {

@@ -25,16 +25,24 @@ struct ArrivalHooks {
   std::function<void(const std::filesystem::path& staging)> created;
   // Every byte of the file at `path` (relative) is written (from the writing threads).
   std::function<void(const std::string& path)> file_written;
+  // The first `bytes` of the file at `path` are written (its holes included), called each time
+  // that prefix grows, from the writing threads, one call at a time: a reader may take those
+  // bytes while the rest still arrives (a memory tier's fill, store/stream.h).
+  std::function<void(const std::string& path, uint64_t bytes)> prefix_written;
   // Before each chunk is fetched (from the writing threads).
   std::function<void()> before_chunk;
   // Every file is written; the commit (the rename to `dest`) waits for this to return.
   std::function<void()> before_commit;
 };
 
+// The files that hold GPU memory: host images (the driver's restore reads them) and the memory
+// tier's drain files (tier/PID-wK.img, read by its fill). Written after every other file, the
+// drain files last: CRIU's images and the tier's small index and layout files come first, so a
+// restore overlapping the pull starts on them (store/stream.h).
+bool holds_gpu_memory(const std::string& path);
+
 struct MaterialiseOptions {
   int threads = 8;
-  // Order in which files are written: by default CRIU's images first, host images last (a
-  // restore can start on the CPU images while GPU memory still arrives).
   std::string progress_name = "materialise";
   // On a failure the staging directory stays, hidden, with what was written: a pull resumes
   // from it (store/transfer.h). Otherwise it is removed, and so it is after a write that found

@@ -1,16 +1,16 @@
 #include "store/stream.h"
 
 #include "gpusnap/error.h"
+#include "store/materialise.h"
 
 namespace gpusnap::store {
 
 namespace {
 
-// The files CRIU reads by path during criu-restore; the others (GPU memory) are mapped from
-// descriptors, filled by the tier, or read by the driver's restore.
-bool is_criu_image(const std::string& path) {
-  return !path.starts_with("host-images/") && !path.starts_with("tier/");
-}
+// The files CRIU reads by path during criu-restore, and the tier's index and layout files that
+// its fill done ahead starts from; the others (GPU memory) are mapped from descriptors, filled
+// by the tier, or read by the driver's restore.
+bool is_criu_image(const std::string& path) { return !holds_gpu_memory(path); }
 
 }  // namespace
 
@@ -27,6 +27,11 @@ StreamingPull::StreamingPull(OciRef ref, PullOptions options, Reporter& reporter
     std::lock_guard lock(mu_);
     if (is_criu_image(path) && criu_files_left_ > 0) --criu_files_left_;
     cv_.notify_all();
+  };
+  o.arrival.prefix_written = [this](const std::string& path, uint64_t bytes) {
+    std::lock_guard lock(mu_);
+    written_[path] = bytes;
+    for (const auto& w : watchers_) w(path, bytes);
   };
   o.arrival.before_chunk = [this] {
     std::lock_guard lock(mu_);
@@ -87,6 +92,12 @@ std::filesystem::path StreamingPull::staging() {
 void StreamingPull::await_criu_images() {
   std::unique_lock lock(mu_);
   wait_for(lock, [&] { return created_ && criu_files_left_ == 0; });
+}
+
+void StreamingPull::watch(Progress progress) {
+  std::lock_guard lock(mu_);
+  for (const auto& [path, bytes] : written_) progress(path, bytes);
+  watchers_.push_back(std::move(progress));
 }
 
 std::filesystem::path StreamingPull::complete() {

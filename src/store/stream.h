@@ -1,7 +1,8 @@
 // A pull that a restore uses while it still runs: the snapshot's CRIU images arrive first
-// (materialise writes them before the host images), CRIU's restore starts on them, and the host
-// images (the GPU memory, the bulk of a GPU snapshot) keep arriving meanwhile; the restore
-// awaits them only before it hands GPU memory to the driver (gpusnap/restore.h,
+// (materialise writes them before the GPU memory's files), CRIU's restore starts on them, and the
+// host images and the tier's drain files (the GPU memory, the bulk of a GPU snapshot) keep
+// arriving meanwhile; the restore awaits them only before it hands GPU memory to the driver, and
+// the tier's fill done ahead takes its files' bytes as they arrive (gpusnap/restore.h,
 // ArrivingArtifact). Every chunk is still checked against its digest as it arrives; a bad one
 // fails the pull, the restore's next wait rethrows it, and the restore unwinds (no copy left,
 // nothing at the output: the staging directory goes with the pull).
@@ -10,9 +11,11 @@
 #include <condition_variable>
 #include <exception>
 #include <filesystem>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <vector>
 
 #include "common/fd.h"
 #include "gpusnap/phases.h"
@@ -35,6 +38,7 @@ class StreamingPull final : public ArrivingArtifact {
 
   std::filesystem::path staging() override;
   void await_criu_images() override;
+  void watch(Progress progress) override;
   std::filesystem::path complete() override;
 
   // The pull's result, once complete() returned.
@@ -50,7 +54,9 @@ class StreamingPull final : public ArrivingArtifact {
   std::mutex mu_;
   std::condition_variable cv_;
   std::filesystem::path staging_;
-  size_t criu_files_left_ = 0;  // known once the files are created
+  size_t criu_files_left_ = 0;               // known once the files are created
+  std::map<std::string, uint64_t> written_;  // each file's prefix written so far
+  std::vector<Progress> watchers_;
   bool created_ = false;
   bool commit_allowed_ = false;
   bool cancelled_ = false;

@@ -86,6 +86,10 @@ struct FillHooks {
   // Called on a worker once piece i is read and before it is copied: a prefill waits there for
   // the piece's memory to be mapped. What it throws fails the fill.
   std::function<void(std::size_t i)> before_copy;
+  // Called on a worker before it reads bytes of file `file` up to `end` (exclusive), at most
+  // kReadSlice at a time: a prefill of an artifact still arriving waits there for those bytes
+  // (tier/arrival.h). What it throws fails the fill.
+  std::function<void(std::size_t file, std::uint64_t end)> before_read;
   // Each file's pieces go to one worker, in the order they are given, instead of every worker
   // taking the next piece: `read` then sees each file's pieces in that order.
   bool one_worker_per_file = false;

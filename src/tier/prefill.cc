@@ -19,14 +19,15 @@ namespace gpusnap::tier {
 
 Prefill::Prefill(TierDriver& driver, TierSettings settings, TierLayout layout,
                  std::filesystem::path dir, std::vector<std::string> files, int device,
-                 std::uint64_t chunk_bytes)
+                 std::uint64_t chunk_bytes, ArrivingFiles* arriving)
     : driver_(driver),
       settings_(settings),
       layout_(std::move(layout)),
       dir_(std::move(dir)),
       files_(std::move(files)),
       device_(device),
-      chunk_bytes_(chunk_bytes) {}
+      chunk_bytes_(chunk_bytes),
+      arriving_(arriving) {}
 
 Prefill::~Prefill() { release_all(); }
 
@@ -189,6 +190,11 @@ TransferReport Prefill::fill() {
       hooks.one_worker_per_file = true;
       hooks.read = [&](std::size_t i, std::uint64_t offset, const void* data, std::size_t size) {
         hashers.at(placed.pieces[i].file).add(offset, data, size);
+      };
+    }
+    if (arriving_ != nullptr) {
+      hooks.before_read = [this](std::size_t file, std::uint64_t end) {
+        arriving_->wait(file, end);
       };
     }
     // The memory is made on a thread of its own while the workers read the files and copy

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "tier/arrival.h"
 #include "tier/layout.h"
 #include "tier/memory_tier.h"
 #include "tier/tier_driver.h"
@@ -36,9 +37,12 @@ class Prefill {
  public:
   // `layout` as read_layout() returns it from DIR/PID.layout (segments sorted, pieces inside);
   // `files` the drain's files in order (PID-wK.img); `device` the GPU, in this process's numbering,
-  // the copy runs this memory on; `chunk_bytes` the artifact's checksum chunk (0: no sums).
+  // the copy runs this memory on; `chunk_bytes` the artifact's checksum chunk (0: no sums);
+  // `arriving` (null: every file is there) the files' bytes as a pull writes them: the fill
+  // reads none before it is there.
   Prefill(TierDriver& driver, TierSettings settings, TierLayout layout, std::filesystem::path dir,
-          std::vector<std::string> files, int device, std::uint64_t chunk_bytes = 0);
+          std::vector<std::string> files, int device, std::uint64_t chunk_bytes = 0,
+          ArrivingFiles* arriving = nullptr);
   // Unmaps and releases everything it made; the copy's imported handles keep their memory.
   ~Prefill();
   Prefill(const Prefill&) = delete;
@@ -81,6 +85,7 @@ class Prefill {
   const std::vector<std::string> files_;
   const int device_;
   const std::uint64_t chunk_bytes_;
+  ArrivingFiles* const arriving_;
   std::vector<FileSums> sums_;
   DevicePtr base_ = 0;
   std::size_t reserved_ = 0;

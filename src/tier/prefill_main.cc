@@ -2,6 +2,7 @@
 // memory tier the artifact holds, before CRIU restores the copy (tier/prefill.h).
 //
 //   gpusnap-tier-prefill DIR PID SOCKET GPU-UUID UID GID TIMEOUT-MS DONE-FD SUMS-FD CHUNK-BYTES
+//                        ARRIVAL-FD
 //
 // Listens on SOCKET at once (owned by UID:GID, the workload's user, mode 0600), fills PID's
 // memory from DIR on the GPU with GPU-UUID, then offers it to the first connection and exits
@@ -11,7 +12,10 @@
 // gpusnap knows the outcome without waiting for that teardown. Once filled, and before it offers
 // the memory, it writes on SUMS-FD (-1: none) the checksums of the files it read, in chunks of
 // CHUNK-BYTES (0: none), one line per file read whole, "NAME SIZE HEX...", and closes it: gpusnap
-// compares them with the manifest instead of reading the files again. The settings of the
+// compares them with the manifest instead of reading the files again. ARRIVAL-FD (-1: every
+// file is there) is a socket on which gpusnap says how much of each drain file a pull has
+// written ("NAME BYTES" lines, tier/arrival.h): the fill reads each byte once it is there. The
+// settings of the
 // workload's tier apply (GPUSNAP_TIER_BUFFER_KIB, ...), with 16 workers
 // (GPUSNAP_TIER_PREFILL_STREAMS).
 #include <poll.h>
@@ -24,11 +28,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "common/fd.h"
 #include "gpusnap/error.h"
+#include "tier/arrival.h"
 #include "tier/folder_format.h"
 #include "tier/handover.h"
 #include "tier/layout.h"
@@ -104,15 +111,23 @@ int run(const std::vector<std::string>& a) {
     throw gpusnap::sys_error("chown " + socket.string(), errno);
   }
   const auto t0 = std::chrono::steady_clock::now();
-  auto driver = tier::open_cuda_tier_driver();
-  const int device = device_with_uuid(*driver, a[3]);
   tier::TierLayout layout = tier::read_layout(dir / tier::folder::layout_name(pid));
   std::vector<std::string> files;
   for (std::size_t k = 0; k < layout.files; ++k)
     files.push_back(tier::folder::drain_file_name(pid, k));
+  // Read from the start, before CUDA's initialisation: gpusnap's lines wait in the socket
+  // meanwhile, and its buffer is not unbounded.
+  std::optional<tier::ArrivingFiles> arriving;
+  if (const int feed = std::stoi(a[10]); feed > 2) {
+    std::vector<std::uint64_t> sizes;
+    for (const auto& name : files) sizes.push_back(std::filesystem::file_size(dir / name));
+    arriving.emplace(gpusnap::common::UniqueFd(feed), files, std::move(sizes));
+  }
+  auto driver = tier::open_cuda_tier_driver();
+  const int device = device_with_uuid(*driver, a[3]);
   const auto settings = prefill_settings();
-  tier::Prefill prefill(*driver, settings, std::move(layout), dir, files, device,
-                        std::stoull(a[9]));
+  tier::Prefill prefill(*driver, settings, std::move(layout), dir, files, device, std::stoull(a[9]),
+                        arriving ? &*arriving : nullptr);
   const auto report = prefill.fill();
   write_sums(a[8], prefill.sums());
   const double filled_s =
@@ -143,9 +158,9 @@ int run(const std::vector<std::string>& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 11) {
+  if (argc != 12) {
     std::fprintf(stderr, "usage: gpusnap-tier-prefill DIR PID SOCKET GPU-UUID UID GID TIMEOUT-MS "
-                         "DONE-FD SUMS-FD CHUNK-BYTES (started by gpusnap restore)\n");
+                         "DONE-FD SUMS-FD CHUNK-BYTES ARRIVAL-FD (started by gpusnap restore)\n");
     return 2;
   }
   try {

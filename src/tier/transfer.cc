@@ -615,15 +615,16 @@ namespace {
 void read_slice(int fd, const std::filesystem::path& path, const FilePiece& p, const Slice& s,
                 void* buffer, const FillHooks& hooks) {
   const std::uint64_t offset = p.offset + s.from;
-  if (!hooks.read) {
+  if (!hooks.read && !hooks.before_read) {
     read_all(fd, path, buffer, s.size, offset);
     return;
   }
   auto* at = static_cast<unsigned char*>(buffer);
   for (std::size_t done = 0; done < s.size;) {
     const std::size_t n = std::min(FillHooks::kReadSlice, s.size - done);
+    if (hooks.before_read) hooks.before_read(p.file, offset + done + n);
     read_all(fd, path, at + done, n, offset + done);
-    hooks.read(s.piece, offset + done, at + done, n);
+    if (hooks.read) hooks.read(s.piece, offset + done, at + done, n);
     done += n;
   }
 }

@@ -7,10 +7,12 @@
 
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <set>
 #include <stop_token>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -217,10 +219,10 @@ TEST(TierPrefills, OnePerCopyAndProcessToldWhereAndOnWhichGpu) {
     ASSERT_EQ(::stat((artifact / "tier" / "7.json").c_str(), &st), 0);
     const std::string owner = std::to_string(st.st_uid) + " " + std::to_string(st.st_gid);
     const std::string tier = std::filesystem::absolute(artifact / "tier").string();
-    EXPECT_NE(calls.find(tier + " 7 " + copy0 + "/7.sock GPU-z " + owner + " 60000 3 4 4096\n"),
+    EXPECT_NE(calls.find(tier + " 7 " + copy0 + "/7.sock GPU-z " + owner + " 60000 3 4 4096 -1\n"),
               std::string::npos)
         << calls;
-    EXPECT_NE(calls.find(tier + " 7 " + copy1 + "/7.sock GPU-z " + owner + " 60000 3 -1 0\n"),
+    EXPECT_NE(calls.find(tier + " 7 " + copy1 + "/7.sock GPU-z " + owner + " 60000 3 -1 0 -1\n"),
               std::string::npos)
         << calls;
     EXPECT_EQ(calls.find(" 9 "), std::string::npos) << calls;
@@ -231,6 +233,60 @@ TEST(TierPrefills, OnePerCopyAndProcessToldWhereAndOnWhichGpu) {
   TierPrefills none(artifact.path(), {}, 1, run / "state");
   EXPECT_EQ(none.context_dir(0).get<std::string>(), "");
   EXPECT_TRUE(none.finish().empty());
+  ::unsetenv("GPUSNAP_TIER_PREFILL");
+}
+
+// An artifact still arriving (a pull the restore overlaps): each prefill reaches the tier's
+// folder through a descriptor, which the artifact's rename to its final name leaves valid, and
+// is told on a socket of its own how much of each of its process's drain files is written; what
+// is not its own (CRIU's images, another process's files) it is not told. The stand-in reads the
+// socket until the file is whole, as the real one's fill waits for each byte (tier/arrival.h).
+TEST(TierPrefills, OfAnArtifactStillArrivingAreToldWhatIsWrittenAndFollowItsRename) {
+  TempDir parent;
+  TempDir run;
+  const auto staging = parent / "staging";
+  const auto final_name = parent / "artifact";
+  std::filesystem::create_directories(staging / "tier");
+  write(staging / "tier" / "7.json",
+        R"({"format":"gpusnap-tier","version":1,"pid":7,"bytes":8,"files":[],)"
+        R"("gpus":[{"uuid":"GPU-a","bytes":8}]})");
+  write(staging / "tier" / "7.layout", "x");
+  const auto script = run / "prefill.sh";
+  write(script, "#!/bin/bash\necho \"$1 ${11}\" >> " + (run / "calls").string() +
+                    "\nwhile IFS= read -r line <&6; do echo \"$line\" >> " +
+                    (run / "told").string() +
+                    "; [[ $line == '7-w0.img 8' ]] && break; done\nls \"$1\" >> " +
+                    (run / "listed").string() + "\necho \"prefill of $2 filled\" >&2\n");
+  ASSERT_EQ(::chmod(script.c_str(), 0755), 0);
+  ::setenv("GPUSNAP_TIER_PREFILL", script.c_str(), 1);
+  std::function<void(const std::string&, uint64_t)> feed;
+  {
+    TierPrefills prefills(staging, {}, 1, run / "state", 0, /*arriving=*/true);
+    feed = prefills.arrival_feed();
+    // The pull commits: the staging directory takes the artifact's name.
+    std::filesystem::rename(staging, final_name);
+    feed("criu/pages-1.img", 4096);
+    feed("tier/9-w0.img", 8);
+    feed("tier/7.layout", 1);
+    feed("tier/7-w0.img", 4);
+    feed("tier/7-w0.img", 8);
+    // finish() waits half a second for a prefill: on a loaded machine the stand-in's start may
+    // take longer than its real counterpart's fill would.
+    for (int i = 0; i < 200 && !std::filesystem::exists(run / "listed"); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    const auto lines = prefills.finish();
+    ASSERT_EQ(lines.size(), 1u);
+    EXPECT_EQ(lines[0], "tier prefill (copy 0, process 7): prefill of 7 filled");
+  }
+  feed("tier/7-w0.img", 8);  // the pull outlived the restore: nothing left to tell
+  std::string calls, told, listed;
+  ASSERT_TRUE(fs::try_read_file(run / "calls", &calls));
+  ASSERT_TRUE(fs::try_read_file(run / "told", &told));
+  ASSERT_TRUE(fs::try_read_file(run / "listed", &listed));
+  EXPECT_EQ(calls, "/proc/self/fd/5 6\n");
+  EXPECT_EQ(told, "7-w0.img 4\n7-w0.img 8\n");
+  EXPECT_EQ(listed, "7.json\n7.layout\n");
   ::unsetenv("GPUSNAP_TIER_PREFILL");
 }
 

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <set>
@@ -230,6 +231,80 @@ TEST(Store, MaterialisesAnArtifactExactlyWithItsHoles) {
   const auto image = "host-images/1-7f0000000000.img";
   EXPECT_EQ(data_map(dir / "out" / image), data_map(src / image));
   EXPECT_EQ(data_map(dir / "out" / image).at(0).first, static_cast<off_t>(offset));
+}
+
+// The order a restore overlapping its pull needs (store/stream.h): CRIU's images and the tier's
+// small files first, host images next, the tier's drain files last and by offset across the
+// files (the tier's fill reads them all at once, a worker each); and every file's written prefix
+// reported as it grows, holes included, up to the file's size, never past what is written.
+TEST(Store, MaterialiseWritesTheGpuMemoryLastAndReportsEachFilesWrittenPrefix) {
+  TempDir dir;
+  const auto src = make_artifact(dir / "src", 1 << 20, 1);
+  sfs::create_directories(src / "tier");
+  std::mt19937_64 rng(5);
+  auto random_bytes = [&](size_t n) {
+    std::string b(n, '\0');
+    for (size_t i = 0; i + 8 <= n; i += 8) {
+      const uint64_t v = rng();
+      std::memcpy(b.data() + i, &v, 8);
+    }
+    return b;
+  };
+  // Drain file 0 starts with a 2 MiB hole; both hold 24 MiB of data in several chunks.
+  fs::write_file(src / "tier" / "7-w0.img", std::string(2 << 20, '\0') + random_bytes(24 << 20));
+  fs::write_file(src / "tier" / "7-w1.img", random_bytes(24 << 20));
+  fs::write_file(src / "tier" / "7.json", "{}");
+  fs::write_file(src / "tier" / "7.layout", "not a layout: cut like any file");
+  Manifest m = Artifact::open(src).manifest();
+  sfs::remove(src / kManifestName);  // not a file the manifest lists
+  m.files = checksum_tree(src, m.chunk_bytes);
+  fs::write_file(src / kManifestName, m.to_json().dump(2));
+  store::BlobStore blobs(dir / "store");
+  const auto layout = chunk_into(src, blobs).layout;
+
+  std::mutex mu;
+  std::vector<std::string> fetched;  // the files, in the order their chunks were asked for
+  std::map<std::string, uint64_t> prefix;
+  std::map<std::string, uint64_t> sizes;
+  for (const auto& f : layout.files) sizes[f.path] = f.size;
+  store::MaterialiseOptions o;
+  o.threads = 1;
+  o.arrival.prefix_written = [&](const std::string& path, uint64_t bytes) {
+    std::lock_guard lock(mu);
+    EXPECT_GT(bytes, prefix[path]) << path << ": a prefix only grows";
+    EXPECT_LE(bytes, sizes[path]) << path;
+    prefix[path] = bytes;
+  };
+  std::map<std::string, std::string> file_of;  // digest -> path
+  for (const auto& f : layout.files)
+    for (const auto& e : f.extents) file_of[e.digest] = f.path;
+  Reporter quiet;
+  store::materialise(
+      layout, dir / "out",
+      [&](const store::BlobInfo& b) {
+        std::lock_guard lock(mu);
+        fetched.push_back(file_of.at(b.digest));
+        return blobs.get(b.digest, b.size);
+      },
+      o, quiet);
+  EXPECT_TRUE(Artifact::open(dir / "out").verify().empty());
+  for (const auto& [path, size] : sizes) EXPECT_EQ(prefix[path], size) << path;
+  // Drain file 0's hole is there before any of its chunks.
+  ASSERT_FALSE(fetched.empty());
+  auto first = [&](const std::string& path) {
+    return std::find(fetched.begin(), fetched.end(), path) - fetched.begin();
+  };
+  auto last = [&](const std::string& path) {
+    return fetched.rend() - std::find(fetched.rbegin(), fetched.rend(), path) - 1;
+  };
+  const std::string image = "host-images/1-7f0000000000.img";
+  EXPECT_LT(last("criu/pages-1.img"), first(image));
+  EXPECT_LT(last("tier/7.layout"), first(image));
+  EXPECT_LT(last(image), first("tier/7-w0.img"));
+  EXPECT_LT(last(image), first("tier/7-w1.img"));
+  // Interleaved: each drain file's first chunk comes before the other's last.
+  EXPECT_LT(first("tier/7-w0.img"), last("tier/7-w1.img"));
+  EXPECT_LT(first("tier/7-w1.img"), last("tier/7-w0.img"));
 }
 
 // A pull killed or failed leaves its staging directory (keep_partial); the next one writes into

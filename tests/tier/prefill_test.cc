@@ -20,6 +20,7 @@
 #include <gtest/gtest.h>
 
 #include "common/fd.h"
+#include "common/fs.h"
 #include "gpusnap/artifact.h"
 #include "gpusnap/error.h"
 #include "testing/unit.h"
@@ -78,11 +79,11 @@ class PrefillTest : public ::testing::Test {
     }
     return names;
   }
-  std::unique_ptr<Prefill> prefill_on(int device) {
+  std::unique_ptr<Prefill> prefill_on(int device, ArrivingFiles* arriving = nullptr) {
     TierLayout layout = read_layout(dir / (std::to_string(kPid) + ".layout"));
     auto names = files(layout);
     return std::make_unique<Prefill>(driver, settings(), std::move(layout), dir.path(), names,
-                                     device);
+                                     device, 0, arriving);
   }
   // Serves one handover of `prefill` on the socket, as gpusnap-tier-prefill does.
   std::future<bool> serve(Prefill& prefill) {
@@ -353,6 +354,99 @@ TEST_F(PrefillTest, ADamagedLayoutIsABadArtifact) {
   std::memcpy(moved.data() + first_piece, &far, sizeof far);
   expect_refused(moved, "a piece out of range");
   expect_refused(std::string(72ull << 20, '\0'), "not a layout file of at most 64 MiB");
+}
+
+// An artifact still arriving (a pull the restore overlaps, tier/arrival.h): the drain files
+// exist at their sizes, all zeros, and their bytes are written a MiB at a time while the fill
+// runs, each step told on the feed only once written. Every byte the copy takes over is the
+// drained one: the fill read nothing before it was there.
+TEST_F(PrefillTest, OfAnArtifactStillArrivingReadsEachByteOnlyOnceItIsThere) {
+  fill_and_drain();
+  const TierLayout layout = read_layout(dir / (std::to_string(kPid) + ".layout"));
+  const auto names = files(layout);
+  std::vector<std::string> contents;
+  std::vector<std::uint64_t> sizes;
+  for (const auto& name : names) {
+    std::string bytes;
+    ASSERT_TRUE(fs::try_read_file(dir / name, &bytes));
+    contents.push_back(bytes);
+    sizes.push_back(bytes.size());
+    write(dir / name, std::string(bytes.size(), '\0'));
+  }
+  int pair[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
+  common::UniqueFd ours(pair[0]);
+  ArrivingFiles arriving(common::UniqueFd(pair[1]), names, sizes);
+  std::thread pull([&] {
+    for (std::size_t done = 0;; done += kMiB) {
+      bool more = false;
+      for (std::size_t f = 0; f < names.size(); ++f) {
+        if (done >= contents[f].size()) continue;
+        const std::size_t n = std::min(kMiB, contents[f].size() - done);
+        std::fstream out(dir / names[f], std::ios::in | std::ios::out | std::ios::binary);
+        out.seekp(static_cast<std::streamoff>(done));
+        out.write(contents[f].data() + done, static_cast<std::streamsize>(n));
+        out.close();
+        const std::string line = names[f] + " " + std::to_string(done + n) + "\n";
+        ASSERT_EQ(::write(ours.get(), line.data(), line.size()), static_cast<ssize_t>(line.size()));
+        more = true;
+      }
+      if (!more) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  });
+  auto prefill = prefill_on(0, &arriving);
+  const TransferReport filled = prefill->fill();
+  pull.join();
+  EXPECT_EQ(filled.bytes, 3 * kMiB + 4096 + 40 * kMiB + 8192);
+  auto taken = serve(*prefill);
+  tier.adopt(socket(), std::chrono::seconds(5));
+  EXPECT_TRUE(taken.get());
+  tier.fill(dir.path(), {});
+  expect_contents();
+}
+
+// The feed ends (gpusnap's pull stopped, or gpusnap is gone) before a file is whole: the fill
+// fails naming the file, and releases what it made; the copy then fills by itself, or is not
+// restored at all.
+TEST_F(PrefillTest, OfAnArtifactThatStopsArrivingFailsAndReleasesItsMemory) {
+  fill_and_drain();
+  const TierLayout layout = read_layout(dir / (std::to_string(kPid) + ".layout"));
+  const auto names = files(layout);
+  std::vector<std::uint64_t> sizes;
+  for (const auto& name : names) sizes.push_back(std::filesystem::file_size(dir / name));
+  int pair[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
+  {
+    common::UniqueFd ours(pair[0]);
+    const std::string line = names[0] + " 4096\n";
+    ASSERT_EQ(::write(ours.get(), line.data(), line.size()), static_cast<ssize_t>(line.size()));
+  }
+  ArrivingFiles arriving(common::UniqueFd(pair[1]), names, sizes);
+  const std::size_t before = driver.handles();
+  auto prefill = prefill_on(0, &arriving);
+  const Error e = catch_error([&] { prefill->fill(); });
+  EXPECT_EQ(e.kind(), ErrorKind::kBadArtifact);
+  EXPECT_TRUE(Contains(e.what(), "did not arrive")) << e.what();
+  EXPECT_EQ(driver.handles(), before);
+}
+
+TEST(ArrivalLines, AreAFileOfTheProcessAndAPrefixWithinItsSize) {
+  const std::vector<std::string> names = {"7-w0.img", "7-w1.img"};
+  const std::vector<std::uint64_t> sizes = {100, 200};
+  EXPECT_EQ(parse_arrival_line("7-w1.img 200", names, sizes),
+            std::make_optional(std::make_pair(std::size_t{1}, std::uint64_t{200})));
+  EXPECT_EQ(parse_arrival_line("7-w0.img 0", names, sizes),
+            std::make_optional(std::make_pair(std::size_t{0}, std::uint64_t{0})));
+  EXPECT_FALSE(parse_arrival_line("7-w0.img 101", names, sizes));  // past its end
+  EXPECT_FALSE(parse_arrival_line("8-w0.img 1", names, sizes));    // another process's
+  EXPECT_FALSE(parse_arrival_line("7-w0.img", names, sizes));
+  EXPECT_FALSE(parse_arrival_line("7-w0.img -1", names, sizes));
+  EXPECT_FALSE(parse_arrival_line("7-w0.img 1x", names, sizes));
+  EXPECT_FALSE(parse_arrival_line("7-w0.img ", names, sizes));
+  EXPECT_FALSE(parse_arrival_line("7-w0.img 99999999999999999999999", names, sizes));
+  EXPECT_FALSE(parse_arrival_line("7-w0.img 1 2", names, sizes));
+  EXPECT_FALSE(parse_arrival_line(std::string(300, '7') + " 1", names, sizes));
 }
 
 }  // namespace

@@ -4,8 +4,9 @@
 // needs it (await-artifact): before CRIU without GPU state (CRIU's restore lets the copies run),
 // else once the copies are located, when CRIU no longer reads the staging directory and the
 // artifact may take its final name. The host images were handed to CRIU as descriptors, which
-// the rename leaves valid; their bytes are first read by the driver's restore, the tier's by the
-// resume.
+// the rename leaves valid; their bytes are first read by the driver's restore. The tier's drain
+// files are read as they arrive by its prefills (they reach the folder through a descriptor,
+// which the rename leaves valid too), else by the copies at the resume.
 #pragma once
 
 #include <filesystem>
@@ -27,6 +28,9 @@ class Arrival {
   }
   // Phase await-criu-images.
   void await_criu_images() { arriving_->await_criu_images(); }
+  // The artifact still arriving, for the tier's prefills that read it as it arrives; null for
+  // one that is all there.
+  ArrivingArtifact* still_arriving() const { return arriving_; }
   // Phase await-artifact: every byte is there; the artifact under its final name.
   std::filesystem::path await_all() { return arriving_->complete(); }
 

@@ -45,14 +45,17 @@ std::vector<RestoreStep> plan_restore(const RestoreFlags& f) {
   // Every byte before CRIU (no GPU state), or CRIU's images first and the rest after locate.
   const bool await_first = f.arriving && !gpu;
   const bool await_late = f.arriving && gpu;
-  const bool prefills = gpu && f.handshake && !f.arriving;
+  const bool prefills = gpu && f.handshake;
   add(gpu, S::kStartGpuInit);
   add(f.into_container, S::kPlaceholder);
   add(await_first, S::kAwaitArtifact);
-  add(prefills, S::kStartTierPrefills);
+  add(prefills && !f.arriving, S::kStartTierPrefills);
   add(f.verify && !gpu, S::kVerify);
   add(f.verify && gpu && !f.arriving, S::kStartVerify);
   add(await_late, S::kAwaitCriuImages);
+  // Arriving: once the tier's layouts are there (they come with CRIU's images); the prefills
+  // then fill as the drain files arrive.
+  add(prefills && f.arriving, S::kStartTierPrefills);
   add(true, S::kCriuRestore);
   add(true, S::kLocate);
   add(await_late, S::kAwaitArtifact);

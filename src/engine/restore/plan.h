@@ -12,9 +12,10 @@
 //   (await-criu-images) and the rest once the copies are located (await-artifact).
 // - CUDA is initialised in gpusnap (gpu-init) beside CRIU's restore and awaited before
 //   gpu-restore.
-// - The tier's fill done ahead (the prefills) starts before CRIU, and only for an artifact whose
-//   files are all there (not one still arriving), with GPU state and a workload that resumes;
-//   the tier files the prefills read are checked by the sums they compute (verify-tier, after
+// - The tier's fill done ahead (the prefills) starts before CRIU, with GPU state and a workload
+//   that resumes; for an artifact still arriving once CRIU's images (and with them the tier's
+//   layouts) are there, the prefills then taking the drain files' bytes as they arrive. The
+//   tier files the prefills read are checked by the sums they compute (verify-tier, after
 //   gpu-restore, before the resume), not a second time beside CRIU's restore.
 // - The resume (the handshake) comes after every check; release is last.
 #pragma once

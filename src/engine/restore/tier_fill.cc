@@ -9,10 +9,11 @@ namespace gpusnap::engine {
 
 void TierFill::start_prefills(const std::filesystem::path& artifact, const Manifest& manifest,
                               const std::map<std::string, std::string>& gpu_map,
-                              const RestoreOptions& options) {
+                              const RestoreOptions& options, ArrivingArtifact* arriving) {
   try {
     prefills_.emplace(artifact, gpu_map, options.replicas, options.run_dir,
-                      options.verify ? manifest.chunk_bytes : 0);
+                      options.verify ? manifest.chunk_bytes : 0, arriving != nullptr);
+    if (arriving != nullptr) arriving->watch(prefills_->arrival_feed());
   } catch (const Error& e) {
     // Only slower without it: each copy then fills its tier itself.
     reporter_.note(std::string("tier prefill not started: ") + e.what());

@@ -32,12 +32,13 @@ class TierFill {
   TierFill(const TierFill&) = delete;
   TierFill& operator=(const TierFill&) = delete;
 
-  // Before CRIU: starts the prefills of the copies' tiers from `artifact` (every file there),
-  // onto the GPUs of `gpu_map` (old UUID -> new). One that cannot start is a note: the copies
-  // then fill their tiers themselves, only slower.
+  // Before CRIU: starts the prefills of the copies' tiers from `artifact`, onto the GPUs of
+  // `gpu_map` (old UUID -> new). Every file is there, or `arriving` (not null) still writes the
+  // drain files into `artifact`, its staging directory: the prefills then fill as they arrive.
+  // One that cannot start is a note: the copies then fill their tiers themselves, only slower.
   void start_prefills(const std::filesystem::path& artifact, const Manifest& manifest,
                       const std::map<std::string, std::string>& gpu_map,
-                      const RestoreOptions& options);
+                      const RestoreOptions& options, ArrivingArtifact* arriving = nullptr);
   bool started() const { return prefills_.has_value(); }
   // The tier files the prefills read (TierPrefills::files_read): the artifact's check leaves
   // them to verify-tier. Empty without prefills.

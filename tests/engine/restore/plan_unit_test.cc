@@ -48,11 +48,12 @@ TEST(RestorePlan, AGpuSnapshotIsCheckedBesideCriuAndItsTierFilledAhead) {
                       S::kResume, S::kTierPrefills, S::kRelease}));
 }
 
-TEST(RestorePlan, AGpuSnapshotStillArrivingGivesCriuItsImagesFirst) {
-  EXPECT_EQ(plan_restore(flags(true, true, true, true, false)),
-            (std::vector<S>{S::kStartGpuInit, S::kAwaitCriuImages, S::kCriuRestore, S::kLocate,
-                            S::kAwaitArtifact, S::kStartVerify, S::kGpuInit, S::kAwaitVerify,
-                            S::kGpuRestore, S::kResume, S::kRelease}));
+TEST(RestorePlan, AGpuSnapshotStillArrivingGivesCriuItsImagesFirstAndItsTierFillsAsItArrives) {
+  EXPECT_EQ(
+      plan_restore(flags(true, true, true, true, false)),
+      (std::vector<S>{S::kStartGpuInit, S::kAwaitCriuImages, S::kStartTierPrefills, S::kCriuRestore,
+                      S::kLocate, S::kAwaitArtifact, S::kStartVerify, S::kGpuInit, S::kAwaitVerify,
+                      S::kGpuRestore, S::kVerifyTier, S::kResume, S::kTierPrefills, S::kRelease}));
 }
 
 TEST(RestorePlan, EveryStepHasTheNameItIsReportedUnder) {
@@ -82,7 +83,7 @@ class EveryRestorePlan : public ::testing::TestWithParam<int> {
 
 // Which steps run, each exactly once where it runs (the order is checked below).
 TEST_P(EveryRestorePlan, RunsEachStepOnceWhereItsFeatureIs) {
-  const bool prefills = f.gpu_state && f.handshake && !f.arriving;
+  const bool prefills = f.gpu_state && f.handshake;
   const std::vector<std::pair<S, bool>> expected = {
       {S::kStartGpuInit, f.gpu_state},
       {S::kPlaceholder, f.into_container},
@@ -168,6 +169,10 @@ TEST_P(EveryRestorePlan, BackgroundWorkStartsBeforeCriuAndIsAwaitedBeforeItIsUse
   }
   if (has(S::kStartTierPrefills)) {
     EXPECT_LT(at(S::kStartTierPrefills), at(S::kCriuRestore));
+    // The prefills start from the tier's layouts, which arrive with CRIU's images.
+    if (f.arriving) {
+      EXPECT_LT(at(S::kAwaitCriuImages), at(S::kStartTierPrefills));
+    }
     // The background check leaves out what the prefills read: they must have started.
     if (has(S::kStartVerify)) {
       EXPECT_LT(at(S::kStartTierPrefills), at(S::kStartVerify));

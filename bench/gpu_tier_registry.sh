@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# A memory-tier snapshot restored on a node that never saw it, from a registry on the same
+# machine, side by side in one run: what a restore does now (`gpusnap restore oci://`, the tier's
+# prefill filling the GPU as the drain files arrive), the previous path (the same restore with
+# the copy filling its tier itself once every byte is there: GPUSNAP_TIER_PREFILL=off), the pull
+# alone and the restore of the pulled copy; and what a fresh start costs instead (the workload
+# loading its weights from the local file, its own `wait-ready`). Each restore is timed to the
+# copy's first exact answer (CHECK: the CUDA graph replayed, bit-exact) into an empty node cache
+# and run folder. Then the same with the registry reading its disk (page cache dropped), beside
+# the disk's own read time for the registry's blobs (dd, O_DIRECT). And deduplication: a second
+# capture of the same workload (same weights, same commands) pushed after the first, tier path
+# and transparent path, its new bytes against the snapshot's.
+#
+#   bench/run gpu-tier-registry GIB OUTDIR
+#
+# BIN: gpusnap, libgpusnap-tier.so, gpusnap-tier-prefill and tests/torch_tier.py (default
+# build). REGISTRY: the docker-registry binary (default on PATH; on the GPU machine carry
+# /usr/bin/docker-registry: it needs only libc). STORE: a huge-page tmpfs for the artifacts and
+# node copies (default /mnt/gpusnap-store, mounted when it is not a mount). REGDIR: the
+# registry's storage on the local disk (default /var/tmp/gpusnap-tier-registry). BENCH_COLD=0
+# leaves out the cold rounds, BENCH_DEDUP=0 the second captures. GPUSNAP_CRIU: CRIU.
+# Results: OUTDIR/run.log (written as it goes) and every command's JSON.
+set -uo pipefail
+GIB=${1:?GIB}; OUT=${2:?OUTDIR}
+BIN=${BIN:-build}; G=$(readlink -f "$BIN/gpusnap")
+WORKLOAD=$(readlink -f "$BIN/tests/torch_tier.py")
+REGISTRY=${REGISTRY:-$(command -v docker-registry)}
+STORE=${STORE:-/mnt/gpusnap-store}
+REGDIR=${REGDIR:-/var/tmp/gpusnap-tier-registry}
+COLD=${BENCH_COLD:-1}; DEDUP=${BENCH_DEDUP:-1}
+mkdir -p "$OUT" "$STORE" "$REGDIR"
+OUT=$(readlink -f "$OUT")
+exec > >(tee -a "$OUT/run.log") 2>&1
+mountpoint -q "$STORE" || mount -t tmpfs -o huge=within_size,size=$(( GIB * 4 + 16 ))g gpusnap-store "$STORE"
+W=$STORE/tier-registry
+rm -rf "$W"; mkdir -p "$W"
+REGPID=""; INITS=()
+cleanup() {
+  local p
+  for p in "${INITS[@]}"; do kill -9 "$p" 2>/dev/null; done
+  [[ -n $REGPID ]] && kill "$REGPID" 2>/dev/null
+  rm -rf "$W" "$REGDIR"
+}
+trap cleanup EXIT
+now() { date +%s.%N; }
+el() { python3 -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 3))" "$1" "$(now)"; }
+field() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(eval('d'+sys.argv[2]))" "$1" "$2" 2>/dev/null; }
+host_port() { grep -o '"host_port": *[0-9]*' "$1" | head -1 | grep -o '[0-9]*$'; }
+ask() { timeout 60 bash -c 'exec 3<>/dev/tcp/127.0.0.1/$1; printf "%s\n" "$2" >&3; IFS= read -r r <&3; printf "%s" "$r"' _ "$1" "$2"; }
+gpu_idle() {
+  for _ in $(seq 600); do
+    [[ -z $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null) ]] && return
+    sleep 0.05
+  done
+}
+phases() {  # the phases of a command's JSON, one line
+  python3 - "$1" <<'PY'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except Exception as e:
+    print(f"(no JSON: {e})"); sys.exit()
+ph = d.get("phases") or d.get("checkpoint", {}).get("phases") or []
+print(" ".join(f"{p['name']}={p['seconds']:.3f}" for p in ph))
+PY
+}
+
+printf 'version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: %s/storage\n  delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:5124\n  secret: bench\n' "$REGDIR" >"$REGDIR/config.yml"
+"$REGISTRY" serve "$REGDIR/config.yml" >"$OUT/registry.log" 2>&1 & REGPID=$!
+for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/5124) 2>/dev/null && break; sleep 0.1; done
+
+WEIGHTS=$W/weights.bin
+capture() {  # NAME --tier|--no-tier: `gpusnap run` to READY, then its checkpoint
+  local name=$1 flag=$2 t; t=$(now)
+  timeout 400 "$G" run -o "$W/$name" --json -- python3 "$WORKLOAD" "$flag" --gib "$GIB" \
+    --weights "$WEIGHTS" --ready-file "$W/$name.port" >"$OUT/$name-run.json" 2>"$OUT/$name-run.err"
+  echo "== capture $name ($flag): rc=$? $(el "$t") s; $(phases "$OUT/$name-run.json")"
+}
+push() {  # NAME TAG
+  local t; t=$(now)
+  timeout 400 "$G" push "$W/$1" "oci://127.0.0.1:5124/bench/tier:$2" --plain-http --json \
+    >"$OUT/push-$2.json" 2>"$OUT/push-$2.err"
+  local rc=$?
+  echo "== push $1 as :$2: rc=$rc $(el "$t") s; $(python3 - "$OUT/push-$2.json" <<'PY'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except Exception as e:
+    print(f"(no JSON: {e})"); sys.exit()
+keys = ("chunks", "chunks_uploaded", "bytes", "bytes_uploaded", "stored_bytes")
+print(", ".join(f"{k} {d[k]}" for k in d if isinstance(d[k], (int, float)) and not isinstance(d[k], bool)))
+PY
+)"
+}
+restore_check() {  # NAME EXPECTED-PORT-FILE ARTIFACT-OR-REF [FLAGS...]: one copy, timed to its first exact answer
+  local name=$1 portfile=$2 what=$3; shift 3
+  gpu_idle
+  rm -rf "$W/run-$name" "$W/cache-$name"
+  local t; t=$(now)
+  timeout 300 "$G" restore "$what" --publish "$(cat "$portfile")" --json --run-dir "$W/run-$name" \
+    "$@" >"$OUT/$name.json" 2>"$OUT/$name.err"
+  local rc=$? cmd; cmd=$(el "$t")
+  local answer; answer=$(ask "$(host_port "$OUT/$name.json")" CHECK)
+  echo "== $name: rc=$rc, command $cmd s, first answer $(el "$t") s: $answer"
+  echo "   phases: $(phases "$OUT/$name.json")"
+  [[ $answer == "OK max_err=0 "* ]] || { echo "== $name: NOT EXACT"; tail -5 "$OUT/$name.err"; }
+  grep -h "tier prefill" "$OUT/$name.err" | head -2 | sed 's/^/   /'
+  local init; init=$(field "$OUT/$name.json" "['copies'][0]['init_pid']")
+  [[ -n $init ]] && kill -9 "$init" 2>/dev/null
+  sleep 1
+  rm -rf "$W/run-$name" "$W/cache-$name"
+}
+pull_alone() {  # NAME: gpusnap pull into an empty node cache
+  rm -rf "$W/pulled-$1" "$W/cache-$1"
+  local t; t=$(now)
+  timeout 300 "$G" pull "$REF" -o "$W/pulled-$1" --plain-http --cache "$W/cache-$1" --json \
+    >"$OUT/$1.json" 2>"$OUT/$1.err"
+  echo "== $1: rc=$? $(el "$t") s ($(du -sb --apparent-size "$W/pulled-$1" 2>/dev/null | cut -f1) bytes)"
+}
+drop() { sync; echo 3 >/proc/sys/vm/drop_caches; }
+
+# The weights file first (the workload makes it when missing), untimed.
+capture warm --no-tier >/dev/null; rm -rf "$W/warm"
+capture tier-a --tier
+echo "== a fresh start instead (the workload loading its weights and capturing its graph): wait-ready $(python3 - "$OUT/tier-a-run.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(next((p["seconds"] for p in d.get("phases", []) if p["name"] == "wait-ready"), "?"))
+PY
+) s"
+push tier-a a
+REF=oci://127.0.0.1:5124/bench/tier:a
+echo "== registry's page cache warm (the blobs were just written)"
+pull_alone pull-warm
+restore_check restore-pulled "$W/tier-a.port" "$W/pulled-pull-warm"
+rm -rf "$W/pulled-pull-warm" "$W/cache-pull-warm"
+for round in 1 2; do
+  restore_check "streamed-$round" "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-streamed-$round"
+  GPUSNAP_TIER_PREFILL=off restore_check "previous-$round" "$W/tier-a.port" "$REF" --plain-http \
+    --cache "$W/cache-previous-$round"
+done
+
+if [[ $COLD == 1 ]]; then
+  echo "== registry reading its disk (page cache dropped before each)"
+  drop; t=$(now)
+  find "$REGDIR/storage" -type f -name data -size +1M -print0 | xargs -0 -P 16 -I{} dd if={} of=/dev/null bs=16M iflag=direct status=none
+  echo "== the disk's own read of the registry's blobs (dd O_DIRECT, 16 at once): $(el "$t") s for $(du -sb "$REGDIR/storage" | cut -f1) bytes"
+  drop; pull_alone pull-cold; rm -rf "$W/pulled-pull-cold" "$W/cache-pull-cold"
+  drop; restore_check streamed-cold "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-streamed-cold"
+  drop; GPUSNAP_TIER_PREFILL=off restore_check previous-cold "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-previous-cold"
+fi
+
+if [[ $DEDUP == 1 ]]; then
+  echo "== dedup: a second capture of the same workload, pushed after the first"
+  rm -rf "$W/tier-a"
+  capture tier-b --tier; push tier-b b; rm -rf "$W/tier-b"
+  capture plain-a --no-tier; push plain-a plain-a; rm -rf "$W/plain-a"
+  capture plain-b --no-tier; push plain-b plain-b; rm -rf "$W/plain-b"
+fi
+echo "== done"
