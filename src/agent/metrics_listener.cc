@@ -1,5 +1,6 @@
 #include "agent/metrics_listener.h"
 
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -36,17 +37,16 @@ double epoch_seconds(const std::string& text) {
   return static_cast<double>(::timegm(&tm)) + (n == 7 ? millis / 1000.0 : 0.0);
 }
 
-// The bytes of the regular files under `dir` (0 when it is not there).
-uint64_t bytes_under(const std::filesystem::path& dir) {
+// The bytes of the regular files under `dir` (0 when it is not there): their sizes, or with
+// `allocated` the blocks they occupy (a sparse node copy's holes cost nothing).
+uint64_t bytes_under(const std::filesystem::path& dir, bool allocated = false) {
   uint64_t total = 0;
   std::error_code ec;
   for (std::filesystem::recursive_directory_iterator it(dir, ec), end; !ec && it != end;
        it.increment(ec)) {
-    std::error_code size_ec;
-    if (it->is_regular_file(size_ec)) {
-      const auto size = it->file_size(size_ec);
-      if (!size_ec) total += size;
-    }
+    struct stat st {};
+    if (::lstat(it->path().c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    total += allocated ? static_cast<uint64_t>(st.st_blocks) * 512 : st.st_size;
   }
   return total;
 }
@@ -133,9 +133,15 @@ std::string node_families(const Agent& agent) {
   }
 
   if (const auto& remote = agent.config().remote) {
+    // What the budget counts (store/blob_store.h): the chunks in the cache, and the node copies
+    // of pulled snapshots, which hold their uncompressed chunks in place of the cache.
     header(out, "gpusnap_node_cache_bytes", "gauge",
-           "Bytes of pulled chunks in the node cache, on disk.");
-    out += "gpusnap_node_cache_bytes " + std::to_string(bytes_under(remote->cache)) + "\n";
+           "Bytes the node cache holds on disk: its chunks, and the node copies of pulled "
+           "snapshots (blocks allocated).");
+    out += "gpusnap_node_cache_bytes " +
+           std::to_string(bytes_under(remote->cache) +
+                          bytes_under(remote->pulled, /*allocated=*/true)) +
+           "\n";
     header(out, "gpusnap_node_cache_budget_bytes", "gauge",
            "The node cache's budget (--cache-budget-mib), in bytes.");
     out += "gpusnap_node_cache_budget_bytes " + std::to_string(remote->cache_budget) + "\n";

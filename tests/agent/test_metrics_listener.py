@@ -305,6 +305,13 @@ class MetricsListenerTest(unittest.TestCase):
         self.assertEqual(s[pull.format("bytes")],
                          pushed[0]["bytes_uploaded"] + second["bytes_fetched"])
         self.assertEqual(s["gpusnap_node_cache_evictions_total"], 0)  # the default budget
+        # The cache's size is what its budget counts: its chunks, and the node copies under
+        # RUN_DIR/pulled that hold the uncompressed ones in their place (blocks allocated).
+        chunks = sum(p.stat().st_size for p in (self.dir / "cache").rglob("*") if p.is_file())
+        copies = sum(p.stat().st_blocks * 512 for p in (self.dir / "run" / "pulled").rglob("*")
+                     if p.is_file() and not p.is_symlink())
+        self.assertGreater(copies, 0)
+        self.assertEqual(s["gpusnap_node_cache_bytes"], chunks + copies)
         # A prefetch of a snapshot whose node copy is here fetches nothing and finds no chunk.
         op = self.run_operation(agent, "/v1/prefetch", {"reference": pushed[1]["reference"]})
         self.assertEqual(op["state"], "succeeded", op)
