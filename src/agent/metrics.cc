@@ -1,5 +1,6 @@
 #include "agent/metrics.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -118,6 +119,10 @@ void Metrics::finished(const std::string& kind, const std::string& result, doubl
   duration_.try_emplace(kind, kOperationBounds).first->second.observe(seconds);
   bytes_[kind] += artifact_bytes;
   if (!error_kind.empty()) ++failures_[{kind, error_kind}];
+  if (result == "succeeded") {
+    last_success_[kind] =
+        std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  }
 }
 
 void Metrics::failed_without_running(const std::string& kind, const std::string& error_kind) {
@@ -192,6 +197,13 @@ std::string Metrics::render() const {
     sample(out, "gpusnap_operation_failures_total",
            label("kind", key.first) + "," + label("error_kind", key.second),
            static_cast<int64_t>(n));
+  }
+  header(out, "gpusnap_last_success_timestamp_seconds", "gauge",
+         "When the newest successful operation of each kind ended, in seconds since the epoch.");
+  for (const auto& [kind, at] : last_success_) {
+    char text[64];
+    std::snprintf(text, sizeof text, "%.3f", at);
+    out += "gpusnap_last_success_timestamp_seconds{" + label("kind", kind) + "} " + text + "\n";
   }
   if (registry_storage_) render_registry(out);
   return out;

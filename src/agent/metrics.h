@@ -9,6 +9,8 @@
 //   gpusnap_artifact_bytes_total{kind}               written by checkpoints, read by restores,
 //                                                    fetched from the registry by prefetches
 //   gpusnap_operation_failures_total{kind,error_kind}  failed operations by Error kind
+//   gpusnap_last_success_timestamp_seconds{kind}     when the newest successful operation of
+//                                                    each kind ended (kinds that had one)
 // With registry storage (--registry), what its pushes and pulls moved, counted as each ends
 // (store::PushResult, store::PullResult):
 //   gpusnap_registry_bytes_total{direction}          chunk bytes uploaded (push) or fetched
@@ -88,6 +90,9 @@ class Metrics {
   std::map<std::pair<std::string, std::string>, Histogram> phases_;  // kind, phase
   std::map<std::string, uint64_t> bytes_;
   std::map<std::pair<std::string, std::string>, uint64_t> failures_;  // kind, error kind
+  // Seconds since the epoch, by kind. Kept here rather than read from the history, which
+  // forgets: a success followed by 1000 failures would otherwise lose its series.
+  std::map<std::string, double> last_success_;
   bool registry_storage_;
   std::map<std::string, uint64_t> registry_bytes_;   // by direction
   std::map<std::string, uint64_t> registry_chunks_;  // by direction

@@ -1,7 +1,6 @@
 #include "agent/metrics_listener.h"
 
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -23,18 +22,6 @@ namespace {
 
 void header(std::string& out, const char* name, const char* type, const char* help) {
   out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
-}
-
-// Seconds since the epoch of an RFC 3339 UTC time as the agent writes it (common/utc.h), or -1.
-double epoch_seconds(const std::string& text) {
-  struct tm tm {};
-  int millis = 0;
-  const int n = std::sscanf(text.c_str(), "%d-%d-%dT%d:%d:%d.%dZ", &tm.tm_year, &tm.tm_mon,
-                            &tm.tm_mday, &tm.tm_hour, &tm.tm_min, &tm.tm_sec, &millis);
-  if (n < 6) return -1;
-  tm.tm_year -= 1900;
-  tm.tm_mon -= 1;
-  return static_cast<double>(::timegm(&tm)) + (n == 7 ? millis / 1000.0 : 0.0);
 }
 
 // The bytes of the regular files under `dir` (0 when it is not there): their sizes, or with
@@ -110,27 +97,12 @@ std::string node_families(const Agent& agent) {
 
   // From the operations' history, newest last: pending ones are the queue.
   int64_t queued = 0;
-  std::map<std::string, double> last_success;  // kind -> end time
-  const auto history = agent.operations();     // kept: the loop reads into it
+  const auto history = agent.operations();  // kept: the loop reads into it
   for (const auto& op : history.at("operations")) {
-    const auto state = op.value("state", "");
-    if (state == "pending") ++queued;
-    if (state == "succeeded" && op.contains("finished_at") && op["finished_at"].is_string()) {
-      const double at = epoch_seconds(op["finished_at"].get<std::string>());
-      auto& latest = last_success[op.value("kind", "")];
-      if (at > latest) latest = at;
-    }
+    if (op.value("state", "") == "pending") ++queued;
   }
   header(out, "gpusnap_operations_queued", "gauge", "Operations waiting to run.");
   out += "gpusnap_operations_queued " + std::to_string(queued) + "\n";
-  header(out, "gpusnap_last_success_timestamp_seconds", "gauge",
-         "When the newest successful operation of each kind ended, in seconds since the epoch.");
-  for (const auto& [kind, at] : last_success) {
-    char text[64];
-    std::snprintf(text, sizeof text, "%.3f", at);
-    out += "gpusnap_last_success_timestamp_seconds{kind=\"" + escape_label(kind) + "\"} " + text +
-           "\n";
-  }
 
   if (const auto& remote = agent.config().remote) {
     // What the budget counts (store/blob_store.h): the chunks in the cache, and the node copies

@@ -1,6 +1,7 @@
 // The agent's metrics in Prometheus' text format 0.0.4, compared line by line.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -88,6 +89,31 @@ TEST(Metrics, CountsOperationsPhasesBytesAndFailures) {
        }) {
     EXPECT_TRUE(has_line(text, line)) << line << "\nin:\n" << text;
   }
+}
+
+TEST(Metrics, LastSuccessPerKindOnlyOnceOneSucceeded) {
+  Metrics m;
+  EXPECT_EQ(m.render().find("gpusnap_last_success_timestamp_seconds{"), std::string::npos);
+  m.started("restore");
+  m.finished("restore", "failed", 1, "not-found", 0);
+  EXPECT_EQ(m.render().find("gpusnap_last_success_timestamp_seconds{"), std::string::npos);
+  const auto now = [] {
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  };
+  const double before = now();
+  m.started("checkpoint");
+  m.finished("checkpoint", "succeeded", 1, "", 0);
+  const double after = now();
+  const auto text = m.render();
+  const std::string series = "gpusnap_last_success_timestamp_seconds{kind=\"checkpoint\"} ";
+  const auto at = text.find(series);
+  ASSERT_NE(at, std::string::npos) << text;
+  const double value = std::stod(text.substr(at + series.size()));
+  EXPECT_GE(value, before - 0.001);
+  EXPECT_LE(value, after + 0.001);
+  EXPECT_EQ(text.find("gpusnap_last_success_timestamp_seconds{kind=\"restore\"}"),
+            std::string::npos);
 }
 
 TEST(Metrics, RegistryFamiliesOnlyWithRegistryStorage) {
