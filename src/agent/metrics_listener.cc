@@ -78,11 +78,13 @@ void process_families(std::string& out) {
       char text[64];
       header(out, "process_cpu_seconds_total", "counter",
              "Total user and system CPU time spent in seconds.");
-      std::snprintf(text, sizeof text, "%.2f", (wanted[14] + wanted[15]) / ticks);
+      std::snprintf(text, sizeof text, "%.2f",
+                    (wanted[14] + wanted[15]) / static_cast<double>(ticks));
       out += std::string("process_cpu_seconds_total ") + text + "\n";
       header(out, "process_start_time_seconds", "gauge",
              "Start time of the process since unix epoch in seconds.");
-      std::snprintf(text, sizeof text, "%.2f", now - uptime + wanted[22] / ticks);
+      std::snprintf(text, sizeof text, "%.2f",
+                    now - uptime + wanted[22] / static_cast<double>(ticks));
       out += std::string("process_start_time_seconds ") + text + "\n";
     }
   }
