@@ -189,6 +189,30 @@ json pulled_document(const store::SnapshotSource& source) {
           {"bytes_from_cache", p ? p->bytes_from_cache : 0}};
 }
 
+// Adds what a snapshot source's pull moved to the metrics when the operation is done with the
+// source, whether it succeeded or not: the chunks a pull fetched for a restore that then failed
+// did cross the network. Nothing when nothing was pulled, or the pull did not end.
+class PullCounter {
+ public:
+  PullCounter(Metrics& metrics, const store::SnapshotSource& source)
+      : metrics_(metrics), source_(source) {}
+  PullCounter(const PullCounter&) = delete;
+  PullCounter& operator=(const PullCounter&) = delete;
+  ~PullCounter() {
+    const store::PullResult* p = source_.pulled();
+    if (p == nullptr) return;
+    metrics_.pulled({.chunks_fetched = p->chunks_fetched,
+                     .bytes_fetched = p->bytes_fetched,
+                     .chunks_found = p->chunks_from_cache,
+                     .bytes_found = p->bytes_from_cache,
+                     .evicted = p->evicted.size()});
+  }
+
+ private:
+  Metrics& metrics_;
+  const store::SnapshotSource& source_;
+};
+
 }  // namespace
 
 Agent::Agent(AgentConfig config)
@@ -196,7 +220,8 @@ Agent::Agent(AgentConfig config)
       log_(config_.log_format),
       remote_(config_.remote ? std::optional<RegistryStorage>(std::in_place, *config_.remote)
                              : std::nullopt),
-      journal_(config_.state_dir) {
+      journal_(config_.state_dir),
+      metrics_(remote_.has_value()) {
   if (config_.node.empty()) config_.node = hostname();
   recover();
   gpu_.workers.emplace_back([this](const std::stop_token& stop) { work(gpu_, stop); });
@@ -445,6 +470,8 @@ json Agent::run_checkpoint(Operation& op, json& entry, uint64_t& bytes) {
     // Committed here; stored once the registry holds it too, under the digest it reports.
     try {
       pushed = remote_->push(options.output, request.artifact, reporter);
+      metrics_.pushed(pushed.at("chunks_uploaded").get<uint64_t>(),
+                      pushed.at("bytes_uploaded").get<uint64_t>());
     } catch (const Error& e) {
       throw Error(e.kind(),
                   "captured into " + options.output.string() + ", but the push to " +
@@ -480,6 +507,7 @@ json Agent::run_restore(Operation& op, json& entry, uint64_t& bytes) {
   PrefixReporter pull_reporter(reporter, "pull-");
   store::SnapshotSource source(where, reach_options(options), store::Arrival::kWhileRestoring,
                                pull_reporter);
+  PullCounter counted(metrics_, source);
   source.prepare(options);
   auto r = restore(options, reporter);
   bytes = r.manifest.total_bytes();
@@ -500,6 +528,7 @@ json Agent::run_prefetch(Operation& op, const json& entry, uint64_t& bytes) {
   PrefixReporter pull_reporter(reporter, "pull-");
   store::SnapshotSource source(ref.str(), reach_options(RestoreOptions{}),
                                store::Arrival::kBeforeReturning, pull_reporter);
+  PullCounter counted(metrics_, source);
   reporter.note(source.summary());
   json result = pulled_document(source);
   bytes = result["bytes_fetched"].get<uint64_t>();

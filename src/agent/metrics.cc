@@ -1,5 +1,6 @@
 #include "agent/metrics.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -17,6 +18,7 @@ const std::vector<double> kPhaseBounds = {0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1,
 const char* const kKinds[] = {"checkpoint", "restore", "prefetch"};
 const char* const kResults[] = {"succeeded", "failed"};
 const char* const kLanes[] = {"gpu", "prefetch"};
+const char* const kDirections[] = {"pull", "push"};
 
 // Shortest text that reads back as the same double; Prometheus' spellings of the infinities.
 std::string number(double v) {
@@ -88,7 +90,7 @@ void Histogram::render(std::string& out, const std::string& name, const std::str
   out += name + "_count" + braces + " " + std::to_string(count_) + "\n";
 }
 
-Metrics::Metrics() {
+Metrics::Metrics(bool registry_storage) : registry_storage_(registry_storage) {
   // Every kind's series exist from the start, at zero: a rate() over a series that appears
   // only with its first event misses that event.
   for (const char* kind : kKinds) {
@@ -98,6 +100,10 @@ Metrics::Metrics() {
     bytes_[kind] = 0;
   }
   for (const char* lane : kLanes) pending_[lane] = 0;
+  for (const char* direction : kDirections) {
+    registry_bytes_[direction] = 0;
+    registry_chunks_[direction] = 0;
+  }
 }
 
 void Metrics::started(const std::string& kind) {
@@ -113,6 +119,10 @@ void Metrics::finished(const std::string& kind, const std::string& result, doubl
   duration_.try_emplace(kind, kOperationBounds).first->second.observe(seconds);
   bytes_[kind] += artifact_bytes;
   if (!error_kind.empty()) ++failures_[{kind, error_kind}];
+  if (result == "succeeded") {
+    last_success_[kind] =
+        std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  }
 }
 
 void Metrics::failed_without_running(const std::string& kind, const std::string& error_kind) {
@@ -129,6 +139,23 @@ void Metrics::phase(const std::string& kind, const std::string& phase, double se
 void Metrics::pending(const std::string& lane, int64_t count) {
   std::lock_guard lock(mu_);
   pending_[lane] = count;
+}
+
+void Metrics::pushed(uint64_t chunks, uint64_t bytes) {
+  std::lock_guard lock(mu_);
+  registry_chunks_["push"] += chunks;
+  registry_bytes_["push"] += bytes;
+}
+
+void Metrics::pulled(const Pull& pull) {
+  std::lock_guard lock(mu_);
+  registry_chunks_["pull"] += pull.chunks_fetched;
+  registry_bytes_["pull"] += pull.bytes_fetched;
+  cache_.chunks_fetched += pull.chunks_fetched;
+  cache_.bytes_fetched += pull.bytes_fetched;
+  cache_.chunks_found += pull.chunks_found;
+  cache_.bytes_found += pull.bytes_found;
+  cache_.evicted += pull.evicted;
 }
 
 std::string Metrics::render() const {
@@ -171,7 +198,46 @@ std::string Metrics::render() const {
            label("kind", key.first) + "," + label("error_kind", key.second),
            static_cast<int64_t>(n));
   }
+  header(out, "gpusnap_last_success_timestamp_seconds", "gauge",
+         "When the newest successful operation of each kind ended, in seconds since the epoch.");
+  for (const auto& [kind, at] : last_success_) {
+    char text[64];
+    std::snprintf(text, sizeof text, "%.3f", at);
+    out += "gpusnap_last_success_timestamp_seconds{" + label("kind", kind) + "} " + text + "\n";
+  }
+  if (registry_storage_) render_registry(out);
   return out;
+}
+
+void Metrics::render_registry(std::string& out) const {
+  header(out, "gpusnap_registry_bytes_total", "counter",
+         "Chunk bytes uploaded to the registry by pushes and fetched from it by pulls, as stored "
+         "(compressed).");
+  for (const auto& [direction, n] : registry_bytes_) {
+    sample(out, "gpusnap_registry_bytes_total", label("direction", direction),
+           static_cast<int64_t>(n));
+  }
+  header(out, "gpusnap_registry_chunks_total", "counter",
+         "Chunks uploaded to the registry by pushes (those it held already excluded) and fetched "
+         "from it by pulls.");
+  for (const auto& [direction, n] : registry_chunks_) {
+    sample(out, "gpusnap_registry_chunks_total", label("direction", direction),
+           static_cast<int64_t>(n));
+  }
+  // Hits and misses as two counters: the hit ratio is rate(hits) / (rate(hits) + rate(misses)).
+  header(out, "gpusnap_node_cache_hits_total", "counter",
+         "Chunks pulls found on the node (the node cache, its copies, a dead pull's staging) "
+         "instead of fetching them.");
+  out += "gpusnap_node_cache_hits_total " + std::to_string(cache_.chunks_found) + "\n";
+  header(out, "gpusnap_node_cache_misses_total", "counter",
+         "Chunks pulls fetched from the registry because the node did not hold them.");
+  out += "gpusnap_node_cache_misses_total " + std::to_string(cache_.chunks_fetched) + "\n";
+  header(out, "gpusnap_node_cache_hit_bytes_total", "counter",
+         "Bytes of the chunks pulls found on the node: what they did not fetch.");
+  out += "gpusnap_node_cache_hit_bytes_total " + std::to_string(cache_.bytes_found) + "\n";
+  header(out, "gpusnap_node_cache_evictions_total", "counter",
+         "Snapshots the node cache evicted, with their copies, to keep within its budget.");
+  out += "gpusnap_node_cache_evictions_total " + std::to_string(cache_.evicted) + "\n";
 }
 
 }  // namespace gpusnap::agent

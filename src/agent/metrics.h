@@ -9,6 +9,17 @@
 //   gpusnap_artifact_bytes_total{kind}               written by checkpoints, read by restores,
 //                                                    fetched from the registry by prefetches
 //   gpusnap_operation_failures_total{kind,error_kind}  failed operations by Error kind
+//   gpusnap_last_success_timestamp_seconds{kind}     when the newest successful operation of
+//                                                    each kind ended (kinds that had one)
+// With registry storage (--registry), what its pushes and pulls moved, counted as each ends
+// (store::PushResult, store::PullResult):
+//   gpusnap_registry_bytes_total{direction}          chunk bytes uploaded (push) or fetched
+//                                                    (pull), as stored (compressed)
+//   gpusnap_registry_chunks_total{direction}         the chunks themselves
+//   gpusnap_node_cache_hits_total                    chunks a pull found on the node
+//   gpusnap_node_cache_misses_total                  chunks a pull fetched from the registry
+//   gpusnap_node_cache_hit_bytes_total               the bytes of the hits: what was not fetched
+//   gpusnap_node_cache_evictions_total               snapshots evicted to keep the budget
 //
 // Thread-safe: every method may be called from any thread.
 #pragma once
@@ -40,7 +51,9 @@ class Histogram {
 
 class Metrics {
  public:
-  Metrics();
+  // `registry_storage`: the agent pushes and pulls (--registry); the registry and node cache
+  // families are written only then.
+  explicit Metrics(bool registry_storage = false);
   void started(const std::string& kind);
   // An operation that ran ended (`result` "succeeded" or "failed"; error_kind empty on success).
   void finished(const std::string& kind, const std::string& result, double seconds,
@@ -51,10 +64,24 @@ class Metrics {
   void phase(const std::string& kind, const std::string& phase, double seconds);
   // The number of operations waiting in `lane` now.
   void pending(const std::string& lane, int64_t count);
+  // A push ended: the chunks it uploaded and their bytes (those the registry held already are
+  // not counted: they did not move).
+  void pushed(uint64_t chunks, uint64_t bytes);
+  // A pull ended: the chunks it fetched from the registry (the node cache's misses) and those
+  // it found on the node (its hits), with their bytes, and the snapshots the cache evicted.
+  struct Pull {
+    uint64_t chunks_fetched = 0;
+    uint64_t bytes_fetched = 0;
+    uint64_t chunks_found = 0;
+    uint64_t bytes_found = 0;
+    uint64_t evicted = 0;
+  };
+  void pulled(const Pull& pull);
   // The text format, version 0.0.4.
   std::string render() const;
 
  private:
+  void render_registry(std::string& out) const;  // with mu_ held
   mutable std::mutex mu_;
   std::map<std::pair<std::string, std::string>, uint64_t> operations_;  // kind, result
   std::map<std::string, int64_t> in_flight_;
@@ -63,6 +90,13 @@ class Metrics {
   std::map<std::pair<std::string, std::string>, Histogram> phases_;  // kind, phase
   std::map<std::string, uint64_t> bytes_;
   std::map<std::pair<std::string, std::string>, uint64_t> failures_;  // kind, error kind
+  // Seconds since the epoch, by kind. Kept here rather than read from the history, which
+  // forgets: a success followed by 1000 failures would otherwise lose its series.
+  std::map<std::string, double> last_success_;
+  bool registry_storage_;
+  std::map<std::string, uint64_t> registry_bytes_;   // by direction
+  std::map<std::string, uint64_t> registry_chunks_;  // by direction
+  Pull cache_;                                       // the pulls' sums
 };
 
 // A label value escaped for the text format (backslash, double quote, newline).

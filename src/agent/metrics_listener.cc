@@ -1,6 +1,6 @@
 #include "agent/metrics_listener.h"
 
-#include <time.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -24,29 +24,16 @@ void header(std::string& out, const char* name, const char* type, const char* he
   out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
 }
 
-// Seconds since the epoch of an RFC 3339 UTC time as the agent writes it (common/utc.h), or -1.
-double epoch_seconds(const std::string& text) {
-  struct tm tm {};
-  int millis = 0;
-  const int n = std::sscanf(text.c_str(), "%d-%d-%dT%d:%d:%d.%dZ", &tm.tm_year, &tm.tm_mon,
-                            &tm.tm_mday, &tm.tm_hour, &tm.tm_min, &tm.tm_sec, &millis);
-  if (n < 6) return -1;
-  tm.tm_year -= 1900;
-  tm.tm_mon -= 1;
-  return static_cast<double>(::timegm(&tm)) + (n == 7 ? millis / 1000.0 : 0.0);
-}
-
-// The bytes of the regular files under `dir` (0 when it is not there).
-uint64_t bytes_under(const std::filesystem::path& dir) {
+// The bytes of the regular files under `dir` (0 when it is not there): their sizes, or with
+// `allocated` the blocks they occupy (a sparse node copy's holes cost nothing).
+uint64_t bytes_under(const std::filesystem::path& dir, bool allocated = false) {
   uint64_t total = 0;
   std::error_code ec;
   for (std::filesystem::recursive_directory_iterator it(dir, ec), end; !ec && it != end;
        it.increment(ec)) {
-    std::error_code size_ec;
-    if (it->is_regular_file(size_ec)) {
-      const auto size = it->file_size(size_ec);
-      if (!size_ec) total += size;
-    }
+    struct stat st {};
+    if (::lstat(it->path().c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    total += allocated ? static_cast<uint64_t>(st.st_blocks) * 512 : st.st_size;
   }
   return total;
 }
@@ -91,11 +78,13 @@ void process_families(std::string& out) {
       char text[64];
       header(out, "process_cpu_seconds_total", "counter",
              "Total user and system CPU time spent in seconds.");
-      std::snprintf(text, sizeof text, "%.2f", (wanted[14] + wanted[15]) / ticks);
+      std::snprintf(text, sizeof text, "%.2f",
+                    (wanted[14] + wanted[15]) / static_cast<double>(ticks));
       out += std::string("process_cpu_seconds_total ") + text + "\n";
       header(out, "process_start_time_seconds", "gauge",
              "Start time of the process since unix epoch in seconds.");
-      std::snprintf(text, sizeof text, "%.2f", now - uptime + wanted[22] / ticks);
+      std::snprintf(text, sizeof text, "%.2f",
+                    now - uptime + wanted[22] / static_cast<double>(ticks));
       out += std::string("process_start_time_seconds ") + text + "\n";
     }
   }
@@ -110,32 +99,23 @@ std::string node_families(const Agent& agent) {
 
   // From the operations' history, newest last: pending ones are the queue.
   int64_t queued = 0;
-  std::map<std::string, double> last_success;  // kind -> end time
-  const auto history = agent.operations();     // kept: the loop reads into it
+  const auto history = agent.operations();  // kept: the loop reads into it
   for (const auto& op : history.at("operations")) {
-    const auto state = op.value("state", "");
-    if (state == "pending") ++queued;
-    if (state == "succeeded" && op.contains("finished_at") && op["finished_at"].is_string()) {
-      const double at = epoch_seconds(op["finished_at"].get<std::string>());
-      auto& latest = last_success[op.value("kind", "")];
-      if (at > latest) latest = at;
-    }
+    if (op.value("state", "") == "pending") ++queued;
   }
   header(out, "gpusnap_operations_queued", "gauge", "Operations waiting to run.");
   out += "gpusnap_operations_queued " + std::to_string(queued) + "\n";
-  header(out, "gpusnap_last_success_timestamp_seconds", "gauge",
-         "When the newest successful operation of each kind ended, in seconds since the epoch.");
-  for (const auto& [kind, at] : last_success) {
-    char text[64];
-    std::snprintf(text, sizeof text, "%.3f", at);
-    out += "gpusnap_last_success_timestamp_seconds{kind=\"" + escape_label(kind) + "\"} " + text +
-           "\n";
-  }
 
   if (const auto& remote = agent.config().remote) {
+    // What the budget counts (store/blob_store.h): the chunks in the cache, and the node copies
+    // of pulled snapshots, which hold their uncompressed chunks in place of the cache.
     header(out, "gpusnap_node_cache_bytes", "gauge",
-           "Bytes of pulled chunks in the node cache, on disk.");
-    out += "gpusnap_node_cache_bytes " + std::to_string(bytes_under(remote->cache)) + "\n";
+           "Bytes the node cache holds on disk: its chunks, and the node copies of pulled "
+           "snapshots (blocks allocated).");
+    out += "gpusnap_node_cache_bytes " +
+           std::to_string(bytes_under(remote->cache) +
+                          bytes_under(remote->pulled, /*allocated=*/true)) +
+           "\n";
     header(out, "gpusnap_node_cache_budget_bytes", "gauge",
            "The node cache's budget (--cache-budget-mib), in bytes.");
     out += "gpusnap_node_cache_budget_bytes " + std::to_string(remote->cache_budget) + "\n";

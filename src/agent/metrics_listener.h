@@ -31,11 +31,10 @@ std::string exposition(const Agent& agent);
 // Families read from the agent's state and the process when scraped:
 //   gpusnap_build_info{version}                         1
 //   gpusnap_operations_queued                           operations waiting to run
-//   gpusnap_last_success_timestamp_seconds{kind}        when the newest successful operation
-//                                                       of each kind ended (kinds that had one)
 //   gpusnap_node_cache_bytes, _budget_bytes             the registry storage's node cache: its
-//                                                       size on disk and its budget (with
-//                                                       --registry only)
+//                                                       size on disk (its chunks and the node
+//                                                       copies, as the budget counts them) and
+//                                                       its budget (with --registry only)
 //   process_resident_memory_bytes, process_open_fds,
 //   process_start_time_seconds, process_cpu_seconds_total   the agent process (/proc/self)
 std::string node_families(const Agent& agent);

@@ -1379,6 +1379,25 @@ TEST_F(AgentsAndRegistry, PrefetchWarmsTheNodeCacheAndTheRestoreFetchesNothing) 
 
   const std::string metrics = b_->get("/metrics").body;
   EXPECT_EQ(sample(metrics, R"(gpusnap_operations_total{kind="prefetch",result="succeeded"})"), 1);
+  // B's registry counters are the sums of what its two pulls reported (the restore's while it
+  // restored, the prefetch's); the restores that found their copy added nothing.
+  const json& restored = rs["result"]["pulled"];
+  const auto sum = [&](const char* key) {
+    return static_cast<double>(restored[key].get<uint64_t>() + warmed[key].get<uint64_t>());
+  };
+  EXPECT_EQ(sample(metrics, R"(gpusnap_registry_chunks_total{direction="pull"})"),
+            sum("chunks_fetched"));
+  EXPECT_EQ(sample(metrics, R"(gpusnap_registry_bytes_total{direction="pull"})"),
+            sum("bytes_fetched"));
+  EXPECT_EQ(sample(metrics, "gpusnap_node_cache_misses_total"), sum("chunks_fetched"));
+  EXPECT_EQ(sample(metrics, "gpusnap_node_cache_hits_total"), sum("chunks_from_cache"));
+  EXPECT_EQ(sample(metrics, "gpusnap_node_cache_hit_bytes_total"), sum("bytes_from_cache"));
+  EXPECT_EQ(sample(metrics, R"(gpusnap_registry_chunks_total{direction="push"})"), 0);
+  // A pushed both captures and pulled nothing.
+  const std::string a_metrics = a_->get("/metrics").body;
+  EXPECT_GT(sample(a_metrics, R"(gpusnap_registry_chunks_total{direction="push"})"), 0);
+  EXPECT_GT(sample(a_metrics, R"(gpusnap_registry_bytes_total{direction="push"})"), 0);
+  EXPECT_EQ(sample(a_metrics, R"(gpusnap_registry_chunks_total{direction="pull"})"), 0);
   EXPECT_EQ(not_root_only(b_dir_ / "cache"), std::vector<std::string>{});
   EXPECT_EQ(not_root_only(b_dir_ / "run" / "pulled"), std::vector<std::string>{});
 }

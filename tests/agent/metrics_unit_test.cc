@@ -1,6 +1,7 @@
 // The agent's metrics in Prometheus' text format 0.0.4, compared line by line.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -90,8 +91,81 @@ TEST(Metrics, CountsOperationsPhasesBytesAndFailures) {
   }
 }
 
-TEST(Metrics, EveryLineIsACommentOrASample) {
+TEST(Metrics, LastSuccessPerKindOnlyOnceOneSucceeded) {
   Metrics m;
+  EXPECT_EQ(m.render().find("gpusnap_last_success_timestamp_seconds{"), std::string::npos);
+  m.started("restore");
+  m.finished("restore", "failed", 1, "not-found", 0);
+  EXPECT_EQ(m.render().find("gpusnap_last_success_timestamp_seconds{"), std::string::npos);
+  const auto now = [] {
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  };
+  const double before = now();
+  m.started("checkpoint");
+  m.finished("checkpoint", "succeeded", 1, "", 0);
+  const double after = now();
+  const auto text = m.render();
+  const std::string series = "gpusnap_last_success_timestamp_seconds{kind=\"checkpoint\"} ";
+  const auto at = text.find(series);
+  ASSERT_NE(at, std::string::npos) << text;
+  const double value = std::stod(text.substr(at + series.size()));
+  EXPECT_GE(value, before - 0.001);
+  EXPECT_LE(value, after + 0.001);
+  EXPECT_EQ(text.find("gpusnap_last_success_timestamp_seconds{kind=\"restore\"}"),
+            std::string::npos);
+}
+
+TEST(Metrics, RegistryFamiliesOnlyWithRegistryStorage) {
+  EXPECT_EQ(Metrics().render().find("gpusnap_registry_"), std::string::npos);
+  EXPECT_EQ(Metrics().render().find("gpusnap_node_cache_"), std::string::npos);
+  Metrics m(/*registry_storage=*/true);
+  // At zero from the start, each direction: rate() sees the first push and the first pull.
+  for (const char* line : {
+           "# TYPE gpusnap_registry_bytes_total counter",
+           "gpusnap_registry_bytes_total{direction=\"pull\"} 0",
+           "gpusnap_registry_bytes_total{direction=\"push\"} 0",
+           "# TYPE gpusnap_registry_chunks_total counter",
+           "gpusnap_registry_chunks_total{direction=\"pull\"} 0",
+           "gpusnap_registry_chunks_total{direction=\"push\"} 0",
+           "# TYPE gpusnap_node_cache_hits_total counter",
+           "gpusnap_node_cache_hits_total 0",
+           "# TYPE gpusnap_node_cache_misses_total counter",
+           "gpusnap_node_cache_misses_total 0",
+           "gpusnap_node_cache_hit_bytes_total 0",
+           "gpusnap_node_cache_evictions_total 0",
+       }) {
+    EXPECT_TRUE(has_line(m.render(), line)) << line << "\nin:\n" << m.render();
+  }
+}
+
+TEST(Metrics, PushesAndPullsAddUp) {
+  Metrics m(/*registry_storage=*/true);
+  m.pushed(3, 3000);
+  m.pushed(1, 10);
+  m.pulled({.chunks_fetched = 5, .bytes_fetched = 500, .chunks_found = 0, .bytes_found = 0});
+  m.pulled({.chunks_fetched = 1,
+            .bytes_fetched = 7,
+            .chunks_found = 4,
+            .bytes_found = 400,
+            .evicted = 2});
+  const auto text = m.render();
+  for (const char* line : {
+           "gpusnap_registry_bytes_total{direction=\"push\"} 3010",
+           "gpusnap_registry_chunks_total{direction=\"push\"} 4",
+           "gpusnap_registry_bytes_total{direction=\"pull\"} 507",
+           "gpusnap_registry_chunks_total{direction=\"pull\"} 6",
+           "gpusnap_node_cache_misses_total 6",
+           "gpusnap_node_cache_hits_total 4",
+           "gpusnap_node_cache_hit_bytes_total 400",
+           "gpusnap_node_cache_evictions_total 2",
+       }) {
+    EXPECT_TRUE(has_line(text, line)) << line << "\nin:\n" << text;
+  }
+}
+
+TEST(Metrics, EveryLineIsACommentOrASample) {
+  Metrics m(/*registry_storage=*/true);
   m.phase("restore", "criu-restore", 1);
   for (const auto& l : lines(m.render())) {
     if (l.rfind("# HELP ", 0) == 0 || l.rfind("# TYPE ", 0) == 0) continue;

@@ -3,10 +3,13 @@
 on TCP without a token and nothing else (no other path, no other method, so nothing that acts),
 the exposition passes `promtool check metrics`, and its families say what happened: a real
 capture of the test workload with real CRIU moves the operation counters and the last success
-time; the registry storage's node cache reports its size and budget. Root (the agent runs as
-root alone); exits 77 ("skipped: WHY") without it."""
+time; the registry storage's node cache reports its size and budget; captures pushed to a real
+docker-registry and prefetched back move the registry's byte and chunk counters and the node
+cache's hits and misses by what moved. Root (the agent runs as root alone); exits 77
+("skipped: WHY") without it."""
 
 import os
+import json
 import pathlib
 import re
 import shutil
@@ -41,6 +44,41 @@ def samples(text):
             key, value = line.rsplit(" ", 1)
             out[key] = float(value)
     return out
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Registry:
+    """A real docker-registry on 127.0.0.1, plain HTTP, its storage and log in `dir`."""
+
+    def __init__(self, dir):
+        self.port = free_port()
+        dir.mkdir()
+        (dir / "config.yml").write_text(
+            "version: 0.1\nlog:\n  level: info\nstorage:\n  filesystem:\n"
+            f"    rootdirectory: {dir / 'storage'}\nhttp:\n  addr: 127.0.0.1:{self.port}\n"
+            "  secret: gpusnap-test\n")
+        self.log = dir / "registry.log"
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen(["docker-registry", "serve", str(dir / "config.yml")],
+                                            stdout=log, stderr=log)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"docker-registry did not start: {self.log.read_text()}")
+                time.sleep(0.05)
+
+    def stop(self):
+        self.process.terminate()
+        self.process.wait(timeout=30)
 
 
 class AgentProcess:
@@ -126,7 +164,8 @@ class MetricsListenerTest(unittest.TestCase):
         self.assertGreater(s["process_resident_memory_bytes"], 0)
         self.assertGreater(s["process_open_fds"], 0)
         self.assertLess(abs(s["process_start_time_seconds"] - time.time()), 120)
-        self.assertNotIn("gpusnap_node_cache_bytes", text)  # no registry storage
+        self.assertNotIn("gpusnap_node_cache_", text)  # no registry storage
+        self.assertNotIn("gpusnap_registry_", text)
         # The same exposition on the socket.
         status, body = agent.over_socket("GET", "/metrics")
         self.assertEqual(status, 200)
@@ -141,30 +180,41 @@ class MetricsListenerTest(unittest.TestCase):
             self.assertEqual(body, "read-only: GET /metrics\n")
         self.assertTrue(list((self.dir / "snapshots").iterdir()) == [])
 
-    def test_a_capture_moves_the_counters_and_the_last_success_time(self):
+    def workload(self, mib):
+        """The test workload, ready; killed at the test's end."""
         if not pathlib.Path("/opt/gpusnap/criu/criu").is_file():
             self.skipTest("no CRIU in /opt/gpusnap/criu (scripts/install-criu)")
-        agent = self.start()
         ready = self.dir / "ready"
         with open(self.dir / "workload.log", "w") as log:
-            workload = subprocess.Popen([WORKLOAD, "--mib", "1", "--ready-file", str(ready)],
+            workload = subprocess.Popen([WORKLOAD, "--mib", str(mib), "--ready-file", str(ready)],
                                         stdout=log, stderr=log, start_new_session=True)
         self.addCleanup(lambda: (workload.kill(), workload.wait()))
         deadline = time.monotonic() + 30
         while not ready.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        before = time.time()
-        status, body = agent.over_socket(
-            "POST", "/v1/checkpoints", f'{{"artifact": "snap", "pid": {workload.pid}}}')
+        return workload
+
+    def run_operation(self, agent, path, request):
+        """The operation document of one request, polled on the socket until it ended."""
+        status, body = agent.over_socket("POST", path, json.dumps(request))
         self.assertEqual(status, 202, body)
-        op = re.search(r'"id": ?"([^"]+)"', body).group(1)
+        op = json.loads(body)["operation"]["id"]
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             status, body = agent.over_socket("GET", f"/v1/operations/{op}")
-            if '"state": "succeeded"' in body or '"state": "failed"' in body:
-                break
+            doc = json.loads(body)
+            doc = doc.get("operation", doc)
+            if doc["state"] in ("succeeded", "failed"):
+                return doc
             time.sleep(0.1)
-        self.assertIn('"state": "succeeded"', body)
+        self.fail(f"{path} {request} did not end: {body}")
+
+    def test_a_capture_moves_the_counters_and_the_last_success_time(self):
+        workload = self.workload(1)
+        agent = self.start()
+        before = time.time()
+        op = self.run_operation(agent, "/v1/checkpoints", {"artifact": "snap", "pid": workload.pid})
+        self.assertEqual(op["state"], "succeeded", op)
         _, _, text = self.get(agent, "/metrics")
         self.check_with_promtool(text)
         s = samples(text)
@@ -191,6 +241,85 @@ class MetricsListenerTest(unittest.TestCase):
         (cache / "probe").write_bytes(b"x" * 12345)
         _, _, text = self.get(agent, "/metrics")
         self.assertEqual(samples(text)["gpusnap_node_cache_bytes"], on_disk + 12345)
+
+    def test_pushes_and_pulls_move_the_registry_and_node_cache_counters(self):
+        if shutil.which("docker-registry") is None:
+            self.skipTest("docker-registry is not installed (scripts/install-deps)")
+        workload = self.workload(4)
+        registry = Registry(self.dir / "registry")
+        self.addCleanup(registry.stop)
+        agent = self.start(extra=(
+            "--metrics-listen", "127.0.0.1:0", "--registry",
+            f"oci://127.0.0.1:{registry.port}/gpusnap/snapshots", "--registry-plain-http",
+            "--cache", str(self.dir / "cache")))
+
+        def scrape():
+            _, _, text = self.get(agent, "/metrics")
+            self.check_with_promtool(text)
+            return samples(text)
+
+        pull = 'gpusnap_registry_{}_total{{direction="pull"}}'
+        push = 'gpusnap_registry_{}_total{{direction="push"}}'
+        s = scrape()
+        for name in (pull.format("bytes"), pull.format("chunks"), push.format("bytes"),
+                     push.format("chunks"), "gpusnap_node_cache_hits_total",
+                     "gpusnap_node_cache_misses_total", "gpusnap_node_cache_hit_bytes_total",
+                     "gpusnap_node_cache_evictions_total"):
+            self.assertEqual(s[name], 0, name)
+
+        # Two captures of one workload, each pushed: the second shares most chunks with the
+        # first, which the registry holds already and which are not uploaded again.
+        pushed = []
+        for name in ("first", "second"):
+            op = self.run_operation(agent, "/v1/checkpoints",
+                                    {"artifact": name, "pid": workload.pid})
+            self.assertEqual(op["state"], "succeeded", op)
+            pushed.append(op["result"]["pushed"])
+        s = scrape()
+        self.assertGreater(pushed[0]["chunks_uploaded"], 0)
+        self.assertEqual(s[push.format("chunks")], sum(p["chunks_uploaded"] for p in pushed))
+        self.assertEqual(s[push.format("bytes")], sum(p["bytes_uploaded"] for p in pushed))
+        self.assertLess(pushed[1]["chunks_uploaded"], pushed[1]["chunks"])
+        self.assertEqual(s[pull.format("chunks")], 0)
+
+        # The first prefetched into the empty node cache: every chunk fetched, each of the
+        # chunks the first push uploaded, byte for byte.
+        op = self.run_operation(agent, "/v1/prefetch", {"reference": pushed[0]["reference"]})
+        self.assertEqual(op["state"], "succeeded", op)
+        s = scrape()
+        self.assertEqual(s[pull.format("chunks")], pushed[0]["chunks_uploaded"])
+        self.assertEqual(s[pull.format("bytes")], pushed[0]["bytes_uploaded"])
+        self.assertEqual(s["gpusnap_node_cache_misses_total"], pushed[0]["chunks_uploaded"])
+        self.assertEqual(s["gpusnap_node_cache_hits_total"], 0)
+
+        # The second: what it shares with the first is found on the node, the rest fetched.
+        op = self.run_operation(agent, "/v1/prefetch", {"reference": pushed[1]["reference"]})
+        self.assertEqual(op["state"], "succeeded", op)
+        second = op["result"]
+        s = scrape()
+        self.assertGreater(second["chunks_from_cache"], 0, second)
+        self.assertEqual(s["gpusnap_node_cache_hits_total"], second["chunks_from_cache"])
+        self.assertEqual(s["gpusnap_node_cache_hit_bytes_total"], second["bytes_from_cache"])
+        self.assertEqual(s["gpusnap_node_cache_misses_total"],
+                         pushed[0]["chunks_uploaded"] + second["chunks_fetched"])
+        self.assertEqual(s[pull.format("bytes")],
+                         pushed[0]["bytes_uploaded"] + second["bytes_fetched"])
+        self.assertEqual(s["gpusnap_node_cache_evictions_total"], 0)  # the default budget
+        # The cache's size is what its budget counts: its chunks, and the node copies under
+        # RUN_DIR/pulled that hold the uncompressed ones in their place (blocks allocated).
+        chunks = sum(p.stat().st_size for p in (self.dir / "cache").rglob("*") if p.is_file())
+        copies = sum(p.stat().st_blocks * 512 for p in (self.dir / "run" / "pulled").rglob("*")
+                     if p.is_file() and not p.is_symlink())
+        self.assertGreater(copies, 0)
+        self.assertEqual(s["gpusnap_node_cache_bytes"], chunks + copies)
+        # A prefetch of a snapshot whose node copy is here fetches nothing and finds no chunk.
+        op = self.run_operation(agent, "/v1/prefetch", {"reference": pushed[1]["reference"]})
+        self.assertEqual(op["state"], "succeeded", op)
+        self.assertFalse(op["result"]["pulled"])
+        again = scrape()
+        for name in (pull.format("chunks"), "gpusnap_node_cache_hits_total",
+                     "gpusnap_node_cache_misses_total"):
+            self.assertEqual(again[name], s[name], name)
 
     def test_a_port_in_use_is_refused_by_name(self):
         with socket.socket() as taken:

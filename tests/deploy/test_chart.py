@@ -43,6 +43,7 @@ VARIANTS = {
     "metrics": ["metrics.enabled=true", "metrics.service.enabled=true", "metrics.port=9100"],
     "oci-plain": ["storage.type=oci", "storage.oci.registry=registry.local:5000",
                   "storage.oci.plainHttp=true"],
+    "lanes": ["agent.maxPending=256", "agent.prefetchWorkers=4"],
 }
 
 # Typos the chart must refuse, and the message that names each.
@@ -75,6 +76,10 @@ BAD_VALUES = [
     (["metrics.port=70000"], "at '/metrics/port': maximum: got 70,000, want 65,535"),
     (["metrics.enabled=on"], "at '/metrics/enabled': got string, want boolean"),
     (["storage.type=oci"], "storage.oci.registry is required with storage.type=oci"),
+    (["agent.maxPending=many"], "at '/agent/maxPending': got string, want integer"),
+    (["agent.maxPending=0"], "at '/agent/maxPending': minimum: got 0, want 1"),
+    (["agent.prefetchWorkers=17"], "at '/agent/prefetchWorkers': maximum: got 17, want 16"),
+    (["agent.prefetchWorkers=0"], "at '/agent/prefetchWorkers': minimum: got 0, want 1"),
 ]
 
 
@@ -305,6 +310,38 @@ class ChartTest(unittest.TestCase):
         # Without the annotations, with the listener.
         docs = render("metrics.enabled=true", "metrics.podAnnotations=false")
         self.assertNotIn("annotations", one(docs, "DaemonSet")["spec"]["template"]["metadata"])
+
+    def test_lane_values_become_the_agents_flags_as_whole_numbers(self):
+        _, c = containers(render())
+        args = c["agent"]["args"]
+        # The chart's defaults are the agent's own (its --help, from this build).
+        self.assertIn("--max-pending=64", args)
+        self.assertIn("--prefetch-workers=1", args)
+        if os.environ.get("GPUSNAP_AGENT"):
+            help_text = subprocess.run([os.environ["GPUSNAP_AGENT"], "--help"],
+                                       capture_output=True, text=True, check=True).stdout
+            self.assertRegex(help_text, r"--max-pending N\s+[^\n]*\n?[^\n]*\(default 64\)")
+            self.assertRegex(help_text, r"--prefetch-workers N\s+[^\n]*\(default 1,")
+        _, c = containers(render("agent.maxPending=256", "agent.prefetchWorkers=4"))
+        self.assertIn("--max-pending=256", c["agent"]["args"])
+        self.assertIn("--prefetch-workers=4", c["agent"]["args"])
+        # From a values file YAML's numbers are floats to Helm, which writes a million as
+        # 1.048576e+06 unless the template asks for an integer: the agent would refuse it.
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+            yaml.safe_dump({"agent": {"maxPending": 1048576},
+                            "storage": {"type": "oci", "oci": {"registry": "registry.local",
+                                                               "cache": {"budgetMiB": 4194304}}}},
+                           f)
+            f.flush()
+            _, c = containers(render(files=(f.name,)))
+        self.assertIn("--max-pending=1048576", c["agent"]["args"])
+        self.assertIn("--cache-budget-mib=4194304", c["agent"]["args"])
+
+    def test_the_plain_manifest_gives_the_agent_the_charts_default_flags(self):
+        with open(ROOT / "deploy" / "manifests" / "gpusnap.yaml") as f:
+            manifest = [d for d in yaml.safe_load_all(f) if d]
+        self.assertEqual(containers(manifest)[1]["agent"]["args"],
+                         containers(render())[1]["agent"]["args"])
 
     def test_controller_probe_waits_at_least_three_polls(self):
         for values, limit in ((["controller.pollMillis=2000"], 120),
