@@ -4,6 +4,7 @@
 // "RESULT <test> <json>" for that record.
 #include <fcntl.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <iostream>
@@ -20,6 +21,7 @@
 #include "common/subprocess.h"
 #include "common/syscall_injection.h"
 #include "gpu/driver.h"
+#include "store/registry_fixture.h"
 #include "testing/capture_restore.h"
 
 namespace gpusnap::testing {
@@ -462,6 +464,40 @@ TEST_F(MemoryTier, SixteenGiBBitExactAfterRestoreAndTheGraphReplays) {
 // are bit-exact.
 TEST_F(MemoryTier, CopiesRestoredAtOnceAreEachBitExact) {
   tier_round_trip("tier-2gib-copies", 2, {"--replicas", "3"});
+}
+
+// A node that never saw the snapshot (docs/store.md, "The memory tier streams"): the tier
+// snapshot pushed to a real registry and restored from it into an empty node cache; the copy's
+// prefill fills the GPU from the drain files as the pull writes them, and the copy takes that
+// memory over (its note says so: not the fallback of a fill in the copy). Needs docker-registry
+// on PATH (on the GPU machine, carried: it needs only libc).
+TEST_F(MemoryTier, RestoredFromARegistryFillsTheGpuAsTheSnapshotArrives) {
+  if (::access("/usr/bin/docker-registry", X_OK) != 0 &&
+      ::access("/usr/local/bin/docker-registry", X_OK) != 0) {
+    GTEST_SKIP() << "skipped: no docker-registry in /usr/bin or /usr/local/bin (carry it there)";
+  }
+  TempDir dir;
+  auto run = run_tier_worker(dir, "tier-oci", 4, TierRoute::kOneLine);
+  ASSERT_FALSE(run.is_null());
+  LocalRegistry registry(dir, {});
+  const std::string ref = registry.ref("gpu/tier:a");
+  auto push = gpusnap({"push", (dir / "tier-oci").string(), ref, "--plain-http", "--json"},
+                      std::chrono::minutes(5));
+  ASSERT_EQ(push.exit_code, 0) << push.err;
+  std::string port_text;
+  ASSERT_TRUE(fs::try_read_file(dir / "tier-oci.port", &port_text));
+  Copies copies = restore(
+      ref, std::stoi(port_text),
+      {"--plain-http", "--cache", (dir / "cache").string(), "--run-dir", (dir / "node").string()});
+  record("tier-4gib-oci-restore", copies.doc);
+  ASSERT_FALSE(copies.copies.empty());
+  const std::string doc = copies.doc.dump();
+  EXPECT_NE(doc.find("await-criu-images"), std::string::npos) << "not restored as it arrived";
+  EXPECT_NE(doc.find("taken by the copy"), std::string::npos) << doc;
+  auto check = ask(copies.port(0), "CHECK", std::chrono::seconds(60));
+  EXPECT_EQ(check.substr(0, 13), "OK max_err=0 ") << check;
+  auto verify = ask(copies.port(0), "VERIFY", std::chrono::seconds(300));
+  EXPECT_EQ(verify.substr(0, 3), "OK ") << verify;
 }
 
 TEST_F(MemoryTier, RestoredOntoAnotherGpuWithGpuMap) {
