@@ -268,12 +268,12 @@ std::vector<std::string> PullRegistries::take_notes() {
   return std::exchange(notes_, {});
 }
 
-std::pair<std::string, std::string> PullRegistries::fetch_manifest() {
+std::pair<std::string, std::string> PullRegistries::fetch_manifest(const std::string& digest) {
   for (auto& s : sources_) {
-    if (!s->mirror) return s->registry.fetch_manifest();
+    if (!s->mirror) return s->registry.fetch_manifest(kMaxManifestBytes, digest);
     if (s->down) continue;
     try {
-      auto got = s->registry.fetch_manifest();
+      auto got = s->registry.fetch_manifest(kMaxManifestBytes, digest);
       note("manifest from mirror " + s->registry.ref().host);
       return got;
     } catch (const Error& e) {

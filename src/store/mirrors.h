@@ -92,7 +92,9 @@ class PullRegistries {
   PullRegistries& operator=(const PullRegistries&) = delete;
 
   const OciRef& ref() const { return ref_; }  // the origin's, as asked
-  std::pair<std::string, std::string> fetch_manifest();
+  // The manifest ref() names, or with `digest` that manifest of its repository (an index's
+  // part), and its digest: from the first mirror that serves it, else the origin.
+  std::pair<std::string, std::string> fetch_manifest(const std::string& digest = {});
   std::string fetch_blob(const std::string& digest, uint64_t size);
   // Lines for the pull's notes: a mirror that failed, and what came from where. Once each.
   std::vector<std::string> take_notes();

@@ -1153,11 +1153,14 @@ std::string Registry::put_manifest(const std::string& body, const std::string& m
   return digest;
 }
 
-std::pair<std::string, std::string> Registry::fetch_manifest(uint64_t max_bytes) {
-  const std::string what = "fetch manifest " + ref_.repository + ":" + ref_.reference();
+std::pair<std::string, std::string> Registry::fetch_manifest(uint64_t max_bytes,
+                                                             const std::string& digest) {
+  const std::string reference = digest.empty() ? ref_.reference() : digest;
+  const std::string expected = digest.empty() ? ref_.digest : digest;
+  const std::string what = "fetch manifest " + ref_.repository + ":" + reference;
   auto body = with_retries(options_, what, where(), [&] {
     std::string data;
-    Call call{"GET", "/v2/" + ref_.repository + "/manifests/" + ref_.reference(),
+    Call call{"GET", "/v2/" + ref_.repository + "/manifests/" + reference,
               httplib::Headers{
                   {"Accept", std::string(kOciManifestMediaType) + ", " + kOciImageIndexMediaType}}};
     call.expect_bytes = max_bytes;
@@ -1175,14 +1178,14 @@ std::pair<std::string, std::string> Registry::fetch_manifest(uint64_t max_bytes)
     if (a.status != 200) fail(a, what);
     return data;
   });
-  const std::string digest = sha256_digest(body);
-  if (!ref_.digest.empty() && digest != ref_.digest) {
+  const std::string got = sha256_digest(body);
+  if (!expected.empty() && got != expected) {
     throw Error(ErrorKind::kBadArtifact,
-                "manifest " + ref_.str() + " from " + where() + " does not match its digest (" +
-                    digest + ")",
+                "manifest " + ref_.repository + "@" + expected + " from " + where() +
+                    " does not match its digest (" + got + ")",
                 "the registry's copy is damaged: push the artifact again");
   }
-  return {body, digest};
+  return {body, got};
 }
 
 }  // namespace gpusnap::store

@@ -161,8 +161,10 @@ class Registry {
   std::string put_manifest(const std::string& body, const std::string& media_type,
                            bool by_digest = false);
   // The manifest or index ref() names (at most `max_bytes`) and its digest (checked against
-  // ref().digest when one was given).
-  std::pair<std::string, std::string> fetch_manifest(uint64_t max_bytes = kMaxManifestBytes);
+  // ref().digest when one was given); with `digest`, the manifest of that digest in ref()'s
+  // repository instead (a part an index names), checked against it.
+  std::pair<std::string, std::string> fetch_manifest(uint64_t max_bytes = kMaxManifestBytes,
+                                                     const std::string& digest = {});
 
  private:
   class Lease;

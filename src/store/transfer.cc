@@ -100,11 +100,9 @@ RemoteSnapshot read_remote_with(PullRegistries& registry, const TransferOptions&
   std::optional<Layout> layout;
   std::string layout_digest;
   for (size_t i = 0; i < parts.size(); ++i) {
-    OciRef part_ref = registry.ref();
-    part_ref.digest = parts[i];
-    PullRegistries part_registry(part_ref, options.registry);
+    // Through the same registries (their connections, tokens and mirrors), by digest.
     const std::string part_name = name + " (manifest " + parts[i] + ")";
-    SnapshotManifest m = read_snapshot_manifest(part_registry.fetch_manifest().first, part_name);
+    SnapshotManifest m = read_snapshot_manifest(registry.fetch_manifest(parts[i]).first, part_name);
     if (!layout) {
       layout = read_snapshot_layout(registry.fetch_blob(m.layout_digest, m.layout_size), name);
       layout_digest = m.layout_digest;
