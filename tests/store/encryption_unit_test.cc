@@ -21,6 +21,7 @@
 #include "store/chunker.h"
 #include "store/digest.h"
 #include "store/encryption.h"
+#include "store/signature.h"
 #include "testing/unit.h"
 
 namespace gpusnap::testing {
@@ -235,6 +236,31 @@ TEST_F(EncryptionUnit, AKeyFileOthersMayReadIsRefused) {
   EXPECT_EQ(store::DecryptionKeys::load({dir.string()})->keys().size(), 1u);
   sfs::copy_file(path("alice.pem"), dir / "alice");
   EXPECT_EQ(error_of([&] { store::DecryptionKeys::load({dir.string()}); }).kind(), ErrorKind::kKey);
+}
+
+TEST_F(EncryptionUnit, APolicyOrTrustedKeyOthersMayWriteIsRefused) {
+  // A public key may be read by anyone; whoever may write it decides what the node trusts.
+  const sfs::path policy = path("policy.json");
+  fs::write_file(
+      policy, R"({"default":{"type":"signed","keys":[")" + path("carol.pub").string() + R"("]}})");
+  sfs::permissions(policy,
+                   sfs::perms::owner_read | sfs::perms::owner_write | sfs::perms::group_read |
+                       sfs::perms::others_read,
+                   sfs::perm_options::replace);
+  sfs::permissions(path("carol.pub"),
+                   sfs::perms::owner_read | sfs::perms::group_read | sfs::perms::others_read,
+                   sfs::perm_options::replace);
+  EXPECT_NE(store::SignaturePolicy::load(policy), nullptr);
+  sfs::permissions(path("carol.pub"), sfs::perms::others_write, sfs::perm_options::add);
+  Error key = error_of([&] { store::SignaturePolicy::load(policy); });
+  EXPECT_EQ(key.kind(), ErrorKind::kKey);
+  EXPECT_EQ(key.one_line(), "public key " + path("carol.pub").string() +
+                                " is writable by its group or others (mode 0446): whoever can "
+                                "write it decides what this node trusts (fix: chmod go-w " +
+                                path("carol.pub").string() + ")");
+  sfs::permissions(path("carol.pub"), sfs::perms::others_write, sfs::perm_options::remove);
+  sfs::permissions(policy, sfs::perms::group_write, sfs::perm_options::add);
+  EXPECT_EQ(error_of([&] { store::SignaturePolicy::load(policy); }).kind(), ErrorKind::kKey);
 }
 
 }  // namespace
