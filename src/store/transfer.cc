@@ -72,10 +72,6 @@ std::string image_config(const Manifest& m, const json& labels) {
   return config.dump();
 }
 
-// Reads a snapshot's manifest (version 1 or 2), or its index and every manifest the index
-// lists (version 3): the layout from the first, each one's layers checked against it, so
-// that a pull finds out a copy that lost a part (`skopeo copy` without --all) before it
-// fetches a chunk.
 // The layout blob `m` names, read; an encrypted one opened with the node's keys, its chunks'
 // sealed blobs and keys to `sealed`.
 Layout read_layout(PullRegistries& registry, const SnapshotManifest& m, const std::string& name,
@@ -87,6 +83,10 @@ Layout read_layout(PullRegistries& registry, const SnapshotManifest& m, const st
   return std::move(opened.layout);
 }
 
+// Reads a snapshot's manifest (version 1 or 2), or its index and every manifest the index
+// lists (version 3): the layout from the first, each one's layers checked against it, so
+// that a pull finds out a copy that lost a part (`skopeo copy` without --all) before it
+// fetches a chunk.
 RemoteSnapshot read_remote_with(PullRegistries& registry, const TransferOptions& options) {
   auto [body, digest] = registry.fetch_manifest();
   // The digest of the manifest read, whatever the tag names or a mirror served: what a
