@@ -367,7 +367,7 @@ std::shared_ptr<const DecryptionKeys> DecryptionKeys::load(const std::vector<std
 }
 
 ChunkSealer::ChunkSealer(const std::vector<std::filesystem::path>& recipients,
-                         const std::filesystem::path& secret_file) {
+                         const std::filesystem::path& dedup_secret_file) {
   std::set<std::string> fingerprints;
   for (const auto& file : recipients) {
     Recipient r = Recipient::load(file);
@@ -380,7 +380,7 @@ ChunkSealer::ChunkSealer(const std::vector<std::filesystem::path>& recipients,
   // another set share none (their sealed chunks cannot be matched across sets).
   std::string set = kConvergenceInfo;
   for (const auto& f : fingerprints) set += f + "\n";
-  std::string secret = dedup_secret(secret_file);
+  std::string secret = dedup_secret(dedup_secret_file);
   convergence_key_ = hmac_sha256(secret, set);
   OPENSSL_cleanse(secret.data(), secret.size());
 }

@@ -90,7 +90,7 @@ using SealedChunks = std::map<std::string, SealedChunk>;
 class ChunkSealer {
  public:
   ChunkSealer(const std::vector<std::filesystem::path>& recipients,
-              const std::filesystem::path& dedup_secret);
+              const std::filesystem::path& dedup_secret_file);
   // The sealed bytes of the chunk whose plaintext blob is `blob` (digest `digest`), and their
   // digest; records them for the layout. Thread-safe.
   struct Sealed {

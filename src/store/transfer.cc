@@ -281,7 +281,7 @@ PushResult push(const std::filesystem::path& path, const OciRef& ref, const Tran
           // Encrypted here, the one place chunks leave the node (store/encryption.h).
           const ChunkSealer::Sealed sealed =
               sealer ? sealer->seal(c.extent.digest, c.blob) : ChunkSealer::Sealed{};
-          const std::string_view blob = sealer ? std::string_view(sealed.bytes) : c.blob;
+          const std::string_view blob = sealer ? std::string_view{sealed.bytes} : c.blob;
           if (!registry.upload_blob_if_missing(sealer ? sealed.digest : c.extent.digest, blob)) {
             return;
           }
