@@ -189,6 +189,17 @@ TEST_F(Encryption, EitherRecipientsKeyPullsAndRestores) {
   EXPECT_EQ(v.exit_code, 0) << v.out << v.err;
   EXPECT_EQ(fs::read_file(out_ / "manifest.json"), fs::read_file(path("snap") / "manifest.json"));
 
+  // skopeo copies it as any other snapshot (the +encrypted layers as they are), and the copy
+  // opens with the same keys.
+  auto c = common::run_capture({"skopeo", "copy", "--all", "--src-tls-verify=false",
+                                "--dest-tls-verify=false",
+                                "docker://" + sealed_->host() + "/team/sealed:v2",
+                                "docker://" + sealed_->host() + "/team/copied:v2"});
+  ASSERT_TRUE(c.status.ok()) << c.output;
+  const std::string digest = ref.substr(ref.find('@'));
+  auto copied = pull(sealed_->ref("team/copied" + digest), {"--decryption-key", keys});
+  EXPECT_EQ(copied.exit_code, 0) << copied.err;
+
   // restore oci:// with Alice's key: the copy answers with the workload's seed.
   auto rs = gpusnap({"restore", ref, "--plain-http", "--cache", local_.path() / "cache2",
                      "--run-dir", local_.path() / "run2", "--decryption-key", path("alice.pem"),
