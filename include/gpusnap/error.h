@@ -20,6 +20,7 @@ enum class ErrorKind : int {
   kHandshake = 9,      // the workload answered FAILED or did not answer in time
   kEnvironment = 10,   // the host lacks something gpusnap needs (CRIU, root, a GPU)
   kTimeout = 11,       // an operation ran out of time
+  kKey = 12,           // no key that opens the snapshot, or a key file others may read
 };
 
 class Error : public std::runtime_error {

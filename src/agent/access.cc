@@ -29,6 +29,7 @@ int http_status(const Error& error) {
     case ErrorKind::kNotFound: return 404;
     case ErrorKind::kBadArtifact: return 422;
     case ErrorKind::kEnvironment: return 501;
+    case ErrorKind::kKey: return 403;  // the node lacks the key the snapshot needs
     default: return 500;
   }
 }

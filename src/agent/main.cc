@@ -24,6 +24,7 @@
 #include "common/fs.h"
 #include "gpusnap/error.h"
 #include "store/flags.h"
+#include "store/transfer.h"
 
 namespace gpusnap::agent {
 
@@ -60,6 +61,8 @@ std::vector<args::FlagSpec> flags() {
     f.insert(f.end(), more.begin(), more.end());
   }
   f.push_back(store::signature_policy_flag());
+  f.push_back(store::decryption_key_flag());
+  for (const auto& e : store::encrypt_flags()) f.push_back(e);
   f.push_back({"--help", "-h", "", "show this help"});
   f.push_back({"--version", "", "", "show the version"});
   return f;
@@ -137,7 +140,8 @@ std::optional<RegistryStorageSettings> remote_settings(const args::Args& args,
   if (!args.has("--registry")) {
     for (const auto& more : {store::registry_flags(kRegistryPrefix),
                              store::cache_flags(),
-                             {store::signature_policy_flag()}}) {
+                             {store::signature_policy_flag(), store::decryption_key_flag()},
+                             store::encrypt_flags()}) {
       for (const auto& flag : more) {
         if (args.has(flag.name)) throw usage(flag.name + " needs --registry");
       }
@@ -150,6 +154,16 @@ std::optional<RegistryStorageSettings> remote_settings(const args::Args& args,
   s.cache = store::cache_flag(args);
   s.cache_budget = store::cache_budget_flag(args);
   s.policy = store::signature_policy(args);
+  // Read once, now: a key file others may read stops the agent before it serves (exit 12).
+  s.decryption = store::decryption_keys(args);
+  store::TransferOptions encrypt;
+  store::read_encrypt_flags(args, encrypt);
+  if (!encrypt.recipients.empty()) {
+    // The recipients and the dedup secret checked (and the secret made) before the first push.
+    store::ChunkSealer check(encrypt.recipients, encrypt.dedup_secret);
+    s.recipients = encrypt.recipients;
+    s.dedup_secret = encrypt.dedup_secret;
+  }
   // Beside `gpusnap restore oci://...`'s: a snapshot either pulled is found by the other.
   s.pulled = run_dir / "pulled";
   return s;
@@ -264,6 +278,17 @@ int run(const std::vector<std::string>& argv, LogFormat& format) {
     serving += ", metrics on " + metrics_at->first + ":" + std::to_string(metrics->port());
   serving += "; storage " + config.engine.storage.string();
   if (config.remote) serving += " and " + config.remote->repository;
+  // Keys by file and fingerprint, never their bytes.
+  if (config.remote && config.remote->decryption) {
+    serving += "; decryption keys";
+    for (const auto& k : config.remote->decryption->keys()) {
+      serving += " " + k.file.string() + " (" + k.fingerprint + ")";
+    }
+  }
+  if (config.remote && !config.remote->recipients.empty()) {
+    serving += "; pushes encrypted for " + std::to_string(config.remote->recipients.size()) +
+               " recipients";
+  }
   agent.log().agent(serving);
   server.start(agent);
   if (metrics) metrics->start(agent);

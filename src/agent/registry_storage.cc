@@ -93,6 +93,8 @@ json RegistryStorage::push(const sfs::path& artifact, const std::string& name,
   store::TransferOptions o;
   o.registry = settings_.registry;
   o.jobs = settings_.jobs;
+  o.recipients = settings_.recipients;
+  o.dedup_secret = settings_.dedup_secret;
   PrefixReporter prefixed(reporter, "push-");
   auto r = store::push(artifact, tag_of(name), o, prefixed);
   return {{"reference", r.reference},
@@ -109,6 +111,7 @@ store::ReachOptions RegistryStorage::reach_options() const {
   o.transfer.registry = settings_.registry;
   o.transfer.jobs = settings_.jobs;
   o.transfer.policy = settings_.policy;
+  o.transfer.decryption = settings_.decryption;
   o.cache = settings_.cache;
   o.cache_budget = settings_.cache_budget;
   return o;

@@ -24,6 +24,7 @@
 #include "gpusnap/artifact.h"
 #include "gpusnap/phases.h"
 #include "store/blob_store.h"
+#include "store/encryption.h"
 #include "store/reach.h"
 #include "store/registry.h"
 #include "store/signature.h"
@@ -40,6 +41,11 @@ struct RegistryStorageSettings {
   // Which snapshots a restore or prefetch may pull (--signature-policy, store/signature.h),
   // read when the agent starts; null: every snapshot accepted.
   std::shared_ptr<const store::SignaturePolicy> policy;
+  // The node's keys for encrypted snapshots (--decryption-key); null: none.
+  std::shared_ptr<const store::DecryptionKeys> decryption;
+  // Pushes of captures encrypted for these public keys (--encrypt); empty: not encrypted.
+  std::vector<std::filesystem::path> recipients;
+  std::filesystem::path dedup_secret = store::kDefaultDedupSecret;
 };
 
 // The store's phases (push: open, upload, manifest; pull: manifest, fetch, cache) as an

@@ -81,8 +81,7 @@ std::string read_to_eof(int fd, const std::string& socket) {
 // The agent's error document as the Error the direct command would have thrown.
 Error error_from(const json& e) {
   int code = e.value("exit_code", static_cast<int>(ErrorKind::kInternal));
-  if (code < static_cast<int>(ErrorKind::kInternal) ||
-      code > static_cast<int>(ErrorKind::kTimeout)) {
+  if (code < static_cast<int>(ErrorKind::kInternal) || code > static_cast<int>(ErrorKind::kKey)) {
     code = static_cast<int>(ErrorKind::kInternal);
   }
   return Error(static_cast<ErrorKind>(code), e.value("message", "the agent reported an error"),

@@ -129,6 +129,8 @@ store::TransferOptions transfer_options(const Args& args) {
   o.registry.retries = static_cast<int>(args.get_int("--retries", 5, 0, 100));
   o.registry.max_rate = static_cast<uint64_t>(args.get_int("--max-rate-mib", 0, 0, 1 << 20)) << 20;
   o.jobs = static_cast<int>(args.get_int("--jobs", store::default_jobs(), 1, 256));
+  // Read before anything is fetched: a key file others may read is refused first.
+  o.decryption = store::decryption_keys(args);
   return o;
 }
 
@@ -217,14 +219,23 @@ constexpr const char* kRequestBounds =
 
 std::vector<Command> store_commands() {
   return {
-      {"push", "gpusnap push ARTIFACT oci://HOST[:PORT]/REPO[:TAG] [--plain-http] [--ca-file PEM]",
+      {"push",
+       "gpusnap push ARTIFACT oci://HOST[:PORT]/REPO[:TAG] [--sign KEY] [--encrypt PUB]... "
+       "[--plain-http] [--ca-file PEM]",
        "Upload an artifact to an OCI registry as content-addressed chunks. Only the chunks the\n"
-       "registry lacks are sent (each is asked for first); zeros are not stored." +
+       "registry lacks are sent (each is asked for first); zeros are not stored. With --encrypt\n"
+       "the registry holds no readable byte of the snapshot's memory or files: every chunk and\n"
+       "the layout are encrypted, and only a holder of a recipient's private key pulls or\n"
+       "restores it (--decryption-key; without one: exit 12). Chunks pushed for the same\n"
+       "recipients with the same --dedup-secret encrypt alike and are stored once (the registry\n"
+       "then sees which chunks two such snapshots share; docs/security.md)." +
            std::string(kRequestBounds),
        concat(remote_flags(),
               {{"--sign", "", "KEY",
                 "sign the snapshot's manifest with KEY, a PEM ECDSA private key (P-256, as "
                 "cosign's): stored as cosign stores it, tagged sha256-DIGEST.sig beside it"},
+               store::encrypt_flags()[0],
+               store::encrypt_flags()[1],
                kJsonFlag,
                kQuietFlag,
                kHelpFlag}),
@@ -249,7 +260,8 @@ std::vector<Command> store_commands() {
                        "to DIR/pulled"},
                       {"--any-host", "", "", "pull even where the snapshot could not be restored"}},
                      concat(remote_flags(), cache_flags())),
-              {store::signature_policy_flag(), kCriuFlag, kJsonFlag, kQuietFlag, kHelpFlag}),
+              {store::signature_policy_flag(), store::decryption_key_flag(), kCriuFlag, kJsonFlag,
+               kQuietFlag, kHelpFlag}),
        cmd_pull},
       {"import",
        "gpusnap import ARTIFACT [--cache DIR] [--json]",
@@ -269,15 +281,18 @@ void extend_for_store(const std::string& name, std::string& usage, std::string& 
   if (name == "restore") {
     more = concat(remote_flags(), cache_flags());
     more.push_back(store::signature_policy_flag());
+    more.push_back(store::decryption_key_flag());
     summary +=
         "\nARTIFACT may be oci://HOST/REPO[:TAG|@DIGEST]: pulled (see `gpusnap pull`) while it\n"
         "restores: CRIU's restore starts on CRIU's images while GPU memory still arrives.";
   } else if (name == "inspect") {
     more = remote_flags();
+    more.push_back(store::decryption_key_flag());
     summary += "\nOf an oci:// reference only its manifest and layout are read.";
   } else if (name == "verify") {
     more = concat(remote_flags(), cache_flags());
     more.push_back(store::signature_policy_flag());
+    more.push_back(store::decryption_key_flag());
     more.push_back(
         {"--run-dir", "", "DIR", "where an oci:// snapshot is checked (default /run/gpusnap)"});
     summary += "\nAn oci:// reference is fetched (each chunk checked against its digest), written\n"
@@ -304,6 +319,7 @@ int cmd_push(const Args& args) {
   TransferReporter reporter(as_json, args.has("--quiet"));
   auto transfer = transfer_options(args);
   transfer.sign_key = args.get("--sign");
+  store::read_encrypt_flags(args, transfer);
   auto r = store::push(args.positional()[0], remote_ref(args.positional()[1]), transfer, reporter);
   const double upload = [&] {
     for (const auto& p : r.phases) {

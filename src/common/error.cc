@@ -25,6 +25,7 @@ const char* Error::kind_name(ErrorKind kind) {
     case ErrorKind::kHandshake: return "handshake";
     case ErrorKind::kEnvironment: return "environment";
     case ErrorKind::kTimeout: return "timeout";
+    case ErrorKind::kKey: return "key";
   }
   return "internal";
 }

@@ -12,7 +12,7 @@ namespace gpusnap::kube {
 using nlohmann::json;
 
 ErrorKind kind_from_name(const std::string& name) {
-  for (int k = static_cast<int>(ErrorKind::kInternal); k <= static_cast<int>(ErrorKind::kTimeout);
+  for (int k = static_cast<int>(ErrorKind::kInternal); k <= static_cast<int>(ErrorKind::kKey);
        ++k) {
     if (name == Error::kind_name(static_cast<ErrorKind>(k))) return static_cast<ErrorKind>(k);
   }

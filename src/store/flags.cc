@@ -1,6 +1,8 @@
 #include "store/flags.h"
 
+#include "gpusnap/error.h"
 #include "store/blob_store.h"
+#include "store/transfer.h"
 
 namespace gpusnap::store {
 
@@ -53,6 +55,47 @@ args::FlagSpec signature_policy_flag() {
 
 std::shared_ptr<const SignaturePolicy> signature_policy(const args::Args& args) {
   return SignaturePolicy::for_node(args.get("--signature-policy"));
+}
+
+args::FlagSpec decryption_key_flag() {
+  args::FlagSpec f{"--decryption-key", "", "FILE|DIR",
+                   "the node's private key (PEM: X25519, X448 or EC) for snapshots pushed with "
+                   "--encrypt; a directory: each file in it (a mounted Secret). Repeatable. A key "
+                   "file its group or others may read is refused (exit 12)"};
+  f.repeatable = true;
+  return f;
+}
+
+std::shared_ptr<const DecryptionKeys> decryption_keys(const args::Args& args) {
+  const auto paths = args.all("--decryption-key");
+  if (paths.empty()) return nullptr;
+  return DecryptionKeys::load(paths);
+}
+
+std::vector<args::FlagSpec> encrypt_flags() {
+  args::FlagSpec encrypt{
+      "--encrypt", "", "RECIPIENT",
+      "encrypt every chunk and the layout (AES-256-GCM) for RECIPIENT, a PEM public key "
+      "(X25519, X448 or EC): pull and restore then need its private key (--decryption-key). "
+      "Repeatable: any one recipient's key opens the snapshot"};
+  encrypt.repeatable = true;
+  return {encrypt,
+          {"--dedup-secret", "", "FILE",
+           "the node's secret that makes chunks pushed for the same recipients encrypt alike, so "
+           "a registry holds them once (default " +
+               std::string(kDefaultDedupSecret) +
+               ", made when missing; share it between nodes whose pushes should dedup)"}};
+}
+
+void read_encrypt_flags(const args::Args& args, TransferOptions& options) {
+  for (const auto& r : args.all("--encrypt")) options.recipients.emplace_back(r);
+  if (args.has("--dedup-secret")) {
+    if (options.recipients.empty()) {
+      throw Error(ErrorKind::kUsage, "--dedup-secret needs --encrypt",
+                  "give --encrypt RECIPIENT, or leave --dedup-secret out");
+    }
+    options.dedup_secret = args.get("--dedup-secret");
+  }
 }
 
 }  // namespace gpusnap::store

@@ -11,10 +11,13 @@
 #include <vector>
 
 #include "common/args.h"
+#include "store/encryption.h"
 #include "store/registry.h"
 #include "store/signature.h"
 
 namespace gpusnap::store {
+
+struct TransferOptions;  // store/transfer.h
 
 // PREFIXplain-http, PREFIXca-file, PREFIXauth-file ("--" or "--registry-").
 std::vector<args::FlagSpec> registry_flags(const std::string& prefix);
@@ -34,5 +37,17 @@ args::FlagSpec signature_policy_flag();
 // The node's signature policy (store/signature.h): --signature-policy's file, else
 // /etc/gpusnap/policy.json when it exists, else none (every snapshot accepted).
 std::shared_ptr<const SignaturePolicy> signature_policy(const args::Args& args);
+
+// --decryption-key FILE|DIR (repeatable), the same in both programs: the node's private keys
+// for encrypted snapshots (store/encryption.h).
+args::FlagSpec decryption_key_flag();
+// The keys --decryption-key names, read now (Error kKey for a file others may read); null when
+// none is given.
+std::shared_ptr<const DecryptionKeys> decryption_keys(const args::Args& args);
+
+// --encrypt RECIPIENT (repeatable) and --dedup-secret FILE: what an encrypted push takes.
+std::vector<args::FlagSpec> encrypt_flags();
+// Their values into `options` (recipients and dedup secret).
+void read_encrypt_flags(const args::Args& args, TransferOptions& options);
 
 }  // namespace gpusnap::store

@@ -4,6 +4,9 @@
 #include <openssl/err.h>
 #include <openssl/evp.h>
 #include <openssl/pem.h>
+#include <sys/stat.h>
+
+#include <cstdio>
 
 #include <nlohmann/json.hpp>
 
@@ -31,7 +34,9 @@ std::string openssl_error() {
 }
 
 // A file the node's operator names (policy, key): bounded, regular, symlinks followed (a mounted
-// ConfigMap or Secret is a symlink into its ..data folder).
+// ConfigMap or Secret is a symlink into its ..data folder). One its group or others may write
+// is refused (kKey): whoever can write the policy or a trusted key decides what the node
+// restores. (Private keys are refused when others may read them: store/encryption.h.)
 std::string read_bounded(const std::filesystem::path& file, size_t max_bytes,
                          const std::string& what, const std::string& hint) {
   std::error_code ec;
@@ -44,6 +49,15 @@ std::string read_bounded(const std::filesystem::path& file, size_t max_bytes,
                     (err == EFBIG ? "larger than " + std::to_string(max_bytes) + " bytes"
                                   : errno_text(err)),
                 hint);
+  }
+  struct stat st {};
+  if (::stat(real.c_str(), &st) == 0 && (st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    throw Error(ErrorKind::kKey,
+                what + " " + file.string() + " is writable by its group or others (mode " + mode +
+                    "): whoever can write it decides what this node trusts",
+                "chmod go-w " + file.string());
   }
   return data;
 }

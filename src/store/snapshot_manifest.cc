@@ -38,7 +38,8 @@ const json* layout_descriptor(const json& m, std::string& why) {
   }
   if (text_of(m, "artifactType") != kArtifactType || !m.contains("layers") ||
       !m.at("layers").is_array() || m.at("layers").empty() ||
-      text_of(m.at("layers").at(0), "mediaType") != kConfigMediaType) {
+      (text_of(m.at("layers").at(0), "mediaType") != kConfigMediaType &&
+       text_of(m.at("layers").at(0), "mediaType") != kEncryptedConfigMediaType)) {
     why = "an image whose first layer is not a gpusnap layout";
     return nullptr;
   }
@@ -102,19 +103,27 @@ SnapshotManifest read_snapshot_manifest(std::string_view body, const std::string
     throw not_ours(name, "its layout descriptor is malformed");
   }
   s.layout_size = d.at("size").get<uint64_t>();
+  s.encrypted = text_of(d, "mediaType") == kEncryptedConfigMediaType;
   if (m.contains("annotations"))
     s.part = text_of(m.at("annotations"), kPartAnnotation).substr(0, 32);
   return s;
 }
 
 void check_snapshot_layers(const SnapshotManifest& manifest, const Layout& layout,
-                           const std::string& name, std::set<std::string>& seen) {
+                           const std::string& name, std::set<std::string>& seen,
+                           const SealedChunks* sealed) {
   const json& m = manifest.doc;
   if (!m.contains("layers")) return;
   const json& layers = m.at("layers");
   if (!layers.is_array()) throw not_ours(name, "its layers are not a list");
   std::map<std::string, uint64_t> chunks;
-  for (const auto& b : layout.blobs()) chunks.emplace(b.digest, b.size);
+  for (const auto& b : layout.blobs()) {
+    if (sealed == nullptr) {
+      chunks.emplace(b.digest, b.size);
+    } else if (auto it = sealed->find(b.digest); it != sealed->end()) {
+      chunks.emplace(it->second.digest, it->second.size);
+    }
+  }
   // Version 2 holds the layout as layer 0; version 1 as the config.
   const size_t first = text_of(m.at("config"), "mediaType") == kConfigMediaType ? 0 : 1;
   if (layers.size() > chunks.size() + first) {
@@ -221,12 +230,13 @@ json manifest_of(const Descriptor& config, const json& layout_layer, json layers
 
 SnapshotManifests snapshot_manifests(const Layout& layout, const Descriptor& layout_blob,
                                      const Descriptor& config, const json& annotations,
-                                     const std::string& arch) {
+                                     const std::string& arch, const SealedChunks* sealed) {
+  const std::string suffix = sealed != nullptr ? kEncryptedSuffix : "";
   std::map<std::string, std::string> titles;
   for (const FileLayout& f : layout.files) {
     for (const Extent& e : f.extents) titles.emplace(e.digest, title(f.path, e.offset));
   }
-  const json layout_layer = {{"mediaType", kConfigMediaType},
+  const json layout_layer = {{"mediaType", kConfigMediaType + suffix},
                              {"digest", layout_blob.digest},
                              {"size", layout_blob.size},
                              {"annotations", {{kTitleAnnotation, "layout.json"}}}};
@@ -240,10 +250,13 @@ SnapshotManifests snapshot_manifests(const Layout& layout, const Descriptor& lay
   std::vector<json> groups(1, json::array());
   size_t size = empty;
   for (const BlobInfo& b : layout.blobs()) {
+    // An encrypted snapshot lists each chunk's sealed blob, titled as the chunk.
+    const SealedChunk* s = sealed != nullptr ? &sealed->at(b.digest) : nullptr;
     json layer = {
-        {"mediaType", b.encoding == Encoding::kZstd ? kChunkZstdMediaType : kChunkMediaType},
-        {"digest", b.digest},
-        {"size", b.size},
+        {"mediaType",
+         (b.encoding == Encoding::kZstd ? kChunkZstdMediaType : kChunkMediaType) + suffix},
+        {"digest", s != nullptr ? s->digest : b.digest},
+        {"size", s != nullptr ? s->size : b.size},
         {"annotations", {{kTitleAnnotation, titles[b.digest]}}}};
     const size_t more = layer.dump().size() + 1;
     if (size + more > kMaxManifestBytes && !groups.back().empty()) {

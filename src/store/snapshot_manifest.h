@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "store/encryption.h"
 #include "store/layout.h"
 
 namespace gpusnap::store {
@@ -45,6 +46,7 @@ struct SnapshotManifest {
   std::string layout_digest;  // "sha256:..." of the layout blob
   uint64_t layout_size = 0;   // at most kMaxLayoutBytes
   std::string part;           // "I/N" on a part of a split snapshot (version 3), else empty
+  bool encrypted = false;     // the layout is kEncryptedConfigMediaType (store/encryption.h)
 };
 
 // Reads the OCI manifest of `name` (a reference, for messages), version 1 or 2 (store/transfer.h).
@@ -64,9 +66,11 @@ inline constexpr size_t kMaxManifestValues = 300000;
 // Checks that the manifest's layers are what gpusnap writes for `layout`: descriptors (a
 // digest and a size) of chunks the layout names at those sizes, each once (across the parts
 // of a split snapshot too: `seen` holds the chunks earlier parts listed). Throws
-// Error(kBadArtifact) naming the layer.
+// Error(kBadArtifact) naming the layer. Of an encrypted snapshot the layers are the sealed
+// blobs `sealed` names for the layout's chunks.
 void check_snapshot_layers(const SnapshotManifest& manifest, const Layout& layout,
-                           const std::string& name, std::set<std::string>& seen);
+                           const std::string& name, std::set<std::string>& seen,
+                           const SealedChunks* sealed = nullptr);
 
 // Whether `body` looks like an image index as gpusnap writes it (version 3: a snapshot too
 // large for one manifest), without parsing it; read_snapshot_index then checks it.
@@ -95,10 +99,12 @@ struct Descriptor {
   uint64_t size = 0;
 };
 // `layout` the layout blob's descriptor, `config` the image config's, `annotations` the
-// manifests' and index's, `arch` the OCI architecture. Throws Error(kUsage) when the index
-// itself would exceed kMaxManifestBytes.
+// manifests' and index's, `arch` the OCI architecture; `sealed` the sealed blobs of an
+// encrypted snapshot's chunks (null: not encrypted), listed instead of the chunks, their media
+// types and the layout's with kEncryptedSuffix. Throws Error(kUsage) when the index itself
+// would exceed kMaxManifestBytes.
 SnapshotManifests snapshot_manifests(const Layout& layout, const Descriptor& layout_blob,
                                      const Descriptor& config, const nlohmann::json& annotations,
-                                     const std::string& arch);
+                                     const std::string& arch, const SealedChunks* sealed = nullptr);
 
 }  // namespace gpusnap::store

@@ -72,6 +72,17 @@ std::string image_config(const Manifest& m, const json& labels) {
   return config.dump();
 }
 
+// The layout blob `m` names, read; an encrypted one opened with the node's keys, its chunks'
+// sealed blobs and keys to `sealed`.
+Layout read_layout(PullRegistries& registry, const SnapshotManifest& m, const std::string& name,
+                   const TransferOptions& options, std::shared_ptr<const SealedChunks>& sealed) {
+  const std::string blob = registry.fetch_blob(m.layout_digest, m.layout_size);
+  if (!m.encrypted) return read_snapshot_layout(blob, name);
+  OpenedLayout opened = open_layout(blob, options.decryption.get(), name);
+  sealed = std::make_shared<const SealedChunks>(std::move(opened.chunks));
+  return std::move(opened.layout);
+}
+
 // Reads a snapshot's manifest (version 1 or 2), or its index and every manifest the index
 // lists (version 3): the layout from the first, each one's layers checked against it, so
 // that a pull finds out a copy that lost a part (`skopeo copy` without --all) before it
@@ -91,20 +102,22 @@ RemoteSnapshot read_remote_with(PullRegistries& registry, const TransferOptions&
                   "pull the reference `gpusnap push` printed; copy such a snapshot with "
                   "`skopeo copy --all`, which copies the index and every part");
     }
-    Layout layout = read_snapshot_layout(registry.fetch_blob(m.layout_digest, m.layout_size), name);
-    check_snapshot_layers(m, layout, name, seen);
-    return {registry.ref(), digest, std::move(m.doc), std::move(layout)};
+    std::shared_ptr<const SealedChunks> sealed;
+    Layout layout = read_layout(registry, m, name, options, sealed);
+    check_snapshot_layers(m, layout, name, seen, sealed.get());
+    return {registry.ref(), digest, std::move(m.doc), std::move(layout), std::move(sealed)};
   }
   nlohmann::json index;
   const std::vector<std::string> parts = read_snapshot_index(body, name, index);
   std::optional<Layout> layout;
+  std::shared_ptr<const SealedChunks> sealed;
   std::string layout_digest;
   for (size_t i = 0; i < parts.size(); ++i) {
     // Through the same registries (their connections, tokens and mirrors), by digest.
     const std::string part_name = name + " (manifest " + parts[i] + ")";
     SnapshotManifest m = read_snapshot_manifest(registry.fetch_manifest(parts[i]).first, part_name);
     if (!layout) {
-      layout = read_snapshot_layout(registry.fetch_blob(m.layout_digest, m.layout_size), name);
+      layout = read_layout(registry, m, name, options, sealed);
       layout_digest = m.layout_digest;
       // Each part lists a chunk at least, so that an index cannot have a pull fetch more
       // manifests than the layout has chunks.
@@ -121,13 +134,13 @@ RemoteSnapshot read_remote_with(PullRegistries& registry, const TransferOptions&
                   "give a reference that `gpusnap push` wrote");
     }
     const size_t before = seen.size();
-    check_snapshot_layers(m, *layout, part_name, seen);
+    check_snapshot_layers(m, *layout, part_name, seen, sealed.get());
     if (seen.size() == before) {
       throw Error(ErrorKind::kBadArtifact, part_name + " lists no chunk",
                   "give a reference that `gpusnap push` wrote");
     }
   }
-  return {registry.ref(), digest, std::move(index), std::move(*layout)};
+  return {registry.ref(), digest, std::move(index), std::move(*layout), std::move(sealed)};
 }
 
 // The staging directories that pulls of the same node copy left (killed, or failed with
@@ -245,6 +258,8 @@ PushResult push(const std::filesystem::path& path, const OciRef& ref, const Tran
   PushResult r;
   std::optional<SigningKey> signer;
   if (!o.sign_key.empty()) signer.emplace(o.sign_key);  // a key it cannot use: refused first
+  std::optional<ChunkSealer> sealer;
+  if (!o.recipients.empty()) sealer.emplace(o.recipients, o.dedup_secret);  // so are these
   auto artifact = phases.run("open", [&] { return Artifact::open(path); });
   Registry registry(ref, o.registry);
   std::mutex mu;
@@ -261,18 +276,26 @@ PushResult push(const std::filesystem::path& path, const OciRef& ref, const Tran
             std::lock_guard lock(mu);
             if (!seen.insert(c.extent.digest).second) return;  // the same chunk, once
           }
-          if (!registry.upload_blob_if_missing(c.extent.digest, c.blob)) return;
+          // Encrypted here, the one place chunks leave the node (store/encryption.h).
+          const ChunkSealer::Sealed sealed =
+              sealer ? sealer->seal(c.extent.digest, c.blob) : ChunkSealer::Sealed{};
+          const std::string_view blob = sealer ? std::string_view{sealed.bytes} : c.blob;
+          if (!registry.upload_blob_if_missing(sealer ? sealed.digest : c.extent.digest, blob)) {
+            return;
+          }
           ++uploaded;
-          bytes_uploaded += c.blob.size();
+          bytes_uploaded += blob.size();
         },
         reporter, "upload");
   });
   phases.run("manifest", [&] {
     // Version 2, or 3 beyond what one manifest holds (store/snapshot_manifest.h).
     const Manifest m = Manifest::from_json(layout.manifest);
-    const json labels = annotations(layout, m);
+    json labels = annotations(layout, m);
+    if (sealer) labels[kRecipientsAnnotation] = sealer->fingerprints();
     Descriptor blobs[2];
-    const std::string texts[2] = {layout.to_json().dump(), image_config(m, labels)};
+    const std::string texts[2] = {sealer ? sealer->seal_layout(layout) : layout.to_json().dump(),
+                                  image_config(m, labels)};
     if (texts[0].size() > kMaxLayoutBytes) {
       throw Error(ErrorKind::kUsage,
                   "the snapshot's layout is " + fs::human_bytes(texts[0].size()) +
@@ -284,7 +307,8 @@ PushResult push(const std::filesystem::path& path, const OciRef& ref, const Tran
       if (!registry.blob_exists(blobs[i].digest)) registry.upload_blob(blobs[i].digest, texts[i]);
     }
     const SnapshotManifests out =
-        snapshot_manifests(layout, blobs[0], blobs[1], labels, oci_architecture(m.host.arch));
+        snapshot_manifests(layout, blobs[0], blobs[1], labels, oci_architecture(m.host.arch),
+                           sealer ? &sealer->chunks() : nullptr);
     if (out.index.empty()) {
       r.digest = registry.put_manifest(out.parts[0], kOciManifestMediaType);
       return;
@@ -368,7 +392,15 @@ PullResult pull(const OciRef& ref, const PullOptions& o, Reporter& reporter) {
               return std::move(*data);
             }
           }
-          std::string data = registry.fetch_blob(b.digest, b.size);
+          // An encrypted snapshot's chunk is opened here, the one place chunks reach the node,
+          // and cached as the plain chunk it is (store/encryption.h).
+          std::string data;
+          if (snap.sealed) {
+            const SealedChunk& s = snap.sealed->at(b.digest);
+            data = open_chunk(b.digest, s, registry.fetch_blob(s.digest, s.size));
+          } else {
+            data = registry.fetch_blob(b.digest, b.size);
+          }
           // Written once: an uncompressed chunk of a node copy is kept by the copy itself.
           if (!o.output_in_cache || b.encoding != Encoding::kRaw) cache.put(b.digest, data);
           ++fetched;

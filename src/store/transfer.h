@@ -38,6 +38,7 @@
 #include "gpusnap/phases.h"
 #include "store/blob_store.h"
 #include "store/chunker.h"
+#include "store/encryption.h"
 #include "store/layout.h"
 #include "store/materialise.h"
 #include "store/registry.h"
@@ -70,6 +71,13 @@ struct TransferOptions {
   std::shared_ptr<const SignaturePolicy> policy;
   // push: sign the manifest with this PEM private key (store/signature.h); empty: unsigned.
   std::filesystem::path sign_key;
+  // push: encrypt every chunk and the layout for these public keys (store/encryption.h);
+  // empty: not encrypted. `dedup_secret`: the node's convergence secret (made when missing).
+  std::vector<std::filesystem::path> recipients;
+  std::filesystem::path dedup_secret = kDefaultDedupSecret;
+  // read_remote and pull: the node's private keys, for an encrypted snapshot's layout (read
+  // after the signature check, before any chunk); null: none.
+  std::shared_ptr<const DecryptionKeys> decryption;
 };
 
 struct PushResult {
@@ -90,12 +98,15 @@ struct RemoteSnapshot {
   OciRef ref;
   std::string digest;           // of the OCI manifest
   nlohmann::json oci_manifest;  // annotations included
-  Layout layout;
+  Layout layout;                // of an encrypted snapshot: opened
+  // Of an encrypted snapshot: where each chunk's sealed blob lies and its key; null otherwise.
+  std::shared_ptr<const SealedChunks> sealed;
 };
 
 // Reads and checks the OCI manifest and the config (Error kBadArtifact when it is not a gpusnap
 // snapshot or does not match its digests, or when options.policy refuses it: checked before the
-// layout is fetched).
+// layout is fetched). An encrypted snapshot's layout is opened with options.decryption (Error
+// kKey when none of those keys is one of its recipients).
 RemoteSnapshot read_remote(const OciRef& ref, const TransferOptions& options);
 
 struct PullOptions {

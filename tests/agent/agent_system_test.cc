@@ -1548,6 +1548,64 @@ TEST_F(AgentsAndRegistry, PrefetchRequestsAreValidatedAndBounded) {
                "a restore from a reference" + needs);
 }
 
+// A pushes its capture encrypted for B's key (--encrypt); B without a key refuses the restore
+// (exit 12, naming the fix), nothing pulled; B with its key, read from a directory laid out as a
+// mounted Secret, restores the copy as captured. The registry's copy opens for no one else.
+TEST_F(AgentsAndRegistry, AnEncryptedCaptureIsRestoredOnlyByTheNodeWithTheKey) {
+  const std::filesystem::path keys = b_dir_ / "keys";
+  const std::filesystem::path data = keys / "..data";
+  std::filesystem::create_directories(data);
+  for (const auto& argv : std::vector<std::vector<std::string>>{
+           {"openssl", "genpkey", "-algorithm", "X25519", "-out", (data / "node.pem").string()},
+           {"openssl", "pkey", "-in", (data / "node.pem").string(), "-pubout", "-out",
+            (a_dir_ / "node-b.pub").string()}}) {
+    auto r = common::run_capture(argv);
+    ASSERT_TRUE(r.status.ok()) << r.output;
+  }
+  std::filesystem::permissions(data / "node.pem", std::filesystem::perms::owner_read,
+                               std::filesystem::perm_options::replace);
+  std::filesystem::create_symlink("..data/node.pem", keys / "node.pem");
+  auto with = [](std::vector<std::string> args, const std::vector<std::string>& more) {
+    args.insert(args.end(), more.begin(), more.end());
+    return args;
+  };
+  a_.reset();
+  b_.reset();
+  const auto a_args = with(registry_args(a_dir_), {"--encrypt", (a_dir_ / "node-b.pub").string(),
+                                                   "--dedup-secret", (a_dir_ / "dedup").string()});
+  start_agents(a_args, registry_args(b_dir_));
+  Workload source = workload_on_a({"--mib", "16"});
+  ASSERT_EQ(ask_on(node_a(), source.port(), "INCR"), "1");
+  const std::string reference = capture_on_a("snap", source.pid());
+  ASSERT_TRUE(reference.starts_with(registry_->ref("snapshots") + "@sha256:")) << reference;
+
+  auto refused = b_->run("/v1/restores", {{"artifact", "snap"}, {"reference", reference}});
+  ASSERT_EQ(refused["state"], "failed") << refused.dump(2);
+  EXPECT_EQ(refused["error"]["kind"], "key");
+  EXPECT_EQ(refused["error"]["exit_code"], 12);
+  EXPECT_NE(refused["error"]["message"].get<std::string>().find(" is encrypted (for sha256:"),
+            std::string::npos)
+      << refused.dump(2);
+  EXPECT_FALSE(std::filesystem::exists(b_dir_ / "run" / "pulled" /
+                                       reference.substr(reference.find('@') + 8)));
+
+  b_.reset();
+  start_agents(a_args, with(registry_args(b_dir_), {"--decryption-key", keys.string()}));
+  const std::string same_port = std::to_string(source.port()) + ":" + std::to_string(source.port());
+  auto rs = b_->run("/v1/restores",
+                    {{"artifact", "snap"}, {"reference", reference}, {"publish", {same_port}}});
+  ASSERT_EQ(rs["state"], "succeeded") << rs.dump(2);
+  Copies copies(rs["result"]);
+  ASSERT_EQ(copies.copies.size(), 1U);
+  EXPECT_EQ(ask_on(node_b(), copies.port(0), "INCR"), "2");  // the counter as captured
+  // B's log names its key by file and fingerprint, never by its bytes.
+  const std::string log = b_->log();
+  EXPECT_NE(log.find("decryption keys " + (keys / "node.pem").string() + " (sha256:"),
+            std::string::npos)
+      << log;
+  EXPECT_EQ(log.find("PRIVATE KEY"), std::string::npos);
+}
+
 // The two nodes with the registry over TLS (a certificate from a self-signed CA) and htpasswd
 // basic authentication, the tests/store fixture's; the agents get the CA with
 // --registry-ca-file and the credentials with --registry-auth-file, as from the chart's Secret.

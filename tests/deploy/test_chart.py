@@ -10,6 +10,7 @@ commands are run as rendered against the real gpusnap-agent and gpusnap-controll
 build. Exits 77 ("skipped: helm not installed") without helm."""
 
 import functools
+import hashlib
 import json
 import os
 import pathlib
@@ -44,7 +45,15 @@ VARIANTS = {
     "oci-plain": ["storage.type=oci", "storage.oci.registry=registry.local:5000",
                   "storage.oci.plainHttp=true"],
     "lanes": ["agent.maxPending=256", "agent.prefetchWorkers=4"],
+    "oci-encrypted": ["storage.type=oci", "storage.oci.registry=registry.local:5000",
+                      "storage.oci.encryption.keysSecret=gpusnap-keys",
+                      "storage.oci.encryption.dedupSecret=gpusnap-dedup",
+                      "storage.oci.encryption.recipients.team\\.pub=PEM",
+                      "storage.oci.signatureKeysSecret=gpusnap-signature-keys"],
 }
+
+# What an agent with keys renders to (the "oci-encrypted" variant).
+ENCRYPTED = tuple(VARIANTS["oci-encrypted"])
 
 # Typos the chart must refuse, and the message that names each.
 BAD_VALUES = [
@@ -80,6 +89,8 @@ BAD_VALUES = [
     (["agent.maxPending=0"], "at '/agent/maxPending': minimum: got 0, want 1"),
     (["agent.prefetchWorkers=17"], "at '/agent/prefetchWorkers': maximum: got 17, want 16"),
     (["agent.prefetchWorkers=0"], "at '/agent/prefetchWorkers': minimum: got 0, want 1"),
+    (["storage.oci.encryption.keySecret=keys"],
+     "at '/storage/oci/encryption': additional properties 'keySecret' not allowed"),
 ]
 
 
@@ -280,6 +291,38 @@ class ChartTest(unittest.TestCase):
         self.assertEqual({k: m_pc[k] for k in ("value", "preemptionPolicy", "globalDefault")},
                          {k: c_pc[k] for k in ("value", "preemptionPolicy", "globalDefault")})
 
+    def test_keys_are_mounted_from_secrets_for_root_alone(self):
+        docs = render(*ENCRYPTED)
+        pod, c = containers(docs)
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for name, secret in (("decryption-keys", "gpusnap-keys"), ("dedup", "gpusnap-dedup"),
+                             ("signature-keys", "gpusnap-signature-keys")):
+            with self.subTest(volume=name):
+                self.assertEqual(volumes[name]["secret"]["secretName"], secret)
+                self.assertEqual(volumes[name]["secret"]["defaultMode"], 0o400)
+        mounts = {m["name"]: m for m in c["agent"]["volumeMounts"]}
+        for name, path in (("decryption-keys", "/etc/gpusnap/keys"), ("dedup", "/etc/gpusnap/dedup"),
+                           ("signature-keys", "/etc/gpusnap/signature-keys"),
+                           ("recipients", "/etc/gpusnap/recipients")):
+            with self.subTest(mount=name):
+                self.assertEqual(mounts[name]["mountPath"], path)
+                self.assertTrue(mounts[name]["readOnly"])
+        args = c["agent"]["args"]
+        self.assertIn("--decryption-key=/etc/gpusnap/keys", args)
+        self.assertIn("--encrypt=/etc/gpusnap/recipients/team.pub", args)
+        self.assertIn("--dedup-secret=/etc/gpusnap/dedup/dedup-secret", args)
+        recipients = next(d for d in docs if d["kind"] == "ConfigMap" and
+                          d["metadata"]["name"].endswith("-recipients"))
+        self.assertEqual(recipients["data"], {"team.pub": "PEM"})
+        # Without a shared dedup secret each node keeps its own where the agent's state lives.
+        _, c = containers(render("storage.type=oci", "storage.oci.registry=r:5000",
+                                 "storage.oci.encryption.recipients.a=PEM"))
+        self.assertIn("--dedup-secret=/var/lib/gpusnap/agent/dedup-secret", c["agent"]["args"])
+        # Without keys: none of it.
+        _, c = containers(render(*VARIANTS["oci-plain"]))
+        self.assertFalse([a for a in c["agent"]["args"]
+                          if a.split("=")[0] in ("--decryption-key", "--encrypt", "--dedup-secret")])
+
     def test_metrics_are_off_until_asked_then_scrapable(self):
         docs = render()
         pod, c = containers(docs)
@@ -437,6 +480,62 @@ class ProbesTest(unittest.TestCase):
         agent.send_signal(signal.SIGCONT)
         r = self.run_probe(command, timeout)
         self.assertEqual(r.returncode, 0, r.stderr)
+
+    def test_agent_reads_keys_from_a_secret_mount_and_refuses_them_readable_by_others(self):
+        if os.geteuid() != 0:
+            self.skipTest("gpusnap-agent runs as root only")
+        pod, c = containers(render(*ENCRYPTED))
+        args = c["agent"]["args"]
+        key_dir = next(a.split("=", 1)[1] for a in args if a.startswith("--decryption-key="))
+        volume = next(v for v in pod["volumes"] if v["name"] == "decryption-keys")
+        # A Secret's mount as the kubelet lays it out: KEY -> ..data/KEY, files at defaultMode.
+        mount = self.dir / "keys"
+        data = mount / "..2026_12_05_00_00_00.000000000"
+        data.mkdir(parents=True)
+        subprocess.run(["openssl", "genpkey", "-algorithm", "X25519", "-out", data / "node.pem"],
+                       check=True, capture_output=True)
+        (mount / "..data").symlink_to(data.name)
+        (mount / "node.pem").symlink_to("..data/node.pem")
+        pem = (data / "node.pem").read_text()
+        fingerprint = "sha256:" + hashlib.sha256(subprocess.run(
+            ["openssl", "pkey", "-in", data / "node.pem", "-pubout", "-outform", "DER"],
+            check=True, capture_output=True).stdout).hexdigest()
+
+        def agent(mode):
+            os.chmod(data / "node.pem", mode)
+            sock = self.dir / f"agent-{mode:o}.sock"
+            return sock, self.start([
+                os.environ["GPUSNAP_AGENT"], "--socket", str(sock),
+                "--storage", str(self.dir / "snapshots"), "--state-dir", str(self.dir / "state"),
+                "--run-dir", str(self.dir / "run"), "--registry", "oci://127.0.0.1:9/gpusnap/x",
+                "--cache", str(self.dir / "cache"),
+                args[args.index(f"--decryption-key={key_dir}")].replace(key_dir, str(mount))])
+
+        # As the chart mounts it: for root alone. The agent serves, naming the key by file and
+        # fingerprint, never by its bytes.
+        self.assertEqual(volume["secret"]["defaultMode"], 0o400)
+        sock, p = agent(volume["secret"]["defaultMode"])
+        deadline = time.monotonic() + 30
+        while not sock.exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertIsNone(p.poll(), p.stderr.read() if p.poll() is not None else "")
+        p.terminate()
+        p.wait(timeout=30)
+        log = p.stderr.read()
+        self.assertIn(f"decryption keys {mount / 'node.pem'} ({fingerprint})", log)
+        body = "".join(pem.splitlines()[1:-1])
+        self.assertNotIn(body[:24], log)
+        self.assertNotIn("PRIVATE KEY", log)
+
+        # Mounted readable by everyone (defaultMode 0444, the kubelet's own default is 0644):
+        # refused before the agent serves, exit 12, one line naming the file and the fix.
+        _, p = agent(0o444)
+        self.assertEqual(p.wait(timeout=30), 12)
+        err = p.stderr.read()
+        self.assertIn(f"decryption key {mount / 'node.pem'} is readable by its group or others "
+                      "(mode 0444): a key others can read is no secret (fix: chmod 600 "
+                      f"{mount / 'node.pem'}", err)
+        self.assertNotIn(body[:24], err)
 
     def test_controller_probe_reads_the_worker_loops_heartbeat(self):
         alive = self.dir / "alive"
