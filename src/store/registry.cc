@@ -6,6 +6,7 @@
 // httplib reads a response 4 KiB at a time by default: a read() and an append per 4 KiB of an
 // 8 MiB chunk. This is the only file of gpusnap that includes it.
 #define CPPHTTPLIB_RECV_BUFSIZ size_t(256u << 10)
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <httplib.h>
 #include <openssl/err.h>
@@ -16,6 +17,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <condition_variable>
 #include <csignal>
 #include <cstdio>
@@ -530,6 +532,35 @@ std::string percent_decode(const std::string& s) {
   return out;
 }
 
+// Whether `host`, an IPv4 or IPv6 address (IPv6 with or without its brackets), lies in
+// `cidr`, an ADDRESS/BITS entry of NO_PROXY (10.0.0.0/8, fd00::/8). A name is in no range.
+bool in_cidr(const std::string& cidr, std::string host) {
+  const size_t slash = cidr.find('/');
+  const std::string net = cidr.substr(0, slash);
+  int bits = -1;
+  const std::string len = cidr.substr(slash + 1);
+  const auto [end, ec] = std::from_chars(len.data(), len.data() + len.size(), bits);
+  if (len.empty() || ec != std::errc() || end != len.data() + len.size()) return false;
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
+  unsigned char a[16] = {}, b[16] = {};
+  size_t size = 4;
+  if (::inet_pton(AF_INET, net.c_str(), a) == 1) {
+    if (::inet_pton(AF_INET, host.c_str(), b) != 1) return false;
+  } else if (::inet_pton(AF_INET6, net.c_str(), a) == 1) {
+    if (::inet_pton(AF_INET6, host.c_str(), b) != 1) return false;
+    size = 16;
+  } else {
+    return false;
+  }
+  if (bits < 0 || static_cast<size_t>(bits) > size * 8) return false;
+  for (size_t i = 0; i < size && bits > 0; ++i, bits -= 8) {
+    const unsigned mask = bits >= 8 ? 0xffu : (0xffu << (8 - bits)) & 0xffu;
+    if ((a[i] & mask) != (b[i] & mask)) return false;
+  }
+  return true;
+}
+
 bool no_proxy_covers(const std::string& list, const std::string& host, int port) {
   const std::string h = lower(host);
   size_t at = 0;
@@ -542,6 +573,10 @@ bool no_proxy_covers(const std::string& list, const std::string& host, int port)
     entry.erase(entry.find_last_not_of(" \t") + 1);
     if (entry.empty()) continue;
     if (entry == "*") return true;
+    if (entry.find('/') != std::string::npos) {  // an address range: the host's address in it
+      if (in_cidr(entry, h)) return true;
+      continue;
+    }
     std::string name;
     const int p = parse_port(entry, name, 0);
     if (p < 0 || (p != 0 && p != port)) continue;

@@ -478,13 +478,20 @@ TEST_F(RegistryTransport, ProxiesFromTheEnvironmentAndNoProxy) {
 
   // NO_PROXY naming the registry's address (with and without its port): straight to it.
   const size_t before = proxy.lines().size();
-  for (const std::string& no :
-       std::vector<std::string>{"127.0.0.1", "localhost, " + tls.host(), "*"}) {
+  for (const std::string& no : std::vector<std::string>{"127.0.0.1", "localhost, " + tls.host(),
+                                                        "*", "10.0.0.0/8, 127.0.0.0/8"}) {
     ScopedEnv g("NO_PROXY", no.c_str());
     Registry direct(OciRef::parse(tls.ref("t/proxied:1")), to);
     EXPECT_EQ(direct.fetch_blob(digest, data.size()), data) << no;
   }
   EXPECT_EQ(proxy.lines().size(), before);
+  // A range the registry's address is not in leaves it behind the proxy.
+  {
+    ScopedEnv g("NO_PROXY", "10.0.0.0/8, 127.0.0.0/33, ::1/128");
+    Registry proxied(OciRef::parse(tls.ref("t/proxied:1")), to);
+    EXPECT_EQ(proxied.fetch_blob(digest, data.size()), data);
+  }
+  EXPECT_GT(proxy.lines().size(), before);
 
   ScopedEnv h("HTTPS_PROXY", "socks5://127.0.0.1:1080");
   Registry socks(OciRef::parse(tls.ref("t/proxied:1")), to);
