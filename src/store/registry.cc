@@ -219,9 +219,8 @@ Credentials from_helper(const std::string& name, const std::string& host) {
   c.username = doc["Username"].get<std::string>();
   c.password = doc["Secret"].get<std::string>();
   c.source = program;
-  if (c.username == "<token>") {
-    throw failed("gave an identity token (OAuth2 refresh), which gpusnap cannot use yet");
-  }
+  // The protocol's identity token: an OAuth2 refresh token for the token realm.
+  if (c.username == "<token>") c.identity_token = c.password;
   return c;
 }
 
@@ -283,7 +282,11 @@ Credentials find_credentials(const std::string& host, const std::string& reposit
         const json& entry = doc["auths"][key];
         Credentials c;
         c.source = file;
-        if (entry.contains("auth") && entry["auth"].is_string()) {
+        if (entry.contains("identitytoken") && entry["identitytoken"].is_string() &&
+            !entry["identitytoken"].get<std::string>().empty()) {
+          c.username = "<token>";
+          c.identity_token = entry["identitytoken"].get<std::string>();
+        } else if (entry.contains("auth") && entry["auth"].is_string()) {
           auto plain = base64_decode(entry["auth"].get<std::string>());
           auto colon = plain.find(':');
           if (colon == std::string::npos)
@@ -921,7 +924,8 @@ std::string Registry::authorization() {
     return it != tokens_.end() && it->second.expires > Clock::now() ? "Bearer " + it->second.value
                                                                     : std::string();
   }
-  if (credentials_.username.empty()) return {};
+  // An identity token is for the token realm alone: the registry's challenge leads there.
+  if (credentials_.username.empty() || !credentials_.identity_token.empty()) return {};
   return "Basic " +
          httplib::detail::base64_encode(credentials_.username + ":" + credentials_.password);
 }
@@ -951,13 +955,27 @@ bool Registry::fetch_token(const std::string& challenge, const std::string& sent
     throw refused("is plain http for an https registry: the credentials would go in clear text");
   }
   std::string path = t.path;
+  // With an identity token, OAuth2's refresh grant: a form POSTed to the realm, the token in
+  // the body (never in a URL a proxy or a log would keep).
+  const bool refresh = !credentials_.identity_token.empty();
+  std::string form;
   for (const char* key : {"service", "scope"}) {
     if (params[key].empty()) continue;
-    path += (path.find('?') == std::string::npos ? "?" : "&");
-    path += std::string(key) + "=" + common::url_encode(params[key]);
+    std::string& to = refresh ? form : path;
+    to += refresh ? (to.empty() ? "" : "&") : (to.find('?') == std::string::npos ? "?" : "&");
+    to += std::string(key) + "=" + common::url_encode(params[key]);
+  }
+  if (refresh) {
+    form += std::string(form.empty() ? "" : "&") +
+            "grant_type=refresh_token&client_id=gpusnap&refresh_token=" +
+            common::url_encode(credentials_.identity_token);
   }
   std::string body;
-  Call call{"GET", path};
+  Call call{refresh ? "POST" : "GET", path};
+  if (refresh) {
+    call.body = form;
+    call.content_type = "application/x-www-form-urlencoded";
+  }
   call.on_body = [&](const char* p, size_t n) {
     if (body.size() + n > (64u << 10)) {
       call.refusal = refused("answered more than 64 KiB");
@@ -966,7 +984,7 @@ bool Registry::fetch_token(const std::string& challenge, const std::string& sent
     body.append(p, n);
     return true;
   };
-  if (!credentials_.username.empty()) {
+  if (!credentials_.username.empty() && !refresh) {
     call.headers.emplace("Authorization",
                          "Basic " + httplib::detail::base64_encode(credentials_.username + ":" +
                                                                    credentials_.password));

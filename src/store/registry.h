@@ -89,9 +89,13 @@ struct Proxy {
 Proxy proxy_for(const std::string& scheme, const std::string& host, int port);
 
 struct Credentials {
-  std::string username;
+  std::string username;  // "<token>" with an identity token
   std::string password;
   std::string source;  // the file they came from
+  // An OAuth2 refresh token ("identitytoken", as `docker login` stores it for registries that
+  // log in through an identity provider): exchanged at the token realm for access tokens
+  // (grant_type=refresh_token), never sent to the registry itself.
+  std::string identity_token;
 };
 
 // Looks up credentials for `host` and `repository` where skopeo and podman look: in

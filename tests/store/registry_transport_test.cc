@@ -586,10 +586,19 @@ class TokenService {
  private:
   void issue(const httplib::Request& req, httplib::Response& res) {
     const std::string auth = req.get_header_value("Authorization");
-    const bool known = auth == "Basic " + httplib::detail::base64_encode(user_ + ":" + password_);
+    bool known = auth == "Basic " + httplib::detail::base64_encode(user_ + ":" + password_);
     if (!auth.empty() && !known) {
       res.status = 401;
       return;
+    }
+    // OAuth2's refresh grant (an identity token): a form, the token in it, no Authorization.
+    if (req.method == "POST") {
+      if (req.get_param_value("grant_type") != "refresh_token" ||
+          req.get_param_value("refresh_token") != "refresh-" + password_) {
+        res.status = 401;
+        return;
+      }
+      known = true;
     }
     // scope=repository:NAME:pull,push
     const std::string scope = req.get_param_value("scope");
@@ -709,6 +718,30 @@ TEST_F(RegistryTransport, BearerTokensAreFetchedReusedAndRefreshed) {
   Registry intruder(OciRef::parse(registry.ref("team/app:1")), wrong);
   expect_error([&] { intruder.blob_exists(store::sha256_digest(data)); }, ErrorKind::kEnvironment,
                "refused the credentials from");
+
+  // An identity token (docker login through an identity provider): exchanged at the realm by
+  // OAuth2's refresh grant, in a POSTed form; the registry never sees it.
+  {
+    const auto file = dir_ / "identity.json";
+    fs::write_file(file, R"({"auths":{")" + registry.host() +
+                             R"(":{"auth":"","identitytoken":"refresh-t0ken-pass"}}})");
+    RegistryOptions io = ro;
+    io.auth_file = file.string();
+    Registry by_identity(OciRef::parse(registry.ref("team/app:1")), io);
+    const std::string fresh = blob_of(7);
+    by_identity.upload_blob(store::sha256_digest(fresh), fresh);
+    EXPECT_EQ(by_identity.fetch_blob(store::sha256_digest(fresh), fresh.size()), fresh);
+    const Seen last = tokens.seen().back();
+    EXPECT_EQ(last.method, "POST");
+    EXPECT_EQ(last.authorization, "");
+    EXPECT_EQ(last.path.find("refresh"), std::string::npos) << last.path;
+    EXPECT_EQ(registry.log().find("refresh-t0ken-pass"), std::string::npos);
+    fs::write_file(file,
+                   R"({"auths":{")" + registry.host() + R"(":{"identitytoken":"refresh-stale"}}})");
+    Registry stale(OciRef::parse(registry.ref("team/app:1")), io);
+    expect_error([&] { stale.blob_exists(store::sha256_digest(fresh)); }, ErrorKind::kEnvironment,
+                 "refused the credentials from");
+  }
 
   // The token expires (10 s, used up to 5 s before): the next request fetches another.
   const size_t before = tokens.seen().size();
