@@ -24,6 +24,7 @@
 #include "common/json.h"
 #include "gpusnap/error.h"
 #include "store/digest.h"
+#include "store/pem_key.h"
 
 namespace gpusnap::store {
 
@@ -44,15 +45,6 @@ constexpr const char* kChunkInfo = "gpusnap chunk v1\n";
 
 using Ctx = std::unique_ptr<EVP_CIPHER_CTX, decltype(&EVP_CIPHER_CTX_free)>;
 using PkeyCtx = std::unique_ptr<EVP_PKEY_CTX, decltype(&EVP_PKEY_CTX_free)>;
-
-std::string openssl_error() {
-  const unsigned long e = ERR_get_error();
-  ERR_clear_error();
-  if (e == 0) return "unknown OpenSSL error";
-  char text[256];
-  ERR_error_string_n(e, text, sizeof text);
-  return text;
-}
 
 // A failure of OpenSSL where nothing the user gave is wrong.
 [[noreturn]] void crypto_failed(const std::string& what) {
@@ -211,9 +203,6 @@ bool wrapping_key(EVP_PKEY* own, EVP_PKEY* peer, const std::string& ephemeral_de
   return true;
 }
 
-// Never asks for a passphrase (OpenSSL would prompt on a terminal): an encrypted key is refused.
-int no_passphrase(char*, int, int, void*) { return -1; }
-
 std::string read_key_file(const std::filesystem::path& file, const std::string& what) {
   std::error_code ec;
   const auto real = std::filesystem::canonical(file, ec);
@@ -234,10 +223,8 @@ const char* const kMakeKey =
 
 std::shared_ptr<EVP_PKEY> parse_key(const std::string& pem, const std::filesystem::path& file,
                                     bool is_private) {
-  std::unique_ptr<BIO, decltype(&BIO_free)> bio(
-      BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())), BIO_free);
-  EVP_PKEY* key = is_private ? PEM_read_bio_PrivateKey(bio.get(), nullptr, no_passphrase, nullptr)
-                             : PEM_read_bio_PUBKEY(bio.get(), nullptr, no_passphrase, nullptr);
+  std::shared_ptr<EVP_PKEY> owned = parse_pem_key(pem, is_private);
+  EVP_PKEY* key = owned.get();
   const std::string kind = is_private ? "decryption key " : "recipient key ";
   if (key == nullptr) {
     throw Error(ErrorKind::kUsage,
@@ -245,7 +232,6 @@ std::shared_ptr<EVP_PKEY> parse_key(const std::string& pem, const std::filesyste
                     (is_private ? "private" : "public") + " key: " + openssl_error(),
                 kMakeKey);
   }
-  std::shared_ptr<EVP_PKEY> owned(key, EVP_PKEY_free);
   if (!agreement_key(key)) {
     throw Error(ErrorKind::kUsage,
                 kind + file.string() + " is not an X25519, X448 or EC key (ECDH needs one)",

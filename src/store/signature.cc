@@ -13,6 +13,7 @@
 #include "common/fs.h"
 #include "gpusnap/error.h"
 #include "store/digest.h"
+#include "store/pem_key.h"
 
 namespace gpusnap::store {
 
@@ -22,16 +23,6 @@ using nlohmann::json;
 
 constexpr const char* kSignatureType = "cosign container image signature";
 constexpr size_t kMaxSignatureLayers = 16;  // cosign adds one per signing; more is not a signature
-
-// OpenSSL's last error, for a message.
-std::string openssl_error() {
-  const unsigned long e = ERR_get_error();
-  ERR_clear_error();
-  if (e == 0) return "unknown OpenSSL error";
-  char text[256];
-  ERR_error_string_n(e, text, sizeof text);
-  return text;
-}
 
 // A file the node's operator names (policy, key): bounded, regular, symlinks followed (a mounted
 // ConfigMap or Secret is a symlink into its ..data folder). One its group or others may write
@@ -62,15 +53,10 @@ std::string read_bounded(const std::filesystem::path& file, size_t max_bytes,
   return data;
 }
 
-// Never asks for a passphrase (OpenSSL would prompt on a terminal): an encrypted key is refused.
-int no_passphrase(char*, int, int, void*) { return -1; }
-
 std::shared_ptr<EVP_PKEY> read_key(const std::string& pem, const std::filesystem::path& file,
                                    bool is_private) {
-  std::unique_ptr<BIO, decltype(&BIO_free)> bio(BIO_new_mem_buf(pem.data(), int(pem.size())),
-                                                BIO_free);
-  EVP_PKEY* key = is_private ? PEM_read_bio_PrivateKey(bio.get(), nullptr, no_passphrase, nullptr)
-                             : PEM_read_bio_PUBKEY(bio.get(), nullptr, no_passphrase, nullptr);
+  std::shared_ptr<EVP_PKEY> owned = parse_pem_key(pem, is_private);
+  EVP_PKEY* key = owned.get();
   if (key == nullptr) {
     throw Error(ErrorKind::kUsage,
                 std::string(is_private ? "private" : "public") + " key " + file.string() +
@@ -79,7 +65,6 @@ std::shared_ptr<EVP_PKEY> read_key(const std::string& pem, const std::filesystem
                              "-out KEY.pem` (its public half: `openssl ec -in KEY.pem -pubout`)"
                            : "write the public key as PEM (`openssl ec -in KEY.pem -pubout`)");
   }
-  std::shared_ptr<EVP_PKEY> owned(key, EVP_PKEY_free);
   if (EVP_PKEY_base_id(key) != EVP_PKEY_EC) {
     throw Error(ErrorKind::kUsage, "key " + file.string() + " is not an ECDSA key",
                 "use an ECDSA P-256 key, as cosign does (`openssl ecparam -name prime256v1 "
