@@ -25,13 +25,6 @@ namespace {
 using nlohmann::json;
 namespace sfs = std::filesystem;
 
-void openssl(const std::vector<std::string>& args) {
-  std::vector<std::string> argv{"openssl"};
-  argv.insert(argv.end(), args.begin(), args.end());
-  auto r = common::run_capture(argv);
-  if (!r.status.ok()) throw std::runtime_error("openssl failed: " + r.output);
-}
-
 // The files of a registry's storage that hold `secret`: in their bytes, or, for a zstd frame
 // (gpusnap's compressed chunks), in what `zstd -dc` makes of them.
 std::vector<std::string> holding(const sfs::path& storage, const std::string& secret) {

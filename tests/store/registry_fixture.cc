@@ -13,6 +13,7 @@
 
 #include "common/fd.h"
 #include "common/fs.h"
+#include "common/subprocess.h"
 
 namespace gpusnap::testing {
 
@@ -71,6 +72,13 @@ bool answers(const std::string& address, uint16_t port) {
 }
 
 }  // namespace
+
+void openssl(const std::vector<std::string>& args) {
+  std::vector<std::string> argv{"openssl"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  auto r = common::run_capture(argv);
+  if (!r.status.ok()) throw std::runtime_error("openssl failed: " + r.output);
+}
 
 std::optional<std::string> LocalRegistry::blocker() {
   if (::geteuid() != 0) return "not root";

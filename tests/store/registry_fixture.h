@@ -8,12 +8,17 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "common/subprocess.h"
 #include "testing/node_network.h"
 #include "testing/unit.h"
 
 namespace gpusnap::testing {
+
+// Runs `openssl ARGS...` (keys and certificates for the tests); throws std::runtime_error with
+// its output when it fails.
+void openssl(const std::vector<std::string>& args);
 
 class LocalRegistry {
  public:

@@ -24,13 +24,6 @@ namespace {
 using nlohmann::json;
 namespace sfs = std::filesystem;
 
-void openssl(const std::vector<std::string>& args) {
-  std::vector<std::string> argv{"openssl"};
-  argv.insert(argv.end(), args.begin(), args.end());
-  auto r = common::run_capture(argv);
-  if (!r.status.ok()) throw std::runtime_error("openssl failed: " + r.output);
-}
-
 // The registry, two captures pushed as team/a and team/b, and two key pairs; made once for the
 // suite (a capture takes seconds), each test signing and checking what it needs.
 class Signatures : public ::testing::Test {
