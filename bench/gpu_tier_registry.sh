@@ -9,7 +9,12 @@
 # and run folder. Then the same with the registry reading its disk (page cache dropped), beside
 # the disk's own read time for the registry's blobs (dd, O_DIRECT). And deduplication: a second
 # capture of the same workload (same weights, same commands) pushed after the first, tier path
-# and transparent path, its new bytes against the snapshot's.
+# and transparent path, its new bytes against the snapshot's, and a capture of a model that
+# differs in 10 % of its weights (every tenth layer's low bit flipped, as a fine-tune would).
+# With KEYS=DIR (sign.pem, a P-256 key; node.pem/node.pub, an X25519 pair; dedup.secret; each
+# 0600) also the cost of trust: the same snapshot pushed signed and encrypted to repositories of
+# their own, pulled and restored under a policy that wants the signature and with the node's
+# decryption key, beside the same without.
 #
 #   bench/run gpu-tier-registry GIB OUTDIR
 #
@@ -19,6 +24,9 @@
 # node copies (default /mnt/gpusnap-store, mounted when it is not a mount). REGDIR: the
 # registry's storage on the local disk (default /var/tmp/gpusnap-tier-registry). BENCH_COLD=0
 # leaves out the cold rounds, BENCH_DEDUP=0 the second captures. GPUSNAP_CRIU: CRIU.
+# BENCH_ROUNDS: the warm rounds of streamed and previous restores (default 2); TRUST_ROUNDS
+# those of the trust section (default 1); BENCH_DEDUP_PLAIN=0 leaves out the transparent path's
+# second capture.
 # Results: OUTDIR/run.log (written as it goes) and every command's JSON.
 set -uo pipefail
 GIB=${1:?GIB}; OUT=${2:?OUTDIR}
@@ -27,7 +35,7 @@ WORKLOAD=$(readlink -f "$BIN/tests/torch_tier.py")
 REGISTRY=${REGISTRY:-$(command -v docker-registry)}
 STORE=${STORE:-/mnt/gpusnap-store}
 REGDIR=${REGDIR:-/var/tmp/gpusnap-tier-registry}
-COLD=${BENCH_COLD:-1}; DEDUP=${BENCH_DEDUP:-1}
+COLD=${BENCH_COLD:-1}; DEDUP=${BENCH_DEDUP:-1}; ROUNDS=${BENCH_ROUNDS:-2}; KEYS=${KEYS:-}
 mkdir -p "$OUT" "$STORE" "$REGDIR"
 OUT=$(readlink -f "$OUT")
 exec > >(tee -a "$OUT/run.log") 2>&1
@@ -76,12 +84,13 @@ capture() {  # NAME --tier|--no-tier: `gpusnap run` to READY, then its checkpoin
     --weights "$WEIGHTS" --ready-file "$W/$name.port" >"$OUT/$name-run.json" 2>"$OUT/$name-run.err"
   echo "== capture $name ($flag): rc=$? $(el "$t") s; $(phases "$OUT/$name-run.json")"
 }
-push() {  # NAME TAG
+push() {  # NAME TAG [REPO [FLAGS...]]
+  local name=$1 tag=$2 repo=${3:-tier}; shift 2; shift $(( $# > 0 ? 1 : 0 ))
   local t; t=$(now)
-  timeout 400 "$G" push "$W/$1" "oci://127.0.0.1:5124/bench/tier:$2" --plain-http --json \
-    >"$OUT/push-$2.json" 2>"$OUT/push-$2.err"
+  timeout 400 "$G" push "$W/$name" "oci://127.0.0.1:5124/bench/$repo:$tag" --plain-http --json "$@" \
+    >"$OUT/push-$repo-$tag.json" 2>"$OUT/push-$repo-$tag.err"
   local rc=$?
-  echo "== push $1 as :$2: rc=$rc $(el "$t") s; $(python3 - "$OUT/push-$2.json" <<'PY'
+  echo "== push $name as $repo:$tag${*:+ ($*)}: rc=$rc $(el "$t") s; $(python3 - "$OUT/push-$repo-$tag.json" <<'PY'
 import json, sys
 try:
     d = json.load(open(sys.argv[1]))
@@ -110,12 +119,13 @@ restore_check() {  # NAME EXPECTED-PORT-FILE ARTIFACT-OR-REF [FLAGS...]: one cop
   sleep 1
   rm -rf "$W/run-$name" "$W/cache-$name"
 }
-pull_alone() {  # NAME: gpusnap pull into an empty node cache
-  rm -rf "$W/pulled-$1" "$W/cache-$1"
+pull_alone() {  # NAME [REF [FLAGS...]]: gpusnap pull into an empty node cache
+  local name=$1 ref=${2:-$REF}; shift; shift $(( $# > 0 ? 1 : 0 ))
+  rm -rf "$W/pulled-$name" "$W/cache-$name"
   local t; t=$(now)
-  timeout 300 "$G" pull "$REF" -o "$W/pulled-$1" --plain-http --cache "$W/cache-$1" --json \
-    >"$OUT/$1.json" 2>"$OUT/$1.err"
-  echo "== $1: rc=$? $(el "$t") s ($(du -sb --apparent-size "$W/pulled-$1" 2>/dev/null | cut -f1) bytes)"
+  timeout 300 "$G" pull "$ref" -o "$W/pulled-$name" --plain-http --cache "$W/cache-$name" --json "$@" \
+    >"$OUT/$name.json" 2>"$OUT/$name.err"
+  echo "== $name: rc=$? $(el "$t") s ($(du -sb --apparent-size "$W/pulled-$name" 2>/dev/null | cut -f1) bytes)"
 }
 drop() { sync; echo 3 >/proc/sys/vm/drop_caches; }
 
@@ -134,7 +144,7 @@ echo "== registry's page cache warm (the blobs were just written)"
 pull_alone pull-warm
 restore_check restore-pulled "$W/tier-a.port" "$W/pulled-pull-warm"
 rm -rf "$W/pulled-pull-warm" "$W/cache-pull-warm"
-for round in 1 2; do
+for round in $(seq "$ROUNDS"); do
   restore_check "streamed-$round" "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-streamed-$round"
   GPUSNAP_TIER_PREFILL=off restore_check "previous-$round" "$W/tier-a.port" "$REF" --plain-http \
     --cache "$W/cache-previous-$round"
@@ -150,11 +160,55 @@ if [[ $COLD == 1 ]]; then
   drop; GPUSNAP_TIER_PREFILL=off restore_check previous-cold "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-previous-cold"
 fi
 
+if [[ -n $KEYS ]]; then
+  echo "== trust: the same snapshot signed, and encrypted, each in a repository of its own"
+  printf '{"default":{"type":"reject"},"scopes":{"127.0.0.1:5124/bench/signed":{"type":"signed","keys":["%s"]}}}' \
+    "$KEYS/sign.pub" >"$W/policy.json"
+  printf '{"default":{"type":"accept"}}' >"$W/accept.json"
+  push tier-a a plain
+  push tier-a a signed --sign "$KEYS/sign.pem"
+  push tier-a a enc --encrypt "$KEYS/node.pub" --dedup-secret "$KEYS/dedup.secret"
+  for round in $(seq "${TRUST_ROUNDS:-1}"); do
+    pull_alone "pull-plain-$round" oci://127.0.0.1:5124/bench/plain:a --signature-policy "$W/accept.json"
+    rm -rf "$W/pulled-pull-plain-$round" "$W/cache-pull-plain-$round"
+    pull_alone "pull-signed-$round" oci://127.0.0.1:5124/bench/signed:a --signature-policy "$W/policy.json"
+    rm -rf "$W/pulled-pull-signed-$round" "$W/cache-pull-signed-$round"
+    pull_alone "pull-enc-$round" oci://127.0.0.1:5124/bench/enc:a --decryption-key "$KEYS/node.pem"
+    rm -rf "$W/pulled-pull-enc-$round" "$W/cache-pull-enc-$round"
+    restore_check "trust-plain-$round" "$W/tier-a.port" oci://127.0.0.1:5124/bench/plain:a --plain-http \
+      --cache "$W/cache-trust-plain-$round" --signature-policy "$W/accept.json"
+    restore_check "trust-signed-$round" "$W/tier-a.port" oci://127.0.0.1:5124/bench/signed:a --plain-http \
+      --cache "$W/cache-trust-signed-$round" --signature-policy "$W/policy.json"
+    restore_check "trust-enc-$round" "$W/tier-a.port" oci://127.0.0.1:5124/bench/enc:a --plain-http \
+      --cache "$W/cache-trust-enc-$round" --decryption-key "$KEYS/node.pem"
+  done
+fi
+
 if [[ $DEDUP == 1 ]]; then
   echo "== dedup: a second capture of the same workload, pushed after the first"
   rm -rf "$W/tier-a"
   capture tier-b --tier; push tier-b b; rm -rf "$W/tier-b"
-  capture plain-a --no-tier; push plain-a plain-a; rm -rf "$W/plain-a"
-  capture plain-b --no-tier; push plain-b plain-b; rm -rf "$W/plain-b"
+  echo "== dedup: a model that differs in 10 % of its weights (every tenth layer's low bit flipped)"
+  python3 - "$WEIGHTS" "$W/weights-10.bin" <<'PY'
+import sys
+import numpy as np
+src, dst = sys.argv[1], sys.argv[2]
+layer = 8192 * 8192 * 2
+with open(src, "rb") as f, open(dst, "wb") as g:
+    i = 0
+    while (b := f.read(layer)):
+        if i % 10 == 0:
+            a = np.frombuffer(b, dtype=np.int16).copy()
+            a ^= 1
+            b = a.tobytes()
+        g.write(b)
+        i += 1
+print(f"   {i} layers, {len(range(0, i, 10))} changed")
+PY
+  WEIGHTS=$W/weights-10.bin capture tier-c --tier; push tier-c c; rm -rf "$W/tier-c" "$W/weights-10.bin"
+  if [[ ${BENCH_DEDUP_PLAIN:-1} == 1 ]]; then
+    capture plain-a --no-tier; push plain-a plain-a; rm -rf "$W/plain-a"
+    capture plain-b --no-tier; push plain-b plain-b; rm -rf "$W/plain-b"
+  fi
 fi
 echo "== done"
