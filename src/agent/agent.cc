@@ -189,9 +189,18 @@ json pulled_document(const store::SnapshotSource& source) {
           {"bytes_from_cache", p ? p->bytes_from_cache : 0}};
 }
 
-// Adds what a snapshot source's pull moved to the metrics when the operation is done with the
-// source, whether it succeeded or not: the chunks a pull fetched for a restore that then failed
-// did cross the network. Nothing when nothing was pulled, or the pull did not end.
+// The registry storage's settings, its pushes and pulls counting the chunks they move into
+// `counters` (the metrics').
+RegistryStorageSettings counted(RegistryStorageSettings settings,
+                                std::shared_ptr<store::TransferCounters> counters) {
+  settings.counters = std::move(counters);
+  return settings;
+}
+
+// Adds what a snapshot source's pull found on the node (the cache's hits) and evicted to the
+// metrics when the operation is done with the source, whether it succeeded or not. Nothing when
+// nothing was pulled, or the pull did not end. What it fetched is counted as it arrives
+// (Metrics::transfers).
 class PullCounter {
  public:
   PullCounter(Metrics& metrics, const store::SnapshotSource& source)
@@ -201,9 +210,7 @@ class PullCounter {
   ~PullCounter() {
     const store::PullResult* p = source_.pulled();
     if (p == nullptr) return;
-    metrics_.pulled({.chunks_fetched = p->chunks_fetched,
-                     .bytes_fetched = p->bytes_fetched,
-                     .chunks_found = p->chunks_from_cache,
+    metrics_.pulled({.chunks_found = p->chunks_from_cache,
                      .bytes_found = p->bytes_from_cache,
                      .evicted = p->evicted.size()});
   }
@@ -218,10 +225,11 @@ class PullCounter {
 Agent::Agent(AgentConfig config)
     : config_(std::move(config)),
       log_(config_.log_format),
-      remote_(config_.remote ? std::optional<RegistryStorage>(std::in_place, *config_.remote)
+      metrics_(config_.remote.has_value()),
+      remote_(config_.remote ? std::optional<RegistryStorage>(
+                                   std::in_place, counted(*config_.remote, metrics_.transfers()))
                              : std::nullopt),
-      journal_(config_.state_dir),
-      metrics_(remote_.has_value()) {
+      journal_(config_.state_dir) {
   if (config_.node.empty()) config_.node = hostname();
   recover();
   gpu_.workers.emplace_back([this](const std::stop_token& stop) { work(gpu_, stop); });
@@ -470,8 +478,6 @@ json Agent::run_checkpoint(Operation& op, json& entry, uint64_t& bytes) {
     // Committed here; stored once the registry holds it too, under the digest it reports.
     try {
       pushed = remote_->push(options.output, request.artifact, reporter);
-      metrics_.pushed(pushed.at("chunks_uploaded").get<uint64_t>(),
-                      pushed.at("bytes_uploaded").get<uint64_t>());
     } catch (const Error& e) {
       throw Error(e.kind(),
                   "captured into " + options.output.string() + ", but the push to " +

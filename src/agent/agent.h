@@ -158,9 +158,9 @@ class Agent {
 
   AgentConfig config_;
   EventLog log_;
+  Metrics metrics_;  // before remote_: its pushes and pulls count into it
   std::optional<RegistryStorage> remote_;
   Journal journal_;
-  Metrics metrics_;
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<Operation>> operations_;
   std::deque<std::string> order_;  // ids, oldest first (the history)

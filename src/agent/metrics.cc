@@ -18,7 +18,6 @@ const std::vector<double> kPhaseBounds = {0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1,
 const char* const kKinds[] = {"checkpoint", "restore", "prefetch"};
 const char* const kResults[] = {"succeeded", "failed"};
 const char* const kLanes[] = {"gpu", "prefetch"};
-const char* const kDirections[] = {"pull", "push"};
 
 // Shortest text that reads back as the same double; Prometheus' spellings of the infinities.
 std::string number(double v) {
@@ -100,10 +99,6 @@ Metrics::Metrics(bool registry_storage) : registry_storage_(registry_storage) {
     bytes_[kind] = 0;
   }
   for (const char* lane : kLanes) pending_[lane] = 0;
-  for (const char* direction : kDirections) {
-    registry_bytes_[direction] = 0;
-    registry_chunks_[direction] = 0;
-  }
 }
 
 void Metrics::started(const std::string& kind) {
@@ -141,18 +136,8 @@ void Metrics::pending(const std::string& lane, int64_t count) {
   pending_[lane] = count;
 }
 
-void Metrics::pushed(uint64_t chunks, uint64_t bytes) {
-  std::lock_guard lock(mu_);
-  registry_chunks_["push"] += chunks;
-  registry_bytes_["push"] += bytes;
-}
-
 void Metrics::pulled(const Pull& pull) {
   std::lock_guard lock(mu_);
-  registry_chunks_["pull"] += pull.chunks_fetched;
-  registry_bytes_["pull"] += pull.bytes_fetched;
-  cache_.chunks_fetched += pull.chunks_fetched;
-  cache_.bytes_fetched += pull.bytes_fetched;
   cache_.chunks_found += pull.chunks_found;
   cache_.bytes_found += pull.bytes_found;
   cache_.evicted += pull.evicted;
@@ -213,14 +198,20 @@ void Metrics::render_registry(std::string& out) const {
   header(out, "gpusnap_registry_bytes_total", "counter",
          "Chunk bytes uploaded to the registry by pushes and fetched from it by pulls, as stored "
          "(compressed).");
-  for (const auto& [direction, n] : registry_bytes_) {
+  const store::TransferCounters& moved = *transfers_;
+  // In label order, as the families above are written.
+  const std::pair<const char*, uint64_t> bytes[] = {{"pull", moved.bytes_fetched.load()},
+                                                    {"push", moved.bytes_uploaded.load()}};
+  for (const auto& [direction, n] : bytes) {
     sample(out, "gpusnap_registry_bytes_total", label("direction", direction),
            static_cast<int64_t>(n));
   }
   header(out, "gpusnap_registry_chunks_total", "counter",
          "Chunks uploaded to the registry by pushes (those it held already excluded) and fetched "
          "from it by pulls.");
-  for (const auto& [direction, n] : registry_chunks_) {
+  const std::pair<const char*, uint64_t> chunks[] = {{"pull", moved.chunks_fetched.load()},
+                                                     {"push", moved.chunks_uploaded.load()}};
+  for (const auto& [direction, n] : chunks) {
     sample(out, "gpusnap_registry_chunks_total", label("direction", direction),
            static_cast<int64_t>(n));
   }
@@ -231,7 +222,7 @@ void Metrics::render_registry(std::string& out) const {
   out += "gpusnap_node_cache_hits_total " + std::to_string(cache_.chunks_found) + "\n";
   header(out, "gpusnap_node_cache_misses_total", "counter",
          "Chunks pulls fetched from the registry because the node did not hold them.");
-  out += "gpusnap_node_cache_misses_total " + std::to_string(cache_.chunks_fetched) + "\n";
+  out += "gpusnap_node_cache_misses_total " + std::to_string(moved.chunks_fetched.load()) + "\n";
   header(out, "gpusnap_node_cache_hit_bytes_total", "counter",
          "Bytes of the chunks pulls found on the node: what they did not fetch.");
   out += "gpusnap_node_cache_hit_bytes_total " + std::to_string(cache_.bytes_found) + "\n";

@@ -26,10 +26,13 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "store/transfer.h"
 
 namespace gpusnap::agent {
 
@@ -64,14 +67,14 @@ class Metrics {
   void phase(const std::string& kind, const std::string& phase, double seconds);
   // The number of operations waiting in `lane` now.
   void pending(const std::string& lane, int64_t count);
-  // A push ended: the chunks it uploaded and their bytes (those the registry held already are
-  // not counted: they did not move).
-  void pushed(uint64_t chunks, uint64_t bytes);
-  // A pull ended: the chunks it fetched from the registry (the node cache's misses) and those
-  // it found on the node (its hits), with their bytes, and the snapshots the cache evicted.
+  // Where the agent's pushes and pulls count the chunks they move, as they move them (those a
+  // registry held already are not uploaded, so not counted): the registry families and the
+  // node cache's misses are read from it, so a push or pull that fails part way counts what it
+  // moved.
+  const std::shared_ptr<store::TransferCounters>& transfers() const { return transfers_; }
+  // A pull ended: the chunks it found on the node (the node cache's hits), with their bytes,
+  // and the snapshots the cache evicted.
   struct Pull {
-    uint64_t chunks_fetched = 0;
-    uint64_t bytes_fetched = 0;
     uint64_t chunks_found = 0;
     uint64_t bytes_found = 0;
     uint64_t evicted = 0;
@@ -94,9 +97,8 @@ class Metrics {
   // forgets: a success followed by 1000 failures would otherwise lose its series.
   std::map<std::string, double> last_success_;
   bool registry_storage_;
-  std::map<std::string, uint64_t> registry_bytes_;   // by direction
-  std::map<std::string, uint64_t> registry_chunks_;  // by direction
-  Pull cache_;                                       // the pulls' sums
+  std::shared_ptr<store::TransferCounters> transfers_ = std::make_shared<store::TransferCounters>();
+  Pull cache_;  // the pulls' sums
 };
 
 // A label value escaped for the text format (backslash, double quote, newline).

@@ -95,6 +95,7 @@ json RegistryStorage::push(const sfs::path& artifact, const std::string& name,
   o.jobs = settings_.jobs;
   o.recipients = settings_.recipients;
   o.dedup_secret = settings_.dedup_secret;
+  o.counters = settings_.counters;
   PrefixReporter prefixed(reporter, "push-");
   auto r = store::push(artifact, tag_of(name), o, prefixed);
   return {{"reference", r.reference},
@@ -112,6 +113,7 @@ store::ReachOptions RegistryStorage::reach_options() const {
   o.transfer.jobs = settings_.jobs;
   o.transfer.policy = settings_.policy;
   o.transfer.decryption = settings_.decryption;
+  o.transfer.counters = settings_.counters;
   o.cache = settings_.cache;
   o.cache_budget = settings_.cache_budget;
   return o;

@@ -28,6 +28,7 @@
 #include "store/reach.h"
 #include "store/registry.h"
 #include "store/signature.h"
+#include "store/transfer.h"
 
 namespace gpusnap::agent {
 
@@ -46,6 +47,8 @@ struct RegistryStorageSettings {
   // Pushes of captures encrypted for these public keys (--encrypt); empty: not encrypted.
   std::vector<std::filesystem::path> recipients;
   std::filesystem::path dedup_secret = store::kDefaultDedupSecret;
+  // Where its pushes and pulls count the chunks they move (the agent's metrics); null: nowhere.
+  std::shared_ptr<store::TransferCounters> counters;
 };
 
 // The store's phases (push: open, upload, manifest; pull: manifest, fetch, cache) as an

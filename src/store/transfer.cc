@@ -285,6 +285,10 @@ PushResult push(const std::filesystem::path& path, const OciRef& ref, const Tran
           }
           ++uploaded;
           bytes_uploaded += blob.size();
+          if (o.counters) {
+            ++o.counters->chunks_uploaded;
+            o.counters->bytes_uploaded += blob.size();
+          }
         },
         reporter, "upload");
   });
@@ -405,6 +409,10 @@ PullResult pull(const OciRef& ref, const PullOptions& o, Reporter& reporter) {
           if (!o.output_in_cache || b.encoding != Encoding::kRaw) cache.put(b.digest, data);
           ++fetched;
           bytes_fetched += data.size();
+          if (o.transfer.counters) {
+            ++o.transfer.counters->chunks_fetched;
+            o.transfer.counters->bytes_fetched += data.size();
+          }
           return data;
         },
         mo, reporter);

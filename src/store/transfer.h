@@ -24,6 +24,7 @@
 //       directory) are kept in the cache's blobs too.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -62,6 +63,16 @@ struct SnapshotSizes {
 // cores 8 does best (docs/benchmarks.md, "Pull against the registry's ceiling").
 int default_jobs();
 
+// Chunks and bytes that crossed the network to or from a registry, counted as each chunk does
+// rather than when its push or pull ends: one that fails part way has moved them too (the
+// agent's registry metrics). Shared by every transfer given the same counters.
+struct TransferCounters {
+  std::atomic<uint64_t> chunks_uploaded{0};
+  std::atomic<uint64_t> bytes_uploaded{0};
+  std::atomic<uint64_t> chunks_fetched{0};
+  std::atomic<uint64_t> bytes_fetched{0};
+};
+
 struct TransferOptions {
   RegistryOptions registry;
   int jobs = default_jobs();  // chunks in flight
@@ -78,6 +89,8 @@ struct TransferOptions {
   // read_remote and pull: the node's private keys, for an encrypted snapshot's layout (read
   // after the signature check, before any chunk); null: none.
   std::shared_ptr<const DecryptionKeys> decryption;
+  // Where the chunks this push or pull moves are counted as they move; null: not counted.
+  std::shared_ptr<TransferCounters> counters;
 };
 
 struct PushResult {

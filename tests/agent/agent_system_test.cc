@@ -1455,6 +1455,36 @@ TEST_F(AgentsAndRegistry, AKilledPullLeavesNothingAndThePrefetchAgainResumes) {
   EXPECT_EQ(not_root_only(pulled), std::vector<std::string>{});
 }
 
+// A prefetch that fails part way (the registry serves its last chunk damaged, which the pull
+// refuses by its digest) has moved the chunks before it: the registry counters count each chunk
+// as it arrives, not when the pull ends, so the failure's cost shows.
+TEST_F(AgentsAndRegistry, APrefetchThatFailsPartWayCountsTheChunksItMoved) {
+  Workload source = workload_on_a({"--mib", "48"});
+  const std::string reference = capture_on_a("damaged", source.pid());
+  ASSERT_FALSE(reference.empty());
+  httplib::Client client(registry_->host());
+  auto got = client.Get("/v2/snapshots/manifests/" + reference.substr(reference.find('@') + 1),
+                        {{"Accept", "application/vnd.oci.image.manifest.v1+json"}});
+  ASSERT_TRUE(got && got->status == 200);
+  const json layers = json::parse(got->body).at("layers");  // the layout, then the chunks
+  ASSERT_GT(layers.size(), 3U);
+  const auto data = registry_->blob_data(layers.back().at("digest"));
+  std::string bytes = fs::read_file(data);
+  ASSERT_FALSE(bytes.empty());
+  bytes[bytes.size() / 2] ^= 0x5a;
+  fs::write_file(data, bytes);
+
+  auto op = b_->run("/v1/prefetch", {{"reference", reference}});
+  ASSERT_EQ(op["state"], "failed") << op.dump(2);
+  const std::string metrics = b_->get("/metrics").body;
+  EXPECT_EQ(sample(metrics, R"(gpusnap_operations_total{kind="prefetch",result="failed"})"), 1);
+  const double chunks = sample(metrics, R"(gpusnap_registry_chunks_total{direction="pull"})");
+  EXPECT_GT(chunks, 0) << metrics;
+  EXPECT_LT(chunks, static_cast<double>(layers.size() - 1)) << metrics;  // not the damaged one
+  EXPECT_GT(sample(metrics, R"(gpusnap_registry_bytes_total{direction="pull"})"), chunks);
+  EXPECT_EQ(sample(metrics, "gpusnap_node_cache_misses_total"), chunks);
+}
+
 // A `gpusnap pull` on B's node and B's prefetch of the same snapshot at once take turns on it
 // (the lock under RUN_DIR/locks): the prefetch waits for the pull, then finds its copy and
 // fetches nothing; no staging is left.

@@ -139,16 +139,18 @@ TEST(Metrics, RegistryFamiliesOnlyWithRegistryStorage) {
   }
 }
 
-TEST(Metrics, PushesAndPullsAddUp) {
+// The registry families are what the transfers counted as they moved chunks (store::push and
+// store::pull add to Metrics::transfers(); AgentsAndRegistry.* check that against real pulls);
+// the node cache's hits add up over the pulls that ended.
+TEST(Metrics, RegistryFamiliesAreWhatTransfersCountedAndHitsAddUp) {
   Metrics m(/*registry_storage=*/true);
-  m.pushed(3, 3000);
-  m.pushed(1, 10);
-  m.pulled({.chunks_fetched = 5, .bytes_fetched = 500, .chunks_found = 0, .bytes_found = 0});
-  m.pulled({.chunks_fetched = 1,
-            .bytes_fetched = 7,
-            .chunks_found = 4,
-            .bytes_found = 400,
-            .evicted = 2});
+  store::TransferCounters& moved = *m.transfers();
+  moved.chunks_uploaded += 4;
+  moved.bytes_uploaded += 3010;
+  moved.chunks_fetched += 6;
+  moved.bytes_fetched += 507;
+  m.pulled({.chunks_found = 0, .bytes_found = 0});
+  m.pulled({.chunks_found = 4, .bytes_found = 400, .evicted = 2});
   const auto text = m.render();
   for (const char* line : {
            "gpusnap_registry_bytes_total{direction=\"push\"} 3010",
