@@ -38,6 +38,7 @@
 #include "common/proc.h"
 #include "common/subprocess.h"
 #include "criu/criu.h"
+#include "store/recording_server.h"
 #include "store/registry_fixture.h"
 #include "testing/harness.h"
 #include "testing/node_network.h"
@@ -1639,6 +1640,80 @@ TEST_F(AgentsAndRegistry, AnEncryptedCaptureIsRestoredOnlyByTheNodeWithTheKey) {
 // The two nodes with the registry over TLS (a certificate from a self-signed CA) and htpasswd
 // basic authentication, the tests/store fixture's; the agents get the CA with
 // --registry-ca-file and the credentials with --registry-auth-file, as from the chart's Secret.
+// The registry sends its blobs' GETs to object storage on another host by redirect (a
+// recording server of the test's own, serving the registry's storage), and wants basic
+// authentication: what RegistryTransport.ARedirectedBlobGoesOnWithoutThePassword checks of the
+// transport, checked here of the agent's pulls and the CLI's.
+class AgentsAndARedirectingRegistry : public AgentsAndRegistry {
+ protected:
+  static constexpr const char* kPassword = "s3cret-pass";
+  void SetUp() override {
+    // Before the registry, whose configuration names it; on every address of the host, so the
+    // nodes reach it at the host's address on their links.
+    storage_.emplace(
+        [this](const httplib::Request& req, httplib::Response& res) {
+          if (!registry_) {
+            res.status = 503;
+            return;
+          }
+          serve_files(registry_->storage())(req, res);
+        },
+        "0.0.0.0");
+    AgentsAndRegistry::SetUp();
+  }
+  LocalRegistry::Options registry_options() const override {
+    const std::string target = storage_->host();
+    return {.username = "gpusnap",
+            .password = kPassword,
+            .extra_config = redirect_middleware("http://" + nodes_->host_address() +
+                                                target.substr(target.find(':')) + "/")};
+  }
+  // A node's registry arguments with its auth.json.
+  std::vector<std::string> auth_args(const TempDir& node) const {
+    write(
+        node / "auth.json",
+        json{{"auths", {{registry_->host(), {{"auth", "Z3B1c25hcDpzM2NyZXQtcGFzcw=="}}}}}}.dump());
+    std::vector<std::string> args = registry_args(node);
+    args.insert(args.end(), {"--registry-auth-file", (node / "auth.json").string()});
+    return args;
+  }
+  std::optional<RecordingServer> storage_;
+};
+
+// A pushes with the password; B's prefetch and a `gpusnap pull` on the host fetch every chunk
+// from the object storage the registry redirects to, and not one of those requests carries the
+// registry's password. The copies are whole.
+TEST_F(AgentsAndARedirectingRegistry, ChunksFollowTheRedirectWithoutThePasswordForAgentAndCli) {
+  start_agents(auth_args(a_dir_), auth_args(b_dir_));
+  Workload source = workload_on_a({"--mib", "16"});
+  const std::string reference = capture_on_a("snap", source.pid());
+  ASSERT_FALSE(reference.empty());
+  ASSERT_TRUE(storage_->seen().empty());  // a push is not redirected
+
+  auto warmed = b_->run("/v1/prefetch", {{"reference", reference}});
+  ASSERT_EQ(warmed["state"], "succeeded") << warmed.dump(2);
+  const uint64_t chunks = warmed["result"]["chunks_fetched"].get<uint64_t>();
+  ASSERT_GT(chunks, 0U);
+  const size_t by_agent = storage_->seen().size();
+  EXPECT_GT(by_agent, chunks);  // every chunk, and the layout
+  EXPECT_EQ(gpusnap({"verify", warmed["result"]["artifact"].get<std::string>()}).exit_code, 0);
+
+  const auto out = b_dir_ / "by-cli";
+  auto pulled =
+      gpusnap({"pull", reference, "-o", out.string(), "--plain-http", "--auth-file",
+               (b_dir_ / "auth.json").string(), "--cache", (b_dir_ / "cli-cache").string(), "-q"});
+  ASSERT_EQ(pulled.exit_code, 0) << pulled.err;
+  EXPECT_GT(storage_->seen().size(), by_agent + chunks);
+  EXPECT_EQ(gpusnap({"verify", out.string()}).exit_code, 0);
+
+  for (const auto& s : storage_->seen()) {
+    EXPECT_EQ(s.method, "GET") << s.path;
+    EXPECT_EQ(s.authorization, "") << s.method << " " << s.path;
+  }
+  // The registry itself had the password on what it served: its log names the user.
+  EXPECT_NE(registry_->log().find("auth.user.name=gpusnap"), std::string::npos);
+}
+
 class AgentsAndRegistryOverTls : public AgentsAndRegistry {
  protected:
   static constexpr const char* kPassword = "s3cret-pass";

@@ -31,7 +31,7 @@ class LocalRegistry {
     std::string address = "127.0.0.1";
     // Non-empty: a pull-through cache of the registry at this URL (docker-registry's
     // `proxy: remoteurl:`), as a cluster-local mirror runs.
-    std::string proxy_remote;
+    std::string proxy_remote = {};
     // More of the registry's configuration (YAML, top level): a storage middleware, token
     // authentication.
     std::string extra_config = {};

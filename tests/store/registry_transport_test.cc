@@ -2,7 +2,8 @@
 // them: a real docker-registry on loopback whose blobs are redirected to another host, and
 // servers written here that misbehave the ways registries, object storage and proxies do.
 // Registry's calls are driven directly: push and pull, the CLI and the agent all reach a
-// registry through them, so what holds here holds for each.
+// registry through them. The redirect is also checked end to end, for the agent's pulls and
+// `gpusnap pull` (AgentsAndARedirectingRegistry in tests/agent/agent_system_test.cc).
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -32,6 +33,7 @@
 #include "common/fs.h"
 #include "gpusnap/error.h"
 #include "store/digest.h"
+#include "store/recording_server.h"
 #include "store/registry.h"
 #include "store/registry_fixture.h"
 #include "testing/harness.h"
@@ -43,74 +45,6 @@ namespace sfs = std::filesystem;
 using store::OciRef;
 using store::Registry;
 using store::RegistryOptions;
-
-// One request as a TestServer saw it.
-struct Seen {
-  std::string method;
-  std::string path;  // with its query, as sent
-  std::string authorization;
-  std::string user_agent;
-};
-
-// An HTTP server of the test's own on loopback, answering every request with `handler` and
-// recording what each request was and which Authorization header it carried.
-class TestServer {
- public:
-  using Handler = std::function<void(const httplib::Request&, httplib::Response&)>;
-  explicit TestServer(Handler handler) : handler_(std::move(handler)) {
-    auto record = [this](const httplib::Request& req, httplib::Response& res) {
-      {
-        std::lock_guard lock(mu_);
-        seen_.push_back({req.method, req.target, req.get_header_value("Authorization"),
-                         req.get_header_value("User-Agent")});
-      }
-      handler_(req, res);
-    };
-    server_.Get(".*", record);
-    server_.Put(".*", record);
-    server_.Post(".*", record);
-    port_ = server_.bind_to_any_port("127.0.0.1");  // listening from here on
-    thread_ = std::thread([this] { server_.listen_after_bind(); });
-  }
-  TestServer(const TestServer&) = delete;
-  TestServer& operator=(const TestServer&) = delete;
-  ~TestServer() {
-    server_.stop();
-    thread_.join();
-  }
-  std::string host() const { return "127.0.0.1:" + std::to_string(port_); }
-  std::vector<Seen> seen() const {
-    std::lock_guard lock(mu_);
-    return seen_;
-  }
-
- private:
-  Handler handler_;
-  httplib::Server server_;
-  int port_ = 0;
-  std::thread thread_;
-  mutable std::mutex mu_;
-  std::vector<Seen> seen_;
-};
-
-// Serves the files under `root` by path: what object storage behind a registry's redirect
-// middleware does with the registry's own storage.
-TestServer::Handler serve_files(const sfs::path& root) {
-  return [root](const httplib::Request& req, httplib::Response& res) {
-    std::string data;
-    if (req.path.find("..") != std::string::npos ||
-        !fs::try_read_file(root / req.path.substr(1), &data)) {
-      res.status = 404;
-      return;
-    }
-    res.set_content(data, "application/octet-stream");
-  };
-}
-
-std::string redirect_middleware(const std::string& base_url) {
-  return "middleware:\n  storage:\n    - name: redirect\n      options:\n        baseurl: " +
-         base_url + "\n";
-}
 
 std::string auth_json(const sfs::path& file, const std::string& host, const std::string& user,
                       const std::string& password) {
@@ -145,7 +79,7 @@ std::string expect_error(Fn&& fn, ErrorKind kind, const std::string& text) {
 
 TEST_F(RegistryTransport, ARedirectedBlobGoesOnWithoutThePassword) {
   sfs::path storage;
-  TestServer target([&storage](const httplib::Request& req, httplib::Response& res) {
+  RecordingServer target([&storage](const httplib::Request& req, httplib::Response& res) {
     serve_files(storage)(req, res);
   });
   LocalRegistry::Options o;
@@ -183,7 +117,7 @@ TEST_F(RegistryTransport, ARedirectedBlobGoesOnWithoutThePassword) {
 }
 
 TEST_F(RegistryTransport, ARedirectFromHttpsToHttpIsRefused) {
-  TestServer target(serve_files(dir_ / "nothing"));
+  RecordingServer target(serve_files(dir_ / "nothing"));
   LocalRegistry::Options o;
   o.tls = true;
   o.extra_config = redirect_middleware("http://" + target.host() + "/");
@@ -202,8 +136,8 @@ TEST_F(RegistryTransport, ARedirectFromHttpsToHttpIsRefused) {
 // A registry (a front written here) whose redirects are bad: a port out of range, a loop, a
 // target that has nothing. Each a clear Error naming the host, never an internal error.
 TEST_F(RegistryTransport, BadRedirectsAreClearErrorsNamingTheHost) {
-  TestServer empty_storage(serve_files(dir_ / "nothing"));
-  TestServer front([&](const httplib::Request& req, httplib::Response& res) {
+  RecordingServer empty_storage(serve_files(dir_ / "nothing"));
+  RecordingServer front([&](const httplib::Request& req, httplib::Response& res) {
     res.status = 307;
     if (req.path.find("badport") != std::string::npos) {
       res.set_header("Location", "http://127.0.0.1:99999999999/data");
@@ -539,7 +473,7 @@ TEST_F(RegistryTransport, CertsDirectoriesAndCaFileAddToTheSystemsTrust) {
 }
 
 TEST_F(RegistryTransport, TheUserAgentNamesGpusnapAndItsVersion) {
-  TestServer server([](const httplib::Request&, httplib::Response& res) { res.status = 404; });
+  RecordingServer server([](const httplib::Request&, httplib::Response& res) { res.status = 404; });
   RegistryOptions ro;
   ro.plain_http = true;
   Registry r(OciRef::parse("oci://" + server.host() + "/t/agent:1"), ro);
@@ -674,7 +608,7 @@ class TokenService {
   int expires_in_;
   sfs::path key_;
   sfs::path cert_;
-  TestServer server_;  // last: it stops before the rest goes
+  RecordingServer server_;  // last: it stops before the rest goes
 };
 
 TEST_F(RegistryTransport, BearerTokensAreFetchedReusedAndRefreshed) {
