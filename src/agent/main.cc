@@ -7,7 +7,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <filesystem>
@@ -177,7 +176,7 @@ std::optional<RegistryStorageSettings> remote_settings(const args::Args& args,
 
 // The chunks this agent serves its peers (--serve-peers), from the registry storage's
 // repository alone, with its credentials and registries.conf; null when it serves none. When
-// its own --listen is among its --peers, its own pulls ask it in-process: one fetch of each
+// its own --listen is among its peers, its own pulls ask it in-process: one fetch of each
 // chunk serves both.
 std::shared_ptr<store::PeerChunks> peer_chunks(const args::Args& args,
                                                std::optional<RegistryStorageSettings>& remote) {
@@ -190,11 +189,9 @@ std::shared_ptr<store::PeerChunks> peer_chunks(const args::Args& args,
   serving.registry = remote->registry;
   serving.repositories = {repository.host + "/" + repository.repository};
   auto chunks = std::make_shared<store::PeerChunks>(std::move(serving));
-  const auto& peers = remote->registry.peers;
-  const std::string self = args.get("--listen");
-  if (peers && std::find(peers->list().begin(), peers->list().end(), self) != peers->list().end()) {
-    peers->serve_self(self, chunks);
-  }
+  // Matched against the peers each time a chunk's owner is found: a name of --peers-dns
+  // resolves to the pod's address, which --listen=$(POD_IP):PORT names too.
+  if (const auto& peers = remote->registry.peers) peers->serve_self(args.get("--listen"), chunks);
   return chunks;
 }
 

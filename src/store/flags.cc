@@ -26,6 +26,9 @@ std::vector<args::FlagSpec> registry_flags(const std::string& prefix) {
            "asked of the one that owns it before the mirrors and the origin, and checked against "
            "its digest (default: none)"},
           {"--peers-file", "", "FILE", "more peers, one ADDR:PORT a line"},
+          {"--peers-dns", "", "NAME:PORT",
+           "more peers: every address NAME resolves to (a headless Service of the agents), "
+           "looked up again every 30 s"},
           {"--peer-token-file", "", "FILE", "the bearer token of the peers' TCP API (one line)"}};
 }
 
@@ -35,8 +38,8 @@ void read_registry_flags(const args::Args& args, const std::string& prefix,
   options.ca_file = args.get(prefix + "ca-file");
   options.auth_file = args.get(prefix + "auth-file");
   options.registries_conf = args.get("--registries-conf");
-  options.peers =
-      read_peers(args.get("--peers"), args.get("--peers-file"), args.get("--peer-token-file"));
+  options.peers = read_peers(args.get("--peers"), args.get("--peers-file"), args.get("--peers-dns"),
+                             args.get("--peer-token-file"));
   options.flag_prefix = prefix;  // the registry's hints name the flags as this program spells them
 }
 

@@ -1,5 +1,9 @@
 #include "store/peers.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -100,8 +104,8 @@ std::vector<std::string> parse_peer_list(std::string_view text, const std::strin
 }
 
 std::shared_ptr<Peers> read_peers(const std::string& list, const std::string& file,
-                                  const std::string& token_file) {
-  if (list.empty() && file.empty()) {
+                                  const std::string& dns, const std::string& token_file) {
+  if (list.empty() && file.empty() && dns.empty()) {
     if (!token_file.empty()) throw bad_peers("--peer-token-file needs --peers or --peers-file");
     return nullptr;
   }
@@ -115,9 +119,10 @@ std::shared_ptr<Peers> read_peers(const std::string& list, const std::string& fi
       if (std::find(peers.begin(), peers.end(), p) == peers.end()) peers.push_back(std::move(p));
     }
   }
-  if (peers.empty()) throw bad_peers("the peers list names no peer");
+  std::vector<std::string> names = parse_peer_list(dns, "--peers-dns");
+  if (peers.empty() && names.empty()) throw bad_peers("the peers list names no peer");
   if (token_file.empty()) throw bad_peers("peers need the agents' token (--peer-token-file)");
-  return std::make_shared<Peers>(std::move(peers), read_token(token_file));
+  return std::make_shared<Peers>(std::move(peers), read_token(token_file), std::move(names));
 }
 
 // One fetch of one digest, which every ask for it waits on.
@@ -151,22 +156,21 @@ std::string PeerChunks::get(const PeerRequest& r) {
     throw Error(ErrorKind::kUsage, "this agent fetches no chunks of " + r.repository,
                 "ask for chunks of the repository the agents' registry storage names");
   }
-  {
-    BlobStore cache(serving_.cache);
-    if (cache.has(r.digest)) {
-      try {
-        std::string data = cache.get(r.digest, r.size);
-        if (data.size() == r.size) {
-          served_ += data.size();
-          return data;
-        }
-      } catch (const Error&) {  // NOLINT(bugprone-empty-catch): damaged and removed: fetched
-      }
-    }
-  }
-  std::string data = fetch(r);
+  std::optional<std::string> cached = from_cache(r);
+  std::string data = cached ? std::move(*cached) : fetch(r);
   served_ += data.size();
   return data;
+}
+
+std::optional<std::string> PeerChunks::from_cache(const PeerRequest& r) const {
+  BlobStore cache(serving_.cache);
+  if (!cache.has(r.digest)) return std::nullopt;
+  try {
+    std::string data = cache.get(r.digest, r.size);
+    if (data.size() == r.size) return data;
+  } catch (const Error&) {  // NOLINT(bugprone-empty-catch): damaged and removed there: fetched
+  }
+  return std::nullopt;
 }
 
 std::string PeerChunks::fetch(const PeerRequest& r) {
@@ -189,18 +193,25 @@ std::string PeerChunks::fetch(const PeerRequest& r) {
   ++fetching_;
   std::shared_ptr<const std::string> data;
   std::exception_ptr error;
+  PullRegistries* registries = nullptr;
   try {
-    PullRegistries& registries = registries_for(r);
+    registries = &registries_for(r);
     lock.unlock();
-    auto got = std::make_shared<std::string>(registries.fetch_blob(r.digest, r.size));
-    BlobStore(serving_.cache).put(r.digest, *got);  // checked against its digest by the fetch
-    fetched_ += got->size();
-    data = std::move(got);
-    lock.lock();
+    // A fetch of it may have ended between the caller's look at the cache and this one's start.
+    if (std::optional<std::string> cached = from_cache(r)) {
+      data = std::make_shared<const std::string>(std::move(*cached));
+    } else {
+      auto got = std::make_shared<std::string>(registries->fetch_blob(r.digest, r.size));
+      BlobStore(serving_.cache).put(r.digest, *got);  // checked against its digest by the fetch
+      fetched_ += got->size();
+      data = std::move(got);
+    }
   } catch (...) {
-    if (!lock.owns_lock()) lock.lock();
     error = std::current_exception();
   }
+  // Notes are for one pull's report, and this fetcher lives as long as the agent.
+  if (registries != nullptr) (void)registries->take_notes();
+  if (!lock.owns_lock()) lock.lock();
   --fetching_;
   slot_free_.notify_one();
   flight->done = true;
@@ -218,8 +229,48 @@ struct Peers::Answer {
   std::string why;
 };
 
-Peers::Peers(std::vector<std::string> peers, std::string token)
-    : peers_(std::move(peers)), token_(std::move(token)) {}
+Peers::Peers(std::vector<std::string> peers, std::string token, std::vector<std::string> dns)
+    : peers_(std::move(peers)), token_(std::move(token)), dns_(std::move(dns)) {}
+
+std::vector<std::string> Peers::members() {
+  std::unique_lock lock(mu_);
+  if (dns_.empty()) return peers_;
+  if (resolved_ != Clock::time_point{} && Clock::now() - resolved_ < kResolveEvery) {
+    return members_;
+  }
+  resolved_ = Clock::now();  // one thread resolves; the others use the last list meanwhile
+  const std::vector<std::string> names = dns_;
+  lock.unlock();
+  std::vector<std::string> found = peers_;
+  for (const std::string& entry : names) {
+    const size_t colon = entry.rfind(':');
+    const std::string name = entry.substr(0, colon);
+    const std::string port = entry.substr(colon + 1);
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* list = nullptr;
+    if (::getaddrinfo(name.c_str(), port.c_str(), &hints, &list) != 0) continue;
+    std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> owned(list, ::freeaddrinfo);
+    for (const addrinfo* a = list; a != nullptr && found.size() < kMaxPeers; a = a->ai_next) {
+      char text[INET6_ADDRSTRLEN] = {};
+      if (a->ai_family == AF_INET) {
+        ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(a->ai_addr)->sin_addr, text,
+                    sizeof text);
+        found.push_back(std::string(text) + ":" + port);
+      } else if (a->ai_family == AF_INET6) {
+        ::inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(a->ai_addr)->sin6_addr, text,
+                    sizeof text);
+        found.push_back("[" + std::string(text) + "]:" + port);
+      }
+    }
+  }
+  std::sort(found.begin(), found.end());
+  found.erase(std::unique(found.begin(), found.end()), found.end());
+  lock.lock();
+  members_ = found;
+  return found;
+}
 
 void Peers::serve_self(const std::string& self, std::shared_ptr<PeerChunks> local) {
   self_ = self;
@@ -287,7 +338,7 @@ Peers::Answer Peers::ask(const std::string& peer, const PeerRequest& r) const {
 std::optional<std::string> Peers::fetch(const OciRef& ref, const std::string& digest, uint64_t size,
                                         const std::function<void(const std::string&)>& note) {
   PeerRequest r{digest, size, ref.host + "/" + ref.repository};
-  for (const std::string& peer : rank_peers(peers_, digest)) {
+  for (const std::string& peer : rank_peers(members(), digest)) {
     if (down(peer)) continue;
     if (peer == self_ && local_) {
       try {

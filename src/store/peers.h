@@ -15,7 +15,8 @@
 // the agents' TCP API demands (agent/tcp_front.h); an owner fetches only from the repositories
 // it is configured for (its own registry storage) and as its registries.conf allows.
 //
-// Off unless configured: `--peers ADDR:PORT,...` or `--peers-file FILE` with
+// Off unless configured: `--peers ADDR:PORT,...`, `--peers-file FILE` or `--peers-dns NAME:PORT`
+// with
 // `--peer-token-file FILE` (gpusnap pull, restore oci://, gpusnap-agent), `--serve-peers`
 // (gpusnap-agent: the GET /v1/chunks/ route).
 #pragma once
@@ -48,11 +49,11 @@ inline constexpr size_t kMaxPeers = 4096;
 // `where`.
 std::vector<std::string> parse_peer_list(std::string_view text, const std::string& where);
 
-// What --peers, --peers-file and --peer-token-file say; null when no peers are named. Throws
-// Error(kUsage) for a list without a token or a token without a list, and for a token file
-// that is missing, readable by others or shorter than 16 characters.
+// What --peers, --peers-file, --peers-dns and --peer-token-file say; null when no peers are
+// named. Throws Error(kUsage) for a list without a token or a token without a list, and for a
+// token file that is missing, readable by others or shorter than 16 characters.
 std::shared_ptr<class Peers> read_peers(const std::string& list, const std::string& file,
-                                        const std::string& token_file);
+                                        const std::string& dns, const std::string& token_file);
 
 // The serving side: the chunks an agent hands its peers and its own pulls, each fetched once.
 struct PeerServing {
@@ -82,6 +83,8 @@ class PeerChunks {
  private:
   struct Flight;
   std::string fetch(const PeerRequest& r);
+  // The blob from the node cache, when it holds it whole; a damaged one is removed there.
+  std::optional<std::string> from_cache(const PeerRequest& r) const;
   PullRegistries& registries_for(const PeerRequest& r);
 
   PeerServing serving_;
@@ -97,12 +100,16 @@ class PeerChunks {
 // The pulling side: asks each chunk's owner. Thread-safe; one per program, shared by its pulls.
 class Peers {
  public:
-  Peers(std::vector<std::string> peers, std::string token);
+  // `dns`: NAME:PORT entries standing for every address NAME resolves to (a Kubernetes
+  // headless Service of the agents), looked up again every kResolveEvery.
+  Peers(std::vector<std::string> peers, std::string token, std::vector<std::string> dns = {});
 
   // `self` (one of the peers, the agent's own --listen) is answered by `local` in-process: the
   // agent's own pulls and its peers' asks then share one fetch of each chunk.
   void serve_self(const std::string& self, std::shared_ptr<PeerChunks> local);
   const std::vector<std::string>& list() const { return peers_; }
+  // The peers now: the list and what the DNS names resolve to, each once, sorted.
+  std::vector<std::string> members();
   const std::string& token() const { return token_; }
 
   // The blob from its owner, or from the next peer in its rank while those before are down
@@ -113,6 +120,7 @@ class Peers {
                                    const std::function<void(const std::string&)>& note);
 
   static constexpr std::chrono::seconds kDownFor{30};
+  static constexpr std::chrono::seconds kResolveEvery{30};
   // How long one ask may take: an owner may be waiting on its own fetch from the origin.
   static constexpr std::chrono::seconds kReadTimeout{120};
 
@@ -127,6 +135,9 @@ class Peers {
   std::shared_ptr<PeerChunks> local_;
   std::mutex mu_;
   std::map<std::string, std::chrono::steady_clock::time_point> down_until_;
+  std::vector<std::string> dns_;
+  std::vector<std::string> members_;  // under mu_: the last resolution's
+  std::chrono::steady_clock::time_point resolved_{};
 };
 
 }  // namespace gpusnap::store

@@ -3,6 +3,7 @@
 // the peers list and its token file.
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <map>
 #include <string>
 #include <vector>
@@ -116,27 +117,34 @@ TEST(PeerList, ReadFromAFlagOrAFileWithCommentsEachPeerOnce) {
 
 TEST(PeerList, PeersNeedAPrivateTokenAndATokenNeedsPeers) {
   TempDir dir;
-  EXPECT_EQ(store::read_peers("", "", ""), nullptr);  // off by default
+  EXPECT_EQ(store::read_peers("", "", "", ""), nullptr);  // off by default
   const auto text = [](auto f) { return std::string(catch_error(f).what()); };
-  EXPECT_TRUE(Contains(text([] { (void)store::read_peers("10.0.0.1:7070", "", ""); }),
+  EXPECT_TRUE(Contains(text([] { (void)store::read_peers("10.0.0.1:7070", "", "", ""); }),
                        "--peer-token-file"));
   const std::string token = (dir / "token").string();
-  EXPECT_TRUE(Contains(text([&] { (void)store::read_peers("", "", token); }),
+  EXPECT_TRUE(Contains(text([&] { (void)store::read_peers("", "", "", token); }),
                        "--peer-token-file needs --peers"));
   fs::write_file(dir / "token", "short\n");
   ::chmod(token.c_str(), 0600);
-  EXPECT_TRUE(Contains(text([&] { (void)store::read_peers("10.0.0.1:7070", "", token); }),
+  EXPECT_TRUE(Contains(text([&] { (void)store::read_peers("10.0.0.1:7070", "", "", token); }),
                        "shorter than 16 characters"));
   fs::write_file(dir / "token", "0123456789abcdef0123\n");
   ::chmod(token.c_str(), 0644);
-  EXPECT_TRUE(Contains(text([&] { (void)store::read_peers("10.0.0.1:7070", "", token); }),
+  EXPECT_TRUE(Contains(text([&] { (void)store::read_peers("10.0.0.1:7070", "", "", token); }),
                        "readable by everyone"));
   ::chmod(token.c_str(), 0600);
   fs::write_file(dir / "peers", "10.0.0.2:7070\n10.0.0.1:7070\n");
-  const auto peers = store::read_peers("10.0.0.1:7070", (dir / "peers").string(), token);
+  const auto peers = store::read_peers("10.0.0.1:7070", (dir / "peers").string(), "", token);
   ASSERT_NE(peers, nullptr);
   EXPECT_EQ(peers->list(), (std::vector<std::string>{"10.0.0.1:7070", "10.0.0.2:7070"}));
   EXPECT_EQ(peers->token(), "0123456789abcdef0123");
+  EXPECT_EQ(peers->members(), peers->list());
+  // A name stands for every address it resolves to, as a headless Service's does.
+  const auto named = store::read_peers("", "", "localhost:7070", token);
+  ASSERT_NE(named, nullptr);
+  const auto members = named->members();
+  EXPECT_NE(std::find(members.begin(), members.end(), "127.0.0.1:7070"), members.end())
+      << ::testing::PrintToString(members);
 }
 
 }  // namespace
