@@ -59,7 +59,7 @@ std::vector<args::FlagSpec> flags() {
       {"--serve-peers", "", "",
        "serve the chunks of the registry storage's snapshots to the other agents on TCP "
        "(GET /v1/chunks/, with the token), fetching each chunk a peer asks for once (requires "
-       "--registry and --listen; docs/store.md, \"Fan-out\")"},
+       "--registry and --listen; docs/store.md, \"Agents serving each other the chunks\")"},
       {"--log-format", "", "text|json",
        "the log's lines: text, or JSON lines for a log pipeline (default text)"}};
   for (auto& more : {store::registry_flags(kRegistryPrefix), store::cache_flags()}) {
