@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <stdexcept>
 #include <thread>
@@ -73,7 +74,7 @@ struct Fanout::Agent {
 };
 
 Fanout::Fanout(const TempDir& dir, const sfs::path& artifact, const FanoutOptions& options)
-    : dir_(dir), options_(options) {
+    : dir_(dir), options_(options), artifact_(artifact) {
   // The origin's namespace and the nodes', five to a /29.
   std::vector<const Node*> all;
   for (int left = options.nodes + 1; left > 0; left -= 5) {
@@ -138,16 +139,21 @@ double Fanout::pull(size_t first, size_t last, const std::string& tag,
   const auto start = Clock::now();
   for (size_t i = first; i < last; ++i) {
     const sfs::path base = dir_ / (tag + "-node" + std::to_string(i));
+    // A reference among `extra` pulls that one instead of the snapshot's.
+    const auto named = std::find_if(extra.begin(), extra.end(),
+                                    [](const std::string& a) { return a.starts_with("oci://"); });
     std::vector<std::string> argv = {gpusnap_bin(),
                                      "pull",
-                                     reference_,
+                                     named != extra.end() ? *named : reference_,
                                      "-o",
                                      (base / "copy").string(),
                                      "--plain-http",
                                      "--cache",
                                      (base / "cache").string(),
                                      "-q"};
-    argv.insert(argv.end(), extra.begin(), extra.end());
+    for (const auto& a : extra) {
+      if (!a.starts_with("oci://")) argv.push_back(a);
+    }
     sfs::create_directories(base);
     common::UniqueFd log(
         ::open((base / "pull.log").c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
@@ -286,21 +292,45 @@ void Fanout::start_agents(const std::string& tag, const std::string& peers) {
   }
 }
 
-FanoutRun Fanout::with_peers(const std::vector<std::string>& down) {
+FanoutRun Fanout::through_peers(const std::string& name, const std::string& reference,
+                                const std::vector<std::string>& down,
+                                const std::vector<std::string>& pull_flags) {
   FanoutRun run;
-  run.configuration = std::to_string(nodes_.size()) + " nodes, agents serving peers";
+  run.configuration = std::to_string(nodes_.size()) + " nodes, agents serving peers" + name;
   if (!down.empty()) run.configuration += ", " + std::to_string(down.size()) + " peer down";
   const std::string tag = "peers" + std::to_string(runs_++);
   std::vector<std::string> peers;
   for (size_t i = 0; i < nodes_.size(); ++i) peers.push_back(agent_address(i));
   peers.insert(peers.end(), down.begin(), down.end());
   start_agents(tag, joined(peers));
+  std::vector<std::string> extra = {reference, "--peers", joined(peers), "--peer-token-file",
+                                    token_file_.string()};
+  extra.insert(extra.end(), pull_flags.begin(), pull_flags.end());
   const uint64_t before = origin_blob_bytes();
-  run.last_done_s =
-      pull(0, nodes_.size(), tag,
-           {"--peers", joined(peers), "--peer-token-file", token_file_.string()}, run);
+  run.last_done_s = pull(0, nodes_.size(), tag, extra, run);
   run.origin_bytes = origin_blob_bytes() - before;
   return run;
+}
+
+FanoutRun Fanout::with_peers(const std::vector<std::string>& down) {
+  return through_peers("", reference_, down, {});
+}
+
+FanoutRun Fanout::with_peers_encrypted() {
+  const sfs::path key = dir_ / "fanout-key.pem";
+  const sfs::path pub = dir_ / "fanout-key.pub";
+  if (!sfs::exists(key)) {
+    openssl({"genpkey", "-algorithm", "X25519", "-out", key.string()});
+    openssl({"pkey", "-in", key.string(), "-pubout", "-out", pub.string()});
+    sfs::permissions(key, sfs::perms::owner_read | sfs::perms::owner_write,
+                     sfs::perm_options::replace);
+  }
+  const std::string reference = origin_->ref("fanout/snap:sealed");
+  auto r = gpusnap({"push", artifact_.string(), reference, "--plain-http", "--encrypt",
+                    pub.string(), "--dedup-secret", (dir_ / "dedup-secret").string(), "-q"},
+                   std::chrono::minutes(30));
+  if (r.exit_code != 0) throw std::runtime_error("encrypted push failed: " + r.err);
+  return through_peers(", encrypted", reference, {}, {"--decryption-key", key.string()});
 }
 
 FanoutRun Fanout::with_peers_through_agents() {

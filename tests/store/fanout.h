@@ -71,6 +71,9 @@ class Fanout {
   // serving the others (store/peers.h). `down`: peers named in the list whose agent does not
   // run (ADDR:PORT). The agents keep serving until the next run or the end.
   FanoutRun with_peers(const std::vector<std::string>& down = {});
+  // The same for the artifact pushed again encrypted (push --encrypt) for a key pair made here,
+  // the pulls opening it with the private key: the peers serve the sealed blobs as stored.
+  FanoutRun with_peers_encrypted();
   // The same through the agents: each asked over TCP to prefetch the snapshot (POST
   // /v1/prefetch) at once, its own pull and its peers' asks sharing one fetch of each chunk it
   // owns. The copies are the agents' node copies.
@@ -94,6 +97,10 @@ class Fanout {
   // Returns the seconds until the last one finished.
   double pull(size_t first, size_t last, const std::string& tag,
               const std::vector<std::string>& extra, FanoutRun& run);
+  // Every node at once with `gpusnap pull --peers` of `reference`, through fresh agents.
+  FanoutRun through_peers(const std::string& name, const std::string& reference,
+                          const std::vector<std::string>& down,
+                          const std::vector<std::string>& pull_flags);
   // Fresh agents on every node, serving `peers`; the old ones stopped first.
   void start_agents(const std::string& tag, const std::string& peers);
   FanoutRun through_mirror(const std::string& name, size_t first_wave);
@@ -107,6 +114,7 @@ class Fanout {
   std::vector<std::string> forwarding_links_;
   std::optional<LocalRegistry> origin_;
   std::string reference_;
+  std::filesystem::path artifact_;
   uint64_t stored_bytes_ = 0;
   int runs_ = 0;
   std::filesystem::path token_file_;

@@ -140,6 +140,12 @@ TEST(StoreFanout, FourAgentsServingEachOtherCostTheOriginOneCopyAndFallBackOnAFa
   check(prefetched);
   EXPECT_LE(prefetched.origin_bytes / stored, 1.5);
 
+  // Pushed encrypted, the chunks are sealed blobs with digests of their own: the peers serve
+  // them as stored, the nodes open them.
+  const FanoutRun sealed = fanout.with_peers_encrypted();
+  check(sealed);
+  EXPECT_LE(sealed.origin_bytes / stored, 1.5);
+
   // The agents' route is behind their token: without it 401; with it, a chunk its agent holds,
   // which is what its digest says; a repository the agent does not fetch for is refused.
   std::string hex;
