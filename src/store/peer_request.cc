@@ -11,8 +11,7 @@ namespace gpusnap::store {
 
 namespace {
 
-// A sealed chunk (store/encryption.h) is its chunk and a nonce and tag: a little more.
-constexpr uint64_t kMaxPeerBlobBytes = kMaxChunkBytes + 4096;
+static_assert(kMaxPeerBlobBytes == kMaxChunkBytes + 4096);
 
 Error bad(const std::string& why) {
   return Error(ErrorKind::kUsage, "bad chunk request: " + why,

@@ -19,6 +19,10 @@ inline constexpr std::string_view kPeerChunksPath = "/v1/chunks/";
 // A request target longer than this is refused unread: a digest, a size and a repository of
 // at most 255 characters behind a host of at most 260 fit in well under it.
 inline constexpr size_t kMaxPeerTargetBytes = 1024;
+// The largest blob a peer is asked for or serves: a chunk (store/layout.h), or a sealed chunk
+// (store/encryption.h), its chunk and a nonce and tag. A larger blob (a layout beyond it) is
+// fetched from the registries.
+inline constexpr uint64_t kMaxPeerBlobBytes = (32ull << 20) + 4096;
 
 struct PeerRequest {
   std::string digest;      // sha256:HEX

@@ -139,15 +139,17 @@ PeerChunks::PeerChunks(PeerServing serving) : serving_(std::move(serving)) {
 
 PeerChunks::~PeerChunks() = default;
 
-PullRegistries& PeerChunks::registries_for(const PeerRequest& r) {
-  // With mu_ held. Connections, tokens and the mirrors' state kept per repository. A blob is
-  // named by its digest: the reference's digest only picks the mirrors as a pull by digest does.
-  auto& slot = registries_[r.repository];
-  if (!slot) {
+std::shared_ptr<PullRegistries> PeerChunks::registries_for(const PeerRequest& r) {
+  // With mu_ held. Connections, tokens and the mirrors' state kept per repository for a while.
+  // A blob is named by its digest: the reference's digest only picks the mirrors as a pull by
+  // digest does.
+  Registries& slot = registries_[r.repository];
+  if (!slot.registries || Clock::now() - slot.made > kRegistriesFor) {
     OciRef ref = OciRef::parse(std::string(kOciScheme) + r.repository + "@" + r.digest);
-    slot = std::make_unique<PullRegistries>(ref, serving_.registry);  // refuses a blocked one
+    // Refuses a registry the configuration blocks (Error kUsage).
+    slot = {std::make_shared<PullRegistries>(ref, serving_.registry), Clock::now()};
   }
-  return *slot;
+  return slot.registries;
 }
 
 std::string PeerChunks::get(const PeerRequest& r) {
@@ -193,9 +195,9 @@ std::string PeerChunks::fetch(const PeerRequest& r) {
   ++fetching_;
   std::shared_ptr<const std::string> data;
   std::exception_ptr error;
-  PullRegistries* registries = nullptr;
+  std::shared_ptr<PullRegistries> registries;
   try {
-    registries = &registries_for(r);
+    registries = registries_for(r);
     lock.unlock();
     // A fetch of it may have ended between the caller's look at the cache and this one's start.
     if (std::optional<std::string> cached = from_cache(r)) {
@@ -210,7 +212,7 @@ std::string PeerChunks::fetch(const PeerRequest& r) {
     error = std::current_exception();
   }
   // Notes are for one pull's report, and this fetcher lives as long as the agent.
-  if (registries != nullptr) (void)registries->take_notes();
+  if (registries) (void)registries->take_notes();
   if (!lock.owns_lock()) lock.lock();
   --fetching_;
   slot_free_.notify_one();
@@ -337,6 +339,7 @@ Peers::Answer Peers::ask(const std::string& peer, const PeerRequest& r) const {
 
 std::optional<std::string> Peers::fetch(const OciRef& ref, const std::string& digest, uint64_t size,
                                         const std::function<void(const std::string&)>& note) {
+  if (size == 0 || size > kMaxPeerBlobBytes) return std::nullopt;  // no peer serves it
   PeerRequest r{digest, size, ref.host + "/" + ref.repository};
   for (const std::string& peer : rank_peers(members(), digest)) {
     if (down(peer)) continue;

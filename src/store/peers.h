@@ -85,14 +85,21 @@ class PeerChunks {
   std::string fetch(const PeerRequest& r);
   // The blob from the node cache, when it holds it whole; a damaged one is removed there.
   std::optional<std::string> from_cache(const PeerRequest& r) const;
-  PullRegistries& registries_for(const PeerRequest& r);
+  std::shared_ptr<PullRegistries> registries_for(const PeerRequest& r);
 
   PeerServing serving_;
   std::mutex mu_;
   std::condition_variable slot_free_;
   int fetching_ = 0;
-  std::map<std::string, std::shared_ptr<Flight>> flights_;             // by digest
-  std::map<std::string, std::unique_ptr<PullRegistries>> registries_;  // by repository
+  std::map<std::string, std::shared_ptr<Flight>> flights_;  // by digest
+  // By repository, made again every kRegistriesFor: a mirror a PullRegistries found down is
+  // left out for its lifetime, which here would be the agent's.
+  struct Registries {
+    std::shared_ptr<PullRegistries> registries;
+    std::chrono::steady_clock::time_point made;
+  };
+  std::map<std::string, Registries> registries_;
+  static constexpr std::chrono::minutes kRegistriesFor{5};
   std::atomic<uint64_t> served_{0};
   std::atomic<uint64_t> fetched_{0};
 };

@@ -8,14 +8,13 @@
 #include <string>
 
 #include "gpusnap/error.h"
-#include "store/layout.h"
 #include "store/peer_request.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);
   try {
     const auto r = gpusnap::store::PeerRequest::parse(text);
-    if (r.size == 0 || r.size > gpusnap::store::kMaxChunkBytes + 4096) std::abort();
+    if (r.size == 0 || r.size > gpusnap::store::kMaxPeerBlobBytes) std::abort();
     const auto back = gpusnap::store::PeerRequest::parse(r.target());
     if (back.digest != r.digest || back.size != r.size || back.repository != r.repository) {
       std::abort();

@@ -32,6 +32,17 @@ TEST(PeerRequest, ATargetReadsBackAsWritten) {
   EXPECT_EQ(back.digest, r.digest);
   EXPECT_EQ(back.size, r.size);
   EXPECT_EQ(back.repository, r.repository);
+  // Up to the largest blob a snapshot holds, a sealed chunk's few bytes included.
+  const std::string largest = std::to_string(store::kMaxPeerBlobBytes);
+  EXPECT_EQ(
+      PeerRequest::parse("/v1/chunks/" + kDigest + "?size=" + largest + "&repository=h/r").size,
+      store::kMaxPeerBlobBytes);
+  EXPECT_EQ(catch_error([&] {
+              (void)PeerRequest::parse("/v1/chunks/" + kDigest +
+                                       "?size=" + std::to_string(store::kMaxPeerBlobBytes + 1) +
+                                       "&repository=h/r");
+            }).kind(),
+            ErrorKind::kUsage);
   // Its parameters in any order.
   EXPECT_EQ(PeerRequest::parse("/v1/chunks/" + kDigest + "?repository=h/r&size=1").repository,
             "h/r");
