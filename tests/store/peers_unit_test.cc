@@ -12,6 +12,7 @@
 
 #include "common/fs.h"
 #include "gpusnap/error.h"
+#include "store/blob_store.h"
 #include "store/digest.h"
 #include "store/peer_request.h"
 #include "store/peers.h"
@@ -156,6 +157,36 @@ TEST(PeerList, PeersNeedAPrivateTokenAndATokenNeedsPeers) {
   const auto members = named->members();
   EXPECT_NE(std::find(members.begin(), members.end(), "127.0.0.1:7070"), members.end())
       << ::testing::PrintToString(members);
+}
+
+TEST(PeerChunks, AnOwnerFetchesOnlyForItsRepositoryAndAsItsRegistriesConfAllows) {
+  TempDir dir;
+  fs::write_file(dir / "registries.conf",
+                 "[[registry]]\nlocation = \"blocked.example\"\nblocked = true\n");
+  store::PeerServing serving;
+  serving.cache = dir / "cache";
+  serving.registry.registries_conf = (dir / "registries.conf").string();
+  serving.repositories = {"blocked.example/team/snaps"};
+  store::PeerChunks chunks(serving);
+  // Refused before any connection: neither host exists.
+  const Error other = catch_error([&] {
+    (void)chunks.get({kDigest, 10, "registry.example/team/snaps"});
+  });
+  EXPECT_EQ(other.kind(), ErrorKind::kUsage);
+  EXPECT_TRUE(
+      Contains(other.what(), "this agent fetches no chunks of registry.example/team/snaps"));
+  const Error blocked = catch_error([&] {
+    (void)chunks.get({kDigest, 10, "blocked.example/team/snaps"});
+  });
+  EXPECT_EQ(blocked.kind(), ErrorKind::kUsage);
+  EXPECT_TRUE(Contains(blocked.what(), "blocked by the registries configuration"));
+  EXPECT_EQ(chunks.bytes_fetched(), 0u);
+  // What the node cache holds is served from it, checked against its digest.
+  const std::string data = "a chunk's bytes";
+  const std::string digest = store::sha256_digest(data);
+  store::BlobStore(serving.cache).put(digest, data);
+  EXPECT_EQ(chunks.get({digest, data.size(), "blocked.example/team/snaps"}), data);
+  EXPECT_EQ(chunks.bytes_served(), data.size());
 }
 
 }  // namespace
