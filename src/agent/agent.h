@@ -41,6 +41,7 @@
 #include "agent/operation.h"
 #include "agent/registry_storage.h"
 #include "agent/request.h"
+#include "store/peers.h"
 
 namespace gpusnap::agent {
 
@@ -57,6 +58,8 @@ struct AgentConfig {
   // Prefetches that run at once (--prefetch-workers).
   size_t prefetch_workers = 1;
   LogFormat log_format = LogFormat::kText;  // --log-format
+  // The chunks served to the other agents (--serve-peers, store/peers.h); null: none.
+  std::shared_ptr<store::PeerChunks> peer_chunks;
 };
 
 // A request refused because its lane already holds AgentConfig::max_pending pending

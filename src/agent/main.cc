@@ -24,6 +24,7 @@
 #include "common/fs.h"
 #include "gpusnap/error.h"
 #include "store/flags.h"
+#include "store/peers.h"
 #include "store/transfer.h"
 
 namespace gpusnap::agent {
@@ -55,6 +56,10 @@ std::vector<args::FlagSpec> flags() {
        "pending operations each lane holds, checkpoints and restores in one, prefetches in the "
        "other; more are refused with 429 (default 64)"},
       {"--prefetch-workers", "", "N", "prefetches that run at once (default 1, at most 16)"},
+      {"--serve-peers", "", "",
+       "serve the chunks of the registry storage's snapshots to the other agents on TCP "
+       "(GET /v1/chunks/, with the token), fetching each chunk a peer asks for once (requires "
+       "--registry and --listen; docs/store.md, \"Agents serving each other the chunks\")"},
       {"--log-format", "", "text|json",
        "the log's lines: text, or JSON lines for a log pipeline (default text)"}};
   for (auto& more : {store::registry_flags(kRegistryPrefix), store::cache_flags()}) {
@@ -169,6 +174,27 @@ std::optional<RegistryStorageSettings> remote_settings(const args::Args& args,
   return s;
 }
 
+// The chunks this agent serves its peers (--serve-peers), from the registry storage's
+// repository alone, with its credentials and registries.conf; null when it serves none. When
+// its own --listen is among its peers, its own pulls ask it in-process: one fetch of each
+// chunk serves both.
+std::shared_ptr<store::PeerChunks> peer_chunks(const args::Args& args,
+                                               std::optional<RegistryStorageSettings>& remote) {
+  if (!args.has("--serve-peers")) return nullptr;
+  if (!remote) throw usage("--serve-peers needs --registry: peers are served its chunks");
+  if (!args.has("--listen")) throw usage("--serve-peers needs --listen: peers ask over TCP");
+  const store::OciRef repository = store::OciRef::parse(remote->repository);
+  store::PeerServing serving;
+  serving.cache = remote->cache;
+  serving.registry = remote->registry;
+  serving.repositories = {repository.host + "/" + repository.repository};
+  auto chunks = std::make_shared<store::PeerChunks>(std::move(serving));
+  // Matched against the peers each time a chunk's owner is found: a name of --peers-dns
+  // resolves to the pod's address, which --listen=$(POD_IP):PORT names too.
+  if (const auto& peers = remote->registry.peers) peers->serve_self(args.get("--listen"), chunks);
+  return chunks;
+}
+
 void make_private_dir(const std::filesystem::path& dir) {
   std::error_code ec;
   if (std::filesystem::is_directory(dir, ec)) return;
@@ -249,6 +275,7 @@ int run(const std::vector<std::string>& argv, LogFormat& format) {
   config.max_pending = static_cast<size_t>(args.get_int("--max-pending", 64, 1, 1 << 20));
   config.prefetch_workers = static_cast<size_t>(args.get_int("--prefetch-workers", 1, 1, 16));
   config.log_format = format;
+  config.peer_chunks = peer_chunks(args, config.remote);
   make_private_dir(config.engine.storage);
   make_private_dir(config.state_dir);
 

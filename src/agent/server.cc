@@ -48,7 +48,8 @@ std::vector<std::string> methods_of(const std::string& path) {
     return {"POST"};
   }
   if (path == "/v1/healthz" || path == "/v1/operations" || path == "/v1/snapshots" ||
-      path == "/metrics" || under("/v1/operations/") || under("/v1/snapshots/")) {
+      path == "/metrics" || under("/v1/operations/") || under("/v1/snapshots/") ||
+      under("/v1/chunks/")) {
     return {"GET", "HEAD"};
   }
   return {};
@@ -170,6 +171,18 @@ void install(httplib::Server& server, Agent& agent) {
              guarded([&agent](const httplib::Request& req, httplib::Response& res) {
                reply(res, 200, agent.snapshot(req.matches[1]));
              }));
+  // A chunk for a peer (store/peers.h): the caller checks it against its digest.
+  server.Get(R"(/v1/chunks/([^/]+))",
+             guarded([&agent](const httplib::Request& req, httplib::Response& res) {
+               const auto& chunks = agent.config().peer_chunks;
+               if (!chunks) {
+                 throw Error(ErrorKind::kNotFound, "this agent serves no chunks to peers",
+                             "start it with --serve-peers");
+               }
+               const store::PeerRequest r = store::PeerRequest::parse(req.target);
+               res.status = 200;
+               res.set_content(chunks->get(r), "application/octet-stream");
+             }));
   server.Get("/metrics", guarded([&agent](const httplib::Request&, httplib::Response& res) {
                res.status = 200;
                res.set_content(exposition(agent), "text/plain; version=0.0.4; charset=utf-8");
@@ -251,6 +264,11 @@ Server::~Server() {
 
 void Server::start(Agent& agent) {
   install(*unix_, agent);
+  // A peer's ask may wait on the owner's fetch from the origin: more threads than the fetches
+  // PeerChunks runs at once, so that the API's other calls still find one.
+  if (agent.config().peer_chunks) {
+    unix_->new_task_queue = [] { return new httplib::ThreadPool(64); };
+  }
   unix_thread_ = std::jthread([this] {
     unix_->listen_after_bind();
     unix_done_ = true;

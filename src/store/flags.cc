@@ -2,6 +2,7 @@
 
 #include "gpusnap/error.h"
 #include "store/blob_store.h"
+#include "store/peers.h"
 #include "store/transfer.h"
 
 namespace gpusnap::store {
@@ -18,7 +19,17 @@ std::vector<args::FlagSpec> registry_flags(const std::string& prefix) {
           {"--registries-conf", "", "FILE",
            "registry mirrors, as containers-registries.conf(5) writes them, tried before the "
            "origin for pulls (default: $CONTAINERS_REGISTRIES_CONF, else "
-           "/etc/containers/registries.conf and registries.conf.d/)"}};
+           "/etc/containers/registries.conf and registries.conf.d/)"},
+          // Bare in both programs too: the peers are the node's agents, not the registry's.
+          {"--peers", "", "ADDR:PORT,...",
+           "agents that serve each other chunks (gpusnap-agent --serve-peers): each chunk is "
+           "asked of the one that owns it before the mirrors and the origin, and checked against "
+           "its digest (default: none)"},
+          {"--peers-file", "", "FILE", "more peers, one ADDR:PORT a line"},
+          {"--peers-dns", "", "NAME:PORT",
+           "more peers: every address NAME resolves to (a headless Service of the agents), "
+           "looked up again every 30 s"},
+          {"--peer-token-file", "", "FILE", "the bearer token of the peers' TCP API (one line)"}};
 }
 
 void read_registry_flags(const args::Args& args, const std::string& prefix,
@@ -27,6 +38,8 @@ void read_registry_flags(const args::Args& args, const std::string& prefix,
   options.ca_file = args.get(prefix + "ca-file");
   options.auth_file = args.get(prefix + "auth-file");
   options.registries_conf = args.get("--registries-conf");
+  options.peers = read_peers(args.get("--peers"), args.get("--peers-file"), args.get("--peers-dns"),
+                             args.get("--peer-token-file"));
   options.flag_prefix = prefix;  // the registry's hints name the flags as this program spells them
 }
 

@@ -8,6 +8,7 @@
 
 #include "common/fs.h"
 #include "gpusnap/error.h"
+#include "store/peers.h"
 
 namespace gpusnap::store {
 
@@ -241,13 +242,15 @@ struct PullRegistries::Source {
   std::atomic<bool> down{false};  // failed to answer: left out for the rest of the pull
 };
 
-PullRegistries::PullRegistries(const OciRef& ref, const RegistryOptions& options) : ref_(ref) {
+PullRegistries::PullRegistries(const OciRef& ref, const RegistryOptions& options)
+    : ref_(ref), peers_(options.peers) {
   std::vector<PullSource> sources{{ref, options.plain_http, false}};
   if (options.mirrors) {
     sources = RegistriesConf::load(options.registries_conf).sources_for(ref, options.plain_http);
   }
   for (const auto& s : sources) {
     RegistryOptions o = options;
+    o.peers = nullptr;
     o.plain_http = s.plain_http;
     if (o.plain_http) o.ca_file.clear();
     // A mirror that fails costs one attempt: the origin is behind it.
@@ -286,6 +289,14 @@ std::pair<std::string, std::string> PullRegistries::fetch_manifest(const std::st
 }
 
 std::string PullRegistries::fetch_blob(const std::string& digest, uint64_t size) {
+  if (peers_) {
+    // Checked against the digest and size by Peers; nullopt: the registries serve it.
+    auto data = peers_->fetch(ref_, digest, size, [this](const std::string& t) { note(t); });
+    if (data) {
+      from_peers_ += data->size();
+      return std::move(*data);
+    }
+  }
   for (auto& s : sources_) {
     if (!s->mirror) return s->registry.fetch_blob(digest, size);
     if (s->down) continue;

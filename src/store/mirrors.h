@@ -80,10 +80,12 @@ class RegistriesConf {
   std::vector<std::string> files_;  // read, in order
 };
 
-// The registries of one pull: the mirrors RegistriesConf names for the reference, then the
-// origin. Fetches try them in that order: a mirror that fails to connect is left out of the
-// rest of the pull; one that lacks a chunk or serves a damaged one (it fails its digest) passes
-// that chunk on to the next. The origin's own failure is the pull's. Thread-safe as Registry.
+// The registries of one pull: the peers (RegistryOptions::peers, store/peers.h) for blobs, then
+// the mirrors RegistriesConf names for the reference, then the origin. Fetches try them in that
+// order: a peer that lacks a blob, fails or serves a damaged one passes it on to the mirrors; a
+// mirror that fails to connect is left out of the rest of the pull; one that lacks a chunk or
+// serves a damaged one (it fails its digest) passes that chunk on to the next. The origin's own
+// failure is the pull's. Thread-safe as Registry.
 class PullRegistries {
  public:
   PullRegistries(const OciRef& ref, const RegistryOptions& options);
@@ -99,6 +101,7 @@ class PullRegistries {
   // Lines for the pull's notes: a mirror that failed, and what came from where. Once each.
   std::vector<std::string> take_notes();
   uint64_t bytes_from_mirrors() const { return from_mirrors_; }
+  uint64_t bytes_from_peers() const { return from_peers_; }
 
  private:
   struct Source;
@@ -109,6 +112,8 @@ class PullRegistries {
   std::mutex notes_mu_;
   std::vector<std::string> notes_;
   std::atomic<uint64_t> from_mirrors_{0};
+  std::shared_ptr<Peers> peers_;
+  std::atomic<uint64_t> from_peers_{0};
 };
 
 }  // namespace gpusnap::store

@@ -24,6 +24,8 @@ struct x509_store_st;  // OpenSSL's X509_STORE
 
 namespace gpusnap::store {
 
+class Peers;  // store/peers.h
+
 inline constexpr const char* kOciScheme = "oci://";
 
 // oci://HOST[:PORT]/REPO[:TAG][@sha256:HEX]
@@ -54,6 +56,9 @@ struct RegistryOptions {
   // containers-registries.conf to read mirrors from (store/mirrors.h); empty: the usual places.
   std::string registries_conf;
   bool mirrors = true;  // false: the origin alone (a mirror's own Registry)
+  // Agents that serve each other chunks (store/peers.h), asked for a pull's blobs before the
+  // mirrors; null: none (the default).
+  std::shared_ptr<Peers> peers;
   // How the caller spells the settings its errors' hints name (store/flags.h): "--" for the
   // CLI's --ca-file, --plain-http and --auth-file, "--registry-" for the agent's.
   std::string flag_prefix = "--";

@@ -423,6 +423,10 @@ PullResult pull(const OciRef& ref, const PullOptions& o, Reporter& reporter) {
     reporter.note(std::to_string(registry.bytes_from_mirrors()) + " of the " +
                   std::to_string(bytes_fetched.load()) + " bytes fetched came from mirrors");
   }
+  if (registry.bytes_from_peers() > 0) {
+    reporter.note(std::to_string(registry.bytes_from_peers()) + " of the " +
+                  std::to_string(bytes_fetched.load()) + " bytes fetched came from peers");
+  }
   phases.run("cache", [&] {
     cache.record_snapshot(key, ref.by_digest(snap.digest), snap.layout,
                           o.output_in_cache ? o.output : std::filesystem::path());

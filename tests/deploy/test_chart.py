@@ -45,6 +45,8 @@ VARIANTS = {
     "oci-plain": ["storage.type=oci", "storage.oci.registry=registry.local:5000",
                   "storage.oci.plainHttp=true"],
     "lanes": ["agent.maxPending=256", "agent.prefetchWorkers=4"],
+    "oci-peers": ["storage.type=oci", "storage.oci.registry=registry.local:5000",
+                  "agent.peers.enabled=true", "agent.peers.tokenSecret=gpusnap-peer-token"],
     "oci-encrypted": ["storage.type=oci", "storage.oci.registry=registry.local:5000",
                       "storage.oci.encryption.keysSecret=gpusnap-keys",
                       "storage.oci.encryption.dedupSecret=gpusnap-dedup",
@@ -353,6 +355,39 @@ class ChartTest(unittest.TestCase):
         # Without the annotations, with the listener.
         docs = render("metrics.enabled=true", "metrics.podAnnotations=false")
         self.assertNotIn("annotations", one(docs, "DaemonSet")["spec"]["template"]["metadata"])
+
+    def test_peers_are_off_until_asked_then_found_through_a_headless_service(self):
+        _, c = containers(render("storage.type=oci", "storage.oci.registry=registry.local:5000"))
+        self.assertFalse([a for a in c["agent"]["args"] if "peer" in a])
+        docs = render(*VARIANTS["oci-peers"])
+        ds = one(docs, "DaemonSet")
+        pod, c = containers(docs)
+        args = c["agent"]["args"]
+        for flag in ["--listen=$(POD_IP):7070", "--token-file=/etc/gpusnap/peer-token/token",
+                     "--serve-peers", "--peers-dns=gpusnap-peers.gpusnap-system.svc:7070",
+                     "--peer-token-file=/etc/gpusnap/peer-token/token"]:
+            self.assertIn(flag, args)
+        self.assertIn({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                      c["agent"]["env"])
+        self.assertEqual(c["agent"]["ports"], [{"name": "peers", "containerPort": 7070,
+                                                "protocol": "TCP"}])
+        volume = [v for v in pod["volumes"] if v["name"] == "peer-token"][0]
+        self.assertEqual(volume["secret"], {"secretName": "gpusnap-peer-token", "defaultMode": 0o400})
+        service = one(docs, "Service")
+        self.assertEqual(service["metadata"]["name"], "gpusnap-peers")
+        self.assertEqual(service["spec"]["clusterIP"], "None")
+        self.assertEqual(service["spec"]["selector"], ds["spec"]["selector"]["matchLabels"])
+        # Without the token's Secret the chart refuses, naming the value.
+        out = helm("template", "t", str(CHART), "-n", "gpusnap-system", "--set", "storage.type=oci",
+                   "--set", "storage.oci.registry=registry.local:5000", "--set",
+                   "agent.peers.enabled=true", check=False)
+        self.assertIn("agent.peers.tokenSecret is required", out.stderr)
+        # The agent takes the flags (its own --help, from this build).
+        if os.environ.get("GPUSNAP_AGENT"):
+            help_text = subprocess.run([os.environ["GPUSNAP_AGENT"], "--help"],
+                                       capture_output=True, text=True, check=True).stdout
+            for flag in ["--serve-peers", "--peers-dns NAME:PORT", "--peer-token-file FILE"]:
+                self.assertIn(flag, help_text)
 
     def test_lane_values_become_the_agents_flags_as_whole_numbers(self):
         _, c = containers(render())

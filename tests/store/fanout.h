@@ -7,6 +7,12 @@
 //                                            │
 //                                            └─ mirror (docker-registry, proxy: the origin)
 //
+// With peers, each node also runs a real gpusnap-agent in its namespace (--serve-peers, every
+// node's agent in --peers, one token), and each pull asks the agents for the chunks they own
+// (store/peers.h):
+//
+//     node i: gpusnap pull --peers ──► node j's agent ──(a chunk it lacks, once)──► origin
+//
 // The origin and the nodes are namespaces of testing/node_network.h (several /29s when there
 // are more than four nodes); the nodes reach the origin through the host, which forwards on
 // those links alone (per-link forwarding, not net.ipv4.ip_forward). The mirror runs on the host,
@@ -61,13 +67,42 @@ class Fanout {
   FanoutRun with_mirror();
   // Through a fresh mirror: node 0 first, then the others at once (the time counts both).
   FanoutRun with_mirror_warmed_by_one();
+  // Every node at once, each `gpusnap pull --peers` with a fresh gpusnap-agent on every node
+  // serving the others (store/peers.h). `down`: peers named in the list whose agent does not
+  // run (ADDR:PORT). The agents keep serving until the next run or the end.
+  FanoutRun with_peers(const std::vector<std::string>& down = {});
+  // The same for the artifact pushed again encrypted (push --encrypt) for a key pair made here,
+  // the pulls opening it with the private key: the peers serve the sealed blobs as stored.
+  FanoutRun with_peers_encrypted();
+  // The same through the agents: each asked over TCP to prefetch the snapshot (POST
+  // /v1/prefetch) at once, its own pull and its peers' asks sharing one fetch of each chunk it
+  // owns. The copies are the agents' node copies.
+  FanoutRun with_peers_through_agents();
+  // Node `node` alone, `gpusnap pull --peers` naming only `peers` (which may lie), its copy and
+  // cache fresh.
+  FanoutRun alone_with_peers(size_t node, const std::vector<std::string>& peers);
+
+  // The peers' TCP API: where node `i`'s agent listens, the token file, its node cache.
+  std::string agent_address(size_t i) const;
+  const std::filesystem::path& token_file() const { return token_file_; }
+  std::filesystem::path agent_cache(size_t i) const;
+  // The origin's HOST:PORT and the snapshot's repository on it (HOST:PORT/REPO).
+  std::string origin_repository() const;
+  // An address of the host every node reaches (where a test's own server may listen).
+  std::string host_address() const { return networks_.front()->host_address(); }
 
  private:
   struct Pull;
   // Pulls on nodes [first, last) at once into fresh copies and caches; throws when one fails.
   // Returns the seconds until the last one finished.
   double pull(size_t first, size_t last, const std::string& tag,
-              const std::optional<std::filesystem::path>& conf, FanoutRun& run);
+              const std::vector<std::string>& extra, FanoutRun& run);
+  // Every node at once with `gpusnap pull --peers` of `reference`, through fresh agents.
+  FanoutRun through_peers(const std::string& name, const std::string& reference,
+                          const std::vector<std::string>& down,
+                          const std::vector<std::string>& pull_flags);
+  // Fresh agents on every node, serving `peers`; the old ones stopped first.
+  void start_agents(const std::string& tag, const std::string& peers);
   FanoutRun through_mirror(const std::string& name, size_t first_wave);
   uint64_t origin_blob_bytes() const;
 
@@ -79,8 +114,13 @@ class Fanout {
   std::vector<std::string> forwarding_links_;
   std::optional<LocalRegistry> origin_;
   std::string reference_;
+  std::filesystem::path artifact_;
   uint64_t stored_bytes_ = 0;
   int runs_ = 0;
+  std::filesystem::path token_file_;
+  struct Agent;
+  std::vector<std::unique_ptr<Agent>> agents_;  // node i's, while a peers run's agents serve
+  std::string agents_tag_;
 };
 
 }  // namespace gpusnap::testing

@@ -1,7 +1,9 @@
 // gpusnap-fanout-bench OUTDIR [NODES] [MIB] [RATE_MBIT] (`bench/run fanout`): NODES nodes, each
 // its own network namespace behind a link of RATE_MBIT, pull one capture of the test workload
 // (MIB of memory) at once from an origin behind a link of the same rate; without a mirror,
-// through a pull-through mirror, and through one warmed by one node first (store/fanout.h).
+// through a pull-through mirror, through one warmed by one node first, and with a gpusnap-agent
+// on every node serving the others (`gpusnap pull --peers`, and the agents' own prefetch)
+// (store/fanout.h).
 // Prints a table and writes it to OUTDIR/fanout.md. Root.
 #include <cstdio>
 #include <filesystem>
@@ -49,7 +51,7 @@ int run(int argc, char** argv) {
                       "| configuration | origin bytes | x stored bytes | last node done s | one "
                       "node alone s |\n|---|---:|---:|---:|---:|\n";
   auto row = [&](const FanoutRun& r) {
-    // Each node's copy and cache gone before the next run: NODES x 4 runs of them would not fit.
+    // Each node's copy and cache gone before the next run: NODES x 6 runs of them would not fit.
     for (const auto& copy : r.copies) sfs::remove_all(copy.parent_path());
     char line[512];
     std::snprintf(line, sizeof line, "| %s | %llu | %.2f | %.1f | %.1f |\n",
@@ -63,6 +65,8 @@ int run(int argc, char** argv) {
   row(fanout.without_mirror());
   row(fanout.with_mirror());
   row(fanout.with_mirror_warmed_by_one());
+  row(fanout.with_peers());
+  row(fanout.with_peers_through_agents());
   std::ofstream(out / "fanout.md") << table;
   std::printf("\n%s", table.c_str());
   return 0;
