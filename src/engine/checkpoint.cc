@@ -135,13 +135,14 @@ class Checkpoint {
     phases_.run("preflight", [&] { preflight(driver, tree, cuda, images, writer); });
     Manifest manifest = describe(tree, criu);
     engine::DeathWatch watch(tree);
-    guard.emplace(helper_binary(), writer.staging(), cuda, workload.dir(), images.requests(),
-                  capture_lock.fd());
+    guard.emplace(helper_binary(), writer.staging(), cuda, pids_of(tree), workload.dir(),
+                  images.requests(), capture_lock.fd());
     // A death during the pause is the handshake's to report: it names it already.
     if (workload.speaks_handshake()) {
       phases_.run("pause", [&] {
         workload.pause(tier.make_folder());
-        workload.keep_tier(tier.check());
+        tier_drained_ = tier.check();
+        workload.keep_tier(tier_drained_);
       });
       manifest.control_dir = workload.control_dir().string();
     } else {
@@ -234,6 +235,17 @@ class Checkpoint {
     message += " during the capture: an artifact of it would not restore, so nothing was committed";
     if (cause != nullptr) message += std::string(" (then: ") + cause->what() + ")";
     death_reported_ = true;
+    if (tier_drained_) {
+      // The drain took the memory tier's GPU memory away at the pause: a thread that runs GPU
+      // work after it reads memory that is not there (CUDA_ERROR_ILLEGAL_ADDRESS), the likeliest
+      // death of a tier workload here (docs/handshake.md, "No GPU work during a tier pause").
+      throw Error(ErrorKind::kNotCapturable,
+                  message + "; its memory tier had been drained at the pause: most likely GPU "
+                            "work it ran after the pause found that memory gone",
+                  "hold the workload's GPU work at the pause: wrap each section that launches "
+                  "GPU work in the handshake's gpu_work() (docs/handshake.md, 'No GPU work "
+                  "during a tier pause'); gpusnap left the rest of the workload as it was");
+    }
     throw Error(ErrorKind::kNotCapturable, message,
                 "gpusnap left the rest of the workload as it was, not stopped; the kernel log "
                 "(dmesg) says where it faulted; frameworks that die at the driver's checkpoint, "
@@ -385,6 +397,7 @@ class Checkpoint {
   std::optional<container::CaptureTarget> target_;
   Phases phases_;
   bool death_reported_ = false;  // require_alive() threw: the error already names the deaths
+  bool tier_drained_ = false;    // the pause drained a memory tier into the staging directory
   // Files hashed before the seal (host images while written, the memory tier's in the
   // background): seal need not read them.
   std::vector<FileRecord> hashed_files_;

@@ -55,7 +55,7 @@ bool write_exact(int fd, const void* data, size_t size) {
 
 // How long the guardian waits for a workload to fill its memory tier from the staging
 // directory before removing it: a fill runs at tens of GB/s, so this bounds only a workload that
-// died or hangs.
+// hangs (one that died ends the wait at once: the capture's error waits on the guardian).
 constexpr std::chrono::milliseconds kTierFillWait{120000};
 // How long the guardian waits for the preload library's remap watchers to leave.
 constexpr std::chrono::milliseconds kRemapCancelWait{2000};
@@ -130,7 +130,8 @@ int dump_guard_main(const std::string& spec_json) {
   }
   if (auto dir = spec.at("control_dir").get<std::string>(); !dir.empty()) {
     if (tier_holds_memory) {
-      (void)Handshake(dir).resume_as_source_and_wait(kTierFillWait);
+      (void)Handshake(dir).resume_as_source_and_wait(
+          kTierFillWait, spec.value("workload_pids", std::vector<pid_t>{}));
     } else {
       Handshake(dir).request_resume_as_source();
     }
@@ -141,6 +142,7 @@ int dump_guard_main(const std::string& spec_json) {
 
 CaptureGuard::CaptureGuard(const std::string& helper, const std::filesystem::path& staging,
                            const std::vector<pid_t>& gpu_pids,
+                           const std::vector<pid_t>& workload_pids,
                            const std::filesystem::path& control_dir,
                            const std::vector<std::filesystem::path>& preload_requests,
                            int capture_lock_fd) {
@@ -153,6 +155,7 @@ CaptureGuard::CaptureGuard(const std::string& helper, const std::filesystem::pat
   for (const auto& r : preload_requests) requests.push_back(r.string());
   nlohmann::json spec{{"staging", staging.string()},
                       {"gpu_pids", gpu_pids},
+                      {"workload_pids", workload_pids},
                       {"control_dir", control_dir.string()},
                       {"preload_requests", requests}};
   o.argv = {helper, "__dump-guard", spec.dump()};

@@ -29,12 +29,15 @@ namespace gpusnap::engine {
 class CaptureGuard {
  public:
   // `helper` is the gpusnap binary, which runs the guardian as `gpusnap __dump-guard SPEC`.
-  // `control_dir`: the workload's handshake directory (empty: it does not speak it).
+  // `workload_pids`: every process of the captured tree (a guardian waiting on the workload's
+  // answer stops once none is alive). `control_dir`: the workload's handshake directory (empty:
+  // it does not speak it).
   // `preload_requests`: the requests this capture may leave the preload library.
   // `capture_lock_fd`: the capture lock's descriptor (capture_lock.h), held by the guardian
   // until it exits, so that no other capture of the tree starts while its dump still runs.
   CaptureGuard(const std::string& helper, const std::filesystem::path& staging,
-               const std::vector<pid_t>& gpu_pids, const std::filesystem::path& control_dir,
+               const std::vector<pid_t>& gpu_pids, const std::vector<pid_t>& workload_pids,
+               const std::filesystem::path& control_dir,
                const std::vector<std::filesystem::path>& preload_requests = {},
                int capture_lock_fd = -1);
   CaptureGuard(const CaptureGuard&) = delete;

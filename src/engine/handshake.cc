@@ -1,5 +1,6 @@
 #include "engine/handshake.h"
 
+#include <algorithm>
 #include <thread>
 
 #include "common/fs.h"
@@ -149,7 +150,8 @@ std::string Handshake::write_resume_as_source() const noexcept {
   }
 }
 
-bool Handshake::resume_as_source_and_wait(std::chrono::milliseconds timeout) const noexcept {
+bool Handshake::resume_as_source_and_wait(std::chrono::milliseconds timeout,
+                                          const std::vector<pid_t>& workload) const noexcept {
   const std::string id = write_resume_as_source();
   if (id.empty()) return false;
   try {
@@ -157,6 +159,9 @@ bool Handshake::resume_as_source_and_wait(std::chrono::milliseconds timeout) con
     while (std::chrono::steady_clock::now() < deadline) {
       for (const char* answer : {"resumed", "failed"}) {
         if (auto a = read_message(dir_ / answer); a && a->value("id", "") == id) return true;
+      }
+      if (!workload.empty() && std::none_of(workload.begin(), workload.end(), alive)) {
+        return false;
       }
       std::this_thread::sleep_for(kPoll);
     }

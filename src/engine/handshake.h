@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -44,8 +45,11 @@ class Handshake {
   void request_resume_as_source() const noexcept;
   // The same, then waits up to `timeout` for the workload's answer (RESUMED or FAILED) to it:
   // for a workload whose memory tier must be filled from the staging directory before that
-  // directory may go. False when no answer came in time. Never throws.
-  bool resume_as_source_and_wait(std::chrono::milliseconds timeout) const noexcept;
+  // directory may go. False when no answer came in time, or at once when none of `workload`'s
+  // processes is alive any more (a workload that died during the capture never answers, and
+  // its capture's error waits on this). Never throws.
+  bool resume_as_source_and_wait(std::chrono::milliseconds timeout,
+                                 const std::vector<pid_t>& workload) const noexcept;
   // Removes the request and answer files of finished steps.
   void clear_exchange() const noexcept;
 

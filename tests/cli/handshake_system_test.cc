@@ -387,6 +387,31 @@ TEST_F(MemoryTierPlumbing, GpusnapKilledDuringTheDrainLeavesTheWorkloadWithItsMe
   })) << "a staging directory was left";
 }
 
+// A workload on the memory tier that dies once its tier's files are written (as one whose
+// stray GPU work hit the drained memory does): the capture fails at once, not after the
+// guardian's wait for a fill from a workload that can no longer answer, and leaves no staging.
+TEST_F(MemoryTierPlumbing, AWorkloadThatDiesAfterItsDrainFailsTheCaptureAtOnce) {
+  auto control = dir / "control";
+  std::filesystem::create_directories(control);
+  auto argv = tier_standin();
+  argv.insert(argv.begin(), {"/usr/bin/env", "GPUSNAP_CONTROL_DIR=" + control.string(),
+                             "PYTHONPATH=" + build_path("tests")});
+  argv.push_back("--die-in-drain");
+  Workload worker(dir, argv, std::chrono::seconds(30));
+  ASSERT_TRUE(eventually([&] { return std::filesystem::exists(control / "ready"); }));
+  const auto start = std::chrono::steady_clock::now();
+  auto cp = gpusnap({"checkpoint", "-p", std::to_string(worker.pid()), "-o", snap.string()});
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(cp.exit_code, 9) << cp.err;
+  EXPECT_NE(cp.err.find("exited during pause"), std::string::npos) << cp.err;
+  EXPECT_LT(seconds, 30) << cp.err;  // the guardian waited 120 s for an answer before
+  EXPECT_FALSE(std::filesystem::exists(snap));
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+    EXPECT_NE(e.path().filename().string().rfind(".snap", 0), 0u) << e.path();
+  }
+}
+
 TEST_F(Handshake, WorkloadDyingDuringThePauseAbortsTheCapture) {
   HandshakeWorker worker(dir, "die");
   auto cp =

@@ -21,6 +21,7 @@ import hashlib
 import os
 import socket
 import subprocess
+import sys
 import time
 
 import gpusnap_handshake
@@ -42,11 +43,12 @@ class StandInTier:
     """The drain and fill of MemoryTier, on host memory: files named and indexed by the tier's
     folder format; memory released only once its file is complete and still in the folder."""
 
-    def __init__(self, mib, drain_delay):
+    def __init__(self, mib, drain_delay, die_in_drain=False):
         block = hashlib.sha256(b"gpusnap").digest() * (1 << 15)  # 1 MiB
         self.memory = bytearray(block * mib)
         self.digest = hashlib.sha256(self.memory).hexdigest()
         self.drain_delay = drain_delay
+        self.die_in_drain = die_in_drain
         self.drained = False
         self.file = None
         self.folder = None
@@ -63,6 +65,11 @@ class StandInTier:
             raise gpusnap_handshake.TierError(f"stand-in tier: {e.stderr.strip()}") from e
         except OSError as e:
             raise gpusnap_handshake.TierError(f"stand-in tier: {e}") from e
+        if self.die_in_drain:
+            # What a workload whose stray GPU work hit the drained memory does: it dies, its
+            # tier's files written, without answering the pause.
+            print("stand-in tier: dying in the drain", file=sys.stderr, flush=True)
+            os._exit(1)
         time.sleep(self.drain_delay)
         if not os.path.exists(path):
             raise gpusnap_handshake.TierError(f"stand-in tier: {path} was removed")
@@ -113,8 +120,10 @@ def main():
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--ready-file")
+    p.add_argument("--die-in-drain", action="store_true",
+                   help="exit with status 1 once the drain's files are written")
     args = p.parse_args()
-    tier = StandInTier(args.mib, args.drain_delay)
+    tier = StandInTier(args.mib, args.drain_delay, args.die_in_drain)
     ranks = start_ranks(args.ranks, args.mib)  # before any thread starts
     group = gpusnap_handshake.TierGroup([tier] + ranks) if ranks else tier
     last = gpusnap_handshake.ResumeContext()
