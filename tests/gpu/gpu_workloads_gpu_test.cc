@@ -512,6 +512,53 @@ TEST_F(MemoryTier, GpusnapRunInstallsTheTierWithoutTheOneLine) {
   tier_round_trip("tier-4gib-by-gpusnap", 4, {}, TierRoute::kGpusnapRun);
 }
 
+// A serving thread that runs GPU work without a break, each step inside the handshake's
+// gpu_work() gate (torch_tier.py --request-loop), through a tier capture that leaves the source
+// running, then a restore: the pause holds the loop before the drain, and the source and the copy
+// both run it on, the graph replaying exactly. Where a step still ran on drained memory the
+// workload would die and the capture fail at once, naming the tier
+// (MemoryTierPlumbing.AWorkloadThatDiesAfterItsDrainFailsTheCaptureAtOnce on CPU).
+TEST_F(MemoryTier, ARequestLoopRunningThroughTheCaptureIsHeldAtThePauseAndRunsOn) {
+  const auto control = dir / "control";
+  std::filesystem::create_directories(control);
+  const char* weights = std::getenv("GPUSNAP_TEST_WEIGHTS");
+  auto& source =
+      start({"/usr/bin/env", "GPUSNAP_CONTROL_DIR=" + control.string(),
+             "GPUSNAP_TIER_LIBRARY=" + build_path("libgpusnap-tier.so"), "python3",
+             build_path("tests/torch_tier.py"), "--tier", "--gib", "2", "--weights",
+             weights != nullptr ? weights : (dir / "weights.bin").string(), "--request-loop"},
+            std::chrono::seconds(300));
+  auto loops = [](uint16_t port) {
+    const std::string n = field(ask(port, "INFO", std::chrono::seconds(60)), "loops");
+    return n.empty() ? 0ULL : std::stoull(n);
+  };
+  ASSERT_TRUE(eventually([&] { return loops(source.port()) > 20; }, std::chrono::seconds(60)));
+  const auto start_time = std::chrono::steady_clock::now();
+  auto cp = gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
+                     "--leave-running", "--json"},
+                    std::chrono::minutes(3));
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start_time).count();
+  ASSERT_EQ(cp.exit_code, 0) << cp.err << fs::read_file(dir / "workload.log");
+  EXPECT_LT(seconds, 60);
+  const uint64_t after_capture = loops(source.port());
+  EXPECT_TRUE(eventually([&] { return loops(source.port()) > after_capture + 20; },
+                         std::chrono::seconds(60)));
+  const auto check = ask(source.port(), "CHECK", std::chrono::seconds(60));
+  EXPECT_EQ(check.substr(0, 13), "OK max_err=0 ") << check;
+
+  Copies copies = restore();
+  ASSERT_EQ(copies.copies.size(), 1U);
+  const uint64_t restored = loops(copies.port(0));
+  EXPECT_TRUE(
+      eventually([&] { return loops(copies.port(0)) > restored + 20; }, std::chrono::seconds(60)));
+  const auto copy_check = ask(copies.port(0), "CHECK", std::chrono::seconds(60));
+  EXPECT_EQ(copy_check.substr(0, 13), "OK max_err=0 ") << copy_check;
+  record(
+      "tier-request-loop",
+      {{"checkpoint", json::parse(cp.out)}, {"restore", copies.doc}, {"capture_seconds", seconds}});
+}
+
 // gpusnap killed (SIGKILL) once the tier's drain has written its files and released the GPU
 // memory (its index, written last, is in the staging folder): from then on the files are the
 // only copy. The capture's guardian resumes the workload, whose client fills the tier back from

@@ -23,6 +23,7 @@ answer once, says READY over the handshake, and serves line commands on TCP 127.
 import argparse
 import os
 import sys
+import threading
 import time
 
 T0 = time.monotonic()
@@ -37,6 +38,9 @@ def parse_args():
     p.add_argument("--dim", type=int, default=8192)
     p.add_argument("--weights", required=True)
     line_server.add_tier_workload_arguments(p)
+    p.add_argument("--request-loop", action="store_true",
+                   help="a serving thread that runs GPU work without a break, each step inside "
+                        "the handshake's gpu_work() gate, so that a pause holds it")
     p.add_argument("--tier-by-gpusnap", action="store_true",
                    help="the tier installed by `gpusnap run --memory-tier`, not by this program")
     return p.parse_args()
@@ -81,6 +85,19 @@ def main():
 
     hs = gpusnap_handshake.Client.from_environment()
     hs.serve(on_pause, on_resume)
+    loops = [0]
+    if args.request_loop:
+        # A request loop as a threaded server runs one: its own tensors on the tier, a step
+        # after another. Outside the gate a step could run while the drain has taken the memory.
+        x = torch.randn(2048, 2048, device="cuda")
+
+        def request_loop():
+            while True:
+                with hs.gpu_work():
+                    (x @ x).sum().item()
+                loops[0] += 1
+
+        threading.Thread(target=request_loop, daemon=True).start()
     hs.ready()
     print(f"ready port={port} pid={os.getpid()} ready_s={ready_s:.2f} tier={int(tier is not None)}",
           flush=True)
@@ -106,7 +123,8 @@ def main():
         if cmd == "INFO":
             return (f"pid={os.getpid()} gib={args.gib:g} layers={layers} "
                     f"tier={int(tier is not None)} "
-                    f"tier_live_bytes={tier.live_bytes if tier else 0} ready_s={ready_s:.2f}")
+                    f"tier_live_bytes={tier.live_bytes if tier else 0} ready_s={ready_s:.2f} "
+                    f"loops={loops[0]}")
         return "ERR unknown command"
 
     line_server.serve_lines(srv, handle)
