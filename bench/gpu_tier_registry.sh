@@ -6,8 +6,9 @@
 # alone and the restore of the pulled copy; and what a fresh start costs instead (the workload
 # loading its weights from the local file, its own `wait-ready`). Each restore is timed to the
 # copy's first exact answer (CHECK: the CUDA graph replayed, bit-exact) into an empty node cache
-# and run folder. Then the same with the registry reading its disk (page cache dropped), beside
-# the disk's own read time for the registry's blobs (dd, O_DIRECT). And deduplication: a second
+# and run folder. Then the same with the registry reading its disk, beside the disk's own read
+# time for the registry's blobs (dd, O_DIRECT): the registry's files dropped from the page cache,
+# then every cache dropped (BENCH_COLD_SCOPES, default "registry all"). And deduplication: a second
 # capture of the same workload (same weights, same commands) pushed after the first, tier path
 # and transparent path, its new bytes against the snapshot's, and a capture of a model that
 # differs in 10 % of its weights (every tenth layer's low bit flipped, as a fine-tune would).
@@ -127,8 +128,6 @@ pull_alone() {  # NAME [REF [FLAGS...]]: gpusnap pull into an empty node cache
     >"$OUT/$name.json" 2>"$OUT/$name.err"
   echo "== $name: rc=$? $(el "$t") s ($(du -sb --apparent-size "$W/pulled-$name" 2>/dev/null | cut -f1) bytes)"
 }
-drop() { sync; echo 3 >/proc/sys/vm/drop_caches; }
-
 # The weights file first (the workload makes it when missing), untimed.
 capture warm --no-tier >/dev/null; rm -rf "$W/warm"
 capture tier-a --tier
@@ -151,13 +150,32 @@ for round in $(seq "$ROUNDS"); do
 done
 
 if [[ $COLD == 1 ]]; then
-  echo "== registry reading its disk (page cache dropped before each)"
-  drop; t=$(now)
-  find "$REGDIR/storage" -type f -name data -size +1M -print0 | xargs -0 -P 16 -I{} dd if={} of=/dev/null bs=16M iflag=direct status=none
-  echo "== the disk's own read of the registry's blobs (dd O_DIRECT, 16 at once): $(el "$t") s for $(du -sb "$REGDIR/storage" | cut -f1) bytes"
-  drop; pull_alone pull-cold; rm -rf "$W/pulled-pull-cold" "$W/cache-pull-cold"
-  drop; restore_check streamed-cold "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-streamed-cold"
-  drop; GPUSNAP_TIER_PREFILL=off restore_check previous-cold "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-previous-cold"
+  # "registry": the registry's blobs alone leave the page cache (posix_fadvise DONTNEED on each
+  # file), as on a node whose registry reads its disk while the node's own files (Python,
+  # PyTorch's libraries, which CRIU's restore maps) stay cached; "all": every cache dropped.
+  for scope in ${BENCH_COLD_SCOPES:-registry all}; do
+    if [[ $scope == all ]]; then
+      drop() { sync; echo 3 >/proc/sys/vm/drop_caches; }
+    else
+      drop() {
+        sync
+        find "$REGDIR/storage" -type f -print0 | python3 -c '
+import os, sys
+for p in sys.stdin.buffer.read().split(b"\0"):
+    if p:
+        fd = os.open(p, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)'
+      }
+    fi
+    echo "== registry reading its disk (page cache dropped before each: $scope)"
+    drop; t=$(now)
+    find "$REGDIR/storage" -type f -name data -size +1M -print0 | xargs -0 -P 16 -I{} dd if={} of=/dev/null bs=16M iflag=direct status=none
+    echo "== the disk's own read of the registry's blobs (dd O_DIRECT, 16 at once): $(el "$t") s for $(du -sb "$REGDIR/storage" | cut -f1) bytes"
+    drop; pull_alone "pull-cold-$scope"; rm -rf "$W/pulled-pull-cold-$scope" "$W/cache-pull-cold-$scope"
+    drop; restore_check "streamed-cold-$scope" "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-streamed-cold"
+    drop; GPUSNAP_TIER_PREFILL=off restore_check "previous-cold-$scope" "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-previous-cold"
+  done
 fi
 
 if [[ -n $KEYS ]]; then
