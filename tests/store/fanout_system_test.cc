@@ -72,7 +72,7 @@ TEST(StoreFanout, FourNodesCostTheOriginFourCopiesWithoutAMirrorAndTwoThroughAWa
   TempDir dir;
   const sfs::path artifact = capture(dir);
   const auto want = contents(artifact);
-  Fanout fanout(dir, artifact, {.nodes = 4, .rate_mbit = 200});
+  Fanout fanout(dir, artifact, {.nodes = 4, .rate_mbit = 400});
   const double stored = static_cast<double>(fanout.stored_bytes());
   auto check = [&](const FanoutRun& run) {
     print_result(run, fanout.stored_bytes());
@@ -122,7 +122,7 @@ TEST(StoreFanout, FourAgentsServingEachOtherCostTheOriginOneCopyAndFallBackOnAFa
   TempDir dir;
   const sfs::path artifact = capture(dir);
   const auto want = contents(artifact);
-  Fanout fanout(dir, artifact, {.nodes = 4, .rate_mbit = 200});
+  Fanout fanout(dir, artifact, {.nodes = 4, .rate_mbit = 400});
   const double stored = static_cast<double>(fanout.stored_bytes());
   auto check = [&](const FanoutRun& run) {
     print_result(run, fanout.stored_bytes());
