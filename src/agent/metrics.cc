@@ -195,26 +195,22 @@ std::string Metrics::render() const {
 }
 
 void Metrics::render_registry(std::string& out) const {
-  header(out, "gpusnap_registry_bytes_total", "counter",
-         "Chunk bytes uploaded to the registry by pushes and fetched from it by pulls, as stored "
-         "(compressed).");
   const store::TransferCounters& moved = *transfers_;
-  // In label order, as the families above are written.
-  const std::pair<const char*, uint64_t> bytes[] = {{"pull", moved.bytes_fetched.load()},
-                                                    {"push", moved.bytes_uploaded.load()}};
-  for (const auto& [direction, n] : bytes) {
-    sample(out, "gpusnap_registry_bytes_total", label("direction", direction),
-           static_cast<int64_t>(n));
-  }
-  header(out, "gpusnap_registry_chunks_total", "counter",
-         "Chunks uploaded to the registry by pushes (those it held already excluded) and fetched "
-         "from it by pulls.");
-  const std::pair<const char*, uint64_t> chunks[] = {{"pull", moved.chunks_fetched.load()},
-                                                     {"push", moved.chunks_uploaded.load()}};
-  for (const auto& [direction, n] : chunks) {
-    sample(out, "gpusnap_registry_chunks_total", label("direction", direction),
-           static_cast<int64_t>(n));
-  }
+  // One family per measure, its samples by direction in label order.
+  const auto by_direction = [&out](const char* name, const char* help, uint64_t pull,
+                                   uint64_t push) {
+    header(out, name, "counter", help);
+    sample(out, name, label("direction", "pull"), static_cast<int64_t>(pull));
+    sample(out, name, label("direction", "push"), static_cast<int64_t>(push));
+  };
+  by_direction("gpusnap_registry_bytes_total",
+               "Chunk bytes uploaded to the registry by pushes and fetched from it by pulls, as "
+               "stored (compressed).",
+               moved.bytes_fetched.load(), moved.bytes_uploaded.load());
+  by_direction("gpusnap_registry_chunks_total",
+               "Chunks uploaded to the registry by pushes (those it held already excluded) and "
+               "fetched from it by pulls.",
+               moved.chunks_fetched.load(), moved.chunks_uploaded.load());
   // Hits and misses as two counters: the hit ratio is rate(hits) / (rate(hits) + rate(misses)).
   header(out, "gpusnap_node_cache_hits_total", "counter",
          "Chunks pulls found on the node (the node cache, its copies, a dead pull's staging) "
