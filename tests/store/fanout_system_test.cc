@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -66,35 +67,51 @@ void check_copies(const FanoutRun& run, const std::map<std::string, std::string>
   }
 }
 
-TEST(StoreFanout, FourNodesCostTheOriginFourCopiesWithoutAMirrorAndTwoThroughAWarmedOne) {
-  SKIP_WITHOUT_CRIU();
-  GPUSNAP_SKIP_IF_BLOCKED(Fanout::blocker());
+// Four nodes behind links of 400 Mbit/s (the tests assert bytes, not times) and one capture of
+// the test workload pushed to the origin; check() prints a run and compares its copies.
+class StoreFanout : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    SKIP_WITHOUT_CRIU();
+    GPUSNAP_SKIP_IF_BLOCKED(Fanout::blocker());
+    const sfs::path artifact = capture(dir);
+    want_ = contents(artifact);
+    fanout_.emplace(dir, artifact, FanoutOptions{.nodes = 4, .rate_mbit = 400});
+  }
+  Fanout& fanout() { return *fanout_; }
+  // What the origin sent in `run`, in copies of the snapshot's stored bytes.
+  double x_stored(const FanoutRun& run) const {
+    return static_cast<double>(run.origin_bytes) / static_cast<double>(fanout_->stored_bytes());
+  }
+  void check(const FanoutRun& run) const {
+    print_result(run, fanout_->stored_bytes());
+    check_copies(run, want_);
+  }
+
   TempDir dir;
-  const sfs::path artifact = capture(dir);
-  const auto want = contents(artifact);
-  Fanout fanout(dir, artifact, {.nodes = 4, .rate_mbit = 400});
-  const double stored = static_cast<double>(fanout.stored_bytes());
-  auto check = [&](const FanoutRun& run) {
-    print_result(run, fanout.stored_bytes());
-    check_copies(run, want);
-  };
 
-  const FanoutRun alone = fanout.alone();
+ private:
+  std::map<std::string, std::string> want_;
+  std::optional<Fanout> fanout_;  // ended before `dir` is removed
+};
+
+TEST_F(StoreFanout, FourNodesCostTheOriginFourCopiesWithoutAMirrorAndTwoThroughAWarmedOne) {
+  const FanoutRun alone = fanout().alone();
   check(alone);
-  EXPECT_NEAR(alone.origin_bytes / stored, 1.0, 0.05);
+  EXPECT_NEAR(x_stored(alone), 1.0, 0.05);
 
-  const FanoutRun direct = fanout.without_mirror();
+  const FanoutRun direct = fanout().without_mirror();
   check(direct);
-  EXPECT_NEAR(direct.origin_bytes / stored, 4.0, 0.2);
+  EXPECT_NEAR(x_stored(direct), 4.0, 0.2);
 
   // docker-registry's proxy fetches a blob it lacks twice from the origin (once streamed to the
   // node, once to keep), and every node missing the same blob at once gets its own stream
   // (4 nodes at once through an empty mirror: 5x, measured; `bench/run fanout` shows it).
   // One node first fills the mirror at 2x; the other three then cost the origin nothing.
-  const FanoutRun warmed = fanout.with_mirror_warmed_by_one();
+  const FanoutRun warmed = fanout().with_mirror_warmed_by_one();
   check(warmed);
-  EXPECT_GE(warmed.origin_bytes / stored, 1.9);
-  EXPECT_LE(warmed.origin_bytes / stored, 2.2);
+  EXPECT_GE(x_stored(warmed), 1.9);
+  EXPECT_LE(x_stored(warmed), 2.2);
 }
 
 // A peer that lies: python3's HTTP server answering every chunk request with zeros of the size
@@ -116,57 +133,45 @@ class Liar(http.server.BaseHTTPRequestHandler):
 http.server.ThreadingHTTPServer((sys.argv[1], int(sys.argv[2])), Liar).serve_forever()
 )";
 
-TEST(StoreFanout, FourAgentsServingEachOtherCostTheOriginOneCopyAndFallBackOnAFailingPeer) {
-  SKIP_WITHOUT_CRIU();
-  GPUSNAP_SKIP_IF_BLOCKED(Fanout::blocker());
-  TempDir dir;
-  const sfs::path artifact = capture(dir);
-  const auto want = contents(artifact);
-  Fanout fanout(dir, artifact, {.nodes = 4, .rate_mbit = 400});
-  const double stored = static_cast<double>(fanout.stored_bytes());
-  auto check = [&](const FanoutRun& run) {
-    print_result(run, fanout.stored_bytes());
-    check_copies(run, want);
-  };
-
+TEST_F(StoreFanout, FourAgentsServingEachOtherCostTheOriginOneCopyAndFallBackOnAFailingPeer) {
   // Each chunk leaves the origin once, through the agent that owns it.
-  const FanoutRun peers = fanout.with_peers();
+  const FanoutRun peers = fanout().with_peers();
   check(peers);
-  EXPECT_LE(peers.origin_bytes / stored, 1.5);
-  EXPECT_GE(peers.origin_bytes / stored, 0.95);
+  EXPECT_LE(x_stored(peers), 1.5);
+  EXPECT_GE(x_stored(peers), 0.95);
 
   // The same through the agents' prefetch: each agent's own pull asks itself in-process.
-  const FanoutRun prefetched = fanout.with_peers_through_agents();
+  const FanoutRun prefetched = fanout().with_peers_through_agents();
   check(prefetched);
-  EXPECT_LE(prefetched.origin_bytes / stored, 1.5);
+  EXPECT_LE(x_stored(prefetched), 1.5);
 
   // Pushed encrypted, the chunks are sealed blobs with digests of their own: the peers serve
   // them as stored, the nodes open them.
-  const FanoutRun sealed = fanout.with_peers_encrypted();
+  const FanoutRun sealed = fanout().with_peers_encrypted();
   check(sealed);
-  EXPECT_LE(sealed.origin_bytes / stored, 1.5);
+  EXPECT_LE(x_stored(sealed), 1.5);
 
   // The agents' route is behind their token: without it 401; with it, a chunk its agent holds,
   // which is what its digest says; a repository the agent does not fetch for is refused.
   std::string hex;
   uint64_t size = 0;
-  for (const auto& e : sfs::directory_iterator(fanout.agent_cache(0) / "blobs" / "sha256")) {
+  for (const auto& e : sfs::directory_iterator(fanout().agent_cache(0) / "blobs" / "sha256")) {
     hex = e.path().filename().string();
     size = e.file_size();
     break;
   }
   ASSERT_FALSE(hex.empty()) << "node 0's agent holds no chunk";
-  const std::string address = fanout.agent_address(0);
+  const std::string address = fanout().agent_address(0);
   const size_t colon = address.rfind(':');
   httplib::Client client(address.substr(0, colon), std::stoi(address.substr(colon + 1)));
   client.set_read_timeout(std::chrono::seconds(30));
   const std::string target = "/v1/chunks/sha256:" + hex + "?size=" + std::to_string(size) +
-                             "&repository=" + fanout.origin_repository();
+                             "&repository=" + fanout().origin_repository();
   auto none = client.Get(target);
   ASSERT_TRUE(none);
   EXPECT_EQ(none->status, 401);
   const std::string token = [&] {
-    std::string t = fs::read_file(fanout.token_file());
+    std::string t = fs::read_file(fanout().token_file());
     return t.substr(0, t.find('\n'));
   }();
   const httplib::Headers bearer = {{"Authorization", "Bearer " + token}};
@@ -181,23 +186,23 @@ TEST(StoreFanout, FourAgentsServingEachOtherCostTheOriginOneCopyAndFallBackOnAFa
   EXPECT_EQ(elsewhere->status, 400) << elsewhere->body;
 
   // A peer that is down (nothing listens there): its chunks go to the next peer in their rank.
-  const FanoutRun down = fanout.with_peers({fanout.host_address() + ":7079"});
+  const FanoutRun down = fanout().with_peers({fanout().host_address() + ":7079"});
   check(down);
-  EXPECT_LE(down.origin_bytes / stored, 1.5);
+  EXPECT_LE(x_stored(down), 1.5);
 
   // A peer that serves damaged chunks: each is refused by its digest and fetched from the
   // origin.
   const sfs::path liar_log = dir / "liar.log";
   common::SpawnOptions so;
-  so.argv = {"python3", "-c", kLyingPeer, fanout.host_address(), "7171", liar_log.string()};
+  so.argv = {"python3", "-c", kLyingPeer, fanout().host_address(), "7171", liar_log.string()};
   common::Subprocess liar(so);
   ASSERT_TRUE(eventually([&] {
-    httplib::Client c(fanout.host_address(), 7171);
+    httplib::Client c(fanout().host_address(), 7171);
     return static_cast<bool>(c.Get("/"));
   }));
-  const FanoutRun lied = fanout.alone_with_peers(0, {fanout.host_address() + ":7171"});
+  const FanoutRun lied = fanout().alone_with_peers(0, {fanout().host_address() + ":7171"});
   check(lied);
-  EXPECT_NEAR(lied.origin_bytes / stored, 1.0, 0.05);
+  EXPECT_NEAR(x_stored(lied), 1.0, 0.05);
   std::string served;
   fs::try_read_file(liar_log, &served);
   EXPECT_GT(std::count(served.begin(), served.end(), '\n'), 1) << "the lying peer was not asked";
