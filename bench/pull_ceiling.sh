@@ -32,10 +32,14 @@ rm -rf wl-* art "$STORAGE" "$PULLS/pulled" "$PULLS/skopeo" "$PULLS/cache"
 mkdir -p "$PULLS"
 PORT=$((20000 + RANDOM % 20000))
 trap store_bench_cleanup EXIT
+# Progress on stderr as it goes: a run cut short by its caller's bound still says where it was.
+say() { echo "pull-ceiling $(date -u +%T): $*" >&2; }
 start_registry main "$PORT" "$STORAGE"
 sample_load
 
+say "capturing a $MIB MiB workload"
 capture art "$MIB" 1
+say "pushing $(du -sh --apparent-size art | cut -f1)"
 BYTES=$(du -sb --apparent-size art | cut -f1)
 REF="oci://127.0.0.1:$PORT/bench/pull:a"
 "$GPUSNAP" push art "$REF" --plain-http --json -q >push.json
@@ -47,12 +51,14 @@ CEILING=0
 LINES=()
 for threads in 8 32 64; do
   drop
+  say "fetch_blobs.py with $threads threads"
   read -r got s blobs < <(python3 "$HERE/fetch_blobs.py" "127.0.0.1:$PORT" bench/pull a "$threads")
   r=$(rate "$got" "$s")
   LINES+=("| registry ceiling: fetch_blobs.py, $threads threads ($blobs blobs) | $s | $r | |")
   CEILING=$(awk -v a="$CEILING" -v b="$r" 'BEGIN { print (b > a ? b : a) }')
 done
 drop
+say "skopeo copy"
 t0=$(now)
 skopeo copy -q --src-tls-verify=false "docker://127.0.0.1:$PORT/bench/pull:a" "dir:$PULLS/skopeo"
 t1=$(now)
@@ -69,6 +75,7 @@ for jobs in 8 16 32 64 default; do
   t1=$(now)
   s=$(secs "$t0" "$t1")
   r=$(rate "$STORED" "$s")
+  say "gpusnap pull --jobs $jobs: $s s"
   LINES+=("| gpusnap pull --jobs $jobs | $s | $r | $(awk -v r="$r" -v c="$CEILING" 'BEGIN { printf "%.0f %%", 100 * r / c }') |")
 done
 rm -rf "$PULLS/pulled" "$PULLS/cache"
