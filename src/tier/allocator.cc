@@ -116,6 +116,10 @@ void* Tier::allocate(std::size_t size, int device, Stream stream) {
                 "allocate nothing between the pause and the resume");
   }
   if (size == 0) return nullptr;
+  // A thread that never made a CUDA runtime call of its own (a serving thread whose first use
+  // of the GPU is a tensor) has no context current, and the driver refuses the capture query
+  // and the memory calls there: the device's primary context is entered for the allocation.
+  const EnteredDevice entered(driver_, device);
   // NOLINTNEXTLINE(performance-no-int-to-ptr): a device address is what the caller gets
   return reinterpret_cast<void*>(allocate_locked(size, device, stream));
 }
@@ -242,7 +246,10 @@ void Tier::free(void* ptr) {
   const Segment& seg = segments_.at(it->second.segment);
   // A graph's block is reused only within its capture; once that has ended it stays live, as
   // the graph writes into it on every replay.
-  if (pool != kGeneral && pool_of(seg.stream) != pool) return;
+  if (pool != kGeneral) {
+    const EnteredDevice entered(driver_, seg.device);  // as in allocate()
+    if (pool_of(seg.stream) != pool) return;
+  }
   it->second.allocated = false;
   // Neighbours merge only within one pool: a capture's memory never returns to the cache.
   if (auto next = std::next(it); next != blocks_.end() &&

@@ -14,7 +14,12 @@
 #include "gpusnap/error.h"
 
 namespace gpusnap::tier {
+
 namespace {
+// The calling thread's current context, as the real driver keeps it: entered (pushed) or made
+// current for good (a worker's use_device). A thread with neither has none, as a new thread.
+thread_local int thread_entered = 0;
+thread_local bool thread_uses_device = false;
 
 constexpr std::size_t kGranularity = std::size_t{2} << 20;
 // What fresh physical memory holds: not zeros, so that a test sees a byte nobody filled.
@@ -258,6 +263,7 @@ void FakeTierDriver::unmap(DevicePtr va, std::size_t size) {
 
 void FakeTierDriver::use_device(int device) {
   std::lock_guard lock(mu_);
+  thread_uses_device = true;
   // Not recorded: every worker calls it per piece; what matters is that it is legal.
   check_device(device, "use_device");
 }
@@ -267,12 +273,14 @@ void FakeTierDriver::enter_device(int device) {
   record("enter_device", "enter_device " + std::to_string(device));
   check_device(device, "enter_device");
   ++entered_;
+  ++thread_entered;
 }
 
 void FakeTierDriver::leave_device() noexcept {
   std::lock_guard lock(mu_);
   calls_.emplace_back(entered_ > 0 ? "leave_device" : "leave_device invalid");
   if (entered_ > 0) --entered_;
+  if (thread_entered > 0) --thread_entered;
 }
 
 int FakeTierDriver::entered() const {
@@ -367,6 +375,12 @@ void FakeTierDriver::stream_synchronize(Stream stream) {
 
 std::optional<std::uint64_t> FakeTierDriver::capture_id(Stream stream) {
   std::lock_guard lock(mu_);
+  if (thread_entered == 0 && !thread_uses_device) {
+    throw Error(
+        ErrorKind::kGpu,
+        "cuStreamGetCaptureInfo failed: CUDA_ERROR_INVALID_CONTEXT (fake driver: no context "
+        "current in this thread)");
+  }
   if (auto f = faults_.find("capture_id"); f != faults_.end() && --f->second == 0) {
     faults_.erase(f);
     throw Error(ErrorKind::kGpu, "capture_id failed: CUDA_ERROR_UNKNOWN (fake driver)");

@@ -33,7 +33,8 @@ class FakeTierDriver final : public TierDriver {
   void join_capture(Stream stream, Stream origin);
   // The nth call named `call` from now ("create", "map", "unmap", "copy_to_host", ...) fails:
   // it throws Error(kGpu), or for "create" answers out of memory. "capture_id" fails too but,
-  // asked at every allocation, is not listed in calls().
+  // asked at every allocation, is not listed in calls(). As the real one, "capture_id" also
+  // fails on a thread with no context current (neither entered nor made current by use_device).
   void fail_next(std::string call, int nth = 1);
 
   // --- inspection

@@ -44,9 +44,9 @@ class TierDriver {
   // current context of a workload's thread would change what its CUDA runtime calls use.
   virtual void use_device(int device) = 0;
   // Makes `device`'s primary context current in the calling thread until leave_device(), which
-  // puts back what was current before (cuCtxPushCurrent, cuCtxPopCurrent): a drain or a fill
-  // runs in a workload's thread (the handshake's), which may have no context current, and the
-  // driver's memory calls need one.
+  // puts back what was current before (cuCtxPushCurrent, cuCtxPopCurrent): a drain, a fill or
+  // an allocation runs in a workload's thread (the handshake's, a request loop's), which may
+  // have no context current, and the driver's memory calls need one.
   virtual void enter_device(int device) = 0;
   virtual void leave_device() noexcept = 0;
   // Waits for all work on `device` (its primary context: cuCtxSynchronize), from any thread,
@@ -70,6 +70,7 @@ class TierDriver {
   virtual void stream_synchronize(Stream stream) = 0;
   // The id of the CUDA graph capture `stream` takes part in (cuStreamGetCaptureInfo: unique for
   // the process's life, shared by every stream joined to that capture); none when not capturing.
+  // Needs a context current in the calling thread (the default stream means that context's).
   virtual std::optional<std::uint64_t> capture_id(Stream stream) = 0;
 
   // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" of `device`, as NVML and the handshake's gpu_map
@@ -89,6 +90,19 @@ class TierDriver {
   virtual Handle import_fd(int fd) = 0;
   // The device, in this process's numbering, whose memory `handle` is.
   virtual int handle_device(Handle handle) = 0;
+};
+
+// `device`'s primary context current in the calling thread for the scope's life
+// (TierDriver::enter_device, leave_device).
+class EnteredDevice {
+ public:
+  EnteredDevice(TierDriver& driver, int device) : driver_(driver) { driver_.enter_device(device); }
+  ~EnteredDevice() { driver_.leave_device(); }
+  EnteredDevice(const EnteredDevice&) = delete;
+  EnteredDevice& operator=(const EnteredDevice&) = delete;
+
+ private:
+  TierDriver& driver_;
 };
 
 // The real driver, by dlopen of libcuda.so.1. Throws Error(kEnvironment) when the library or

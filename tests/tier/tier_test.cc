@@ -15,6 +15,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -118,9 +119,10 @@ TEST_F(TierTest, ASegmentIsReservedCreatedMappedAndMadeAccessibleInThatOrder) {
   char where[32];
   std::snprintf(where, sizeof where, "0x%llx", static_cast<unsigned long long>(va(p)));
   EXPECT_EQ(driver.calls(),
-            (std::vector<std::string>{"granularity 0", "device_uuid 0", "create 0 20971520",
-                                      "reserve 20971520", std::string("map ") + where,
-                                      std::string("set_access ") + where + " 0"}));
+            (std::vector<std::string>{"enter_device 0", "granularity 0", "device_uuid 0",
+                                      "create 0 20971520", "reserve 20971520",
+                                      std::string("map ") + where,
+                                      std::string("set_access ") + where + " 0", "leave_device"}));
 }
 
 TEST_F(TierTest, LargeRequestsGetASegmentOfTheirOwnRoundedToTheGranularity) {
@@ -198,6 +200,30 @@ TEST_F(TierTest, AStreamJoinedToACaptureSharesItsPool) {
   tier->free(side);
   EXPECT_EQ(alloc(8192, 0, kStreamB), side);
   EXPECT_EQ(tier->stats().graph_bytes, 8192u);
+}
+
+// A serving thread whose first GPU use is a tensor has no CUDA context current: the allocation
+// enters the device's context itself and leaves the thread as it found it.
+TEST_F(TierTest, AThreadWithNoContextCurrentAllocatesAndFreesGraphBlocks) {
+  driver.set_capturing(kStreamA, true);
+  void* g = alloc(8192);  // a graph block: freeing it asks about the capture too
+  driver.set_capturing(kStreamA, false);
+  void* p = nullptr;
+  std::string error;
+  std::thread t([&] {
+    try {
+      p = tier->allocate(kMiB, 0, kStreamA);
+      tier->free(p);
+      tier->free(g);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  });
+  t.join();
+  EXPECT_EQ(error, "");
+  EXPECT_NE(p, nullptr);
+  EXPECT_EQ(driver.entered(), 0) << "the thread's context left as it was";
+  EXPECT_EQ(tier->stats().graph_bytes, 8192u) << "the graph's block stays live after its capture";
 }
 
 TEST_F(TierTest, AFreeThatCannotAskAboutTheCaptureKeepsTheBlockLive) {
@@ -304,6 +330,7 @@ TEST_F(TierTest, DrainThenFillPutsBackEveryLiveByteAtTheSameAddress) {
   pattern(large, 40 * kMiB, 3);
   pattern(other_gpu, 3 * kMiB, 4);
   tier->free(freed);
+  driver.clear_calls();  // the allocations' own entries (allocate() enters the device too)
 
   const TransferReport drained = tier->drain(dir.path());
   EXPECT_EQ(drained.bytes, 3072 + 6 * kMiB + 4096 + 40 * kMiB + 3 * kMiB);
