@@ -532,7 +532,13 @@ TEST_F(MemoryTier, ARequestLoopRunningThroughTheCaptureIsHeldAtThePauseAndRunsOn
     const std::string n = field(ask(port, "INFO", std::chrono::seconds(60)), "loops");
     return n.empty() ? 0ULL : std::stoull(n);
   };
-  ASSERT_TRUE(eventually([&] { return loops(source.port()) > 20; }, std::chrono::seconds(60)));
+  auto why = [&](uint16_t port) {
+    std::string log;
+    (void)fs::try_read_file(dir / "workload.log", &log);
+    return ask(port, "INFO", std::chrono::seconds(60)) + "\nworkload.log:\n" + log;
+  };
+  ASSERT_TRUE(eventually([&] { return loops(source.port()) > 20; }, std::chrono::seconds(60)))
+      << why(source.port());
   const auto start_time = std::chrono::steady_clock::now();
   auto cp = gpusnap({"checkpoint", "-p", std::to_string(source.pid()), "-o", snap.string(),
                      "--leave-running", "--json"},
@@ -543,7 +549,8 @@ TEST_F(MemoryTier, ARequestLoopRunningThroughTheCaptureIsHeldAtThePauseAndRunsOn
   EXPECT_LT(seconds, 60);
   const uint64_t after_capture = loops(source.port());
   EXPECT_TRUE(eventually([&] { return loops(source.port()) > after_capture + 20; },
-                         std::chrono::seconds(60)));
+                         std::chrono::seconds(60)))
+      << why(source.port());
   const auto check = ask(source.port(), "CHECK", std::chrono::seconds(60));
   EXPECT_EQ(check.substr(0, 13), "OK max_err=0 ") << check;
 
@@ -551,7 +558,8 @@ TEST_F(MemoryTier, ARequestLoopRunningThroughTheCaptureIsHeldAtThePauseAndRunsOn
   ASSERT_EQ(copies.copies.size(), 1U);
   const uint64_t restored = loops(copies.port(0));
   EXPECT_TRUE(
-      eventually([&] { return loops(copies.port(0)) > restored + 20; }, std::chrono::seconds(60)));
+      eventually([&] { return loops(copies.port(0)) > restored + 20; }, std::chrono::seconds(60)))
+      << why(copies.port(0));
   const auto copy_check = ask(copies.port(0), "CHECK", std::chrono::seconds(60));
   EXPECT_EQ(copy_check.substr(0, 13), "OK max_err=0 ") << copy_check;
   record(

@@ -15,6 +15,7 @@ answer once, says READY over the handshake, and serves line commands on TCP 127.
   VERIFY  -> OK layers=<L> bytes=<B>                 every weight, bit for bit, against the file
              FAIL layer=<i>
   INFO    -> pid=<pid> gib=<N> layers=<L> tier=<0|1> tier_live_bytes=<B> ready_s=<s>
+             loops=<n> loop_error=<exception name or ->  (--request-loop's steps)
   QUIT    -> BYE
 
 --ready-file PATH receives the port once READY was said (atomically).
@@ -25,6 +26,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 
 T0 = time.monotonic()
 
@@ -86,16 +88,22 @@ def main():
     hs = gpusnap_handshake.Client.from_environment()
     hs.serve(on_pause, on_resume)
     loops = [0]
+    loop_error = [""]
     if args.request_loop:
         # A request loop as a threaded server runs one: its own tensors on the tier, a step
         # after another. Outside the gate a step could run while the drain has taken the memory.
         x = torch.randn(2048, 2048, device="cuda")
 
         def request_loop():
-            while True:
-                with hs.gpu_work():
-                    (x @ x).sum().item()
-                loops[0] += 1
+            try:
+                while True:
+                    with hs.gpu_work():
+                        (x @ x).sum().item()
+                    loops[0] += 1
+            except BaseException as e:  # said in INFO and the log: a dead loop is the test's answer
+                loop_error[0] = type(e).__name__
+                traceback.print_exc()
+                sys.stderr.flush()
 
         threading.Thread(target=request_loop, daemon=True).start()
     hs.ready()
@@ -124,7 +132,7 @@ def main():
             return (f"pid={os.getpid()} gib={args.gib:g} layers={layers} "
                     f"tier={int(tier is not None)} "
                     f"tier_live_bytes={tier.live_bytes if tier else 0} ready_s={ready_s:.2f} "
-                    f"loops={loops[0]}")
+                    f"loops={loops[0]} loop_error={loop_error[0] or '-'}")
         return "ERR unknown command"
 
     line_server.serve_lines(srv, handle)
