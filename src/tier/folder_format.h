@@ -1,4 +1,4 @@
-// The memory tier's folder: what a drain leaves for gpusnap (docs/design.md, "The memory tier").
+// The memory tier's folder: what a drain leaves for gpusnap (docs/memory-tier.md).
 // One owner for the format, as writer and readers share it: the tier's drain writes it
 // (tier/transfer.cc), gpusnap reads it after the pause (engine/tier_files.cc) and from artifacts
 // (restore, prefill), and the test stand-in writes its index through this code too
