@@ -1,4 +1,4 @@
-// A stand-in for the node agent's HTTP API on a Unix socket (the contract in docs/design.md),
+// A stand-in for the node agent's HTTP API on a Unix socket (the contract in docs/agent.md),
 // for the controller's tests only: operations that run for a few polls and then succeed or
 // fail as the test scripted, artifacts that a successful checkpoint adds (a restore naming a
 // registry reference is taken as pulled from there), and a restart that
