@@ -399,7 +399,7 @@ void TierPrefills::start(const stdfs::path& program, const stdfs::path& tier,
       // Only the first copy's prefills checksum what they read: every copy's prefill reads the
       // same files, and one check of their bytes is what gpusnap's own verify gave (it read each
       // file once for all copies). The others copy without hashing, so that copies restored at
-      // once do not hash the same bytes once each (docs/benchmarks.md, "Memory tier: the prefill's
+      // once do not hash the same bytes once each (docs/memory-tier.md, "Measured: the prefill's
       // workers and checksums").
       const bool summing = c == 0 && chunk_bytes > 0;
       std::optional<common::Pipe> sums;

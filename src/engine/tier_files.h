@@ -59,7 +59,7 @@ TierContents check_tier_dir(const std::filesystem::path& dir);
 
 // The tier's files (complete once the workload answered `paused`) checksummed in the
 // background while CRIU's dump runs and leaves most cores idle: the capture's checksum phase
-// then reads CRIU's files alone. Measured on the H200 (docs/benchmarks.md, "Memory tier: where
+// then reads CRIU's files alone. Measured on the H200 (docs/memory-tier.md, "Measured: where
 // the tier's files are hashed"): hashing inside the drain instead made the drain, already bound
 // by the CPU's writes into the files, as much slower as the checksum phase got shorter.
 // The destructor stops the hashing (within a chunk per thread) and waits: a failed capture

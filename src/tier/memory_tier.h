@@ -37,7 +37,7 @@ struct TierSettings {
   // while others read or write their files.
   int streams = 16;  // drain and fill workers, one stream each
   // Each of a worker's two pinned buffers: the most one copy moves. Smaller was slower on the
-  // H200 at every size tried below 1 MiB (docs/benchmarks.md, "Memory tier: workers, buffers and
+  // H200 at every size tried below 1 MiB (docs/memory-tier.md, "Measured: workers, buffers and
   // pinning").
   std::size_t buffer_bytes = std::size_t{4} << 20;
   // The drain cuts live memory into pieces of at most this: the unit a worker takes, moved a

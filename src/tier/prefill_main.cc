@@ -82,7 +82,7 @@ void write_sums(const std::string& fd_text, const std::vector<tier::FileSums>& s
 
 // The workload's tier settings, with 16 workers (GPUSNAP_TIER_PREFILL_STREAMS, 1-64): each
 // reads its own files and checksums them as it reads, so the work per byte is CPU work. On the
-// H200 (16 GiB, docs/benchmarks.md, "Memory tier: the prefill's workers and checksums") 16 filled
+// H200 (16 GiB, docs/memory-tier.md, "Measured: the prefill's workers and checksums") 16 filled
 // in 0.55-0.72 s beside CRIU's and the driver's restores, 8 in 0.86-1.03 s; the copy's first answer
 // came after 0.89-1.03 s (median 0.95 s) with 16, against 0.94-1.03 s when gpusnap read the files a
 // second time to verify them.

@@ -141,7 +141,7 @@ struct Slice {
 };
 
 // A worker's pieces a slice at a time, each piece in slices of at most one buffer. The buffers'
-// size is a setting of its own (docs/benchmarks.md, "Memory tier: workers, buffers and pinning"),
+// size is a setting of its own (docs/memory-tier.md, "Measured: workers, buffers and pinning"),
 // not the pieces': a piece of any size, as a prefill reads them from an artifact, goes through them
 // and never past them.
 class Slices {

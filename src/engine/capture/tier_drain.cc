@@ -14,7 +14,7 @@ bool TierDrain::check() {
 }
 
 // The tier's files are hashed beside CRIU's dump, which needs one core; not beside the driver's
-// checkpoint, which that slowed by 0.15 s on the H200 (docs/benchmarks.md, "Memory tier: where
+// checkpoint, which that slowed by 0.15 s on the H200 (docs/memory-tier.md, "Measured: where
 // the tier's files are hashed"). The dump takes 0.1 s longer beside them: a source that runs on
 // (--leave-running) is not kept paused for that, and its tier's files are read after it
 // resumed, in the checksum phase.
