@@ -43,25 +43,8 @@ exec > >(tee -a "$OUT/run.log") 2>&1
 mountpoint -q "$STORE" || mount -t tmpfs -o huge=within_size,size=$(( GIB * 4 + 16 ))g gpusnap-store "$STORE"
 W=$STORE/tier-registry
 rm -rf "$W"; mkdir -p "$W"
-REGPID=""; INITS=()
-cleanup() {
-  local p
-  for p in "${INITS[@]}"; do kill -9 "$p" 2>/dev/null; done
-  [[ -n $REGPID ]] && kill "$REGPID" 2>/dev/null
-  rm -rf "$W" "$REGDIR"
-}
-trap cleanup EXIT
-now() { date +%s.%N; }
-el() { python3 -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 3))" "$1" "$(now)"; }
-field() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(eval('d'+sys.argv[2]))" "$1" "$2" 2>/dev/null; }
-host_port() { grep -o '"host_port": *[0-9]*' "$1" | head -1 | grep -o '[0-9]*$'; }
-ask() { timeout 60 bash -c 'exec 3<>/dev/tcp/127.0.0.1/$1; printf "%s\n" "$2" >&3; IFS= read -r r <&3; printf "%s" "$r"' _ "$1" "$2"; }
-gpu_idle() {
-  for _ in $(seq 600); do
-    [[ -z $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null) ]] && return
-    sleep 0.05
-  done
-}
+# shellcheck source=bench/gpu_registry_lib.sh
+source "$(dirname "$(readlink -f "$0")")/gpu_registry_lib.sh"
 phases() {  # the phases of a command's JSON, one line
   python3 - "$1" <<'PY'
 import json, sys
@@ -75,6 +58,7 @@ PY
 }
 
 printf 'version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: %s/storage\n  delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:5124\n  secret: bench\n' "$REGDIR" >"$REGDIR/config.yml"
+# shellcheck disable=SC2034  # REGPID is read by cleanup (gpu_registry_lib.sh)
 "$REGISTRY" serve "$REGDIR/config.yml" >"$OUT/registry.log" 2>&1 & REGPID=$!
 for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/5124) 2>/dev/null && break; sleep 0.1; done
 
