@@ -204,10 +204,11 @@ void fill(const sfs::path& folder) {
 TEST_F(PullFaults, TwoRestoresOfOneSnapshotAtOnceTakeTurns) {
   std::vector<Started> runs;
   for (int i = 0; i < 2; ++i) {
-    // Throttled: the first is still pulling when the second asks.
+    // Throttled: the first is still pulling when the second asks (~3 s for the ~50 MB at
+    // 16 MiB/s; both start at once, and the second asks within a request of its start).
     runs.push_back(
         start("restore" + std::to_string(i),
-              node({"restore", registry->ref("r/s:v1"), "--max-rate-mib", "8", "--json", "-q"})));
+              node({"restore", registry->ref("r/s:v1"), "--max-rate-mib", "16", "--json", "-q"})));
   }
   std::vector<std::unique_ptr<Copies>> copies;
   std::string errs;
@@ -230,7 +231,7 @@ TEST_F(PullFaults, EightPullsAndRestoresOfOneSnapshotAtOnceTakeTurns) {
     const bool restore = i % 2 == 1;
     runs.push_back(start(std::string(restore ? "restore" : "pull") + std::to_string(i),
                          node({restore ? "restore" : "pull", registry->ref("r/s:v1"),
-                               "--max-rate-mib", "8", "--json", "-q"})));
+                               "--max-rate-mib", "16", "--json", "-q"})));
   }
   std::vector<std::unique_ptr<Copies>> copies;
   std::string errs;

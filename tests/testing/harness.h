@@ -108,8 +108,9 @@ class KillAt final : public Reporter {
 // The PID namespaces of every process on the host (their /proc/PID/ns/pid links).
 std::set<std::string> pid_namespaces();
 
-// Kills a restored copy (its namespace init) and waits until it is gone; an init that is a child
-// of this process (restore() called in-process) is reaped as well.
+// Kills a restored copy (its namespace init) and waits until it is gone or a zombie (every
+// process of its namespace has then exited); an init that is a child of this process (restore()
+// called in-process) is reaped as well.
 void end_copy(pid_t init_pid);
 
 // Whether a process is running (exists, not stopped, not a zombie).
