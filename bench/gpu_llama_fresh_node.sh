@@ -42,8 +42,9 @@ source "$(dirname "$(readlink -f "$0")")/gpu_registry_lib.sh"
 say() { echo "== $(date -u +%T) $*"; }
 
 printf 'version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: %s/storage\nhttp:\n  addr: %s\n' "$REGDIR" "$HOST" >"$REGDIR/config.yml"
+"$REGISTRY" serve "$REGDIR/config.yml" >"$OUT/registry.log" 2>&1 &
 # shellcheck disable=SC2034  # REGPID is read by cleanup (gpu_registry_lib.sh)
-"$REGISTRY" serve "$REGDIR/config.yml" >"$OUT/registry.log" 2>&1 & REGPID=$!
+REGPID=$!
 for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/5125) 2>/dev/null && break; sleep 0.1; done
 
 # Set-up, untimed: the model's files made and stored in the registry, then gone from the node.

@@ -58,8 +58,9 @@ PY
 }
 
 printf 'version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: %s/storage\n  delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:5124\n  secret: bench\n' "$REGDIR" >"$REGDIR/config.yml"
+"$REGISTRY" serve "$REGDIR/config.yml" >"$OUT/registry.log" 2>&1 &
 # shellcheck disable=SC2034  # REGPID is read by cleanup (gpu_registry_lib.sh)
-"$REGISTRY" serve "$REGDIR/config.yml" >"$OUT/registry.log" 2>&1 & REGPID=$!
+REGPID=$!
 for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/5124) 2>/dev/null && break; sleep 0.1; done
 
 WEIGHTS=$W/weights.bin
