@@ -12,6 +12,7 @@
 #include <cstdio>
 
 #include "artifact/writer.h"
+#include "common/chunk_memory.h"
 #include "common/fd.h"
 #include "common/fs.h"
 #include "common/proc.h"
@@ -460,6 +461,7 @@ void Agent::run(Lane& lane, const std::shared_ptr<Operation>& op) {
   metrics_.finished(kind, error.is_null() ? "succeeded" : "failed", seconds,
                     error.is_null() ? "" : error.at("kind").get<std::string>(), bytes);
   journal_.erase(op->id);
+  common::release_free_memory();  // what a pull kept for its chunks (common/chunk_memory.h)
 }
 
 json Agent::run_checkpoint(Operation& op, json& entry, uint64_t& bytes) {
