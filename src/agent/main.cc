@@ -85,18 +85,24 @@ Error usage(const std::string& what) {
   return Error(ErrorKind::kUsage, what, "see `gpusnap-agent --help`");
 }
 
-// The ADDR:PORT of --listen or --metrics-listen (`flag`). Throws Error(kUsage).
+// The ADDR:PORT of --listen or --metrics-listen (`flag`): an IPv6 address in brackets
+// ("[::]:7070") or bare ("fd00::5:7070", as $(POD_IP):PORT spells it; the port is after the
+// last colon). Throws Error(kUsage).
 std::pair<std::string, int> address_and_port(const std::string& flag, const std::string& where,
                                              const std::string& example) {
   const auto colon = where.rfind(':');
   char* end = nullptr;
   const long port =
       colon == std::string::npos ? -1 : std::strtol(where.c_str() + colon + 1, &end, 10);
-  if (colon == std::string::npos || colon == 0 || end == nullptr || *end != '\0' || port < 0 ||
-      port > 65535) {
+  std::string address = colon == std::string::npos ? "" : where.substr(0, colon);
+  if (!address.empty() && (address.front() == '[' || address.back() == ']')) {
+    const bool paired = address.size() > 2 && address.front() == '[' && address.back() == ']';
+    address = paired ? address.substr(1, address.size() - 2) : "";
+  }
+  if (address.empty() || end == nullptr || *end != '\0' || port < 0 || port > 65535) {
     throw usage("bad " + flag + " '" + where + "': use ADDR:PORT, e.g. " + example);
   }
-  return {where.substr(0, colon), static_cast<int>(port)};
+  return {address, static_cast<int>(port)};
 }
 
 // The bearer token: the file's first line. A file anyone can read is refused, since the token
@@ -191,8 +197,13 @@ std::shared_ptr<store::PeerChunks> peer_chunks(const args::Args& args,
   serving.repositories = {repository.host + "/" + repository.repository};
   auto chunks = std::make_shared<store::PeerChunks>(std::move(serving));
   // Matched against the peers each time a chunk's owner is found: a name of --peers-dns
-  // resolves to the pod's address, which --listen=$(POD_IP):PORT names too.
-  if (const auto& peers = remote->registry.peers) peers->serve_self(args.get("--listen"), chunks);
+  // resolves to the pod's address, which --listen=$(POD_IP):PORT names too (store::peer_name
+  // writes both alike, an IPv6 address in brackets).
+  if (const auto& peers = remote->registry.peers) {
+    const auto [address, port] =
+        address_and_port("--listen", args.get("--listen"), "127.0.0.1:7070");
+    peers->serve_self(store::peer_name(address, port), chunks);
+  }
   return chunks;
 }
 
@@ -300,10 +311,9 @@ int run(const std::vector<std::string>& argv, LogFormat& format) {
       std::string("gpusnap-agent ") + GPUSNAP_VERSION + ": serving " + listen.socket_path;
   if (server.tcp_port() > 0) {
     serving +=
-        " and " + listen.tcp_address + ":" + std::to_string(server.tcp_port()) + " (bearer token)";
+        " and " + store::peer_name(listen.tcp_address, server.tcp_port()) + " (bearer token)";
   }
-  if (metrics)
-    serving += ", metrics on " + metrics_at->first + ":" + std::to_string(metrics->port());
+  if (metrics) serving += ", metrics on " + store::peer_name(metrics_at->first, metrics->port());
   serving += "; storage " + config.engine.storage.string();
   if (config.remote) serving += " and " + config.remote->repository;
   // Keys by file and fingerprint, never their bytes.

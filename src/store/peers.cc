@@ -79,6 +79,11 @@ std::string read_token(const std::string& file) {
 
 }  // namespace
 
+std::string peer_name(const std::string& address, int port) {
+  const bool v6 = address.find(':') != std::string::npos;
+  return (v6 ? "[" + address + "]" : address) + ":" + std::to_string(port);
+}
+
 std::vector<std::string> parse_peer_list(std::string_view text, const std::string& where) {
   std::vector<std::string> out;
   size_t line_no = 0;

@@ -49,6 +49,11 @@ inline constexpr size_t kMaxPeers = 4096;
 // `where`.
 std::vector<std::string> parse_peer_list(std::string_view text, const std::string& where);
 
+// ADDR:PORT as peers name each other: an IPv6 address in brackets ("[fd00::5]:7070"), any other
+// as it is ("10.0.0.5:7070"), so that an agent's --listen=$(POD_IP):PORT matches the name a
+// peers list or --peers-dns gives it whatever the pod's address family.
+std::string peer_name(const std::string& address, int port);
+
 // What --peers, --peers-file, --peers-dns and --peer-token-file say; null when no peers are
 // named. Throws Error(kUsage) for a list without a token or a token without a list, and for a
 // token file that is missing, readable by others or shorter than 16 characters.

@@ -465,7 +465,8 @@ TEST(AgentAccess, TheSocketIsForRootAndItsGroupOnly) {
 // Starts gpusnap-agent on TCP with `token_file` in `dir`, for an agent that must refuse to start;
 // its exit code and what it wrote on stderr.
 std::pair<int, std::string> agent_refusing_to_start(const std::filesystem::path& dir,
-                                                    const std::filesystem::path& token_file) {
+                                                    const std::filesystem::path& token_file,
+                                                    const std::string& listen = "127.0.0.1:0") {
   common::SpawnOptions o;
   o.argv = {build_path("gpusnap-agent"),
             "--socket",
@@ -475,7 +476,7 @@ std::pair<int, std::string> agent_refusing_to_start(const std::filesystem::path&
             "--state-dir",
             (dir / "state").string(),
             "--listen",
-            "127.0.0.1:0",
+            listen,
             "--token-file",
             token_file.string()};
   common::UniqueFd err(::open((dir / "err").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
@@ -532,6 +533,31 @@ TEST(AgentAccess, TcpCallersNeedTheBearerToken) {
   EXPECT_EQ(err, "gpusnap-agent: error: token file " + (dir / "token").string() +
                      " is readable by everyone (fix: chmod o-r " + (dir / "token").string() +
                      ")\n");
+}
+
+// --listen with an IPv6 address in brackets, as a dual-stack cluster's pods have them: the agent
+// binds it, says it as [ADDR]:PORT, and asks TCP callers for the token there as on IPv4.
+TEST(AgentAccess, ListensOnAnIpv6AddressInBrackets) {
+  SKIP_WITHOUT_CRIU();
+  TempDir dir;
+  Agent agent(dir, {"--listen", "[::1]:0", "--token-file", token_file(dir)});
+  const std::string log = agent.log();
+  const auto at = log.find("and [::1]:");
+  ASSERT_NE(at, std::string::npos) << log;
+  const int port = std::stoi(log.substr(at + 10));
+  ASSERT_GT(port, 0) << log;
+  httplib::Client client("::1", port);
+  auto none = client.Get("/v1/healthz");
+  ASSERT_TRUE(none) << httplib::to_string(none.error());
+  EXPECT_EQ(none->status, 401);
+  auto right = client.Get("/v1/healthz", {{"Authorization", "Bearer " + std::string(kTcpToken)}});
+  ASSERT_TRUE(right);
+  EXPECT_EQ(right->status, 200);
+  // One bracket alone is no address.
+  TempDir other;
+  auto [code, err] = agent_refusing_to_start(other.path(), dir / "token", "[::1:0");
+  EXPECT_EQ(code, 2) << err;
+  EXPECT_NE(err.find("bad --listen '[::1:0'"), std::string::npos) << err;
 }
 
 // The handshake worker's counter after an INCR; -1 while it answers anything else (paused).

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -124,6 +125,19 @@ TEST(PeerList, ReadFromAFlagOrAFileWithCommentsEachPeerOnce) {
     const Error e = catch_error([&] { (void)store::parse_peer_list(bad, "--peers"); });
     EXPECT_EQ(e.kind(), ErrorKind::kUsage) << bad;
     EXPECT_TRUE(Contains(e.what(), "is not ADDR:PORT")) << bad << ": " << e.what();
+  }
+}
+
+// An agent names itself from its --listen as its peers' lists name it: the same string for an
+// IPv4 address and for an IPv6 one, which lists write in brackets.
+TEST(PeerList, AnAgentsOwnNameIsWrittenAsPeersListsWriteIt) {
+  EXPECT_EQ(store::peer_name("10.0.0.5", 7070), "10.0.0.5:7070");
+  EXPECT_EQ(store::peer_name("fd00::5", 7070), "[fd00::5]:7070");
+  EXPECT_EQ(store::peer_name("node-a.example", 7070), "node-a.example:7070");
+  for (const auto& [address, port] : std::vector<std::pair<std::string, int>>{
+           {"10.0.0.5", 7070}, {"fd00::5", 7070}, {"node-a.example", 1}}) {
+    const std::string name = store::peer_name(address, port);
+    EXPECT_EQ(store::parse_peer_list(name, "--peers"), std::vector<std::string>{name}) << name;
   }
 }
 
