@@ -429,6 +429,23 @@ class ChartTest(unittest.TestCase):
             self.assertTrue(command[-1].endswith(f"-lt {limit}"), command)
 
 
+def wait_stopped(pid, seconds=10):
+    """Whether every thread of `pid` is stopped (state T) within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                continue  # a thread that ended meanwhile
+        if states and all(st in ("T", "t") for st in states):
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def free_port_socket(path):
     """A Unix socket that accepts connections and never answers: a hung agent."""
     s = socket.socket(socket.AF_UNIX)
@@ -510,7 +527,10 @@ class ProbesTest(unittest.TestCase):
                                  text=True, check=True).stdout.split()[1]
         self.assertRegex(r.stdout, rf"^gpusnap {version}\nagent {version} on node \S+ \({sock}\)\n$")
         # A stopped agent (SIGSTOP: the process and its socket still there) fails the probe.
+        # kill() returns before every thread has stopped: on a loaded machine a thread could
+        # still answer, so the probe runs once all of them are stopped.
         agent.send_signal(signal.SIGSTOP)
+        self.assertTrue(wait_stopped(agent.pid), f"agent {agent.pid} did not stop")
         self.assertIsNone(self.run_probe(command, timeout))
         agent.send_signal(signal.SIGCONT)
         r = self.run_probe(command, timeout)
