@@ -168,8 +168,9 @@ Prefill::PlacedPieces Prefill::place_pieces() const {
 TransferReport Prefill::fill() {
   const auto t0 = std::chrono::steady_clock::now();
   TransferReport report;
-  driver_.enter_device(device_);
   try {
+    // Left (the previous context put back) before release_all() below runs.
+    const EnteredDevice entered(driver_, device_);
     // One reservation for all: each segment at its offset, so that a piece's address here is
     // its address in the copy moved by one constant per segment.
     for (const auto& s : layout_.segments) reserved_ += s.size;
@@ -228,11 +229,9 @@ TransferReport Prefill::fill() {
     report.map_seconds = making_seconds;
     driver_.synchronize(device_);
   } catch (...) {
-    driver_.leave_device();
     release_all();
     throw;
   }
-  driver_.leave_device();
   report.pieces = layout_.pieces.size();
   report.files = files_.size();
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -101,20 +101,12 @@ class WorkerResources {
 // what was current put back after it.
 class DeviceScope {
  public:
-  DeviceScope(TierDriver& driver, const std::map<int, std::string>& devices) : driver_(driver) {
-    if (devices.empty()) return;
-    driver_.enter_device(devices.begin()->first);
-    entered_ = true;
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-  ~DeviceScope() {
-    if (entered_) driver_.leave_device();
+  DeviceScope(TierDriver& driver, const std::map<int, std::string>& devices) {
+    if (!devices.empty()) entered_.emplace(driver, devices.begin()->first);
   }
 
  private:
-  TierDriver& driver_;
-  bool entered_ = false;
+  std::optional<EnteredDevice> entered_;
 };
 
 // Runs `work(k, resources, stop)` on n workers (common/worker_pool.h: the first error is
