@@ -186,10 +186,13 @@ std::optional<RegistryStorageSettings> remote_settings(const args::Args& args,
 // its own --listen is among its peers, its own pulls ask it in-process: one fetch of each
 // chunk serves both.
 std::shared_ptr<store::PeerChunks> peer_chunks(const args::Args& args,
-                                               std::optional<RegistryStorageSettings>& remote) {
+                                               std::optional<RegistryStorageSettings>& remote,
+                                               const ListenOptions& listen) {
   if (!args.has("--serve-peers")) return nullptr;
   if (!remote) throw usage("--serve-peers needs --registry: peers are served its chunks");
-  if (!args.has("--listen")) throw usage("--serve-peers needs --listen: peers ask over TCP");
+  if (listen.tcp_address.empty()) {
+    throw usage("--serve-peers needs --listen: peers ask over TCP");
+  }
   const store::OciRef repository = store::OciRef::parse(remote->repository);
   store::PeerServing serving;
   serving.cache = remote->cache;
@@ -200,9 +203,7 @@ std::shared_ptr<store::PeerChunks> peer_chunks(const args::Args& args,
   // resolves to the pod's address, which --listen=$(POD_IP):PORT names too (store::peer_name
   // writes both alike, an IPv6 address in brackets).
   if (const auto& peers = remote->registry.peers) {
-    const auto [address, port] =
-        address_and_port("--listen", args.get("--listen"), "127.0.0.1:7070");
-    peers->serve_self(store::peer_name(address, port), chunks);
+    peers->serve_self(store::peer_name(listen.tcp_address, listen.tcp_port), chunks);
   }
   return chunks;
 }
@@ -287,7 +288,7 @@ int run(const std::vector<std::string>& argv, LogFormat& format) {
   config.max_pending = static_cast<size_t>(args.get_int("--max-pending", 64, 1, 1 << 20));
   config.prefetch_workers = static_cast<size_t>(args.get_int("--prefetch-workers", 1, 1, 16));
   config.log_format = format;
-  config.peer_chunks = peer_chunks(args, config.remote);
+  config.peer_chunks = peer_chunks(args, config.remote, listen);
   make_private_dir(config.engine.storage);
   make_private_dir(config.state_dir);
 
