@@ -105,32 +105,6 @@ std::pair<std::string, int> address_and_port(const std::string& flag, const std:
   return {address, static_cast<int>(port)};
 }
 
-// The bearer token: the file's first line. A file anyone can read is refused, since the token
-// is all that stands between the network and root's checkpoints.
-std::string read_token(const std::filesystem::path& file) {
-  struct stat st {};
-  if (::stat(file.c_str(), &st) != 0) {
-    if (errno == ENOENT || errno == ENOTDIR) {
-      throw Error(ErrorKind::kUsage, "token file " + file.string() + " does not exist",
-                  "write the token there first (`openssl rand -hex 32 > FILE; chmod 600 FILE`), "
-                  "or give the right --token-file");
-    }
-    throw sys_error("read token file " + file.string(), errno);
-  }
-  if ((st.st_mode & S_IROTH) != 0) {
-    throw Error(ErrorKind::kUsage, "token file " + file.string() + " is readable by everyone",
-                "chmod o-r " + file.string());
-  }
-  std::string token = fs::read_file(file);
-  token = token.substr(0, token.find('\n'));
-  while (!token.empty() && (token.back() == '\r' || token.back() == ' ')) token.pop_back();
-  if (token.size() < 16) {
-    throw Error(ErrorKind::kUsage, "token in " + file.string() + " is shorter than 16 characters",
-                "write a long random token, e.g. `openssl rand -hex 32 > FILE`");
-  }
-  return token;
-}
-
 // The gpusnap binary that runs the engine's helper processes (the dump guardian, a copy's
 // init): the agent itself cannot, it is another program.
 std::string helper_binary(const args::Args& args) {
@@ -262,7 +236,7 @@ int run(const std::vector<std::string>& argv, LogFormat& format) {
   if (args.has("--listen")) {
     std::tie(listen.tcp_address, listen.tcp_port) =
         address_and_port("--listen", args.get("--listen"), "127.0.0.1:7070");
-    listen.token = read_token(args.get("--token-file"));
+    listen.token = fs::read_token_file(args.get("--token-file"), "--token-file");
   }
 
   std::optional<std::pair<std::string, int>> metrics_at;

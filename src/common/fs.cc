@@ -148,6 +148,33 @@ void remove_tree_noexcept(const std::filesystem::path& path) noexcept {
   std::filesystem::remove_all(path, ec);
 }
 
+std::string read_token_file(const std::filesystem::path& file, const std::string& flag) {
+  struct stat st {};
+  if (::stat(file.c_str(), &st) != 0) {
+    if (errno == ENOENT || errno == ENOTDIR) {
+      throw Error(ErrorKind::kUsage, "token file " + file.string() + " does not exist",
+                  "write the token there first (`openssl rand -hex 32 > FILE; chmod 600 FILE`), "
+                  "or give the right " +
+                      flag);
+    }
+    throw sys_error("read token file " + file.string(), errno);
+  }
+  if ((st.st_mode & S_IROTH) != 0) {
+    throw Error(ErrorKind::kUsage, "token file " + file.string() + " is readable by everyone",
+                "chmod o-r " + file.string());
+  }
+  std::string token = read_file(file);
+  token = token.substr(0, token.find('\n'));
+  while (!token.empty() && (token.back() == '\r' || token.back() == ' ' || token.back() == '\t')) {
+    token.pop_back();
+  }
+  if (token.size() < 16) {
+    throw Error(ErrorKind::kUsage, "token in " + file.string() + " is shorter than 16 characters",
+                "write a long random token, e.g. `openssl rand -hex 32 > FILE`");
+  }
+  return token;
+}
+
 std::string random_id() {
   unsigned char bytes[16];
   common::UniqueFd fd(::open("/dev/urandom", O_RDONLY | O_CLOEXEC));

@@ -31,6 +31,10 @@ void fsync_tree(const std::filesystem::path& root);
 void restrict_tree(const std::filesystem::path& root, std::optional<gid_t> group = {});
 // Removes a tree, ignoring a missing path; never throws (used from destructors).
 void remove_tree_noexcept(const std::filesystem::path& path) noexcept;
+// A bearer token: the first line of `file`, trailing blanks dropped. Throws Error(kUsage) when
+// the file is missing (its fix naming `flag`, the option that names it), readable by everyone
+// (a token anyone can read protects nothing) or the token shorter than 16 characters.
+std::string read_token_file(const std::filesystem::path& file, const std::string& flag);
 // 16 random bytes as 32 hex characters.
 std::string random_id();
 // "1.2 GiB"-style sizes for people.

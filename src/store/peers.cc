@@ -4,10 +4,8 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 
 #include <algorithm>
-#include <cerrno>
 
 #include <httplib.h>
 
@@ -54,27 +52,6 @@ std::string trimmed(std::string_view s) {
   while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
   while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
   return std::string(s);
-}
-
-// The token file's first line, refused as the agent refuses its own (agent/main.cc): missing,
-// readable by others, or shorter than 16 characters.
-std::string read_token(const std::string& file) {
-  struct stat st {};
-  if (::stat(file.c_str(), &st) != 0) {
-    throw Error(ErrorKind::kUsage, "cannot read peer token file " + file + ": " + errno_text(errno),
-                "name the file that holds the agents' bearer token with --peer-token-file");
-  }
-  if ((st.st_mode & S_IROTH) != 0) {
-    throw Error(ErrorKind::kUsage, "peer token file " + file + " is readable by everyone",
-                "chmod o-r " + file);
-  }
-  std::string token = fs::read_file(file);
-  token = trimmed(token.substr(0, token.find('\n')));
-  if (token.size() < 16) {
-    throw Error(ErrorKind::kUsage, "token in " + file + " is shorter than 16 characters",
-                "write the agents' token there (`openssl rand -hex 32`)");
-  }
-  return token;
 }
 
 }  // namespace
@@ -127,7 +104,8 @@ std::shared_ptr<Peers> read_peers(const std::string& list, const std::string& fi
   std::vector<std::string> names = parse_peer_list(dns, "--peers-dns");
   if (peers.empty() && names.empty()) throw bad_peers("the peers list names no peer");
   if (token_file.empty()) throw bad_peers("peers need the agents' token (--peer-token-file)");
-  return std::make_shared<Peers>(std::move(peers), read_token(token_file), std::move(names));
+  return std::make_shared<Peers>(
+      std::move(peers), fs::read_token_file(token_file, "--peer-token-file"), std::move(names));
 }
 
 // One fetch of one digest, which every ask for it waits on.
