@@ -21,7 +21,6 @@
 #include "agent/metrics_listener.h"
 #include "agent/server.h"
 #include "common/args.h"
-#include "common/chunk_memory.h"
 #include "common/fs.h"
 #include "gpusnap/error.h"
 #include "store/flags.h"
@@ -320,7 +319,6 @@ int run(const std::vector<std::string>& argv, LogFormat& format) {
 }  // namespace gpusnap::agent
 
 int main(int argc, char** argv) {
-  gpusnap::common::keep_chunk_memory();
   auto format = gpusnap::agent::LogFormat::kText;
   try {
     return gpusnap::agent::run(std::vector<std::string>(argv + 1, argv + argc), format);

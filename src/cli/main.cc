@@ -16,7 +16,6 @@
 #include "cli/help.h"
 #include "cli/store_cli.h"
 #include "common/args.h"
-#include "common/chunk_memory.h"
 #include "common/fs.h"
 #include "common/proc.h"
 #include "container/enter.h"
@@ -603,7 +602,6 @@ int cmd_completion(const std::vector<Command>& cmds, const std::vector<std::stri
 }  // namespace
 
 int main(int argc, char** argv) {
-  common::keep_chunk_memory();
   std::vector<std::string> all(argv + 1, argv + argc);
   auto cmds = commands();
   bool json_wanted = false;

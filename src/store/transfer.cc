@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "artifact/writer.h"
+#include "common/chunk_memory.h"
 #include "common/fd.h"
 #include "common/fs.h"
 #include "common/room.h"
@@ -254,6 +255,7 @@ PushResult push(const std::filesystem::path& path, const OciRef& ref, const Tran
     throw Error(ErrorKind::kUsage, "push names its target by a tag, not a digest: " + ref.str(),
                 "write oci://HOST/REPOSITORY:TAG");
   }
+  common::keep_chunk_memory();
   Phases phases(reporter);
   PushResult r;
   std::optional<SigningKey> signer;
@@ -338,6 +340,7 @@ RemoteSnapshot read_remote(const OciRef& ref, const TransferOptions& options) {
 }
 
 PullResult pull(const OciRef& ref, const PullOptions& o, Reporter& reporter) {
+  common::keep_chunk_memory();
   Phases phases(reporter);
   PullRegistries registry(ref, o.transfer.registry);  // the node's mirrors, then the origin
   RemoteSnapshot snap = phases.run("manifest", [&] {
