@@ -28,3 +28,30 @@ gpu_idle() {
     sleep 0.05
   done
 }
+# CPU seconds, in hundredths, used so far by this shell's finished children ($CPU_SELF) and by the
+# registry ($CPU_REG): `cpu_mark` before a command and `cpu_since` after it say where a pull's
+# CPU went, gpusnap's side or the registry's, when both share the machine's cores. In the current
+# shell (no subshell: a fork's counters start from zero).
+cpu_read() {
+  local line u s f=${TMPDIR:-/tmp}/gpusnap-bench-times.$$
+  times >"$f"  # the builtin here, not in a pipe's subshell
+  line=$(tail -1 "$f"); rm -f "$f"
+  [[ $line =~ ^([0-9]+)m([0-9]+)\.([0-9]+)s\ ([0-9]+)m([0-9]+)\.([0-9]+)s ]] || return
+  u=$(( BASH_REMATCH[1] * 6000 + 10#${BASH_REMATCH[2]} * 100 + 10#${BASH_REMATCH[3]:0:2} ))
+  s=$(( BASH_REMATCH[4] * 6000 + 10#${BASH_REMATCH[5]} * 100 + 10#${BASH_REMATCH[6]:0:2} ))
+  CPU_SELF=$(( u + s ))
+  CPU_REG=0
+  if [[ -n $REGPID && -r /proc/$REGPID/stat ]]; then
+    local stat; stat=$(</proc/"$REGPID"/stat)
+    local -a fields; read -ra fields <<<"${stat##*) }"
+    # utime and stime, fields 14 and 15 of stat (11 and 12 after the command's name), in ticks.
+    CPU_REG=$(( (fields[11] + fields[12]) * 100 / $(getconf CLK_TCK) ))
+  fi
+}
+cpu_mark() { cpu_read; CPU_SELF0=$CPU_SELF; CPU_REG0=$CPU_REG; }
+# CPU_TEXT="cpu: gpusnap S s, registry R s", since cpu_mark.
+cpu_since() {
+  cpu_read
+  CPU_TEXT=$(printf 'cpu: gpusnap %d.%02d s, registry %d.%02d s' $(( (CPU_SELF - CPU_SELF0) / 100 )) \
+    $(( (CPU_SELF - CPU_SELF0) % 100 )) $(( (CPU_REG - CPU_REG0) / 100 )) $(( (CPU_REG - CPU_REG0) % 100 )))
+}

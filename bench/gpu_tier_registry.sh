@@ -91,15 +91,19 @@ restore_check() {  # NAME EXPECTED-PORT-FILE ARTIFACT-OR-REF [FLAGS...]: one cop
   local name=$1 portfile=$2 what=$3; shift 3
   gpu_idle
   rm -rf "$W/run-$name" "$W/cache-$name"
+  cpu_mark
   local t; t=$(now)
   timeout 300 "$G" restore "$what" --publish "$(cat "$portfile")" --json --run-dir "$W/run-$name" \
     "$@" >"$OUT/$name.json" 2>"$OUT/$name.err"
   local rc=$? cmd; cmd=$(el "$t")
+  cpu_since; local cpu=$CPU_TEXT
   local answer; answer=$(ask "$(host_port "$OUT/$name.json")" CHECK)
   echo "== $name: rc=$rc, command $cmd s, first answer $(el "$t") s: $answer"
   echo "   phases: $(phases "$OUT/$name.json")"
+  echo "   $cpu (the restore command and what it waited for)"
   [[ $answer == "OK max_err=0 "* ]] || { echo "== $name: NOT EXACT"; tail -5 "$OUT/$name.err"; }
   grep -h "tier prefill" "$OUT/$name.err" | head -2 | sed 's/^/   /'
+  grep -o '"pulled [^"]*CPU[^"]*"' "$OUT/$name.json" | head -1 | sed 's/^/   /'
   local init; init=$(field "$OUT/$name.json" "['copies'][0]['init_pid']")
   [[ -n $init ]] && kill -9 "$init" 2>/dev/null
   sleep 1
@@ -108,10 +112,14 @@ restore_check() {  # NAME EXPECTED-PORT-FILE ARTIFACT-OR-REF [FLAGS...]: one cop
 pull_alone() {  # NAME [REF [FLAGS...]]: gpusnap pull into an empty node cache
   local name=$1 ref=${2:-$REF}; shift; shift $(( $# > 0 ? 1 : 0 ))
   rm -rf "$W/pulled-$name" "$W/cache-$name"
+  cpu_mark
   local t; t=$(now)
   timeout 300 "$G" pull "$ref" -o "$W/pulled-$name" --plain-http --cache "$W/cache-$name" --json "$@" \
     >"$OUT/$name.json" 2>"$OUT/$name.err"
-  echo "== $name: rc=$? $(el "$t") s ($(du -sb --apparent-size "$W/pulled-$name" 2>/dev/null | cut -f1) bytes)"
+  local rc=$? took; took=$(el "$t")
+  cpu_since; local cpu=$CPU_TEXT
+  echo "== $name: rc=$rc $took s ($(du -sb --apparent-size "$W/pulled-$name" 2>/dev/null | cut -f1) bytes; $cpu)"
+  echo "   gpusnap's threads: $(field "$OUT/$name.json" "['cpu_seconds']") (CPU seconds fetching, decoding, writing)"
 }
 # The weights file first (the workload makes it when missing), untimed.
 capture warm --no-tier >/dev/null; rm -rf "$W/warm"
