@@ -1,5 +1,6 @@
 #include "store/reach.h"
 
+#include <cstdio>
 #include <utility>
 
 #include "criu/criu.h"
@@ -11,11 +12,21 @@
 
 namespace gpusnap::store {
 
-void check_host(const Manifest& manifest, const ReachOptions& options) {
+namespace {
+
+// check_host() with the driver it opened (when options.driver is null) kept in `owned`.
+void check_host_with(const Manifest& manifest, const ReachOptions& options,
+                     std::unique_ptr<gpu::Driver>& owned) {
   const auto criu = criu::locate(options.criu_path);
-  std::unique_ptr<gpu::Driver> owned;
-  gpu::Driver& driver = gpu::given_or_nvidia(options.driver, owned);
+  gpu::Driver& driver = owned ? *owned : gpu::given_or_nvidia(options.driver, owned);
   engine::check_restorable(manifest, criu.version, driver, options.gpu_map, options.replicas);
+}
+
+}  // namespace
+
+void check_host(const Manifest& manifest, const ReachOptions& options) {
+  std::unique_ptr<gpu::Driver> owned;
+  check_host_with(manifest, options, owned);
 }
 
 SnapshotSource::SnapshotSource(const std::string& where, const ReachOptions& options,
@@ -32,7 +43,7 @@ SnapshotSource::~SnapshotSource() = default;
 void SnapshotSource::reach_local(const std::string& where, const ReachOptions& options) {
   artifact_ = where;
   if (options.any_host) return;
-  check_host(Artifact::open(artifact_).manifest(), options);
+  check_host_with(Artifact::open(artifact_).manifest(), options, driver_);
   checked_ = true;
 }
 
@@ -75,16 +86,18 @@ void SnapshotSource::reach_remote(const std::string& where, const ReachOptions& 
     pulling.reset();
     verified_ = options.verify_copy;
     if (!options.any_host) {
-      check_host(
+      check_host_with(
           snap ? Manifest::from_json(snap->layout.manifest) : Artifact::open(artifact_).manifest(),
-          options);
+          options, driver_);
     }
     checked_ = !options.any_host;
     return;
   }
   // Refused here, before any chunk, where the snapshot could not be restored.
   if (!snap) snap = read_remote(ref, transfer);
-  if (!options.any_host) check_host(Manifest::from_json(snap->layout.manifest), options);
+  if (!options.any_host) {
+    check_host_with(Manifest::from_json(snap->layout.manifest), options, driver_);
+  }
   checked_ = !options.any_host;
   PullOptions o;
   o.transfer = transfer;
@@ -125,6 +138,9 @@ void SnapshotSource::prepare(RestoreOptions& options) {
   options.artifact = artifact_;
   options.arriving = stream_.get();
   options.host_checked = checked_;
+  // The driver the check opened, for the restore: opening it again (NVML's initialisation and
+  // every GPU's facts) would cost the restore its time a second time.
+  if (options.driver == nullptr && driver_) options.driver = driver_.get();
   // Verified here a moment ago, every byte: not read a second time.
   if (verified_) options.verify = false;
 }
@@ -143,8 +159,11 @@ std::string SnapshotSource::summary() const {
   const PullResult* p = pulled();
   const std::string how = stream_ ? " while restoring" : "";
   if (p == nullptr) return "pulling " + reference_ + how + " did not end";
+  char cpu[128];
+  std::snprintf(cpu, sizeof cpu, "; CPU %.2f s fetching, %.2f s decompressing, %.2f s writing",
+                p->cpu.fetch, p->cpu.decode, p->cpu.write);
   return "pulled " + reference_ + how + ": " + std::to_string(p->chunks_fetched) +
-         " chunks fetched, " + std::to_string(p->chunks_from_cache) + " from the node cache";
+         " chunks fetched, " + std::to_string(p->chunks_from_cache) + " from the node cache" + cpu;
 }
 
 }  // namespace gpusnap::store

@@ -118,6 +118,9 @@ class SnapshotSource {
   bool pulls_ = false;
   bool verified_ = false;
   SnapshotUse use_;  // the node copy, in use until the pull and the restore are done
+  // The NVIDIA driver the host check opened (ReachOptions::driver null), lent to the restore by
+  // prepare(): this object outlives the restore it prepares.
+  std::unique_ptr<gpu::Driver> driver_;
   std::optional<PullResult> result_;
   std::unique_ptr<StreamingPull> stream_;  // last: stopped before anything above goes
 };

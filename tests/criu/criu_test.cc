@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <vector>
@@ -316,6 +317,29 @@ TEST_F(CriuLocateTest, RefusesFileThatIsNotExecutable) {
   EXPECT_EQ(std::string(e.what()),
             "no usable CRIU >= 4.2: " + path.string() + " is not an executable file");
   EXPECT_TRUE(Contains(e.hint(), "scripts/install-criu"));
+}
+
+// A restore reached through store/reach.h locates CRIU twice (its host check, then the restore):
+// `criu --version` runs once per file, and again once the file is another.
+TEST_F(CriuLocateTest, AVersionIsAskedOncePerFileAndAgainWhenTheFileChanges) {
+  const auto runs = dir.path() / "runs";
+  const auto path = dir.path() / "criu";
+  const auto install = [&](const std::string& version) {
+    write(path,
+          "#!/bin/sh\necho run >> '" + runs.string() + "'\necho 'Version: " + version + "'\n");
+    stdfs::permissions(path, stdfs::perms::owner_all);
+  };
+  const auto count = [&] {
+    std::ifstream in(runs);
+    return std::count(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>(), '\n');
+  };
+  install("4.2.1");
+  EXPECT_EQ(locate(path.string()).version, "4.2.1");
+  EXPECT_EQ(locate(path.string()).version, "4.2.1");
+  EXPECT_EQ(count(), 1);
+  install("4.3.0");  // replaced in place: another size
+  EXPECT_EQ(locate(path.string()).version, "4.3.0");
+  EXPECT_EQ(count(), 2);
 }
 
 TEST_F(CriuLocateTest, UsesGpusnapCriuFromEnvironment) {
