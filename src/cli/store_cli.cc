@@ -159,18 +159,20 @@ store::PullOptions pull_options(const Args& args) {
 
 json pull_document(const store::PullResult& r, const std::vector<std::string>& notes) {
   json doc = sizes_json(r.sizes);
-  doc.update(json{{"reference", r.reference},
-                  {"digest", r.digest},
-                  {"artifact", r.output.string()},
-                  {"chunks_fetched", r.chunks_fetched},
-                  {"bytes_fetched", r.bytes_fetched},
-                  {"chunks_from_cache", r.chunks_from_cache},
-                  {"bytes_from_cache", r.bytes_from_cache},
-                  {"evicted", r.evicted},
-                  {"kept_in_use", r.kept_in_use},
-                  {"phases", phases_json(r.phases)},
-                  {"seconds", total_seconds(r.phases)},
-                  {"notes", notes}});
+  doc.update(json{
+      {"reference", r.reference},
+      {"digest", r.digest},
+      {"artifact", r.output.string()},
+      {"chunks_fetched", r.chunks_fetched},
+      {"bytes_fetched", r.bytes_fetched},
+      {"chunks_from_cache", r.chunks_from_cache},
+      {"bytes_from_cache", r.bytes_from_cache},
+      {"cpu_seconds", {{"fetch", r.cpu.fetch}, {"decode", r.cpu.decode}, {"write", r.cpu.write}}},
+      {"evicted", r.evicted},
+      {"kept_in_use", r.kept_in_use},
+      {"phases", phases_json(r.phases)},
+      {"seconds", total_seconds(r.phases)},
+      {"notes", notes}});
   return doc;
 }
 

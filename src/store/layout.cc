@@ -26,7 +26,14 @@ Error bad(const std::string& what) {
                "push the artifact again with this gpusnap version");
 }
 
-const char* encoding_name(Encoding e) { return e == Encoding::kZstd ? "zstd" : "raw"; }
+const char* encoding_name(Encoding e) {
+  switch (e) {
+    case Encoding::kZstd: return "zstd";
+    case Encoding::kZstdSplit2: return "zstd-split2";
+    case Encoding::kRaw: break;
+  }
+  return "raw";
+}
 
 template <class T>
 T field(const json& obj, const char* key, const std::string& where) {
@@ -129,6 +136,8 @@ Layout Layout::from_json(const json& doc) {
       const auto enc = ej[3].get<std::string>();
       if (enc == "zstd") {
         e.encoding = Encoding::kZstd;
+      } else if (enc == "zstd-split2") {
+        e.encoding = Encoding::kZstdSplit2;
       } else if (enc != "raw") {
         throw bad(where + ": unknown encoding '" + enc.substr(0, 40) + "'");
       }

@@ -19,7 +19,9 @@ inline constexpr int kLayoutVersion = 1;
 // No chunk is larger, stored or not: what a reader must be ready to hold in memory.
 inline constexpr uint64_t kMaxChunkBytes = 32ull << 20;
 
-enum class Encoding { kRaw, kZstd };
+// How a chunk's bytes are stored: as they are, zstd, or zstd of their byte split
+// (store/byte_split.h). Chosen per chunk from its bytes alone (store/chunker.h).
+enum class Encoding { kRaw, kZstd, kZstdSplit2 };
 
 struct Extent {
   uint64_t offset = 0;  // in the file

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 #include <zstd.h>
 
@@ -11,7 +12,9 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
+#include <string_view>
 
 #include "artifact/writer.h"
 #include "common/fd.h"
@@ -19,6 +22,7 @@
 #include "common/worker_pool.h"
 #include "gpusnap/error.h"
 #include "store/blob_store.h"
+#include "store/byte_split.h"
 
 namespace gpusnap::store {
 
@@ -26,6 +30,26 @@ namespace {
 
 namespace sfs = std::filesystem;
 constexpr uint64_t kPage = 4096;
+
+// This thread's CPU time, in nanoseconds.
+uint64_t thread_cpu_ns() {
+  timespec t{};
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<uint64_t>(t.tv_sec) * 1000000000u + static_cast<uint64_t>(t.tv_nsec);
+}
+
+// Adds the CPU time this thread spends from here to the end of the scope to `total` (ns).
+class CpuSpent {
+ public:
+  explicit CpuSpent(std::atomic<uint64_t>& total) : total_(total), start_(thread_cpu_ns()) {}
+  CpuSpent(const CpuSpent&) = delete;
+  CpuSpent& operator=(const CpuSpent&) = delete;
+  ~CpuSpent() { total_.fetch_add(thread_cpu_ns() - start_, std::memory_order_relaxed); }
+
+ private:
+  std::atomic<uint64_t>& total_;
+  uint64_t start_;
+};
 
 bool is_zero(const char* p, size_t n) {
   return n == 0 || (p[0] == 0 && std::memcmp(p, p + 1, n - 1) == 0);
@@ -133,6 +157,52 @@ bool out_of_space(const Error& e) {
          (what.ends_with(errno_text(ENOSPC)) || what.ends_with(errno_text(EDQUOT)));
 }
 
+// Decodes compressed chunks into buffers of its thread's own, kept from chunk to chunk: a pull
+// decodes gigabytes, and fresh memory for each chunk would be zeroed and faulted in again.
+class Decoder {
+ public:
+  // The extent's bytes from its stored blob; valid until the next call on this thread.
+  // Throws Error(kBadArtifact) for a blob that does not decode to the extent's length.
+  std::string_view decode(const Extent& e, const std::string& blob, const std::string& path) {
+    Buffers& b = buffers();
+    char* out = b.out.reserve(e.length);
+    // A split chunk decompresses into the split bytes first, then is joined into `out`.
+    char* into = e.encoding == Encoding::kZstdSplit2 ? b.split.reserve(e.length) : out;
+    const size_t n = ZSTD_decompressDCtx(b.dctx.get(), into, e.length, blob.data(), blob.size());
+    if (ZSTD_isError(n) || n != e.length) {
+      throw Error(ErrorKind::kBadArtifact,
+                  "chunk " + e.digest + " of " + path + " does not decompress to its " +
+                      std::to_string(e.length) + " bytes",
+                  "push the artifact again");
+    }
+    if (e.encoding == Encoding::kZstdSplit2) join_bytes(into, e.length, out);
+    return {out, e.length};
+  }
+
+ private:
+  struct Buffer {
+    std::unique_ptr<char[]> data;
+    size_t size = 0;
+    char* reserve(size_t n) {
+      if (n > size) {
+        data = std::make_unique_for_overwrite<char[]>(n);
+        size = n;
+      }
+      return data.get();
+    }
+  };
+  struct Buffers {
+    Buffer out;
+    Buffer split;
+    std::unique_ptr<ZSTD_DCtx, decltype(&ZSTD_freeDCtx)> dctx{ZSTD_createDCtx(), ZSTD_freeDCtx};
+  };
+  // One set per writing thread; freed when the thread ends with the write.
+  static Buffers& buffers() {
+    thread_local Buffers b;
+    return b;
+  }
+};
+
 // The files of `layout` written into the writer's staging directory, then committed.
 MaterialiseResult write_into(artifact::ArtifactWriter& writer, const Manifest& manifest,
                              const Layout& layout, const BlobSource& source,
@@ -213,6 +283,8 @@ MaterialiseResult write_into(artifact::ArtifactWriter& writer, const Manifest& m
 
   std::atomic<uint64_t> done{0};
   std::atomic<uint64_t> kept{0}, bytes_kept{0};
+  std::atomic<uint64_t> fetch_ns{0}, decode_ns{0}, write_ns{0};
+  Decoder decoded;
   // An uncompressed extent that a resumed staging directory holds intact, verbatim at its place.
   const auto intact = [&](const FileLayout& f, const Extent& e) {
     return writer.resumed() && e.encoding == Encoding::kRaw &&
@@ -235,7 +307,11 @@ MaterialiseResult write_into(artifact::ArtifactWriter& writer, const Manifest& m
             }
             return;
           }
-          std::string blob = source({e.digest, e.stored, e.encoding});
+          std::string blob;
+          {
+            const CpuSpent spent(fetch_ns);
+            blob = source({e.digest, e.stored, e.encoding});
+          }
           if (blob.size() != e.stored) {
             throw Error(ErrorKind::kBadArtifact,
                         "chunk " + e.digest + " of " + f.path + " has " +
@@ -243,20 +319,17 @@ MaterialiseResult write_into(artifact::ArtifactWriter& writer, const Manifest& m
                             std::to_string(e.stored),
                         "push the artifact again");
           }
-          if (e.encoding == Encoding::kZstd) {
-            std::string raw(e.length, '\0');
-            const size_t n = ZSTD_decompress(raw.data(), raw.size(), blob.data(), blob.size());
-            if (ZSTD_isError(n) || n != e.length) {
-              throw Error(ErrorKind::kBadArtifact,
-                          "chunk " + e.digest + " of " + f.path + " does not decompress to its " +
-                              std::to_string(e.length) + " bytes",
-                          "push the artifact again");
-            }
-            blob = std::move(raw);
+          std::string_view bytes = blob;
+          if (e.encoding != Encoding::kRaw) {
+            const CpuSpent spent(decode_ns);
+            bytes = decoded.decode(e, blob, f.path);
           }
-          // In a resumed staging directory the extent's pages that stay holes are made so.
-          if (writer.resumed()) clear_range(fds[jobs[j].file].get(), e.offset, e.length, f.path);
-          write_sparse(fds[jobs[j].file].get(), blob.data(), e.length, e.offset, f.path);
+          {
+            const CpuSpent spent(write_ns);
+            // In a resumed staging directory the extent's pages that stay holes are made so.
+            if (writer.resumed()) clear_range(fds[jobs[j].file].get(), e.offset, e.length, f.path);
+            write_sparse(fds[jobs[j].file].get(), bytes.data(), e.length, e.offset, f.path);
+          }
           done += e.length;
           prefixes.written(jobs[j].file, jobs[j].extent);
           if (left[jobs[j].file].fetch_sub(1) == 1 && hooks.file_written) {
@@ -269,7 +342,11 @@ MaterialiseResult write_into(artifact::ArtifactWriter& writer, const Manifest& m
   if (hooks.before_commit) hooks.before_commit();
   // The staging tree's directories are the writer's; the files are root-only as written.
   writer.commit(manifest, phases);
-  return {kept.load(), bytes_kept.load()};
+  const auto seconds = [](const std::atomic<uint64_t>& ns) {
+    return static_cast<double>(ns) / 1e9;
+  };
+  return {
+      kept.load(), bytes_kept.load(), {seconds(fetch_ns), seconds(decode_ns), seconds(write_ns)}};
 }
 
 }  // namespace

@@ -57,9 +57,18 @@ struct MaterialiseOptions {
   ArrivalHooks arrival;
 };
 
+// CPU seconds the writing threads spent, summed over them: where a transfer's CPU goes when it,
+// not the link, bounds it (docs/store.md, "Where a pull's CPU goes").
+struct TransferCpu {
+  double fetch = 0;   // in the BlobSource: receiving and checking the digest, or a cache's read
+  double decode = 0;  // decompressing zstd chunks
+  double write = 0;   // finding the holes and writing the files
+};
+
 struct MaterialiseResult {
   uint64_t extents_kept = 0;  // found intact in a resumed staging directory
   uint64_t bytes_kept = 0;
+  TransferCpu cpu;
 };
 
 // Writes the artifact at `dest` (which must not exist; its parent must). Every chunk is

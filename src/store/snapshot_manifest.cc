@@ -12,6 +12,15 @@ namespace gpusnap::store {
 
 namespace {
 
+std::string chunk_media_type(Encoding e) {
+  switch (e) {
+    case Encoding::kZstd: return kChunkZstdMediaType;
+    case Encoding::kZstdSplit2: return kChunkSplit2ZstdMediaType;
+    case Encoding::kRaw: break;
+  }
+  return kChunkMediaType;
+}
+
 using nlohmann::json;
 
 std::string text_of(const json& doc, const char* key) {
@@ -252,12 +261,10 @@ SnapshotManifests snapshot_manifests(const Layout& layout, const Descriptor& lay
   for (const BlobInfo& b : layout.blobs()) {
     // An encrypted snapshot lists each chunk's sealed blob, titled as the chunk.
     const SealedChunk* s = sealed != nullptr ? &sealed->at(b.digest) : nullptr;
-    json layer = {
-        {"mediaType",
-         (b.encoding == Encoding::kZstd ? kChunkZstdMediaType : kChunkMediaType) + suffix},
-        {"digest", s != nullptr ? s->digest : b.digest},
-        {"size", s != nullptr ? s->size : b.size},
-        {"annotations", {{kTitleAnnotation, titles[b.digest]}}}};
+    json layer = {{"mediaType", chunk_media_type(b.encoding) + suffix},
+                  {"digest", s != nullptr ? s->digest : b.digest},
+                  {"size", s != nullptr ? s->size : b.size},
+                  {"annotations", {{kTitleAnnotation, titles[b.digest]}}}};
     const size_t more = layer.dump().size() + 1;
     if (size + more > kMaxManifestBytes && !groups.back().empty()) {
       groups.emplace_back(json::array());

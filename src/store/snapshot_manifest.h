@@ -20,6 +20,9 @@ namespace gpusnap::store {
 inline constexpr const char* kConfigMediaType = "application/vnd.gpusnap.snapshot.config.v1+json";
 inline constexpr const char* kChunkMediaType = "application/vnd.gpusnap.chunk.v1";
 inline constexpr const char* kChunkZstdMediaType = "application/vnd.gpusnap.chunk.v1+zstd";
+// zstd of the chunk's byte split (store/byte_split.h).
+inline constexpr const char* kChunkSplit2ZstdMediaType =
+    "application/vnd.gpusnap.chunk.split2.v1+zstd";
 inline constexpr const char* kArtifactType = "application/vnd.gpusnap.snapshot.v1";
 inline constexpr const char* kOciManifestMediaType = "application/vnd.oci.image.manifest.v1+json";
 inline constexpr const char* kOciImageConfigMediaType = "application/vnd.oci.image.config.v1+json";

@@ -445,6 +445,7 @@ PullResult pull(const OciRef& ref, const PullOptions& o, Reporter& reporter) {
   r.bytes_fetched = bytes_fetched;
   r.chunks_from_cache = cached + written.extents_kept;
   r.bytes_from_cache = bytes_cached + written.bytes_kept;
+  r.cpu = written.cpu;
   r.phases = phases.timings();
   return r;
 }

@@ -158,6 +158,7 @@ struct PullResult {
   uint64_t bytes_fetched = 0;
   uint64_t chunks_from_cache = 0;  // the cache's blobs, the copies there are, earlier stagings
   uint64_t bytes_from_cache = 0;
+  TransferCpu cpu;  // the fetch's threads (store/materialise.h)
   std::vector<std::string> evicted;
   std::vector<std::string> kept_in_use;  // over the budget, but in use: kept
   std::vector<PhaseTiming> phases;

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include <gtest/gtest.h>
+#include <zstd.h>
 #include <nlohmann/json.hpp>
 
 #include "common/fd.h"
@@ -26,6 +27,7 @@
 #include "gpusnap/error.h"
 #include "gpusnap/restore.h"
 #include "store/blob_store.h"
+#include "store/byte_split.h"
 #include "store/chunker.h"
 #include "store/digest.h"
 #include "store/layout.h"
@@ -792,6 +794,85 @@ TEST(SnapshotManifest, ChunksBeyondOneManifestAreSplitAcrossAnIndex) {
 // The cache writes chunks with O_DIRECT where the filesystem takes it (whole blocks through an
 // aligned buffer, the tail after) and through the page cache where it does not: every length
 // comes back whole and root-only, on the disk's filesystem and on tmpfs.
+TEST(StoreEncoding, AByteSplitComesBackWholeAtEveryLength) {
+  for (size_t n : {size_t{0}, size_t{1}, size_t{2}, size_t{3}, size_t{64}, size_t{4097}}) {
+    std::string in(n, '\0');
+    for (size_t i = 0; i < n; ++i) in[i] = static_cast<char>(i * 7 + 3);
+    std::string split(n, '\0');
+    std::string joined(n, '\0');
+    store::split_bytes(in.data(), n, split.data());
+    // The bytes at even offsets first.
+    for (size_t i = 0; i < (n + 1) / 2; ++i) ASSERT_EQ(split[i], in[2 * i]) << n;
+    store::join_bytes(split.data(), n, joined.data());
+    EXPECT_EQ(joined, in) << n;
+  }
+}
+
+// Each chunk is stored the way its bytes compress best: 16-bit numbers as a model's weights hold
+// them (a narrow sign-and-exponent byte beside a noisy one) byte-split, text as it is, noise raw;
+// and every one comes back exact.
+TEST(StoreEncoding, WeightsAreStoredByteSplitTextAsItIsNoiseRawAndAllComeBackExact) {
+  TempDir dir;
+  const auto src = dir / "src";
+  sfs::create_directories(src / "criu");
+  std::mt19937_64 rng(7);
+  std::normal_distribution<float> weight(0.0f, 0.02f);
+  std::string pages;
+  for (size_t i = 0; i < (4u << 20) / 2; ++i) {  // bf16: the top half of a float's bits
+    const float w = weight(rng);
+    uint32_t bits = 0;
+    std::memcpy(&bits, &w, 4);
+    pages.push_back(static_cast<char>((bits >> 16) & 0xff));
+    pages.push_back(static_cast<char>(bits >> 24));
+  }
+  for (size_t i = 0; pages.size() < (8u << 20); ++i) {
+    pages += "line " + std::to_string(i % 977) + " of a log that repeats itself\n";
+  }
+  pages.resize(8u << 20);
+  for (size_t i = 0; i < (4u << 20); i += 8) {
+    const uint64_t v = rng();
+    pages.append(reinterpret_cast<const char*>(&v), 8);
+  }
+  fs::write_file(src / "criu" / "pages-1.img", pages);
+  Manifest m;
+  m.id = fs::random_id();
+  m.created = "2026-12-01T00:00:00Z";
+  m.gpusnap_version = "test";
+  m.host.page_size = 4096;
+  m.files = checksum_tree(src, m.chunk_bytes);
+  fs::write_file(src / kManifestName, m.to_json().dump(2));
+
+  store::BlobStore blobs(dir / "store");
+  const auto stored = chunk_into(src, blobs);
+  std::map<store::Encoding, uint64_t> length_by;
+  for (const auto& f : stored.layout.files) {
+    for (const auto& e : f.extents) {
+      length_by[e.encoding] += e.length;
+      if (e.encoding != store::Encoding::kZstdSplit2) continue;
+      // Split, it is smaller than zstd makes the same bytes as they are.
+      const std::string bytes = fs::read_file(src / f.path).substr(e.offset, e.length);
+      std::string out(ZSTD_compressBound(bytes.size()), '\0');
+      const size_t plain = ZSTD_compress(out.data(), out.size(), bytes.data(), bytes.size(), 1);
+      ASSERT_FALSE(ZSTD_isError(plain));
+      EXPECT_LT(e.stored, plain) << "at " << e.offset;
+    }
+  }
+  // Chunks are cut by content: those that straddle two kinds take the encoding that suits most.
+  EXPECT_GE(length_by[store::Encoding::kZstdSplit2], 2u << 20);
+  EXPECT_GE(length_by[store::Encoding::kZstd], 2u << 20);
+  EXPECT_GE(length_by[store::Encoding::kRaw], 2u << 20);
+
+  // Through JSON, as a registry would carry it, and back.
+  auto layout = store::Layout::from_json(json::parse(stored.layout.to_json().dump()));
+  Reporter quiet;
+  const auto result = store::materialise(
+      layout, dir / "out", [&](const store::BlobInfo& b) { return blobs.get(b.digest, b.size); },
+      {}, quiet);
+  EXPECT_TRUE(Artifact::open(dir / "out").verify().empty());
+  EXPECT_EQ(fs::read_file(dir / "out" / "criu" / "pages-1.img"), pages);
+  EXPECT_GT(result.cpu.decode, 0.0);
+}
+
 TEST(Store, ChunksOfAnyLengthComeBackWholeOnDiskAndOnTmpfs) {
   TempDir disk;
   std::vector<std::filesystem::path> roots = {disk / "store"};
