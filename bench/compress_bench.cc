@@ -1,7 +1,10 @@
-// Whether compressing an artifact pays: zstd at levels 1 and 3 on the artifact's two kinds of
-// data, host images (GPU memory) and CRIU's page images (CPU memory), measured in 4 MiB blocks
-// on one core. Prints ratio and single-core compress/decompress throughput per kind; --json for
-// a document. Reads at most --sample-mib MiB of each kind (default 2048), evenly spread.
+// Whether compressing an artifact pays: zstd at levels 1 and 3 on the artifact's kinds of data,
+// host images and the memory tier's drain files (GPU memory) and CRIU's page images (CPU
+// memory), and zstd -1 of each block's byte split (store/byte_split.h: how the store keeps
+// chunks of 16-bit numbers), measured in 4 MiB blocks on one core; a split block's decompression
+// includes joining its bytes again. Prints ratio and single-core compress/decompress throughput
+// per kind; --json for a document. Reads at most --sample-mib MiB of each kind (default 2048),
+// evenly spread.
 //
 //   gpusnap-compress-bench [--json] [--sample-mib N] ARTIFACT
 #include <fcntl.h>
@@ -15,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "store/byte_split.h"
+
 namespace {
 
 constexpr size_t kBlock = 4u << 20;
@@ -22,12 +27,14 @@ constexpr size_t kBlock = 4u << 20;
 struct Result {
   std::string kind;
   int level = 0;
+  bool split = false;
   uint64_t bytes = 0;
   uint64_t compressed = 0;
   double compress_s = 0;
   double decompress_s = 0;
 };
 
+// A kind's files: its folder's *.img (images), or CRIU's pages-*.img.
 std::vector<std::filesystem::path> files_of(const std::filesystem::path& dir, bool images) {
   std::vector<std::filesystem::path> out;
   if (!std::filesystem::exists(dir)) return out;
@@ -62,19 +69,30 @@ std::vector<std::vector<char>> sample(const std::vector<std::filesystem::path>& 
   return blocks;
 }
 
-Result measure(const std::string& kind, const std::vector<std::vector<char>>& blocks, int level) {
-  Result r{kind, level};
-  std::vector<char> out(ZSTD_compressBound(kBlock)), back(kBlock);
+Result measure(const std::string& kind, const std::vector<std::vector<char>>& blocks, int level,
+               bool split) {
+  Result r{kind, level, split};
+  std::vector<char> out(ZSTD_compressBound(kBlock)), back(kBlock), halves(kBlock), joined(kBlock);
   ZSTD_CCtx* cctx = ZSTD_createCCtx();
   ZSTD_DCtx* dctx = ZSTD_createDCtx();
   for (const auto& b : blocks) {
     auto t0 = std::chrono::steady_clock::now();
-    size_t c = ZSTD_compressCCtx(cctx, out.data(), out.size(), b.data(), b.size(), level);
+    const char* in = b.data();
+    if (split) {
+      gpusnap::store::split_bytes(b.data(), b.size(), halves.data());
+      in = halves.data();
+    }
+    size_t c = ZSTD_compressCCtx(cctx, out.data(), out.size(), in, b.size(), level);
     auto t1 = std::chrono::steady_clock::now();
     size_t d = ZSTD_decompressDCtx(dctx, back.data(), back.size(), out.data(), c);
+    const char* result = back.data();
+    if (split && !ZSTD_isError(d)) {
+      gpusnap::store::join_bytes(back.data(), d, joined.data());
+      result = joined.data();
+    }
     auto t2 = std::chrono::steady_clock::now();
     if (ZSTD_isError(c) || ZSTD_isError(d) || d != b.size() ||
-        std::memcmp(back.data(), b.data(), d) != 0) {
+        std::memcmp(result, b.data(), d) != 0) {
       std::fprintf(stderr, "zstd round trip failed\n");
       std::exit(1);
     }
@@ -112,12 +130,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::vector<Result> results;
-  for (bool images : {true, false}) {
-    auto blocks = sample(files_of(artifact / (images ? "host-images" : "criu"), images), budget);
+  for (const char* kind : {"host-images", "tier", "criu-pages"}) {
+    const bool images = kind != std::string("criu-pages");
+    auto blocks = sample(files_of(artifact / (images ? kind : "criu"), images), budget);
     if (blocks.empty()) continue;
-    for (int level : {1, 3}) {
-      results.push_back(measure(images ? "host-images" : "criu-pages", blocks, level));
-    }
+    for (int level : {1, 3}) results.push_back(measure(kind, blocks, level, false));
+    results.push_back(measure(kind, blocks, 1, true));
   }
   if (json) std::printf("[\n");
   for (size_t i = 0; i < results.size(); ++i) {
@@ -128,15 +146,17 @@ int main(int argc, char** argv) {
     double dmbs = static_cast<double>(r.bytes) / 1e6 / r.decompress_s;
     if (json) {
       std::printf(
-          "  {\"kind\": \"%s\", \"zstd_level\": %d, \"sampled_bytes\": %llu, \"ratio\": %.3f, "
-          "\"compress_mb_s_per_core\": %.0f, \"decompress_mb_s_per_core\": %.0f}%s\n",
-          r.kind.c_str(), r.level, static_cast<unsigned long long>(r.bytes), ratio, cmbs, dmbs,
+          "  {\"kind\": \"%s\", \"zstd_level\": %d, \"byte_split\": %s, \"sampled_bytes\": %llu, "
+          "\"ratio\": %.3f, \"compress_mb_s_per_core\": %.0f, \"decompress_mb_s_per_core\": "
+          "%.0f}%s\n",
+          r.kind.c_str(), r.level, r.split ? "true" : "false",
+          static_cast<unsigned long long>(r.bytes), ratio, cmbs, dmbs,
           i + 1 < results.size() ? "," : "");
     } else {
-      std::printf("%-12s zstd -%d: %6.0f MiB sampled, ratio %.3f, compress %5.0f MB/s, "
+      std::printf("%-12s zstd -%d%s: %6.0f MiB sampled, ratio %.3f, compress %5.0f MB/s, "
                   "decompress %5.0f MB/s (one core)\n",
-                  r.kind.c_str(), r.level, static_cast<double>(r.bytes) / (1 << 20), ratio, cmbs,
-                  dmbs);
+                  r.kind.c_str(), r.level, r.split ? " split" : "",
+                  static_cast<double>(r.bytes) / (1 << 20), ratio, cmbs, dmbs);
     }
   }
   if (json) std::printf("]\n");
