@@ -16,6 +16,17 @@ now() { date +%s.%N; }
 el() { python3 -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 3))" "$1" "$(now)"; }
 # The value at the Python subscript $2 (e.g. "['copies'][0]['init_pid']") of the JSON file $1.
 field() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(eval('d'+sys.argv[2]))" "$1" "$2" 2>/dev/null; }
+phases() {  # the phases of a command's JSON, one line
+  python3 - "$1" <<'PY'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except Exception as e:
+    print(f"(no JSON: {e})"); sys.exit()
+ph = d.get("phases") or d.get("checkpoint", {}).get("phases") or []
+print(" ".join(f"{p['name']}={p['seconds']:.3f}" for p in ph))
+PY
+}
 # The first copy's published host port in a restore's JSON.
 host_port() { grep -o '"host_port": *[0-9]*' "$1" | head -1 | grep -o '[0-9]*$'; }
 # One request line to 127.0.0.1:$1, its answer line (a workload's line protocol); 120 s at most.
@@ -52,6 +63,7 @@ cpu_mark() { cpu_read; CPU_SELF0=$CPU_SELF; CPU_REG0=$CPU_REG; }
 # CPU_TEXT="cpu: gpusnap S s, registry R s", since cpu_mark.
 cpu_since() {
   cpu_read
+  # shellcheck disable=SC2034  # read by the caller
   CPU_TEXT=$(printf 'cpu: gpusnap %d.%02d s, registry %d.%02d s' $(( (CPU_SELF - CPU_SELF0) / 100 )) \
     $(( (CPU_SELF - CPU_SELF0) % 100 )) $(( (CPU_REG - CPU_REG0) / 100 )) $(( (CPU_REG - CPU_REG0) % 100 )))
 }

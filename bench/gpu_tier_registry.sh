@@ -45,17 +45,6 @@ W=$STORE/tier-registry
 rm -rf "$W"; mkdir -p "$W"
 # shellcheck source=bench/gpu_registry_lib.sh
 source "$(dirname "$(readlink -f "$0")")/gpu_registry_lib.sh"
-phases() {  # the phases of a command's JSON, one line
-  python3 - "$1" <<'PY'
-import json, sys
-try:
-    d = json.load(open(sys.argv[1]))
-except Exception as e:
-    print(f"(no JSON: {e})"); sys.exit()
-ph = d.get("phases") or d.get("checkpoint", {}).get("phases") or []
-print(" ".join(f"{p['name']}={p['seconds']:.3f}" for p in ph))
-PY
-}
 
 printf 'version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: %s/storage\n  delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:5124\n  secret: bench\n' "$REGDIR" >"$REGDIR/config.yml"
 "$REGISTRY" serve "$REGDIR/config.yml" >"$OUT/registry.log" 2>&1 &

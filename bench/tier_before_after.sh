@@ -29,43 +29,25 @@ mkdir -p "$OUT"; OUT=$(readlink -f "$OUT")
 exec > >(tee -a "$OUT/run.log") 2>&1
 S=$(mktemp -d /tmp/gpusnap-before-after.XXXXXX)
 mount -t tmpfs -o huge=within_size,size=$(( GIB * 4 + 8 ))g gpusnap-before-after "$S"
-INITS=()
-cleanup() {
-  local p
-  for p in "${INITS[@]}"; do kill -9 "$p" 2>/dev/null; done
-  umount -l "$S"; rmdir "$S"
-}
-trap cleanup EXIT
+# The helpers of the registry scenarios (now, el, ask, host_port, gpu_idle; cleanup ends the
+# copies in INITS and removes W), without a registry.
+W=$S/work; REGDIR=""
+mkdir -p "$W"
+# shellcheck source=bench/gpu_registry_lib.sh
+source "$(dirname "$(readlink -f "$0")")/gpu_registry_lib.sh"
+trap 'cleanup; umount -l "$S"; rmdir "$S"' EXIT
 declare -A BIN=([before]=$BEFORE [after]=$AFTER)
-now() { date +%s.%N; }
-el() { python3 -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 3))" "$1" "$(now)"; }
-ask() { timeout 120 bash -c 'exec 3<>/dev/tcp/127.0.0.1/$1; printf "%s\n" "$2" >&3; IFS= read -r r <&3; printf "%s" "$r"' _ "$1" "$2"; }
-host_port() { grep -o '"host_port": *[0-9]*' "$1" | head -1 | grep -o '[0-9]*$'; }
-gpu_idle() {
-  for _ in $(seq 600); do
-    [[ -z $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null) ]] && return
-    sleep 0.05
-  done
+summary() {  # the phases of a command's JSON, and its notes
+  echo "   phases: $(phases "$1") seconds=$(field "$1" "['seconds']")"
+  python3 -c 'import json, sys; [print("   note: " + n) for n in json.load(open(sys.argv[1])).get("notes", [])]' \
+    "$1" 2>/dev/null
 }
-summary() {  # the phases and total of a command's JSON, and its notes
-  python3 - "$1" <<'PY'
-import json, sys
-try:
-    d = json.load(open(sys.argv[1]))
-except Exception as e:
-    print(f"   (no JSON: {e})"); sys.exit()
-ph = d.get("phases") or d.get("checkpoint", {}).get("phases") or []
-print("   phases: " + " ".join(f"{p['name']}={p['seconds']:.3f}" for p in ph) + f" seconds={d.get('seconds')}")
-for n in d.get("notes", []):
-    print("   note: " + n)
-PY
-}
-WEIGHTS=$S/weights.bin
+WEIGHTS=$W/weights.bin
 capture() {  # BUILD PATH: `gpusnap run` to READY, then its checkpoint
   local b=$1 p=$2 flag t; [[ $p == tier ]] && flag=--tier || flag=--no-tier
   t=$(now)
-  timeout 300 "${BIN[$b]}/gpusnap" run -o "$S/$b-$p" --json -- python3 "${BIN[$b]}/tests/torch_tier.py" \
-    "$flag" --gib "$GIB" --weights "$WEIGHTS" --ready-file "$S/$b-$p.port" \
+  timeout 300 "${BIN[$b]}/gpusnap" run -o "$W/$b-$p" --json -- python3 "${BIN[$b]}/tests/torch_tier.py" \
+    "$flag" --gib "$GIB" --weights "$WEIGHTS" --ready-file "$W/$b-$p.port" \
     >"$OUT/$b-$p-run.json" 2>"$OUT/$b-$p-run.err"
   echo "capture $b $p: rc=$? $(el "$t") s"
 }
@@ -75,7 +57,7 @@ restore() {  # BUILD PATH ROUND: its own artifact, to the first exact answer
   local b=$1 p=$2 r=$3 name="$1-$2-$3"
   gpu_idle
   local t; t=$(now)
-  timeout 120 "${BIN[$b]}/gpusnap" restore "$S/$b-$p" --publish "$(cat "$S/$b-$p.port")" --json \
+  timeout 120 "${BIN[$b]}/gpusnap" restore "$W/$b-$p" --publish "$(cat "$W/$b-$p.port")" --json \
     >"$OUT/$name.json" 2>"$OUT/$name.err"
   local rc=$? cmd; cmd=$(el "$t")
   local answer; answer=$(ask "$(host_port "$OUT/$name.json")" CHECK)
@@ -95,12 +77,12 @@ rounds() {  # PATH N
   done
 }
 # The weights file first (the workload makes it when missing), untimed.
-timeout 300 "$AFTER/gpusnap" run -o "$S/warm" --json -- python3 "$AFTER/tests/torch_tier.py" --no-tier \
+timeout 300 "$AFTER/gpusnap" run -o "$W/warm" --json -- python3 "$AFTER/tests/torch_tier.py" --no-tier \
   --gib "$GIB" --weights "$WEIGHTS" >"$OUT/warm.json" 2>"$OUT/warm.err"
-rm -rf "$S/warm"
+rm -rf "$W/warm"
 capture before tier; capture after tier
 rounds tier "$RUNS"
-rm -rf "$S"/before-tier "$S"/after-tier
+rm -rf "$W"/before-tier "$W"/after-tier
 if (( PLAIN_RUNS > 0 )); then
   capture before transparent; capture after transparent
   rounds transparent "$PLAIN_RUNS"

@@ -21,6 +21,7 @@
 #include "store/chunker.h"
 #include "store/digest.h"
 #include "store/encryption.h"
+#include "store/plain_artifact.h"
 #include "store/signature.h"
 #include "testing/unit.h"
 
@@ -67,13 +68,7 @@ class EncryptionUnit : public ::testing::Test {
       std::memcpy(pages.data() + i, &v, 8);
     }
     fs::write_file(root / "criu" / "pages-1.img", pages);
-    Manifest m;
-    m.id = fs::random_id();
-    m.created = "2026-12-05T00:00:00Z";
-    m.gpusnap_version = "test";
-    m.host.page_size = 4096;
-    m.files = checksum_tree(root, m.chunk_bytes);
-    fs::write_file(root / kManifestName, m.to_json().dump(2));
+    write_plain_manifest(root);
     Reporter quiet;
     layout_ = store::chunk_artifact(
         Artifact::open(root), {},

@@ -32,6 +32,7 @@
 #include "store/digest.h"
 #include "store/layout.h"
 #include "store/materialise.h"
+#include "store/plain_artifact.h"
 #include "store/reach.h"
 #include "store/registry.h"
 #include "store/snapshot_manifest.h"
@@ -545,13 +546,7 @@ sfs::path make_tier_artifact(const sfs::path& root, const std::string& layout_te
   } else {
     fs::write_file(root / "tier" / "42.layout", layout_text);
   }
-  Manifest m;
-  m.id = fs::random_id();
-  m.created = "2026-12-01T00:00:00Z";
-  m.gpusnap_version = "test";
-  m.host.page_size = 4096;
-  m.files = checksum_tree(root, m.chunk_bytes);
-  fs::write_file(root / kManifestName, m.to_json().dump(2));
+  write_plain_manifest(root);
   return root;
 }
 
@@ -834,13 +829,7 @@ TEST(StoreEncoding, WeightsAreStoredByteSplitTextAsItIsNoiseRawAndAllComeBackExa
     pages.append(reinterpret_cast<const char*>(&v), 8);
   }
   fs::write_file(src / "criu" / "pages-1.img", pages);
-  Manifest m;
-  m.id = fs::random_id();
-  m.created = "2026-12-01T00:00:00Z";
-  m.gpusnap_version = "test";
-  m.host.page_size = 4096;
-  m.files = checksum_tree(src, m.chunk_bytes);
-  fs::write_file(src / kManifestName, m.to_json().dump(2));
+  write_plain_manifest(src);
 
   store::BlobStore blobs(dir / "store");
   const auto stored = chunk_into(src, blobs);
