@@ -171,6 +171,14 @@ std::set<std::string> pid_namespaces() {
   return out;
 }
 
+std::set<std::string> pid_namespaces_since(const std::set<std::string>& before) {
+  std::set<std::string> out;
+  for (const auto& ns : pid_namespaces()) {
+    if (!before.contains(ns)) out.insert(ns);
+  }
+  return out;
+}
+
 void end_copy(pid_t init_pid) {
   if (init_pid <= 0) return;
   ::kill(init_pid, SIGKILL);

@@ -107,6 +107,9 @@ class KillAt final : public Reporter {
 
 // The PID namespaces of every process on the host (their /proc/PID/ns/pid links).
 std::set<std::string> pid_namespaces();
+// Those of pid_namespaces() that `before` did not hold: what a command made and left. One that
+// ended since `before` is no matter (unit tests running beside may end theirs meanwhile).
+std::set<std::string> pid_namespaces_since(const std::set<std::string>& before);
 
 // Kills a restored copy (its namespace init) and waits until it is gone or a zombie (every
 // process of its namespace has then exited); an init that is a child of this process (restore()
