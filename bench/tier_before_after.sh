@@ -31,7 +31,9 @@ S=$(mktemp -d /tmp/gpusnap-before-after.XXXXXX)
 mount -t tmpfs -o huge=within_size,size=$(( GIB * 4 + 8 ))g gpusnap-before-after "$S"
 # The helpers of the registry scenarios (now, el, ask, host_port, gpu_idle; cleanup ends the
 # copies in INITS and removes W), without a registry.
-W=$S/work; REGDIR=""
+W=$S/work
+# shellcheck disable=SC2034  # REGDIR is read by cleanup (gpu_registry_lib.sh)
+REGDIR=""
 mkdir -p "$W"
 # shellcheck source=bench/gpu_registry_lib.sh
 source "$(dirname "$(readlink -f "$0")")/gpu_registry_lib.sh"
