@@ -157,51 +157,40 @@ bool out_of_space(const Error& e) {
          (what.ends_with(errno_text(ENOSPC)) || what.ends_with(errno_text(EDQUOT)));
 }
 
-// Decodes compressed chunks into buffers of its thread's own, kept from chunk to chunk: a pull
-// decodes gigabytes, and fresh memory for each chunk would be zeroed and faulted in again.
-class Decoder {
- public:
-  // The extent's bytes from its stored blob; valid until the next call on this thread.
-  // Throws Error(kBadArtifact) for a blob that does not decode to the extent's length.
-  std::string_view decode(const Extent& e, const std::string& blob, const std::string& path) {
-    Buffers& b = buffers();
-    char* out = b.out.reserve(e.length);
-    // A split chunk decompresses into the split bytes first, then is joined into `out`.
-    char* into = e.encoding == Encoding::kZstdSplit2 ? b.split.reserve(e.length) : out;
-    const size_t n = ZSTD_decompressDCtx(b.dctx.get(), into, e.length, blob.data(), blob.size());
-    if (ZSTD_isError(n) || n != e.length) {
-      throw Error(ErrorKind::kBadArtifact,
-                  "chunk " + e.digest + " of " + path + " does not decompress to its " +
-                      std::to_string(e.length) + " bytes",
-                  "push the artifact again");
+// A buffer that grows to the largest size asked of it, never initialised: decoding overwrites it.
+struct DecodeBuffer {
+  std::unique_ptr<char[]> data;
+  size_t size = 0;
+  char* reserve(size_t n) {
+    if (n > size) {
+      data = std::make_unique_for_overwrite<char[]>(n);
+      size = n;
     }
-    if (e.encoding == Encoding::kZstdSplit2) join_bytes(into, e.length, out);
-    return {out, e.length};
-  }
-
- private:
-  struct Buffer {
-    std::unique_ptr<char[]> data;
-    size_t size = 0;
-    char* reserve(size_t n) {
-      if (n > size) {
-        data = std::make_unique_for_overwrite<char[]>(n);
-        size = n;
-      }
-      return data.get();
-    }
-  };
-  struct Buffers {
-    Buffer out;
-    Buffer split;
-    std::unique_ptr<ZSTD_DCtx, decltype(&ZSTD_freeDCtx)> dctx{ZSTD_createDCtx(), ZSTD_freeDCtx};
-  };
-  // One set per writing thread; freed when the thread ends with the write.
-  static Buffers& buffers() {
-    thread_local Buffers b;
-    return b;
+    return data.get();
   }
 };
+
+// The extent's bytes from its compressed blob, decoded into buffers of the calling thread's own,
+// kept from chunk to chunk (a pull decodes gigabytes; fresh memory for each chunk would be zeroed
+// and faulted in again) and freed when the writing thread ends. Valid until the thread's next
+// call. Throws Error(kBadArtifact) for a blob that does not decode to the extent's length.
+std::string_view decode_extent(const Extent& e, const std::string& blob, const std::string& path) {
+  thread_local DecodeBuffer out;
+  thread_local DecodeBuffer split;  // a split chunk's halves, before they are joined into `out`
+  thread_local std::unique_ptr<ZSTD_DCtx, decltype(&ZSTD_freeDCtx)> dctx{ZSTD_createDCtx(),
+                                                                         ZSTD_freeDCtx};
+  char* const bytes = out.reserve(e.length);
+  char* const into = e.encoding == Encoding::kZstdSplit2 ? split.reserve(e.length) : bytes;
+  const size_t n = ZSTD_decompressDCtx(dctx.get(), into, e.length, blob.data(), blob.size());
+  if (ZSTD_isError(n) || n != e.length) {
+    throw Error(ErrorKind::kBadArtifact,
+                "chunk " + e.digest + " of " + path + " does not decompress to its " +
+                    std::to_string(e.length) + " bytes",
+                "push the artifact again");
+  }
+  if (e.encoding == Encoding::kZstdSplit2) join_bytes(into, e.length, bytes);
+  return {bytes, e.length};
+}
 
 // The files of `layout` written into the writer's staging directory, then committed.
 MaterialiseResult write_into(artifact::ArtifactWriter& writer, const Manifest& manifest,
@@ -284,7 +273,6 @@ MaterialiseResult write_into(artifact::ArtifactWriter& writer, const Manifest& m
   std::atomic<uint64_t> done{0};
   std::atomic<uint64_t> kept{0}, bytes_kept{0};
   std::atomic<uint64_t> fetch_ns{0}, decode_ns{0}, write_ns{0};
-  Decoder decoded;
   // An uncompressed extent that a resumed staging directory holds intact, verbatim at its place.
   const auto intact = [&](const FileLayout& f, const Extent& e) {
     return writer.resumed() && e.encoding == Encoding::kRaw &&
@@ -322,7 +310,7 @@ MaterialiseResult write_into(artifact::ArtifactWriter& writer, const Manifest& m
           std::string_view bytes = blob;
           if (e.encoding != Encoding::kRaw) {
             const CpuSpent spent(decode_ns);
-            bytes = decoded.decode(e, blob, f.path);
+            bytes = decode_extent(e, blob, f.path);
           }
           {
             const CpuSpent spent(write_ns);
