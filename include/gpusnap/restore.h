@@ -49,6 +49,9 @@ class ArrivingArtifact {
   // Blocks until CRIU's images (every file but the GPU memory's: host images and the tier's
   // drain files) are written.
   virtual void await_criu_images() = 0;
+  // Blocks until every file but the memory tier's drain files is written: CRIU's images and the
+  // host images, which the driver's restore reads. The drain files are the tier's fill's alone.
+  virtual void await_host_images() = 0;
   // Calls `progress(path, bytes)` each time more of the file at `path` (relative to the
   // artifact) is written from its first byte, each byte checked against its digest: at once
   // for what is written already, then from the pull's threads, one call at a time. It must

@@ -4,23 +4,29 @@
 //
 //   without GPU state:  open, placeholder, await-artifact, verify, criu-restore, locate, resume,
 //                       release
-//   with GPU state:     open, placeholder, await-criu-images, criu-restore, locate, await-artifact,
-//                       gpu-init, verify, gpu-restore, verify-tier, resume, tier-prefills, release
+//   with GPU state:     open, placeholder, await-criu-images, criu-restore, locate,
+//                       await-host-images, gpu-init, verify, gpu-restore, await-artifact,
+//                       verify-tier, resume, tier-prefills, release
 //
 //   open          read the manifest; format, host and GPU compatibility checks, the GPU map
 //   placeholder   (--into-container) the target is a waiting placeholder with the captured rootfs
 //   await-artifact  (an artifact still arriving: a pull overlapping the restore) every byte; the
 //                 artifact takes its final name
 //   await-criu-images  (arriving) CRIU's images, while the GPU memory still arrives
+//   await-host-images  (arriving) every file but the tier's drain files, which keep arriving
+//                 (and filling the GPU through the tier's prefills) until await-artifact
 //   verify        every byte against the manifest (skipped with --no-verify); with GPU state
-//                 started before CRIU (after await-artifact, when arriving) and awaited here
+//                 started before CRIU (after await-host-images, when arriving) and awaited
+//                 here; the tier's files the prefills read, or that arrive later, are left to
+//                 verify-tier
 //   criu-restore  each copy's init, in its fresh namespaces, runs `criu restore`; all at once
 //   locate        the restored roots' host pids
 //   gpu-init      CUDA initialised in gpusnap, started after open, beside CRIU
 //   gpu-restore   the driver puts each CUDA process's GPU state back, onto the mapped GPUs, and
 //                 unlocks it; all processes of all copies in parallel
-//   verify-tier   (verifying, where the tier's prefills started before CRIU read tier files)
-//                 those files, by the sums the prefills computed as they read them
+//   verify-tier   (verifying, where the tier's prefills started before CRIU read tier files,
+//                 or the tier's drain files arrived after verify) those files: by the sums the
+//                 prefills computed as they read them, or read now
 //   resume        (the handshake) every copy resumes with its own context, all at once
 //   tier-prefills (where the prefills started: not for an artifact still arriving) each
 //                 prefill's report
@@ -105,8 +111,9 @@ class Restore {
         case RestoreStep::kVerify:
           phase([&] { engine::ArtifactCheck::run(*artifact, phases_.reporter()); });
           break;
-        case RestoreStep::kStartVerify: check.start(*artifact, tier.prefilled()); break;
+        case RestoreStep::kStartVerify: check.start(*artifact, tier.checked_by_tier()); break;
         case RestoreStep::kAwaitCriuImages: phase([&] { arrival.await_criu_images(); }); break;
+        case RestoreStep::kAwaitHostImages: phase([&] { arrival.await_host_images(); }); break;
         case RestoreStep::kCriuRestore:
           phase([&] {
             copies.restore(artifact->manifest(), artifact->criu_dir(), criu, options_, into);
@@ -119,7 +126,7 @@ class Restore {
           phase([&] { gpu.restore(copies, artifact->manifest()); });
           break;
         case RestoreStep::kVerifyTier:
-          if (tier.prefilled().empty()) break;
+          if (tier.checked_by_tier().empty()) break;
           phase([&] { check.require_intact(tier.verify(*artifact), artifact->root()); });
           break;
         case RestoreStep::kResume:

@@ -478,6 +478,29 @@ json TierPrefills::context_dir(int copy) const {
   return copy_dirs_[static_cast<size_t>(copy)].string();
 }
 
+namespace {
+
+// Calls `each(path, pid)` for every drain file the manifest lists.
+template <typename Each>
+void for_each_drain_file(const Manifest& manifest, Each each) {
+  const std::string prefix = std::string(kTierDirName) + "/";
+  for (const auto& f : manifest.files) {
+    if (!f.path.starts_with(prefix)) continue;
+    const folder::Entry e = folder::classify(std::string_view(f.path).substr(prefix.size()));
+    if (e.kind == folder::EntryKind::kDrainFile) each(f.path, e.pid);
+  }
+}
+
+}  // namespace
+
+std::set<std::string> drain_files(const Manifest& manifest) {
+  std::set<std::string> files;
+  for_each_drain_file(manifest, [&](const std::string& path, const std::string&) {
+    files.insert(path);
+  });
+  return files;
+}
+
 std::set<std::string> TierPrefills::files_read(const Manifest& manifest) const {
   if (chunk_bytes_ == 0) return {};  // no sums asked for: verify reads every file
   std::set<std::string> summing;     // processes whose files a prefill checksums
@@ -485,12 +508,9 @@ std::set<std::string> TierPrefills::files_read(const Manifest& manifest) const {
     if (r->sums) summing.insert(r->pid);
   }
   std::set<std::string> files;
-  const std::string prefix = std::string(kTierDirName) + "/";
-  for (const auto& f : manifest.files) {
-    if (!f.path.starts_with(prefix)) continue;
-    const folder::Entry e = folder::classify(std::string_view(f.path).substr(prefix.size()));
-    if (e.kind == folder::EntryKind::kDrainFile && summing.count(e.pid) > 0) files.insert(f.path);
-  }
+  for_each_drain_file(manifest, [&](const std::string& path, const std::string& pid) {
+    if (summing.count(pid) > 0) files.insert(path);
+  });
   return files;
 }
 

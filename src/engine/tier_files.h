@@ -158,6 +158,9 @@ class TierPrefills {
   std::shared_ptr<Feeds> feeds_;  // arriving: a socket per prefill
 };
 
+// Every drain file (tier/PID-wK.img) the manifest lists, by its path in the artifact.
+std::set<std::string> drain_files(const Manifest& manifest);
+
 // The check of the tier's `files` the prefills read (TierPrefills::files_read), by the sums the
 // first copy's prefills computed as they read them: every sum must match the manifest's, and a
 // file they gave none for by `deadline` (one failed: its copy fills from the file itself) is read

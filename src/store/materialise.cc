@@ -239,7 +239,7 @@ MaterialiseResult write_into(artifact::ArtifactWriter& writer, const Manifest& m
       clear_range(fd.get(), at, f.size - at, f.path);
     }
     fds.push_back(std::move(fd));
-    auto& queue = host_image ? host_images : holds_gpu_memory(f.path) ? drain : jobs;
+    auto& queue = host_image ? host_images : is_tier_drain_file(f.path) ? drain : jobs;
     for (size_t e = 0; e < f.extents.size(); ++e) {
       queue.push_back({i, e});
       total += f.extents[e].length;
@@ -340,7 +340,11 @@ MaterialiseResult write_into(artifact::ArtifactWriter& writer, const Manifest& m
 }  // namespace
 
 bool holds_gpu_memory(const std::string& path) {
-  return path.starts_with("host-images/") || (path.starts_with("tier/") && path.ends_with(".img"));
+  return path.starts_with("host-images/") || is_tier_drain_file(path);
+}
+
+bool is_tier_drain_file(const std::string& path) {
+  return path.starts_with("tier/") && path.ends_with(".img");
 }
 
 MaterialiseResult materialise(const Layout& layout, const sfs::path& dest, const BlobSource& source,

@@ -40,6 +40,9 @@ struct ArrivalHooks {
 // drain files last: CRIU's images and the tier's small index and layout files come first, so a
 // restore overlapping the pull starts on them (store/stream.h).
 bool holds_gpu_memory(const std::string& path);
+// The memory tier's drain files (tier/PID-wK.img): the last of a pull, read by the tier's fill
+// alone.
+bool is_tier_drain_file(const std::string& path);
 
 struct MaterialiseOptions {
   int threads = 8;

@@ -26,6 +26,7 @@ StreamingPull::StreamingPull(OciRef ref, PullOptions options, Reporter& reporter
   o.arrival.file_written = [this](const std::string& path) {
     std::lock_guard lock(mu_);
     if (is_criu_image(path) && criu_files_left_ > 0) --criu_files_left_;
+    if (!is_tier_drain_file(path) && host_files_left_ > 0) --host_files_left_;
     cv_.notify_all();
   };
   o.arrival.prefix_written = [this](const std::string& path, uint64_t bytes) {
@@ -47,7 +48,11 @@ StreamingPull::StreamingPull(OciRef ref, PullOptions options, Reporter& reporter
     if (check) check(m);
     std::lock_guard lock(mu_);
     criu_files_left_ = 0;
-    for (const auto& f : m.files) criu_files_left_ += is_criu_image(f.path) ? 1 : 0;
+    host_files_left_ = 0;
+    for (const auto& f : m.files) {
+      criu_files_left_ += is_criu_image(f.path) ? 1 : 0;
+      host_files_left_ += is_tier_drain_file(f.path) ? 0 : 1;
+    }
   };
   thread_ = std::thread(
       [this, ref = std::move(ref), o = std::move(o), &reporter, held = std::move(held)]() mutable {
@@ -92,6 +97,11 @@ std::filesystem::path StreamingPull::staging() {
 void StreamingPull::await_criu_images() {
   std::unique_lock lock(mu_);
   wait_for(lock, [&] { return created_ && criu_files_left_ == 0; });
+}
+
+void StreamingPull::await_host_images() {
+  std::unique_lock lock(mu_);
+  wait_for(lock, [&] { return created_ && host_files_left_ == 0; });
 }
 
 void StreamingPull::watch(Progress progress) {

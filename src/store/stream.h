@@ -1,9 +1,9 @@
 // A pull that a restore uses while it still runs: the snapshot's CRIU images arrive first
 // (materialise writes them before the GPU memory's files), CRIU's restore starts on them, and the
 // host images and the tier's drain files (the GPU memory, the bulk of a GPU snapshot) keep
-// arriving meanwhile; the restore awaits them only before it hands GPU memory to the driver, and
-// the tier's fill done ahead takes its files' bytes as they arrive (gpusnap/restore.h,
-// ArrivingArtifact). Every chunk is still checked against its digest as it arrives; a bad one
+// arriving meanwhile; the restore awaits the host images only before it hands GPU memory to the
+// driver, and the drain files, which the tier's fill done ahead takes as they arrive, only
+// before the copies resume (gpusnap/restore.h, ArrivingArtifact). Every chunk is still checked against its digest as it arrives; a bad one
 // fails the pull, the restore's next wait rethrows it, and the restore unwinds (no copy left,
 // nothing at the output: the staging directory goes with the pull).
 #pragma once
@@ -38,6 +38,7 @@ class StreamingPull final : public ArrivingArtifact {
 
   std::filesystem::path staging() override;
   void await_criu_images() override;
+  void await_host_images() override;
   void watch(Progress progress) override;
   std::filesystem::path complete() override;
 
@@ -55,6 +56,7 @@ class StreamingPull final : public ArrivingArtifact {
   std::condition_variable cv_;
   std::filesystem::path staging_;
   size_t criu_files_left_ = 0;               // known once the files are created
+  size_t host_files_left_ = 0;               // every file but the tier's drain files: the same
   std::map<std::string, uint64_t> written_;  // each file's prefix written so far
   std::vector<Progress> watchers_;
   bool created_ = false;

@@ -4,8 +4,12 @@
 // images still arrive. The transfer is slowed (--max-rate) so that "still arrive" is certain.
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <fstream>
+#include <map>
+#include <mutex>
 #include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -14,6 +18,7 @@
 #include "common/fs.h"
 #include "gpusnap/checkpoint.h"
 #include "gpusnap/restore.h"
+#include "store/plain_artifact.h"
 #include "store/registry_fixture.h"
 #include "store/stream.h"
 #include "store/transfer.h"
@@ -35,6 +40,7 @@ class Watch final : public Reporter {
     if (name == "criu-restore") fetched_at_criu_restore = fetched.load();
     // The copies' processes become known to the driver when its restore would first see them.
     if (name != "gpu-restore") return;
+    committed_at_gpu_restore = !committed_path.empty() && sfs::exists(committed_path);
     for (pid_t host : copies_of(source_)) {
       fake_.add_process(host, gpu::ProcessState::kCheckpointed);
       fake_.set_usage(host, kGpu, kRegion);
@@ -43,6 +49,8 @@ class Watch final : public Reporter {
   std::vector<std::string> names;
   std::atomic<uint64_t> fetched{0};
   uint64_t fetched_at_criu_restore = 0;
+  sfs::path committed_path;  // the pull's output: there once it committed
+  bool committed_at_gpu_restore = false;
 
  private:
   gpu::FakeDriver& fake_;
@@ -114,6 +122,7 @@ TEST(StoreOverlap, CriuRestoresWhileTheHostImagesArriveAndTheCopyHasEveryByte) {
   Fixture f;
   ASSERT_EQ(Artifact::open(f.dir / "snap").manifest().host_images.size(), 1u);
   Watch watch(f.fake, f.source.pid());
+  watch.committed_path = f.dir / "pulled";
   PullProgress progress(watch);
   store::StreamingPull pull(store::OciRef::parse(f.ref), f.pull_options(), progress);
   RestoreResult r = restore(f.restore_options(pull), watch);
@@ -123,10 +132,18 @@ TEST(StoreOverlap, CriuRestoresWhileTheHostImagesArriveAndTheCopyHasEveryByte) {
   EXPECT_GT(progress.total_.load(), kRegion / 2);
   EXPECT_LT(watch.fetched_at_criu_restore, progress.total_.load() / 2)
       << ::testing::PrintToString(watch.names);
-  for (const char* phase :
-       {"await-criu-images", "criu-restore", "await-artifact", "verify", "gpu-restore"}) {
-    EXPECT_NE(std::find(watch.names.begin(), watch.names.end(), phase), watch.names.end()) << phase;
+  // The driver's restore comes once every file but the tier's drain files is there (this
+  // snapshot has none), before the pull commits.
+  const auto at = [&](const char* phase) {
+    return std::find(watch.names.begin(), watch.names.end(), phase) - watch.names.begin();
+  };
+  const std::vector<const char*> order = {"await-criu-images", "criu-restore", "await-host-images",
+                                          "verify", "gpu-restore", "await-artifact"};
+  for (size_t i = 0; i < order.size(); ++i) {
+    EXPECT_LT(at(order[i]), static_cast<ptrdiff_t>(watch.names.size())) << order[i];
+    if (i > 0) EXPECT_LT(at(order[i - 1]), at(order[i])) << order[i];
   }
+  EXPECT_FALSE(watch.committed_at_gpu_restore) << "the driver waited for the pull's commit";
   // The driver's restore found every byte of the region in the copy, the copy serves, and the
   // artifact is committed under its name, exactly as captured.
   // (The source's own, from the capture's gpu-resume, and the copy's.)
@@ -137,6 +154,61 @@ TEST(StoreOverlap, CriuRestoresWhileTheHostImagesArriveAndTheCopyHasEveryByte) {
   EXPECT_EQ(ask(r.copies[0].ports[0].host_port, "CHECK").substr(0, 2), "OK");
   EXPECT_TRUE(Artifact::open(f.dir / "pulled").verify().empty());
   EXPECT_EQ(pull.result().chunks_from_cache, 0u);
+}
+
+// The wait before the driver's restore leaves out the tier's drain files, the bulk of a tier
+// snapshot, which only the tier's fill reads: they go on arriving after it returns.
+TEST(StoreOverlap, TheHostImagesAreAwaitedWithoutTheTiersDrainFiles) {
+  GPUSNAP_SKIP_IF_BLOCKED(LocalRegistry::blocker());
+  TempDir dir;
+  const sfs::path art = dir / "snap";
+  std::mt19937_64 random(7);
+  const auto noise = [&](uint64_t bytes) {
+    std::string s(bytes, '\0');
+    for (size_t i = 0; i + 8 <= s.size(); i += 8) {
+      const uint64_t v = random();
+      std::memcpy(s.data() + i, &v, 8);
+    }
+    return s;
+  };
+  sfs::create_directories(art / "criu");
+  sfs::create_directories(art / "host-images");
+  sfs::create_directories(art / "tier");
+  fs::write_file(art / "criu" / "pages-1.img", noise(1 << 20));
+  fs::write_file(art / "host-images" / "7-0.img", noise(2 << 20));
+  fs::write_file(art / "tier" / "7.json", "{}");
+  const std::string drain = "tier/7-w0.img";
+  fs::write_file(art / drain, noise(48 << 20));  // ~3 s at the rate below
+  write_plain_manifest(art);
+  LocalRegistry registry(dir, {});
+  const std::string ref = registry.ref("tier/snap:v1");
+  store::TransferOptions to;
+  to.registry.plain_http = true;
+  Reporter quiet;
+  store::push(art, store::OciRef::parse(ref), to, quiet);
+
+  store::PullOptions o;
+  o.transfer.registry.plain_http = true;
+  o.transfer.registry.max_rate = 16ull << 20;
+  o.transfer.jobs = 2;
+  o.output = dir / "pulled";
+  o.cache = dir / "cache";
+  store::StreamingPull pull(store::OciRef::parse(ref), o, quiet);
+  pull.await_host_images();
+  std::map<std::string, uint64_t> written;
+  std::mutex mu;
+  pull.watch([&](const std::string& path, uint64_t bytes) {
+    std::lock_guard lock(mu);
+    written[path] = bytes;
+  });
+  {
+    std::lock_guard lock(mu);
+    EXPECT_EQ(written["host-images/7-0.img"], 2u << 20);
+    EXPECT_EQ(written["criu/pages-1.img"], 1u << 20);
+    EXPECT_LT(written[drain], 48u << 20) << "the wait took the drain file too";
+  }
+  const sfs::path done = pull.complete();
+  EXPECT_TRUE(Artifact::open(done).verify().empty());
 }
 
 TEST(StoreOverlap, ACorruptHostImageChunkRefusesTheRestoreAndLeavesNoCopy) {

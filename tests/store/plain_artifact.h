@@ -5,6 +5,8 @@
 
 #include <filesystem>
 
+#include <nlohmann/json.hpp>
+
 #include "common/fs.h"
 #include "gpusnap/artifact.h"
 

@@ -28,6 +28,8 @@ class Arrival {
   }
   // Phase await-criu-images.
   void await_criu_images() { arriving_->await_criu_images(); }
+  // Phase await-host-images: every file but the tier's drain files, which only the tier reads.
+  void await_host_images() { arriving_->await_host_images(); }
   // The artifact still arriving, for the tier's prefills that read it as it arrives; null for
   // one that is all there.
   ArrivingArtifact* still_arriving() const { return arriving_; }

@@ -12,6 +12,7 @@ std::string_view phase_name(RestoreStep step) {
     case RestoreStep::kVerify: return "verify";
     case RestoreStep::kStartVerify: return "";
     case RestoreStep::kAwaitCriuImages: return "await-criu-images";
+    case RestoreStep::kAwaitHostImages: return "await-host-images";
     case RestoreStep::kCriuRestore: return "criu-restore";
     case RestoreStep::kLocate: return "locate";
     case RestoreStep::kGpuInit: return "gpu-init";
@@ -42,7 +43,8 @@ std::vector<RestoreStep> plan_restore(const RestoreFlags& f) {
     if (when) steps.push_back(step);
   };
   const bool gpu = f.gpu_state;
-  // Every byte before CRIU (no GPU state), or CRIU's images first and the rest after locate.
+  // Every byte before CRIU (no GPU state), or CRIU's images first, the host images after locate
+  // and the tier's drain files after gpu-restore.
   const bool await_first = f.arriving && !gpu;
   const bool await_late = f.arriving && gpu;
   const bool prefills = gpu && f.handshake;
@@ -58,11 +60,12 @@ std::vector<RestoreStep> plan_restore(const RestoreFlags& f) {
   add(prefills && f.arriving, S::kStartTierPrefills);
   add(true, S::kCriuRestore);
   add(true, S::kLocate);
-  add(await_late, S::kAwaitArtifact);
+  add(await_late, S::kAwaitHostImages);
   add(f.verify && await_late, S::kStartVerify);
   add(gpu, S::kGpuInit);
   add(f.verify && gpu, S::kAwaitVerify);
   add(gpu, S::kGpuRestore);
+  add(await_late, S::kAwaitArtifact);
   add(f.verify && prefills, S::kVerifyTier);
   add(f.handshake, S::kResume);
   add(prefills, S::kTierPrefills);

@@ -9,7 +9,10 @@
 // - With GPU state nothing of a copy serves before gpu-restore (its CUDA processes stay
 //   checkpointed, the copy unreleased): the bytes are checked beside CRIU's restore and the
 //   check must pass before gpu-restore; an artifact still arriving gives CRIU its images first
-//   (await-criu-images) and the rest once the copies are located (await-artifact).
+//   (await-criu-images), the driver its host images once the copies are located
+//   (await-host-images), and the tier's drain files, which only the tier's fill reads, after
+//   gpu-restore (await-artifact): the driver's restore runs while the bulk still arrives, and a
+//   copy that resumes reads no tier byte before verify-tier checked it.
 // - CUDA is initialised in gpusnap (gpu-init) beside CRIU's restore and awaited before
 //   gpu-restore.
 // - The tier's fill done ahead (the prefills) starts before CRIU, with GPU state and a workload
@@ -36,6 +39,7 @@ enum class RestoreStep {
   kVerify,             // "verify": every byte, checked now
   kStartVerify,        // the same check starts in the background...
   kAwaitCriuImages,    // "await-criu-images": CRIU's images of an arriving artifact
+  kAwaitHostImages,    // "await-host-images": all of it but the tier's drain files
   kCriuRestore,        // "criu-restore"
   kLocate,             // "locate"
   kGpuInit,            // "gpu-init": CUDA's initialisation awaited

@@ -10,6 +10,7 @@ namespace gpusnap::engine {
 void TierFill::start_prefills(const std::filesystem::path& artifact, const Manifest& manifest,
                               const std::map<std::string, std::string>& gpu_map,
                               const RestoreOptions& options, ArrivingArtifact* arriving) {
+  if (arriving != nullptr && options.verify) checked_by_tier_ = drain_files(manifest);
   try {
     prefills_.emplace(artifact, gpu_map, options.replicas, options.run_dir,
                       options.verify ? manifest.chunk_bytes : 0, arriving != nullptr);
@@ -19,12 +20,17 @@ void TierFill::start_prefills(const std::filesystem::path& artifact, const Manif
     reporter_.note(std::string("tier prefill not started: ") + e.what());
     return;
   }
-  prefilled_ = prefills_->files_read(manifest);
+  checked_by_tier_.merge(prefills_->files_read(manifest));
 }
 
 std::vector<VerifyProblem> TierFill::verify(const Artifact& artifact) {
+  if (!prefills_) {
+    VerifyScope scope;
+    scope.only = checked_by_tier_;
+    return artifact.verify({}, scope);
+  }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  return verify_prefilled(artifact, *prefills_, prefilled_, deadline);
+  return verify_prefilled(artifact, *prefills_, checked_by_tier_, deadline);
 }
 
 nlohmann::json TierFill::prefill_dir(int copy) const {

@@ -40,12 +40,14 @@ class TierFill {
                       const std::map<std::string, std::string>& gpu_map,
                       const RestoreOptions& options, ArrivingArtifact* arriving = nullptr);
   bool started() const { return prefills_.has_value(); }
-  // The tier files the prefills read (TierPrefills::files_read): the artifact's check leaves
-  // them to verify-tier. Empty without prefills.
-  const std::set<std::string>& prefilled() const { return prefilled_; }
-  // Phase verify-tier: the prefilled files against the manifest, waiting for the prefills' sums
-  // as long as a prefill may take to fill (its own timeout): the copies wait for it anyway.
-  // Returns the problems, as Artifact::verify names them.
+  // The tier files checked at verify-tier, which the artifact's check leaves out: those the
+  // prefills read (TierPrefills::files_read) and, for an artifact still arriving, every drain
+  // file (they arrive after that check starts). Empty where no prefill was asked for.
+  const std::set<std::string>& checked_by_tier() const { return checked_by_tier_; }
+  // Phase verify-tier: those files against the manifest, the prefilled ones by the prefills'
+  // sums (waiting for them as long as a prefill may take to fill, its own timeout: the copies
+  // wait for it anyway), the others read now. Returns the problems, as Artifact::verify names
+  // them.
   std::vector<VerifyProblem> verify(const Artifact& artifact);
 
   // The resume context's tier_prefill_dir for copy `copy`: "" where no prefill runs for it.
@@ -58,7 +60,7 @@ class TierFill {
  private:
   Reporter& reporter_;
   std::optional<TierPrefills> prefills_;
-  std::set<std::string> prefilled_;
+  std::set<std::string> checked_by_tier_;
 };
 
 // What the resume context names for the tier: the artifact's tier folder (every copy) and each

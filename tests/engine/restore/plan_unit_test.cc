@@ -49,11 +49,11 @@ TEST(RestorePlan, AGpuSnapshotIsCheckedBesideCriuAndItsTierFilledAhead) {
 }
 
 TEST(RestorePlan, AGpuSnapshotStillArrivingGivesCriuItsImagesFirstAndItsTierFillsAsItArrives) {
-  EXPECT_EQ(
-      plan_restore(flags(true, true, true, true, false)),
-      (std::vector<S>{S::kStartGpuInit, S::kAwaitCriuImages, S::kStartTierPrefills, S::kCriuRestore,
-                      S::kLocate, S::kAwaitArtifact, S::kStartVerify, S::kGpuInit, S::kAwaitVerify,
-                      S::kGpuRestore, S::kVerifyTier, S::kResume, S::kTierPrefills, S::kRelease}));
+  EXPECT_EQ(plan_restore(flags(true, true, true, true, false)),
+            (std::vector<S>{S::kStartGpuInit, S::kAwaitCriuImages, S::kStartTierPrefills,
+                            S::kCriuRestore, S::kLocate, S::kAwaitHostImages, S::kStartVerify,
+                            S::kGpuInit, S::kAwaitVerify, S::kGpuRestore, S::kAwaitArtifact,
+                            S::kVerifyTier, S::kResume, S::kTierPrefills, S::kRelease}));
 }
 
 TEST(RestorePlan, EveryStepHasTheNameItIsReportedUnder) {
@@ -92,6 +92,7 @@ TEST_P(EveryRestorePlan, RunsEachStepOnceWhereItsFeatureIs) {
       {S::kVerify, f.verify && !f.gpu_state},
       {S::kStartVerify, f.verify && f.gpu_state},
       {S::kAwaitCriuImages, f.arriving && f.gpu_state},
+      {S::kAwaitHostImages, f.arriving && f.gpu_state},
       {S::kCriuRestore, true},
       {S::kLocate, true},
       {S::kGpuInit, f.gpu_state},
@@ -125,7 +126,8 @@ TEST_P(EveryRestorePlan, CriuRestoresBetweenWhatItNeedsAndWhatNeedsTheCopies) {
   if (f.arriving && f.gpu_state) {
     EXPECT_LT(at(S::kAwaitCriuImages), at(S::kCriuRestore));
     // CRIU reads the staging directory by its path until the copies are located.
-    EXPECT_GT(at(S::kAwaitArtifact), at(S::kLocate));
+    EXPECT_GT(at(S::kAwaitHostImages), at(S::kLocate));
+    EXPECT_GT(at(S::kAwaitArtifact), at(S::kAwaitHostImages));
   }
   if (f.handshake) {
     EXPECT_GT(at(S::kResume), at(S::kLocate));
@@ -133,17 +135,24 @@ TEST_P(EveryRestorePlan, CriuRestoresBetweenWhatItNeedsAndWhatNeedsTheCopies) {
 }
 
 TEST_P(EveryRestorePlan, NothingRunsUncheckedOrBeforeItsBytesArrived) {
-  if (f.arriving) {
+  if (f.arriving && !f.gpu_state) {
     if (has(S::kVerify)) {
       EXPECT_LT(at(S::kAwaitArtifact), at(S::kVerify));
     }
+    EXPECT_LT(at(S::kAwaitArtifact), at(S::kCriuRestore));
+  }
+  if (f.arriving && f.gpu_state) {
+    // The check and the driver's restore read every file but the tier's drain files...
     if (has(S::kStartVerify)) {
-      EXPECT_LT(at(S::kAwaitArtifact), at(S::kStartVerify));
+      EXPECT_LT(at(S::kAwaitHostImages), at(S::kStartVerify));
     }
-    if (f.gpu_state) {
-      EXPECT_LT(at(S::kAwaitArtifact), at(S::kGpuRestore));
-    } else {
-      EXPECT_LT(at(S::kAwaitArtifact), at(S::kCriuRestore));
+    EXPECT_LT(at(S::kAwaitHostImages), at(S::kGpuRestore));
+    // ...which are all there, and checked, before a copy resumes and its tier reads them.
+    if (has(S::kVerifyTier)) {
+      EXPECT_LT(at(S::kAwaitArtifact), at(S::kVerifyTier));
+    }
+    if (f.handshake) {
+      EXPECT_LT(at(S::kAwaitArtifact), at(S::kResume));
     }
   }
   if (f.verify && !f.gpu_state) {
