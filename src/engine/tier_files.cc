@@ -495,9 +495,8 @@ void for_each_drain_file(const Manifest& manifest, Each each) {
 
 std::set<std::string> drain_files(const Manifest& manifest) {
   std::set<std::string> files;
-  for_each_drain_file(manifest, [&](const std::string& path, const std::string&) {
-    files.insert(path);
-  });
+  for_each_drain_file(manifest,
+                      [&](const std::string& path, const std::string&) { files.insert(path); });
   return files;
 }
 

@@ -3,9 +3,10 @@
 // host images and the tier's drain files (the GPU memory, the bulk of a GPU snapshot) keep
 // arriving meanwhile; the restore awaits the host images only before it hands GPU memory to the
 // driver, and the drain files, which the tier's fill done ahead takes as they arrive, only
-// before the copies resume (gpusnap/restore.h, ArrivingArtifact). Every chunk is still checked against its digest as it arrives; a bad one
-// fails the pull, the restore's next wait rethrows it, and the restore unwinds (no copy left,
-// nothing at the output: the staging directory goes with the pull).
+// before the copies resume (gpusnap/restore.h, ArrivingArtifact). Every chunk is still checked
+// against its digest as it arrives; a bad one fails the pull, the restore's next wait rethrows it,
+// and the restore unwinds (no copy left, nothing at the output: the staging directory goes with the
+// pull).
 #pragma once
 
 #include <condition_variable>

@@ -137,8 +137,9 @@ TEST(StoreOverlap, CriuRestoresWhileTheHostImagesArriveAndTheCopyHasEveryByte) {
   const auto at = [&](const char* phase) {
     return std::find(watch.names.begin(), watch.names.end(), phase) - watch.names.begin();
   };
-  const std::vector<const char*> order = {"await-criu-images", "criu-restore", "await-host-images",
-                                          "verify", "gpu-restore", "await-artifact"};
+  const std::vector<const char*> order = {"await-criu-images", "criu-restore",
+                                          "await-host-images", "verify",
+                                          "gpu-restore",       "await-artifact"};
   for (size_t i = 0; i < order.size(); ++i) {
     EXPECT_LT(at(order[i]), static_cast<ptrdiff_t>(watch.names.size())) << order[i];
     if (i > 0) EXPECT_LT(at(order[i - 1]), at(order[i])) << order[i];
