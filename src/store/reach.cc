@@ -1,6 +1,7 @@
 #include "store/reach.h"
 
 #include <cstdio>
+#include <future>
 #include <utility>
 
 #include "criu/criu.h"
@@ -50,6 +51,22 @@ void SnapshotSource::reach_local(const std::string& where, const ReachOptions& o
 void SnapshotSource::reach_remote(const std::string& where, const ReachOptions& options,
                                   Arrival arrival, Reporter& reporter) {
   OciRef ref = OciRef::parse(where);
+  // The host's facts the check needs (CRIU's version, asked of CRIU; the driver opened, NVML's
+  // initialisation and every GPU's facts) gathered while the registry answers for the
+  // snapshot: they were 0.05-0.1 s of a restore's start, before its first chunk. Awaited
+  // before the check; a registry that fails first is the error reported.
+  std::future<void> host_facts;
+  if (!options.any_host) {
+    host_facts = std::async(std::launch::async, [&] {
+      criu::locate(options.criu_path);  // its version is kept for the check (criu/criu.h)
+      gpu::Driver& driver = gpu::given_or_nvidia(options.driver, driver_);
+      if (driver.available()) driver.facts();  // NVML initialised; the check asks again
+    });
+  }
+  const auto check = [&](const Manifest& manifest) {
+    host_facts.get();
+    check_host_with(manifest, options, driver_);
+  };
   std::optional<RemoteSnapshot> snap;
   TransferOptions transfer = options.transfer;
   if (!ref.digest.empty() && transfer.policy) {
@@ -86,18 +103,15 @@ void SnapshotSource::reach_remote(const std::string& where, const ReachOptions& 
     pulling.reset();
     verified_ = options.verify_copy;
     if (!options.any_host) {
-      check_host_with(
-          snap ? Manifest::from_json(snap->layout.manifest) : Artifact::open(artifact_).manifest(),
-          options, driver_);
+      check(snap ? Manifest::from_json(snap->layout.manifest)
+                 : Artifact::open(artifact_).manifest());
     }
     checked_ = !options.any_host;
     return;
   }
   // Refused here, before any chunk, where the snapshot could not be restored.
   if (!snap) snap = read_remote(ref, transfer);
-  if (!options.any_host) {
-    check_host_with(Manifest::from_json(snap->layout.manifest), options, driver_);
-  }
+  if (!options.any_host) check(Manifest::from_json(snap->layout.manifest));
   checked_ = !options.any_host;
   PullOptions o;
   o.transfer = transfer;
