@@ -12,7 +12,7 @@
 #           libgpusnap-preload.so, python/ and tests/torch_tier.py (a build folder, or those
 #           files copied out of one); the later build is BUILD (default build)
 #   BENCH_RUNS    rounds on the tier (default 4); BENCH_PLAIN_RUNS on the transparent path
-#                 (default 2; 0 leaves the path out)
+#                 (default 2); 0 leaves either path out
 # Results: OUTDIR/run.log, written as it goes (each restore's phases and the prefill's note),
 # every command's JSON beside it, and the medians at the end.
 set -uo pipefail
@@ -82,9 +82,11 @@ rounds() {  # PATH N
 timeout 300 "$AFTER/gpusnap" run -o "$W/warm" --json -- python3 "$AFTER/tests/torch_tier.py" --no-tier \
   --gib "$GIB" --weights "$WEIGHTS" >"$OUT/warm.json" 2>"$OUT/warm.err"
 rm -rf "$W/warm"
-capture before tier; capture after tier
-rounds tier "$RUNS"
-rm -rf "$W"/before-tier "$W"/after-tier
+if (( RUNS > 0 )); then
+  capture before tier; capture after tier
+  rounds tier "$RUNS"
+  rm -rf "$W"/before-tier "$W"/after-tier
+fi
 if (( PLAIN_RUNS > 0 )); then
   capture before transparent; capture after transparent
   rounds transparent "$PLAIN_RUNS"
