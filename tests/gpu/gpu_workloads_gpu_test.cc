@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <iostream>
 #include <map>
@@ -494,6 +495,15 @@ TEST_F(MemoryTier, RestoredFromARegistryFillsTheGpuAsTheSnapshotArrives) {
   const std::string doc = copies.doc.dump();
   EXPECT_NE(doc.find("await-criu-images"), std::string::npos) << "not restored as it arrived";
   EXPECT_NE(doc.find("taken by the copy"), std::string::npos) << doc;
+  // The driver's restore did not wait for the drain files, which only the tier reads.
+  std::vector<std::string> phases;
+  for (const auto& p : copies.doc.at("phases")) phases.push_back(p.at("name").get<std::string>());
+  const auto at = [&](const char* name) {
+    return std::find(phases.begin(), phases.end(), name) - phases.begin();
+  };
+  EXPECT_LT(at("await-host-images"), at("gpu-restore")) << doc;
+  EXPECT_LT(at("gpu-restore"), at("await-artifact")) << doc;
+  EXPECT_LT(at("await-artifact"), static_cast<ptrdiff_t>(phases.size())) << doc;
   auto check = ask(copies.port(0), "CHECK", std::chrono::seconds(60));
   EXPECT_EQ(check.substr(0, 13), "OK max_err=0 ") << check;
   auto verify = ask(copies.port(0), "VERIFY", std::chrono::seconds(300));
