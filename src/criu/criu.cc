@@ -39,7 +39,8 @@ std::string probe_version_uncached(const std::string& path) {
 // through store/reach.h locates CRIU for its host check and again for the restore, and each run
 // is a process start on the restore's path (docs/benchmarks.md, "GPU: the memory tier against the
 // transparent path", before and after). Keyed by the file's identity, so that a long-running
-// agent sees a CRIU replaced in place.
+// agent sees a CRIU replaced in place: its inode, size, mtime and ctime (which no one can set
+// back, as `cp -p` or `touch -r` set the mtime, and which any write changes).
 std::string probe_version(const std::string& path, const struct stat& st) {
   struct Seen {
     std::string path;
@@ -47,13 +48,17 @@ std::string probe_version(const std::string& path, const struct stat& st) {
     ino_t ino;
     off_t size;
     struct timespec mtime;
+    struct timespec ctime;
     std::string version;
   };
   static std::mutex mu;
   static std::vector<Seen> seen;
+  const auto equal = [](const struct timespec& a, const struct timespec& b) {
+    return a.tv_sec == b.tv_sec && a.tv_nsec == b.tv_nsec;
+  };
   const auto same = [&](const Seen& s) {
     return s.path == path && s.dev == st.st_dev && s.ino == st.st_ino && s.size == st.st_size &&
-           s.mtime.tv_sec == st.st_mtim.tv_sec && s.mtime.tv_nsec == st.st_mtim.tv_nsec;
+           equal(s.mtime, st.st_mtim) && equal(s.ctime, st.st_ctim);
   };
   {
     std::lock_guard lock(mu);
@@ -66,7 +71,7 @@ std::string probe_version(const std::string& path, const struct stat& st) {
   if (!version.empty()) {
     std::lock_guard lock(mu);
     if (seen.size() >= 8) seen.erase(seen.begin());
-    seen.push_back({path, st.st_dev, st.st_ino, st.st_size, st.st_mtim, version});
+    seen.push_back({path, st.st_dev, st.st_ino, st.st_size, st.st_mtim, st.st_ctim, version});
   }
   return version;
 }

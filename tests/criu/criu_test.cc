@@ -2,16 +2,19 @@
 // binaries these tests locate are small shell scripts that print what CRIU would.
 #include "criu/criu.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gpusnap/error.h"
@@ -340,6 +343,17 @@ TEST_F(CriuLocateTest, AVersionIsAskedOncePerFileAndAgainWhenTheFileChanges) {
   install("4.3.0");  // replaced in place: another size
   EXPECT_EQ(locate(path.string()).version, "4.3.0");
   EXPECT_EQ(count(), 2);
+  // Replaced in place by one of the same size with the old mtime set back (as `cp -p` does):
+  // its ctime still tells.
+  struct stat before {};
+  ASSERT_EQ(::stat(path.c_str(), &before), 0);
+  // A later tick of the file system's clock than the last change (timestamps may be coarse).
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  install("4.3.1");
+  const struct timespec times[2] = {before.st_atim, before.st_mtim};
+  ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), times, 0), 0);
+  EXPECT_EQ(locate(path.string()).version, "4.3.1");
+  EXPECT_EQ(count(), 3);
 }
 
 TEST_F(CriuLocateTest, UsesGpusnapCriuFromEnvironment) {
