@@ -26,8 +26,8 @@
 #include <openssl/x509.h>
 #include <nlohmann/json.hpp>
 
-// The same receive buffer as src/store/registry.cc, so that both see one httplib.
-#define CPPHTTPLIB_RECV_BUFSIZ size_t(256u << 10)
+// The receive buffer is the build's (CPPHTTPLIB_RECV_BUFSIZ, set for every user of httplib),
+// so that this test and src/store/registry.cc see one httplib.
 #include <httplib.h>
 
 #include "common/fs.h"
