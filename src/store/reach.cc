@@ -51,10 +51,11 @@ void SnapshotSource::reach_local(const std::string& where, const ReachOptions& o
 void SnapshotSource::reach_remote(const std::string& where, const ReachOptions& options,
                                   Arrival arrival, Reporter& reporter) {
   OciRef ref = OciRef::parse(where);
-  // The host's facts the check needs (CRIU's version, asked of CRIU; the driver opened, NVML's
-  // initialisation and every GPU's facts) gathered while the registry answers for the
-  // snapshot: they were 0.05-0.1 s of a restore's start, before its first chunk. Awaited
-  // before the check; a registry that fails first is the error reported.
+  // The host's facts the check needs (CRIU's version, a process run; the driver opened, NVML
+  // initialised, every GPU's facts) gathered while the registry answers for the snapshot:
+  // they came after its answers, on the way to the first chunk (`criu --version` alone took
+  // ~0.08 s through the CRIU prefix's loader on the development machine). Awaited before the
+  // check; a registry that fails first is the error reported.
   std::future<void> host_facts;
   if (!options.any_host) {
     host_facts = std::async(std::launch::async, [&] {
