@@ -483,10 +483,8 @@ namespace {
 // Calls `each(path, pid)` for every drain file the manifest lists.
 template <typename Each>
 void for_each_drain_file(const Manifest& manifest, Each each) {
-  const std::string prefix = std::string(kTierDirName) + "/";
   for (const auto& f : manifest.files) {
-    if (!f.path.starts_with(prefix)) continue;
-    const folder::Entry e = folder::classify(std::string_view(f.path).substr(prefix.size()));
+    const folder::Entry e = folder::classify_in_artifact(f.path);
     if (e.kind == folder::EntryKind::kDrainFile) each(f.path, e.pid);
   }
 }

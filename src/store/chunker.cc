@@ -166,8 +166,7 @@ std::map<std::string, std::vector<Cut>> tier_pieces(const Artifact& artifact) {
   std::map<std::string, std::vector<std::string>> drain_files;  // by PID
   std::map<std::string, std::string> layouts;                   // PID -> path
   for (const auto& f : artifact.manifest().files) {
-    if (!f.path.starts_with(dir)) continue;
-    const folder::Entry e = folder::classify(std::string_view(f.path).substr(dir.size()));
+    const folder::Entry e = folder::classify_in_artifact(f.path);
     if (e.kind == folder::EntryKind::kDrainFile) drain_files[e.pid].push_back(f.path);
     if (e.kind == folder::EntryKind::kLayout) layouts[e.pid] = f.path;
   }

@@ -23,6 +23,7 @@
 #include "gpusnap/error.h"
 #include "store/blob_store.h"
 #include "store/byte_split.h"
+#include "tier/folder_format.h"
 
 namespace gpusnap::store {
 
@@ -344,7 +345,7 @@ bool holds_gpu_memory(const std::string& path) {
 }
 
 bool is_tier_drain_file(const std::string& path) {
-  return path.starts_with("tier/") && path.ends_with(".img");
+  return tier::folder::classify_in_artifact(path).kind == tier::folder::EntryKind::kDrainFile;
 }
 
 MaterialiseResult materialise(const Layout& layout, const sfs::path& dest, const BlobSource& source,

@@ -114,6 +114,12 @@ Entry classify(std::string_view name) {
   return {};
 }
 
+Entry classify_in_artifact(std::string_view path) {
+  const std::string_view dir(kDirName);
+  if (!path.starts_with(dir) || path.size() <= dir.size() || path[dir.size()] != '/') return {};
+  return classify(path.substr(dir.size() + 1));
+}
+
 std::string index_text(const TierIndex& index) {
   // ordered_json: the members in the order the format documents, as every drain wrote them.
   nlohmann::ordered_json doc = {{"format", "gpusnap-tier"},

@@ -60,6 +60,8 @@ struct Entry {
   std::string pid;  // the PID's digits as written, for all but kOther
 };
 Entry classify(std::string_view name);
+// The same of a path in an artifact ("tier/NAME"): kOther for anything outside its tier folder.
+Entry classify_in_artifact(std::string_view path);
 
 // The index (PID.json).
 struct IndexFile {

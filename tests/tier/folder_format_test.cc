@@ -43,6 +43,16 @@ TEST(FolderFormat, NamesAreClassifiedBackToTheirPid) {
   }
 }
 
+TEST(FolderFormat, PathsInAnArtifactAreClassifiedInsideItsTierFolderOnly) {
+  EXPECT_EQ(classify_in_artifact("tier/4242-w3.img").kind, EntryKind::kDrainFile);
+  EXPECT_EQ(classify_in_artifact("tier/4242-w3.img").pid, "4242");
+  EXPECT_EQ(classify_in_artifact("tier/7.layout").kind, EntryKind::kLayout);
+  for (const char* other : {"4242-w3.img", "host-images/7-w0.img", "tiers/7-w0.img", "tier7-w0.img",
+                            "tier/", "tier/x.img", "tier/sub/7-w0.img", "criu/tier/7-w0.img"}) {
+    EXPECT_EQ(classify_in_artifact(other).kind, EntryKind::kOther) << other;
+  }
+}
+
 TEST(FolderFormat, TheWriterWritesWhatDrainsAlwaysWroteAndTheReaderReadsItBack) {
   EXPECT_EQ(index_text(two_gpus()), kWritten);
   const auto back = parse_index(kWritten);
