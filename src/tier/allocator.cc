@@ -74,6 +74,8 @@ TierSettings TierSettings::from_environment() {
   s.buffer_bytes = static_cast<std::size_t>(std::max(kib, 64L)) << 10;
   const char* log = std::getenv("GPUSNAP_TIER_LOG");  // NOLINT(concurrency-mt-unsafe): at load
   s.log = log != nullptr && std::string(log) == "1";
+  const char* in_place = std::getenv("GPUSNAP_TIER_IN_PLACE");  // NOLINT(concurrency-mt-unsafe)
+  if (in_place != nullptr && std::string(in_place) == "0") s.in_place = false;
   return s;
 }
 

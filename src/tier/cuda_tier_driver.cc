@@ -77,6 +77,7 @@ constexpr int CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3;
 constexpr int CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 0x1;
 constexpr unsigned int CU_MEMHOSTALLOC_PORTABLE = 0x01;
 constexpr unsigned int CU_MEMHOSTREGISTER_PORTABLE = 0x01;
+constexpr unsigned int CU_MEMHOSTREGISTER_READ_ONLY = 0x08;
 constexpr unsigned int CU_STREAM_NON_BLOCKING = 0x1;
 constexpr int CU_STREAM_CAPTURE_STATUS_NONE = 0;
 constexpr int CU_LIMIT_STACK_SIZE = 0x00;  // CUlimit
@@ -364,6 +365,17 @@ class CudaTierDriver final : public TierDriver {
       }
     }
     (void)api_.cuMemFreeHost(p);
+  }
+
+  bool host_register(const void* p, std::size_t size) override {
+    // The driver's signature takes a mutable pointer; read-only registration never writes.
+    return api_.cuMemHostRegister_v2(const_cast<void*>(p), size,
+                                     CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY) ==
+           CUDA_SUCCESS;
+  }
+
+  void host_unregister(const void* p) noexcept override {
+    (void)api_.cuMemHostUnregister(const_cast<void*>(p));
   }
 
   Stream stream_create() override {

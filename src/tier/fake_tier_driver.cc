@@ -132,7 +132,7 @@ bool FakeTierDriver::record(const std::string& name, const std::string& line) {
   const bool fail = f != faults_.end() && --f->second == 0;
   if (fail) faults_.erase(f);
   calls_.push_back(fail ? line + " failed" : line);
-  if (fail && name != "create" && name != "create_shareable") {
+  if (fail && name != "create" && name != "create_shareable" && name != "host_register") {
     throw Error(ErrorKind::kGpu, name + " failed: CUDA_ERROR_UNKNOWN (fake driver)");
   }
   return fail;
@@ -318,15 +318,64 @@ void* FakeTierDriver::host_alloc(std::size_t size) {
   return p;
 }
 
-bool FakeTierDriver::pinned(const void* p, std::size_t size) const {
-  // The allocation starting at or before p, which must hold all of [p, p + size).
-  auto it = host_.upper_bound(const_cast<void*>(p));
-  if (it == host_.begin()) return false;
+namespace {
+
+// Whether [p, p + size) lies in the one range of `ranges` (start -> length) starting at or
+// before p.
+template <typename Ranges, typename Length>
+bool inside_one(const Ranges& ranges, const void* p, std::size_t size, Length length) {
+  auto it = ranges.upper_bound(const_cast<void*>(p));
+  if (it == ranges.begin()) return false;
   --it;
   const auto* start = static_cast<const unsigned char*>(it->first);
   const auto* at = static_cast<const unsigned char*>(p);
-  return at >= start && size <= it->second.size() &&
-         static_cast<std::size_t>(at - start) <= it->second.size() - size;
+  const std::size_t n = length(it->second);
+  return at >= start && size <= n && static_cast<std::size_t>(at - start) <= n - size;
+}
+
+}  // namespace
+
+bool FakeTierDriver::pinned(const void* p, std::size_t size) const {
+  // One allocation or one registration must hold all of [p, p + size): a copy reading across
+  // two registrations is the driver's undefined behaviour.
+  return inside_one(host_, p, size, [](const auto& v) { return v.size(); }) ||
+         inside_one(registered_, p, size, [](std::size_t n) { return n; });
+}
+
+bool FakeTierDriver::host_register(const void* p, std::size_t size) {
+  std::lock_guard lock(mu_);
+  if (record("host_register", "host_register " + std::to_string(size))) return false;
+  // The driver refuses pages registered already; the tier must never ask (tier/in_place.h).
+  const auto* at = static_cast<const unsigned char*>(p);
+  auto next = registered_.lower_bound(const_cast<void*>(p));
+  if (next != registered_.end() && static_cast<const unsigned char*>(next->first) < at + size) {
+    throw misuse("host_register over registered memory");
+  }
+  if (next != registered_.begin()) {
+    const auto prev = std::prev(next);
+    if (static_cast<const unsigned char*>(prev->first) + prev->second > at) {
+      throw misuse("host_register over registered memory");
+    }
+  }
+  registered_[const_cast<void*>(p)] = size;
+  ++registrations_;
+  return true;
+}
+
+void FakeTierDriver::host_unregister(const void* p) noexcept {
+  std::lock_guard lock(mu_);
+  calls_.emplace_back(registered_.erase(const_cast<void*>(p)) != 0 ? "host_unregister"
+                                                                   : "host_unregister invalid");
+}
+
+std::size_t FakeTierDriver::registered() const {
+  std::lock_guard lock(mu_);
+  return registered_.size();
+}
+
+std::size_t FakeTierDriver::registrations() const {
+  std::lock_guard lock(mu_);
+  return registrations_;
 }
 
 void FakeTierDriver::host_free(void* p) noexcept {

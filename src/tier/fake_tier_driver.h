@@ -41,7 +41,8 @@ class FakeTierDriver final : public TierDriver {
   // Every call in order, e.g. "reserve 2097152", "create 0 2097152", "map 0x7f0000000000",
   // "set_access 0x7f0000000000 0", "unmap 0x7f0000000000", "release 3",
   // "address_free 0x7f0000000000", "synchronize 0", "copy_to_host 0x7f0000000000 1024",
-  // "copy_to_device ...", "host_alloc 33554432", "host_free", "stream_create",
+  // "copy_to_device ...", "host_alloc 33554432", "host_free", "host_register 16777216",
+  // "host_unregister", "stream_create",
   // "stream_destroy", "stream_synchronize", "stack_limit 0", "set_stack_limit 0 1024". A failed
   // call is recorded with " failed".
   std::vector<std::string> calls() const;
@@ -53,6 +54,8 @@ class FakeTierDriver final : public TierDriver {
   std::size_t reservations() const;
   std::size_t mappings() const;
   std::size_t host_allocations() const;  // pinned buffers not freed
+  std::size_t registered() const;        // host_register() ranges not unregistered
+  std::size_t registrations() const;     // host_register() calls that succeeded, ever
   std::size_t streams() const;           // streams not destroyed
   // Device memory through the mappings, as a kernel would touch it. Throws like a copy.
   void write(DevicePtr va, const void* src, std::size_t size);
@@ -78,6 +81,10 @@ class FakeTierDriver final : public TierDriver {
   void set_stack_limit(int device, std::size_t bytes) override;
   void* host_alloc(std::size_t size) override;
   void host_free(void* p) noexcept override;
+  // Fails (false) on fail_next("host_register"); throws for a range over one registered already,
+  // which the driver refuses.
+  bool host_register(const void* p, std::size_t size) override;
+  void host_unregister(const void* p) noexcept override;
   Stream stream_create() override;
   void stream_destroy(Stream stream) noexcept override;
   void copy_to_host(void* dst, DevicePtr src, std::size_t size, Stream stream) override;
@@ -127,6 +134,8 @@ class FakeTierDriver final : public TierDriver {
   std::map<DevicePtr, std::size_t> reservations_;
   std::map<DevicePtr, Mapping> mappings_;
   std::map<void*, std::vector<unsigned char>> host_;
+  std::map<void*, std::size_t> registered_;  // host_register()ed ranges: start -> size
+  std::size_t registrations_ = 0;
   std::map<Stream, std::optional<std::uint64_t>> streams_;  // stream -> the capture it is in
   std::map<std::string, int> faults_;                       // call -> countdown
   std::vector<std::string> calls_;

@@ -44,9 +44,12 @@ struct TierSettings {
   // buffer at a time. A layout's pieces may be of any size; a fill takes them as they are.
   std::size_t piece_bytes = std::size_t{4} << 20;
   bool log = false;  // one line per drain and fill on stderr
+  // A fill copies each slice straight from its file's pages, registered for the copy, instead
+  // of through a pinned buffer (tier/in_place.h): one copy of every byte less.
+  bool in_place = true;
 
-  // GPUSNAP_TIER_STREAMS, GPUSNAP_TIER_BUFFER_KIB, GPUSNAP_TIER_LOG; out-of-range values keep
-  // the default.
+  // GPUSNAP_TIER_STREAMS, GPUSNAP_TIER_BUFFER_KIB, GPUSNAP_TIER_LOG, GPUSNAP_TIER_IN_PLACE (0:
+  // through the buffers); out-of-range values keep the default.
   static TierSettings from_environment();
 };
 
@@ -75,6 +78,8 @@ struct TransferReport {
   double map_seconds = 0;
   // Setting the devices' stack sizes: to 0 after a drain, back before a fill.
   double stack_seconds = 0;
+  // A fill's bytes copied straight from its files' pages (TierSettings::in_place).
+  std::size_t in_place_bytes = 0;
 };
 
 // What a prefill (tier/prefill.h) adds to a fill from files; the copy's own fill needs none.
@@ -97,11 +102,14 @@ struct FillHooks {
 
 // Copies `pieces` from a drain's files in `dir` (files[piece.file]) to device memory already
 // mapped at the pieces' addresses, on up to settings.streams workers with two pinned buffers
-// each, and waits for every copy. Returns the slowest worker's time to pin its buffers. Used by
-// Tier::fill and by a prefill (tier/prefill.h).
-double fill_from_files(TierDriver& driver, const TierSettings& settings,
-                       const std::filesystem::path& dir, const std::vector<std::string>& files,
-                       const std::vector<FilePiece>& pieces, const FillHooks& hooks = {});
+// each, and waits for every copy; with settings.in_place, each slice straight from the file's
+// pages where the driver registers them (tier/in_place.h), through the buffers where it does not.
+// Sets report.buffer_seconds (the slowest worker's time to pin its buffers) and
+// report.in_place_bytes. Used by Tier::fill and by a prefill (tier/prefill.h).
+void fill_from_files(TierDriver& driver, const TierSettings& settings,
+                     const std::filesystem::path& dir, const std::vector<std::string>& files,
+                     const std::vector<FilePiece>& pieces, TransferReport& report,
+                     const FillHooks& hooks = {});
 
 class Tier {
  public:
@@ -201,7 +209,8 @@ class Tier {
   // Both return the slowest worker's time to allocate its pinned buffers.
   double run_drain_workers(std::vector<Piece>& pieces, const std::filesystem::path& dir,
                            std::vector<std::string>& files);
-  double run_fill_workers(const std::vector<Piece>& pieces, const std::filesystem::path& dir);
+  void run_fill_workers(const std::vector<Piece>& pieces, const std::filesystem::path& dir,
+                        TransferReport& report);
   void write_index(const std::filesystem::path& dir, const std::vector<std::string>& files,
                    const std::vector<Piece>& pieces, std::size_t bytes) const;
   // PID.layout beside the index (tier/layout.h).

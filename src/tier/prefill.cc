@@ -215,8 +215,7 @@ TransferReport Prefill::fill() {
       made_so_far.stopped();
     });
     try {
-      report.buffer_seconds =
-          fill_from_files(driver_, settings_, dir_, files_, placed.pieces, hooks);
+      fill_from_files(driver_, settings_, dir_, files_, placed.pieces, report, hooks);
     } catch (...) {
       maker.request_stop();
       maker.join();

@@ -142,11 +142,11 @@ int run(const std::vector<std::string>& a) {
   std::fprintf(
       stderr,
       "gpusnap-tier-prefill: %zu bytes of %s filled in %.3f s by %d workers (%.1f GB/s copying; "
-      "making and mapping the memory %.3f s, pinning %.3f s; ready %.3f s after "
-      "start), %s\n",
+      "making and mapping the memory %.3f s, pinning %.3f s; %zu bytes read in place; ready "
+      "%.3f s after start), %s\n",
       report.bytes, pid.c_str(), report.seconds, settings.streams,
       report.seconds > 0 ? static_cast<double>(report.bytes) / report.seconds / 1e9 : 0.0,
-      report.map_seconds, report.buffer_seconds, filled_s,
+      report.map_seconds, report.buffer_seconds, report.in_place_bytes, filled_s,
       taken ? "taken by the copy" : "refused by the copy");
   ::unlink(socket.c_str());
   // Before `prefill` and `driver` end: unmapping and releasing the memory and the context is

@@ -63,6 +63,13 @@ class TierDriver {
   // Page-locked host memory usable from every context (cuMemHostAlloc, PORTABLE).
   virtual void* host_alloc(std::size_t size) = 0;
   virtual void host_free(void* p) noexcept = 0;
+  // Page-locks memory the caller mapped, read-only and usable from every context
+  // (cuMemHostRegister: PORTABLE | READ_ONLY), so that copies to the device read it in place:
+  // a fill reads its files' page cache that way (tier/in_place.h). False where the driver
+  // refuses (no read-only registration on this device, or these pages cannot be locked); the
+  // caller then copies through its pinned buffers. host_unregister() takes `p` as registered.
+  virtual bool host_register(const void* p, std::size_t size) = 0;
+  virtual void host_unregister(const void* p) noexcept = 0;
   virtual Stream stream_create() = 0;
   virtual void stream_destroy(Stream stream) noexcept = 0;
   virtual void copy_to_host(void* dst, DevicePtr src, std::size_t size, Stream stream) = 0;

@@ -36,6 +36,7 @@
 #include "gpusnap/error.h"
 #include "tier/folder_format.h"
 #include "tier/handover.h"
+#include "tier/in_place.h"
 #include "tier/memory_tier.h"
 
 namespace gpusnap::tier {
@@ -201,11 +202,11 @@ double seconds_since(Clock::time_point t0) {
 void log_line(const char* what, const TransferReport& r) {
   std::fprintf(stderr,
                "gpusnap-tier: %s %zu bytes, %zu pieces, %zu files in %.3f s (%.1f GB/s; pinned "
-               "buffers %.3f s, %s %.3f s, stacks %.3f s)\n",
+               "buffers %.3f s, %s %.3f s, stacks %.3f s; %zu bytes read in place)\n",
                what, r.bytes, r.pieces, r.files, r.seconds,
                r.seconds > 0 ? static_cast<double>(r.bytes) / r.seconds / 1e9 : 0.0,
                r.buffer_seconds, std::strcmp(what, "drained") == 0 ? "release" : "map",
-               r.map_seconds, r.stack_seconds);
+               r.map_seconds, r.stack_seconds, r.in_place_bytes);
 }
 
 }  // namespace
@@ -532,7 +533,7 @@ void Tier::refill(const std::vector<DevicePtr>& todo, const std::filesystem::pat
     for (const Piece& p : pieces_) {
       if (wanted.count(std::prev(segments_.upper_bound(p.va))->first) != 0) pieces.push_back(p);
     }
-    report.buffer_seconds = run_fill_workers(pieces, dir);
+    run_fill_workers(pieces, dir, report);
   } catch (...) {
     // A copy must never serve with memory it did not fill: give back what this fill mapped.
     for (DevicePtr va : mapped) {
@@ -621,6 +622,56 @@ void read_slice(int fd, const std::filesystem::path& path, const FilePiece& p, c
   }
 }
 
+// Slice `s` of piece `p` waited for (an arriving file) and its windows registered, then given
+// to the read hook from the mapping (a prefill checksums it there): the copy reads it in place.
+// An empty Hold when the driver refused the registration: the caller reads the slice through its
+// buffer instead, hooks and all.
+InPlaceFiles::Hold see_in_place(InPlaceFiles& files, const FilePiece& p, const Slice& s,
+                                const FillHooks& hooks) {
+  const std::uint64_t offset = p.offset + s.from;
+  if (hooks.before_read) {
+    for (std::size_t done = 0; done < s.size;) {
+      const std::size_t n = std::min(FillHooks::kReadSlice, s.size - done);
+      hooks.before_read(p.file, offset + done + n);
+      done += n;
+    }
+  }
+  InPlaceFiles::Hold hold = files.hold(p.file, offset, s.size);
+  if (hold && hooks.read) {
+    for (std::size_t done = 0; done < s.size;) {
+      const std::size_t n = std::min(FillHooks::kReadSlice, s.size - done);
+      hooks.read(s.piece, offset + done, files.at(p.file, offset + done), n);
+      done += n;
+    }
+  }
+  return hold;
+}
+
+// The copy a fill's worker issued last, waited for before the memory it reads is reused or let
+// go, and on the way out of a failed fill before anything is released.
+class InFlight {
+ public:
+  explicit InFlight(TierDriver& driver) : driver_(driver) {}
+  InFlight(const InFlight&) = delete;
+  InFlight& operator=(const InFlight&) = delete;
+  ~InFlight() {
+    try {
+      wait();
+    } catch (...) {  // NOLINT(bugprone-empty-catch): the fill's own failure is reported
+    }
+  }
+  void issued(Stream stream) { stream_ = stream; }
+  void wait() {
+    if (stream_ == nullptr) return;
+    const Stream s = std::exchange(stream_, nullptr);
+    driver_.stream_synchronize(s);
+  }
+
+ private:
+  TierDriver& driver_;
+  Stream stream_ = nullptr;
+};
+
 // Which piece a fill's worker copies next: the next of all (every worker takes from one counter),
 // or the next of the files given to that worker alone (FillHooks::one_worker_per_file).
 class PieceQueue {
@@ -647,31 +698,39 @@ class PieceQueue {
 
 }  // namespace
 
-double fill_from_files(TierDriver& driver, const TierSettings& settings,
-                       const std::filesystem::path& dir, const std::vector<std::string>& files,
-                       const std::vector<FilePiece>& pieces, const FillHooks& hooks) {
+void fill_from_files(TierDriver& driver, const TierSettings& settings,
+                     const std::filesystem::path& dir, const std::vector<std::string>& files,
+                     const std::vector<FilePiece>& pieces, TransferReport& report,
+                     const FillHooks& hooks) {
   std::vector<common::UniqueFd> fds;
+  std::vector<std::filesystem::path> paths;
   for (const auto& name : files) {
-    const auto path = dir / name;
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) throw file_error("cannot open", path, errno);
+    paths.push_back(dir / name);
+    const int fd = ::open(paths.back().c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw file_error("cannot open", paths.back(), errno);
     fds.emplace_back(fd);
   }
+  std::optional<InPlaceFiles> in_place;
+  if (settings.in_place) in_place.emplace(driver, paths, fds);
+  std::atomic<std::size_t> in_place_bytes{0};
   const std::size_t n =
       std::min(pieces.size(), static_cast<std::size_t>(std::max(1, settings.streams)));
   PieceQueue queue(pieces, n, hooks.one_worker_per_file);
-  const double pinning = run_with_buffers(
+  report.buffer_seconds = run_with_buffers(
       driver, settings.buffer_bytes, n, pieces,
       [&](std::size_t k, WorkerResources& r, const std::atomic<bool>& stop) {
-        Stream in_flight = nullptr;  // the stream of the copy issued last, not yet waited for
+        InPlaceFiles::Hold held;     // the windows the copy in flight reads, if it reads in place
+        InFlight in_flight(driver);  // before `held` goes: a window outlives its copy
         Slices slices(pieces, r.buffer_bytes());
         int b = 0;
         for (;;) {
           const std::optional<Slice> s =
               slices.next([&] { return stop ? pieces.size() : queue.next(k); });
           const FilePiece* p = s ? &pieces[s->piece] : nullptr;
-          // While the copy engine moves the other buffer, this one is read from the file.
+          // While the copy engine moves the previous slice, this one is read from the file or
+          // its window of the file registered.
           Stream stream = nullptr;
+          InPlaceFiles::Hold hold;
           if (p != nullptr) {
             stream = r.on(p->device);  // a context first: pinned memory is allocated in one
             if (p->file >= fds.size()) {
@@ -680,23 +739,36 @@ double fill_from_files(TierDriver& driver, const TierSettings& settings,
                               std::to_string(fds.size()),
                           "the artifact is damaged: capture it again");
             }
-            read_slice(fds[p->file].get(), dir / files[p->file], *p, *s, r.buffer(b), hooks);
+            if (in_place) hold = see_in_place(*in_place, *p, *s, hooks);
+            if (!hold) read_slice(fds[p->file].get(), paths[p->file], *p, *s, r.buffer(b), hooks);
           }
-          if (in_flight != nullptr) driver.stream_synchronize(in_flight);
-          in_flight = nullptr;
+          in_flight.wait();
+          held.reset();  // its copy is done
           if (p == nullptr) break;
           if (s->from == 0 && hooks.before_copy) hooks.before_copy(s->piece);
-          driver.copy_to_device(p->va + s->from, r.buffer(b), s->size, stream);
-          in_flight = stream;
-          b = 1 - b;
+          // Told first: a copy that fails half-issued is waited for before its memory goes.
+          in_flight.issued(stream);
+          if (hold) {
+            held = std::move(hold);
+            const std::uint64_t offset = p->offset + s->from;
+            for (const auto& [at, size] : InPlaceFiles::split(offset, s->size)) {
+              driver.copy_to_device(p->va + s->from + (at - offset), in_place->at(p->file, at),
+                                    size, stream);
+            }
+            in_place_bytes += s->size;
+          } else {
+            driver.copy_to_device(p->va + s->from, r.buffer(b), s->size, stream);
+            b = 1 - b;
+          }
         }
       });
   // Each worker waited for its own last copy; nothing of the fill is in flight.
-  return pinning;
+  report.in_place_bytes = in_place_bytes;
 }
 
-double Tier::run_fill_workers(const std::vector<Piece>& pieces, const std::filesystem::path& dir) {
-  return fill_from_files(driver_, settings_, dir, files_, pieces);
+void Tier::run_fill_workers(const std::vector<Piece>& pieces, const std::filesystem::path& dir,
+                            TransferReport& report) {
+  fill_from_files(driver_, settings_, dir, files_, pieces, report);
 }
 
 }  // namespace gpusnap::tier

@@ -368,6 +368,53 @@ TEST_F(TierTest, DrainThenFillPutsBackEveryLiveByteAtTheSameAddress) {
   EXPECT_EQ(alloc(2 * kMiB), freed);
 }
 
+// A fill reads its files in place (tier/in_place.h): every slice copied straight from the
+// file's pages, registered a window at a time (the fake refuses a copy across two registrations
+// or a second registration of one window), and every window let go once the fill is done. Pieces
+// of odd sizes put slices across windows' boundaries; three workers share each file's windows.
+TEST_F(TierTest, AFillCopiesEveryByteStraightFromTheFilesPagesAndLetsGoOfThemAll) {
+  void* a = alloc(40 * kMiB + 4096);
+  void* b = alloc(3 * kMiB + 512);
+  void* c = alloc(17 * kMiB, 1);
+  pattern(a, 40 * kMiB + 4096, 1);
+  pattern(b, 3 * kMiB + 512, 2);
+  pattern(c, 17 * kMiB, 3);
+  const TransferReport drained = tier->drain(dir.path());
+  const TransferReport filled = tier->fill(dir.path(), {});
+  EXPECT_EQ(filled.in_place_bytes, drained.bytes);
+  EXPECT_GT(driver.registrations(), 0u);
+  EXPECT_EQ(driver.registered(), 0u);
+  EXPECT_EQ(driver.host_allocations(), 0u);
+  expect_pattern(a, 40 * kMiB + 4096, 1);
+  expect_pattern(b, 3 * kMiB + 512, 2);
+  expect_pattern(c, 17 * kMiB, 3);
+}
+
+TEST_F(TierTest, WithoutInPlaceEveryByteGoesThroughThePinnedBuffers) {
+  TierSettings s = settings();
+  s.in_place = false;
+  tier = std::make_unique<Tier>(driver, s, kPid);
+  void* a = alloc(20 * kMiB + 512);
+  pattern(a, 20 * kMiB + 512, 4);
+  tier->drain(dir.path());
+  EXPECT_EQ(tier->fill(dir.path(), {}).in_place_bytes, 0u);
+  EXPECT_EQ(driver.registrations(), 0u);
+  expect_pattern(a, 20 * kMiB + 512, 4);
+}
+
+// Where the driver will not register a file's pages (no read-only registration on the device,
+// or pages it cannot lock), the rest of the fill goes through the buffers, exactly.
+TEST_F(TierTest, ARefusedRegistrationSendsTheRestThroughThePinnedBuffers) {
+  void* a = alloc(40 * kMiB);
+  pattern(a, 40 * kMiB, 5);
+  const TransferReport drained = tier->drain(dir.path());
+  driver.fail_next("host_register");
+  const TransferReport filled = tier->fill(dir.path(), {});
+  EXPECT_LT(filled.in_place_bytes, drained.bytes);
+  EXPECT_EQ(driver.registered(), 0u);
+  expect_pattern(a, 40 * kMiB, 5);
+}
+
 // Pieces are what a worker takes, buffers what one copy moves: pieces larger than the buffers
 // go through them a buffer at a time, each copy within its pinned buffer (the fake refuses one
 // that is not), each piece's slices one after the other in its worker's file.
@@ -634,6 +681,7 @@ TEST_F(TierTest, AFailedCopyDuringTheFillReleasesEverythingItMapped) {
   EXPECT_EQ(driver.handles(), 0u);
   EXPECT_EQ(driver.host_allocations(), 0u);
   EXPECT_EQ(driver.streams(), 0u);
+  EXPECT_EQ(driver.registered(), 0u);  // no window outlives the fill
   tier->fill(dir.path(), {});
   expect_pattern(p, 8 * kMiB, 3);
 }
