@@ -27,7 +27,8 @@
 # leaves out the cold rounds, BENCH_DEDUP=0 the second captures. GPUSNAP_CRIU: CRIU.
 # BENCH_ROUNDS: the warm rounds of streamed and previous restores (default 2); TRUST_ROUNDS
 # those of the trust section (default 1); BENCH_DEDUP_PLAIN=0 leaves out the transparent path's
-# second capture.
+# second capture. BENCH_BUFFERED=1 adds to each round the streamed restore with the prefill
+# copying through its pinned buffers instead of from the files' pages (GPUSNAP_TIER_IN_PLACE=0).
 # Results: OUTDIR/run.log (written as it goes) and every command's JSON.
 set -uo pipefail
 GIB=${1:?GIB}; OUT=${2:?OUTDIR}
@@ -37,6 +38,7 @@ REGISTRY=${REGISTRY:-$(command -v docker-registry)}
 STORE=${STORE:-/mnt/gpusnap-store}
 REGDIR=${REGDIR:-/var/tmp/gpusnap-tier-registry}
 COLD=${BENCH_COLD:-1}; DEDUP=${BENCH_DEDUP:-1}; ROUNDS=${BENCH_ROUNDS:-2}; KEYS=${KEYS:-}
+BUFFERED=${BENCH_BUFFERED:-0}
 mkdir -p "$OUT" "$STORE" "$REGDIR"
 OUT=$(readlink -f "$OUT")
 exec > >(tee -a "$OUT/run.log") 2>&1
@@ -129,6 +131,8 @@ for round in $(seq "$ROUNDS"); do
   restore_check "streamed-$round" "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-streamed-$round"
   GPUSNAP_TIER_PREFILL=off restore_check "previous-$round" "$W/tier-a.port" "$REF" --plain-http \
     --cache "$W/cache-previous-$round"
+  [[ $BUFFERED == 1 ]] && GPUSNAP_TIER_IN_PLACE=0 restore_check "buffered-$round" "$W/tier-a.port" \
+    "$REF" --plain-http --cache "$W/cache-buffered-$round"
 done
 
 if [[ $COLD == 1 ]]; then
@@ -157,6 +161,9 @@ for p in sys.stdin.buffer.read().split(b"\0"):
     drop; pull_alone "pull-cold-$scope"; rm -rf "$W/pulled-pull-cold-$scope" "$W/cache-pull-cold-$scope"
     drop; restore_check "streamed-cold-$scope" "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-streamed-cold"
     drop; GPUSNAP_TIER_PREFILL=off restore_check "previous-cold-$scope" "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-previous-cold"
+    if [[ $BUFFERED == 1 ]]; then
+      drop; GPUSNAP_TIER_IN_PLACE=0 restore_check "buffered-cold-$scope" "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-buffered-cold"
+    fi
   done
 fi
 
