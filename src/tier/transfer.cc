@@ -663,7 +663,7 @@ class InFlight {
   void issued(Stream stream) { stream_ = stream; }
   void wait() {
     if (stream_ == nullptr) return;
-    const Stream s = std::exchange(stream_, nullptr);
+    Stream s = std::exchange(stream_, nullptr);
     driver_.stream_synchronize(s);
   }
 
