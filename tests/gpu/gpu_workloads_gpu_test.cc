@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <regex>
 #include <set>
 #include <thread>
 
@@ -495,6 +496,13 @@ TEST_F(MemoryTier, RestoredFromARegistryFillsTheGpuAsTheSnapshotArrives) {
   const std::string doc = copies.doc.dump();
   EXPECT_NE(doc.find("await-criu-images"), std::string::npos) << "not restored as it arrived";
   EXPECT_NE(doc.find("taken by the copy"), std::string::npos) << doc;
+  // Every byte went to the GPU from the node copy's own pages, written once by the pull
+  // (docs/memory-tier.md, "Read in place"), none through the prefill's buffers.
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(
+      doc, m, std::regex(R"((\d+) bytes of \d+ filled .*?; (\d+) bytes read in place)")))
+      << doc;
+  EXPECT_EQ(m[2].str(), m[1].str()) << doc;
   // The driver's restore did not wait for the drain files, which only the tier reads.
   std::vector<std::string> phases;
   for (const auto& p : copies.doc.at("phases")) phases.push_back(p.at("name").get<std::string>());
