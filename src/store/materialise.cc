@@ -331,6 +331,7 @@ MaterialiseResult write_into(artifact::ArtifactWriter& writer, const Manifest& m
   if (hooks.before_commit) hooks.before_commit();
   // The staging tree's directories are the writer's; the files are root-only as written.
   writer.commit(manifest, phases);
+  if (hooks.committed) hooks.committed();
   const auto seconds = [](const std::atomic<uint64_t>& ns) {
     return static_cast<double>(ns) / 1e9;
   };

@@ -33,6 +33,8 @@ struct ArrivalHooks {
   std::function<void()> before_chunk;
   // Every file is written; the commit (the rename to `dest`) waits for this to return.
   std::function<void()> before_commit;
+  // The artifact is at `dest`, whole: what follows (the node cache's record) is the pull's own.
+  std::function<void()> committed;
 };
 
 // The files that hold GPU memory: host images (the driver's restore reads them) and the memory

@@ -15,7 +15,8 @@ bool is_criu_image(const std::string& path) { return !holds_gpu_memory(path); }
 }  // namespace
 
 StreamingPull::StreamingPull(OciRef ref, PullOptions options, Reporter& reporter,
-                             common::UniqueFd held) {
+                             common::UniqueFd held)
+    : output_(options.output) {
   PullOptions o = std::move(options);
   o.arrival.created = [this](const std::filesystem::path& staging) {
     std::lock_guard lock(mu_);
@@ -42,6 +43,11 @@ StreamingPull::StreamingPull(OciRef ref, PullOptions options, Reporter& reporter
     std::unique_lock lock(mu_);
     cv_.wait(lock, [&] { return commit_allowed_ || cancelled_; });
     if (cancelled_) throw Error(ErrorKind::kInternal, "the pull was stopped: its restore failed");
+  };
+  o.arrival.committed = [this] {
+    std::lock_guard lock(mu_);
+    committed_ = true;
+    cv_.notify_all();
   };
   // The manifest, read first, says how many of CRIU's files are to come.
   o.check = [this, check = o.check](const Manifest& m) {
@@ -114,13 +120,25 @@ std::filesystem::path StreamingPull::complete() {
   std::unique_lock lock(mu_);
   commit_allowed_ = true;
   cv_.notify_all();
+  // The artifact is whole at its path once committed: the node cache's record of it (0.05 s of
+  // a 16 GiB pull on the H100) goes on beside the copies' resume.
+  wait_for(lock, [&] { return committed_; });
+  if (!committed_) throw Error(ErrorKind::kInternal, "the pull ended without committing");
+  return output_;
+}
+
+const PullResult& StreamingPull::result() {
+  std::unique_lock lock(mu_);
   wait_for(lock, [&] { return finished_; });
   if (!result_) throw Error(ErrorKind::kInternal, "the pull ended without a result");
-  return result_->output;
+  return *result_;
 }
 
 const PullResult* StreamingPull::ended() {
-  std::lock_guard lock(mu_);
+  std::unique_lock lock(mu_);
+  // Once committed only the node cache's record is left: waited for, it is short. Before the
+  // commit the pull may still be fetching: not waited for.
+  if (committed_) cv_.wait(lock, [&] { return finished_; });
   return result_ ? &*result_ : nullptr;
 }
 

@@ -41,11 +41,15 @@ class StreamingPull final : public ArrivingArtifact {
   void await_criu_images() override;
   void await_host_images() override;
   void watch(Progress progress) override;
+
+  // Returns once the artifact is committed at its final path; the pull's last step, the node
+  // cache's record, may still run (result() and ended() wait for it).
   std::filesystem::path complete() override;
 
-  // The pull's result, once complete() returned.
-  const PullResult& result() const { return *result_; }
-  // The pull's result once it ended well; null while it runs, or after it failed.
+  // The pull's result, waiting for its end; throws its error if it failed.
+  const PullResult& result();
+  // The pull's result once it ended well (waiting for its last step once committed); null
+  // while it still fetches, or after it failed.
   const PullResult* ended();
 
  private:
@@ -53,6 +57,7 @@ class StreamingPull final : public ArrivingArtifact {
   template <typename Ready>
   void wait_for(std::unique_lock<std::mutex>& lock, Ready ready);
 
+  const std::filesystem::path output_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::filesystem::path staging_;
@@ -62,6 +67,7 @@ class StreamingPull final : public ArrivingArtifact {
   std::vector<Progress> watchers_;
   bool created_ = false;
   bool commit_allowed_ = false;
+  bool committed_ = false;
   bool cancelled_ = false;
   bool finished_ = false;
   std::exception_ptr failure_;

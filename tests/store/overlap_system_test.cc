@@ -142,7 +142,9 @@ TEST(StoreOverlap, CriuRestoresWhileTheHostImagesArriveAndTheCopyHasEveryByte) {
                                           "gpu-restore",       "await-artifact"};
   for (size_t i = 0; i < order.size(); ++i) {
     EXPECT_LT(at(order[i]), static_cast<ptrdiff_t>(watch.names.size())) << order[i];
-    if (i > 0) EXPECT_LT(at(order[i - 1]), at(order[i])) << order[i];
+    if (i > 0) {
+      EXPECT_LT(at(order[i - 1]), at(order[i])) << order[i];
+    }
   }
   EXPECT_FALSE(watch.committed_at_gpu_restore) << "the driver waited for the pull's commit";
   // The driver's restore found every byte of the region in the copy, the copy serves, and the
