@@ -339,7 +339,17 @@ bool FakeTierDriver::pinned(const void* p, std::size_t size) const {
   // One allocation or one registration must hold all of [p, p + size): a copy reading across
   // two registrations is the driver's undefined behaviour.
   return inside_one(host_, p, size, [](const auto& v) { return v.size(); }) ||
-         inside_one(registered_, p, size, [](std::size_t n) { return n; });
+         inside_one(registered_, p, size, [](const auto& v) { return v.size(); });
+}
+
+const void* FakeTierDriver::registered_bytes(const void* p) const {
+  auto it = registered_.upper_bound(const_cast<void*>(p));
+  if (it == registered_.begin()) return p;
+  --it;
+  const auto* start = static_cast<const unsigned char*>(it->first);
+  const auto* at = static_cast<const unsigned char*>(p);
+  if (at < start || static_cast<std::size_t>(at - start) >= it->second.size()) return p;
+  return it->second.data() + (at - start);
 }
 
 bool FakeTierDriver::host_register(const void* p, std::size_t size) {
@@ -353,11 +363,15 @@ bool FakeTierDriver::host_register(const void* p, std::size_t size) {
   }
   if (next != registered_.begin()) {
     const auto prev = std::prev(next);
-    if (static_cast<const unsigned char*>(prev->first) + prev->second > at) {
+    if (static_cast<const unsigned char*>(prev->first) + prev->second.size() > at) {
       throw misuse("host_register over registered memory");
     }
   }
-  registered_[const_cast<void*>(p)] = size;
+  // What the pages hold now: a copy reads this, as the driver's does where a file's page is
+  // replaced after its registration (a hole punched, a page evicted and read again): the tier
+  // must register only bytes that are final (tier/in_place.h).
+  const auto* bytes = static_cast<const unsigned char*>(p);
+  registered_[const_cast<void*>(p)] = std::vector<unsigned char>(bytes, bytes + size);
   ++registrations_;
   return true;
 }
@@ -412,7 +426,7 @@ void FakeTierDriver::copy_to_device(DevicePtr dst, const void* src, std::size_t 
   record("copy_to_device", "copy_to_device " + hex(dst) + " " + std::to_string(size));
   if (!pinned(src, size)) throw misuse("copy_to_device from unpinned memory");
   if (streams_.find(stream) == streams_.end()) throw misuse("copy_to_device on an unknown stream");
-  std::memcpy(at(dst, size, "copy_to_device"), src, size);
+  std::memcpy(at(dst, size, "copy_to_device"), registered_bytes(src), size);
 }
 
 void FakeTierDriver::stream_synchronize(Stream stream) {

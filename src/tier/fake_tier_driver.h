@@ -82,7 +82,8 @@ class FakeTierDriver final : public TierDriver {
   void* host_alloc(std::size_t size) override;
   void host_free(void* p) noexcept override;
   // Fails (false) on fail_next("host_register"); throws for a range over one registered already,
-  // which the driver refuses.
+  // which the driver refuses. A copy from a registered range reads what it held when registered
+  // (as from a page the file has since replaced): registering bytes still to be written shows.
   bool host_register(const void* p, std::size_t size) override;
   void host_unregister(const void* p) noexcept override;
   Stream stream_create() override;
@@ -123,6 +124,8 @@ class FakeTierDriver final : public TierDriver {
   // Whether [p, p + size) lies in one pinned allocation: a copy to or from anywhere else is the
   // driver's undefined behaviour, and here an error.
   bool pinned(const void* p, std::size_t size) const;
+  // Where a copy from `p` reads: inside a registration, what it held when registered; else p.
+  const void* registered_bytes(const void* p) const;
 
   mutable std::mutex mu_;
   std::size_t memory_;
@@ -134,7 +137,8 @@ class FakeTierDriver final : public TierDriver {
   std::map<DevicePtr, std::size_t> reservations_;
   std::map<DevicePtr, Mapping> mappings_;
   std::map<void*, std::vector<unsigned char>> host_;
-  std::map<void*, std::size_t> registered_;  // host_register()ed ranges: start -> size
+  // host_register()ed ranges: start -> what they held when registered
+  std::map<void*, std::vector<unsigned char>> registered_;
   std::size_t registrations_ = 0;
   std::map<Stream, std::optional<std::uint64_t>> streams_;  // stream -> the capture it is in
   std::map<std::string, int> faults_;                       // call -> countdown

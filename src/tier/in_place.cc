@@ -50,6 +50,12 @@ const unsigned char* InPlaceFiles::at(std::size_t file, std::uint64_t offset) co
   return files_.at(file).base + offset;
 }
 
+std::uint64_t InPlaceFiles::window_end(std::size_t file, std::uint64_t end) const {
+  const std::uint64_t size = files_.at(file).size;
+  if (end == 0) return 0;
+  return std::min(size, ((end - 1) / kWindowBytes + 1) * kWindowBytes);
+}
+
 std::pair<void*, std::size_t> InPlaceFiles::range(std::size_t file, std::uint64_t window) const {
   const Mapped& m = files_.at(file);
   const std::uint64_t from = window * kWindowBytes;

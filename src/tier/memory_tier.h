@@ -92,7 +92,8 @@ struct FillHooks {
   // the piece's memory to be mapped. What it throws fails the fill.
   std::function<void(std::size_t i)> before_copy;
   // Called on a worker before it reads bytes of file `file` up to `end` (exclusive), at most
-  // kReadSlice at a time: a prefill of an artifact still arriving waits there for those bytes
+  // kReadSlice at a time through the buffers, a window's worth at a time in place
+  // (tier/in_place.h): a prefill of an artifact still arriving waits there for those bytes
   // (tier/arrival.h). What it throws fails the fill.
   std::function<void(std::size_t file, std::uint64_t end)> before_read;
   // Each file's pieces go to one worker, in the order they are given, instead of every worker

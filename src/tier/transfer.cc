@@ -629,12 +629,11 @@ void read_slice(int fd, const std::filesystem::path& path, const FilePiece& p, c
 InPlaceFiles::Hold see_in_place(InPlaceFiles& files, const FilePiece& p, const Slice& s,
                                 const FillHooks& hooks) {
   const std::uint64_t offset = p.offset + s.from;
-  if (hooks.before_read) {
-    for (std::size_t done = 0; done < s.size;) {
-      const std::size_t n = std::min(FillHooks::kReadSlice, s.size - done);
-      hooks.before_read(p.file, offset + done + n);
-      done += n;
-    }
+  if (hooks.before_read && p.file < files.count()) {
+    // Every byte of the windows, not only the slice's: a registered page is the page as it is
+    // now, and a pull that resumes a staging directory clears a range (a hole punched) before it
+    // writes it, which would leave the registration holding the page it replaced.
+    hooks.before_read(p.file, files.window_end(p.file, offset + s.size));
   }
   InPlaceFiles::Hold hold = files.hold(p.file, offset, s.size);
   if (hold && hooks.read) {

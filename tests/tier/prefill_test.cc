@@ -3,6 +3,7 @@
 // processes: the drain's layout, a prefill that makes and fills the memory from the files, the
 // tier taking it over without copying a byte, and every refusal leaving the tier to fill by
 // itself. The layout reader's checks on damaged files too.
+#include "tier/in_place.h"
 #include "tier/prefill.h"
 
 #include <sys/socket.h>
@@ -377,8 +378,16 @@ TEST_F(PrefillTest, OfAnArtifactStillArrivingReadsEachByteOnlyOnceItIsThere) {
   ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
   common::UniqueFd ours(pair[0]);
   ArrivingFiles arriving(common::UniqueFd(pair[1]), names, sizes);
+  std::size_t registered_early = 0;
   std::thread pull([&] {
     for (std::size_t done = 0;; done += kMiB) {
+      if (done == kMiB) {
+        // Each file's first MiB is there, no window of any file whole (every file is over a
+        // MiB): the fill reads in place, and registers a window only once every byte of it is
+        // final (the fake's registration keeps what the pages held then).
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        registered_early = driver.registrations();
+      }
       bool more = false;
       for (std::size_t f = 0; f < names.size(); ++f) {
         if (done >= contents[f].size()) continue;
@@ -399,6 +408,9 @@ TEST_F(PrefillTest, OfAnArtifactStillArrivingReadsEachByteOnlyOnceItIsThere) {
   const TransferReport filled = prefill->fill();
   pull.join();
   EXPECT_EQ(filled.bytes, 3 * kMiB + 4096 + 40 * kMiB + 8192);
+  EXPECT_EQ(filled.in_place_bytes, filled.bytes);
+  EXPECT_EQ(registered_early, 0u);
+  for (const auto& name : names) EXPECT_GT(std::filesystem::file_size(dir / name), kMiB) << name;
   auto taken = serve(*prefill);
   tier.adopt(socket(), std::chrono::seconds(5));
   EXPECT_TRUE(taken.get());
