@@ -29,6 +29,7 @@
 # those of the trust section (default 1); BENCH_DEDUP_PLAIN=0 leaves out the transparent path's
 # second capture. BENCH_BUFFERED=1 adds to each round the streamed restore with the prefill
 # copying through its pinned buffers instead of from the files' pages (GPUSNAP_TIER_IN_PLACE=0).
+# Each restore's node cache is cache-NAME, removed after it (restore_check).
 # Results: OUTDIR/run.log (written as it goes) and every command's JSON.
 set -uo pipefail
 GIB=${1:?GIB}; OUT=${2:?OUTDIR}
@@ -159,10 +160,10 @@ for p in sys.stdin.buffer.read().split(b"\0"):
     find "$REGDIR/storage" -type f -name data -size +1M -print0 | xargs -0 -P 16 -I{} dd if={} of=/dev/null bs=16M iflag=direct status=none
     echo "== the disk's own read of the registry's blobs (dd O_DIRECT, 16 at once): $(el "$t") s for $(du -sb "$REGDIR/storage" | cut -f1) bytes"
     drop; pull_alone "pull-cold-$scope"; rm -rf "$W/pulled-pull-cold-$scope" "$W/cache-pull-cold-$scope"
-    drop; restore_check "streamed-cold-$scope" "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-streamed-cold"
-    drop; GPUSNAP_TIER_PREFILL=off restore_check "previous-cold-$scope" "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-previous-cold"
+    drop; restore_check "streamed-cold-$scope" "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-streamed-cold-$scope"
+    drop; GPUSNAP_TIER_PREFILL=off restore_check "previous-cold-$scope" "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-previous-cold-$scope"
     if [[ $BUFFERED == 1 ]]; then
-      drop; GPUSNAP_TIER_IN_PLACE=0 restore_check "buffered-cold-$scope" "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-buffered-cold"
+      drop; GPUSNAP_TIER_IN_PLACE=0 restore_check "buffered-cold-$scope" "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-buffered-cold-$scope"
     fi
   done
 fi

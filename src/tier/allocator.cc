@@ -75,7 +75,10 @@ TierSettings TierSettings::from_environment() {
   const char* log = std::getenv("GPUSNAP_TIER_LOG");  // NOLINT(concurrency-mt-unsafe): at load
   s.log = log != nullptr && std::string(log) == "1";
   const char* in_place = std::getenv("GPUSNAP_TIER_IN_PLACE");  // NOLINT(concurrency-mt-unsafe)
-  if (in_place != nullptr && std::string(in_place) == "0") s.in_place = false;
+  if (in_place != nullptr && (std::string(in_place) == "0" || std::string(in_place) == "1")) {
+    s.in_place_given = std::string(in_place) == "1";
+    s.in_place = *s.in_place_given;
+  }
   return s;
 }
 

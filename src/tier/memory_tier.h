@@ -20,6 +20,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <tuple>
@@ -45,11 +46,17 @@ struct TierSettings {
   std::size_t piece_bytes = std::size_t{4} << 20;
   bool log = false;  // one line per drain and fill on stderr
   // A fill copies each slice straight from its file's pages, registered for the copy, instead
-  // of through a pinned buffer (tier/in_place.h): one copy of every byte less.
-  bool in_place = true;
+  // of through a pinned buffer (tier/in_place.h): one copy of every byte less, but the
+  // driver's registration caps the fill at 12.5-13.0 GB/s on the H100 against 22-26 GB/s through
+  // the buffers (docs/memory-tier.md, "Read in place"). So only where the bytes come slower than
+  // that and the CPU is busy with them: a prefill of an artifact a pull still writes.
+  bool in_place = false;
+  // GPUSNAP_TIER_IN_PLACE as given: "1" in place, "0" through the buffers, unset: each fill's
+  // own choice (the prefill of an arriving artifact reads in place).
+  std::optional<bool> in_place_given;
 
-  // GPUSNAP_TIER_STREAMS, GPUSNAP_TIER_BUFFER_KIB, GPUSNAP_TIER_LOG, GPUSNAP_TIER_IN_PLACE (0:
-  // through the buffers); out-of-range values keep the default.
+  // GPUSNAP_TIER_STREAMS, GPUSNAP_TIER_BUFFER_KIB, GPUSNAP_TIER_LOG, GPUSNAP_TIER_IN_PLACE;
+  // out-of-range values keep the default.
   static TierSettings from_environment();
 };
 

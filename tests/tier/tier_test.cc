@@ -9,10 +9,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -373,6 +375,9 @@ TEST_F(TierTest, DrainThenFillPutsBackEveryLiveByteAtTheSameAddress) {
 // or a second registration of one window), and every window let go once the fill is done. Pieces
 // of odd sizes put slices across windows' boundaries; three workers share each file's windows.
 TEST_F(TierTest, AFillCopiesEveryByteStraightFromTheFilesPagesAndLetsGoOfThemAll) {
+  TierSettings s = settings();
+  s.in_place = true;
+  tier = std::make_unique<Tier>(driver, s, kPid);
   void* a = alloc(40 * kMiB + 4096);
   void* b = alloc(3 * kMiB + 512);
   void* c = alloc(17 * kMiB, 1);
@@ -390,10 +395,10 @@ TEST_F(TierTest, AFillCopiesEveryByteStraightFromTheFilesPagesAndLetsGoOfThemAll
   expect_pattern(c, 17 * kMiB, 3);
 }
 
-TEST_F(TierTest, WithoutInPlaceEveryByteGoesThroughThePinnedBuffers) {
-  TierSettings s = settings();
-  s.in_place = false;
-  tier = std::make_unique<Tier>(driver, s, kPid);
+// Registering the pages caps a fill below what the buffers move (docs/memory-tier.md, "Read in
+// place"): a fill reads in place only when asked to.
+TEST_F(TierTest, ByDefaultEveryByteGoesThroughThePinnedBuffers) {
+  EXPECT_FALSE(TierSettings{}.in_place);
   void* a = alloc(20 * kMiB + 512);
   pattern(a, 20 * kMiB + 512, 4);
   tier->drain(dir.path());
@@ -405,6 +410,9 @@ TEST_F(TierTest, WithoutInPlaceEveryByteGoesThroughThePinnedBuffers) {
 // Where the driver will not register a file's pages (no read-only registration on the device,
 // or pages it cannot lock), the rest of the fill goes through the buffers, exactly.
 TEST_F(TierTest, ARefusedRegistrationSendsTheRestThroughThePinnedBuffers) {
+  TierSettings s = settings();
+  s.in_place = true;
+  tier = std::make_unique<Tier>(driver, s, kPid);
   void* a = alloc(40 * kMiB);
   pattern(a, 40 * kMiB, 5);
   const TransferReport drained = tier->drain(dir.path());
@@ -413,6 +421,29 @@ TEST_F(TierTest, ARefusedRegistrationSendsTheRestThroughThePinnedBuffers) {
   EXPECT_LT(filled.in_place_bytes, drained.bytes);
   EXPECT_EQ(driver.registered(), 0u);
   expect_pattern(a, 40 * kMiB, 5);
+}
+
+// GPUSNAP_TIER_IN_PLACE: "1" or "0" decide for every fill; unset (or anything else), each fill
+// decides (gpusnap-tier-prefill reads an arriving artifact in place).
+TEST(TierSettings, InPlaceIsGivenByItsVariableOrLeftToTheFill) {
+  const char* saved = std::getenv("GPUSNAP_TIER_IN_PLACE");
+  const std::string before = saved != nullptr ? saved : "";
+  ::unsetenv("GPUSNAP_TIER_IN_PLACE");
+  EXPECT_FALSE(TierSettings::from_environment().in_place);
+  EXPECT_FALSE(TierSettings::from_environment().in_place_given.has_value());
+  ::setenv("GPUSNAP_TIER_IN_PLACE", "1", 1);
+  EXPECT_TRUE(TierSettings::from_environment().in_place);
+  EXPECT_EQ(TierSettings::from_environment().in_place_given, std::optional<bool>(true));
+  ::setenv("GPUSNAP_TIER_IN_PLACE", "0", 1);
+  EXPECT_FALSE(TierSettings::from_environment().in_place);
+  EXPECT_EQ(TierSettings::from_environment().in_place_given, std::optional<bool>(false));
+  ::setenv("GPUSNAP_TIER_IN_PLACE", "yes", 1);
+  EXPECT_FALSE(TierSettings::from_environment().in_place_given.has_value());
+  if (saved != nullptr) {
+    ::setenv("GPUSNAP_TIER_IN_PLACE", before.c_str(), 1);
+  } else {
+    ::unsetenv("GPUSNAP_TIER_IN_PLACE");
+  }
 }
 
 // Pieces are what a worker takes, buffers what one copy moves: pieces larger than the buffers
