@@ -1304,7 +1304,9 @@ TEST_F(AgentsAndRegistry, ASnapshotCapturedOnOneNodeIsRestoredOnAnotherWhileItAr
   // it, before the pull committed it (which waits for the restore's await-artifact).
   EXPECT_LT(started_at(names, "open"), started_at(names, "pull-commit"));
   EXPECT_LT(started_at(names, "await-artifact"), started_at(names, "pull-commit"));
-  EXPECT_GT(started_at(names, "verify"), started_at(names, "pull-cache"));
+  // The restore goes on once the pull has committed the snapshot; the node cache's record of it
+  // (pull-cache) may run beside the restore's verify.
+  EXPECT_GT(started_at(names, "verify"), started_at(names, "pull-commit"));
   const json& pulled = rs["result"]["pulled"];
   const auto hex = reference.substr(reference.find("@sha256:") + 8);
   EXPECT_EQ(pulled["reference"], reference);
