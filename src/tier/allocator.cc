@@ -76,8 +76,7 @@ TierSettings TierSettings::from_environment() {
   s.log = log != nullptr && std::string(log) == "1";
   const char* in_place = std::getenv("GPUSNAP_TIER_IN_PLACE");  // NOLINT(concurrency-mt-unsafe)
   if (in_place != nullptr && (std::string(in_place) == "0" || std::string(in_place) == "1")) {
-    s.in_place_given = std::string(in_place) == "1";
-    s.in_place = *s.in_place_given;
+    s.in_place = std::string(in_place) == "1";
   }
   return s;
 }

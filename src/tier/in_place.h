@@ -44,7 +44,6 @@ class InPlaceFiles {
   // Where byte `offset` of file `file` is mapped.
   const unsigned char* at(std::size_t file, std::uint64_t offset) const;
   std::uint64_t size(std::size_t file) const { return files_.at(file).size; }
-  std::size_t count() const { return files_.size(); }
   // Where the window holding byte `end - 1` of `file` ends (its last window ends with the file):
   // a range is registered only once every byte of its windows is final.
   std::uint64_t window_end(std::size_t file, std::uint64_t end) const;

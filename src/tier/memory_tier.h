@@ -45,15 +45,13 @@ struct TierSettings {
   // buffer at a time. A layout's pieces may be of any size; a fill takes them as they are.
   std::size_t piece_bytes = std::size_t{4} << 20;
   bool log = false;  // one line per drain and fill on stderr
-  // A fill copies each slice straight from its file's pages, registered for the copy, instead
-  // of through a pinned buffer (tier/in_place.h): one copy of every byte less, but the
+  // Whether a fill copies each slice straight from its file's pages, registered for the copy,
+  // instead of through a pinned buffer (tier/in_place.h): one copy of every byte less, but the
   // driver's registration caps the fill at 12.5-13.0 GB/s on the H100 against 22-26 GB/s through
-  // the buffers (docs/memory-tier.md, "Read in place"). So only where the bytes come slower than
-  // that and the CPU is busy with them: a prefill of an artifact a pull still writes.
-  bool in_place = false;
-  // GPUSNAP_TIER_IN_PLACE as given: "1" in place, "0" through the buffers, unset: each fill's
-  // own choice (the prefill of an arriving artifact reads in place).
-  std::optional<bool> in_place_given;
+  // the buffers (docs/memory-tier.md, "Read in place"). Unset: in place only where the files
+  // still arrive (FillHooks::before_read: a prefill of an artifact a pull still writes), where
+  // the bytes come slower than that and the CPU is busy with them.
+  std::optional<bool> in_place;
 
   // GPUSNAP_TIER_STREAMS, GPUSNAP_TIER_BUFFER_KIB, GPUSNAP_TIER_LOG, GPUSNAP_TIER_IN_PLACE;
   // out-of-range values keep the default.
@@ -110,8 +108,9 @@ struct FillHooks {
 
 // Copies `pieces` from a drain's files in `dir` (files[piece.file]) to device memory already
 // mapped at the pieces' addresses, on up to settings.streams workers with two pinned buffers
-// each, and waits for every copy; with settings.in_place, each slice straight from the file's
-// pages where the driver registers them (tier/in_place.h), through the buffers where it does not.
+// each, and waits for every copy; in place (TierSettings::in_place), each slice straight from the
+// file's pages where the driver registers them (tier/in_place.h), through the buffers where it
+// does not.
 // Sets report.buffer_seconds (the slowest worker's time to pin its buffers) and
 // report.in_place_bytes. Used by Tier::fill and by a prefill (tier/prefill.h).
 void fill_from_files(TierDriver& driver, const TierSettings& settings,

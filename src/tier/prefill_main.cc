@@ -125,11 +125,7 @@ int run(const std::vector<std::string>& a) {
   }
   auto driver = tier::open_cuda_tier_driver();
   const int device = device_with_uuid(*driver, a[3]);
-  auto settings = prefill_settings();
-  // The bytes of an arriving artifact come at the pull's rate, well under what registering the
-  // pages caps a fill at, while the pull's own threads want the CPU: read in place, without a
-  // second copy (docs/memory-tier.md, "Read in place").
-  if (arriving && !settings.in_place_given) settings.in_place = true;
+  const auto settings = prefill_settings();
   tier::Prefill prefill(*driver, settings, std::move(layout), dir, files, device, std::stoull(a[9]),
                         arriving ? &*arriving : nullptr);
   const auto report = prefill.fill();

@@ -629,7 +629,7 @@ void read_slice(int fd, const std::filesystem::path& path, const FilePiece& p, c
 InPlaceFiles::Hold see_in_place(InPlaceFiles& files, const FilePiece& p, const Slice& s,
                                 const FillHooks& hooks) {
   const std::uint64_t offset = p.offset + s.from;
-  if (hooks.before_read && p.file < files.count()) {
+  if (hooks.before_read) {
     // Every byte of the windows, not only the slice's: a registered page is the page as it is
     // now, and a pull that resumes a staging directory clears a range (a hole punched) before it
     // writes it, which would leave the registration holding the page it replaced.
@@ -710,7 +710,9 @@ void fill_from_files(TierDriver& driver, const TierSettings& settings,
     fds.emplace_back(fd);
   }
   std::optional<InPlaceFiles> in_place;
-  if (settings.in_place) in_place.emplace(driver, paths, fds);
+  if (settings.in_place.value_or(static_cast<bool>(hooks.before_read))) {
+    in_place.emplace(driver, paths, fds);
+  }
   std::atomic<std::size_t> in_place_bytes{0};
   const std::size_t n =
       std::min(pieces.size(), static_cast<std::size_t>(std::max(1, settings.streams)));

@@ -80,14 +80,13 @@ class PrefillTest : public ::testing::Test {
     }
     return names;
   }
-  // Of an arriving artifact in place, as gpusnap-tier-prefill does (tier/in_place.h).
+  // Of an arriving artifact in place, of one all there through the buffers: the default
+  // (TierSettings::in_place unset).
   std::unique_ptr<Prefill> prefill_on(int device, ArrivingFiles* arriving = nullptr) {
     TierLayout layout = read_layout(dir / (std::to_string(kPid) + ".layout"));
     auto names = files(layout);
-    TierSettings s = settings();
-    s.in_place = arriving != nullptr;
-    return std::make_unique<Prefill>(driver, s, std::move(layout), dir.path(), names, device, 0,
-                                     arriving);
+    return std::make_unique<Prefill>(driver, settings(), std::move(layout), dir.path(), names,
+                                     device, 0, arriving);
   }
   // Serves one handover of `prefill` on the socket, as gpusnap-tier-prefill does.
   std::future<bool> serve(Prefill& prefill) {

@@ -398,7 +398,7 @@ TEST_F(TierTest, AFillCopiesEveryByteStraightFromTheFilesPagesAndLetsGoOfThemAll
 // Registering the pages caps a fill below what the buffers move (docs/memory-tier.md, "Read in
 // place"): a fill reads in place only when asked to.
 TEST_F(TierTest, ByDefaultEveryByteGoesThroughThePinnedBuffers) {
-  EXPECT_FALSE(TierSettings{}.in_place);
+  EXPECT_FALSE(TierSettings{}.in_place.has_value());
   void* a = alloc(20 * kMiB + 512);
   pattern(a, 20 * kMiB + 512, 4);
   tier->drain(dir.path());
@@ -423,22 +423,19 @@ TEST_F(TierTest, ARefusedRegistrationSendsTheRestThroughThePinnedBuffers) {
   expect_pattern(a, 40 * kMiB, 5);
 }
 
-// GPUSNAP_TIER_IN_PLACE: "1" or "0" decide for every fill; unset (or anything else), each fill
-// decides (gpusnap-tier-prefill reads an arriving artifact in place).
+// GPUSNAP_TIER_IN_PLACE: "1" or "0" decide for every fill; unset (or anything else), a fill reads
+// in place where its files still arrive.
 TEST(TierSettings, InPlaceIsGivenByItsVariableOrLeftToTheFill) {
   const char* saved = std::getenv("GPUSNAP_TIER_IN_PLACE");
   const std::string before = saved != nullptr ? saved : "";
   ::unsetenv("GPUSNAP_TIER_IN_PLACE");
-  EXPECT_FALSE(TierSettings::from_environment().in_place);
-  EXPECT_FALSE(TierSettings::from_environment().in_place_given.has_value());
+  EXPECT_FALSE(TierSettings::from_environment().in_place.has_value());
   ::setenv("GPUSNAP_TIER_IN_PLACE", "1", 1);
-  EXPECT_TRUE(TierSettings::from_environment().in_place);
-  EXPECT_EQ(TierSettings::from_environment().in_place_given, std::optional<bool>(true));
+  EXPECT_EQ(TierSettings::from_environment().in_place, std::optional<bool>(true));
   ::setenv("GPUSNAP_TIER_IN_PLACE", "0", 1);
-  EXPECT_FALSE(TierSettings::from_environment().in_place);
-  EXPECT_EQ(TierSettings::from_environment().in_place_given, std::optional<bool>(false));
+  EXPECT_EQ(TierSettings::from_environment().in_place, std::optional<bool>(false));
   ::setenv("GPUSNAP_TIER_IN_PLACE", "yes", 1);
-  EXPECT_FALSE(TierSettings::from_environment().in_place_given.has_value());
+  EXPECT_FALSE(TierSettings::from_environment().in_place.has_value());
   if (saved != nullptr) {
     ::setenv("GPUSNAP_TIER_IN_PLACE", before.c_str(), 1);
   } else {
