@@ -121,10 +121,12 @@ std::filesystem::path StreamingPull::complete() {
   commit_allowed_ = true;
   cv_.notify_all();
   // The artifact is whole at its path once committed: the node cache's record of it (0.05 s of
-  // a 16 GiB pull on the H100) goes on beside the copies' resume.
-  wait_for(lock, [&] { return committed_; });
-  if (!committed_) throw Error(ErrorKind::kInternal, "the pull ended without committing");
-  return output_;
+  // a 16 GiB pull on the H100) goes on beside the copies' resume, and a failure of that record
+  // is the pull's, not the restore's (result() reports it).
+  cv_.wait(lock, [&] { return committed_ || failure_ || finished_; });
+  if (committed_) return output_;
+  if (failure_) std::rethrow_exception(failure_);
+  throw Error(ErrorKind::kInternal, "the pull ended without committing");
 }
 
 const PullResult& StreamingPull::result() {
