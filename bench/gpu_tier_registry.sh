@@ -25,7 +25,8 @@
 # node copies (default /mnt/gpusnap-store, mounted when it is not a mount). REGDIR: the
 # registry's storage on the local disk (default /var/tmp/gpusnap-tier-registry). BENCH_COLD=0
 # leaves out the cold rounds, BENCH_DEDUP=0 the second captures. GPUSNAP_CRIU: CRIU.
-# BENCH_ROUNDS: the warm rounds of streamed and previous restores (default 2); TRUST_ROUNDS
+# BENCH_ROUNDS: the warm rounds of streamed and previous restores (default 2); BENCH_COLD_ROUNDS
+# the cold rounds of each scope (default 1; the previous path in the first alone); TRUST_ROUNDS
 # those of the trust section (default 1); BENCH_DEDUP_PLAIN=0 leaves out the transparent path's
 # second capture. BENCH_BUFFERED=1 adds to each round the streamed restore with the prefill
 # copying through its pinned buffers instead of from the files' pages (GPUSNAP_TIER_IN_PLACE=0).
@@ -155,16 +156,21 @@ for p in sys.stdin.buffer.read().split(b"\0"):
         os.close(fd)'
       }
     fi
-    echo "== registry reading its disk (page cache dropped before each: $scope)"
-    drop; t=$(now)
-    find "$REGDIR/storage" -type f -name data -size +1M -print0 | xargs -0 -P 16 -I{} dd if={} of=/dev/null bs=16M iflag=direct status=none
-    echo "== the disk's own read of the registry's blobs (dd O_DIRECT, 16 at once): $(el "$t") s for $(du -sb "$REGDIR/storage" | cut -f1) bytes"
-    drop; pull_alone "pull-cold-$scope"; rm -rf "$W/pulled-pull-cold-$scope" "$W/cache-pull-cold-$scope"
-    drop; restore_check "streamed-cold-$scope" "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-streamed-cold-$scope"
-    drop; GPUSNAP_TIER_PREFILL=off restore_check "previous-cold-$scope" "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-previous-cold-$scope"
-    if [[ $BUFFERED == 1 ]]; then
-      drop; GPUSNAP_TIER_IN_PLACE=0 restore_check "buffered-cold-$scope" "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-buffered-cold-$scope"
-    fi
+    for c in $(seq "${BENCH_COLD_ROUNDS:-1}"); do
+      n=$scope-$c
+      echo "== registry reading its disk (page cache dropped before each: $scope), round $c"
+      drop; t=$(now)
+      find "$REGDIR/storage" -type f -name data -size +1M -print0 | xargs -0 -P 16 -I{} dd if={} of=/dev/null bs=16M iflag=direct status=none
+      echo "== the disk's own read of the registry's blobs (dd O_DIRECT, 16 at once): $(el "$t") s for $(du -sb "$REGDIR/storage" | cut -f1) bytes"
+      drop; pull_alone "pull-cold-$n"; rm -rf "$W/pulled-pull-cold-$n" "$W/cache-pull-cold-$n"
+      drop; restore_check "streamed-cold-$n" "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-streamed-cold-$n"
+      if [[ $c == 1 ]]; then  # the previous path once a scope: it does not change between rounds
+        drop; GPUSNAP_TIER_PREFILL=off restore_check "previous-cold-$n" "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-previous-cold-$n"
+      fi
+      if [[ $BUFFERED == 1 ]]; then
+        drop; GPUSNAP_TIER_IN_PLACE=0 restore_check "buffered-cold-$n" "$W/tier-a.port" "$REF" --plain-http --cache "$W/cache-buffered-cold-$n"
+      fi
+    done
   done
 fi
 
