@@ -1,5 +1,6 @@
 #include "tier/handover.h"
 
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -22,15 +23,31 @@ Error handover_error(const std::string& what, int err = 0) {
                "memory tier handover: " + what + (err != 0 ? ": " + errno_text(err) : ""));
 }
 
-sockaddr_un address(const std::filesystem::path& path) {
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (path.string().size() >= sizeof addr.sun_path) {
-    throw handover_error("socket path too long: " + path.string());
+// A socket's address. sun_path holds 107 bytes, and a run folder can lie deeper than that (the
+// prefill's socket is RUN_DIR/prefill/restore-ID/copy-N/PID.sock): then the socket is reached
+// through its folder, held open while the address is used, as /proc/self/fd/N/NAME.
+class SocketAddress {
+ public:
+  explicit SocketAddress(const std::filesystem::path& path) {
+    addr_.sun_family = AF_UNIX;
+    std::string reach = path.string();
+    if (reach.size() >= sizeof addr_.sun_path) {
+      folder_.reset(::open(path.parent_path().c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+      if (folder_.get() < 0) throw handover_error("open " + path.parent_path().string(), errno);
+      reach = "/proc/self/fd/" + std::to_string(folder_.get()) + "/" + path.filename().string();
+      if (reach.size() >= sizeof addr_.sun_path) {
+        throw handover_error("socket name too long: " + path.string());
+      }
+    }
+    std::memcpy(addr_.sun_path, reach.c_str(), reach.size() + 1);
   }
-  std::strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
-  return addr;
-}
+  const sockaddr* get() const { return reinterpret_cast<const sockaddr*>(&addr_); }
+  static socklen_t size() { return sizeof(sockaddr_un); }
+
+ private:
+  sockaddr_un addr_{};
+  common::UniqueFd folder_;
+};
 
 void send_record(int sock, const std::uint64_t (&words)[2], int fd) {
   iovec iov{const_cast<std::uint64_t*>(words), sizeof words};
@@ -85,11 +102,11 @@ void receive_record(int sock, std::uint64_t (&words)[2], common::UniqueFd& fd) {
 }  // namespace
 
 common::UniqueFd listen_for_handover(const std::filesystem::path& path) {
-  const sockaddr_un addr = address(path);
+  const SocketAddress addr(path);
   common::UniqueFd sock(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
   if (sock.get() < 0) throw handover_error("socket", errno);
   ::unlink(path.c_str());
-  if (::bind(sock.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0) {
+  if (::bind(sock.get(), addr.get(), SocketAddress::size()) != 0) {
     throw handover_error("bind " + path.string(), errno);
   }
   if (::chmod(path.c_str(), 0600) != 0 || ::listen(sock.get(), 4) != 0) {
@@ -100,7 +117,7 @@ common::UniqueFd listen_for_handover(const std::filesystem::path& path) {
 
 common::UniqueFd connect_for_handover(const std::filesystem::path& path,
                                       std::chrono::milliseconds timeout) {
-  const sockaddr_un addr = address(path);
+  const SocketAddress addr(path);
   common::UniqueFd sock(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
   if (sock.get() < 0) throw handover_error("socket", errno);
   timeval tv{};
@@ -110,7 +127,7 @@ common::UniqueFd connect_for_handover(const std::filesystem::path& path,
       ::setsockopt(sock.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) != 0) {
     throw handover_error("setsockopt", errno);
   }
-  if (::connect(sock.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0) {
+  if (::connect(sock.get(), addr.get(), SocketAddress::size()) != 0) {
     throw handover_error("connect to " + path.string(), errno);
   }
   return sock;

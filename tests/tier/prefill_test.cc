@@ -135,6 +135,34 @@ TEST_F(PrefillTest, TheTierTakesOverWhatThePrefillFilledAndCopiesNothing) {
   expect_contents();
 }
 
+// A run folder deeper than a socket address holds (107 bytes: a bench's run folder on the GPU
+// machine was 108 with its socket) still hands the memory over: the socket is reached through
+// its folder.
+TEST_F(PrefillTest, TheTierTakesOverThroughASocketDeeperThanAnAddressHolds) {
+  fill_and_drain();
+  auto prefill = prefill_on(0);
+  prefill->fill();
+  const std::filesystem::path deep =
+      sockets / std::string(60, 'r') / "prefill" / std::string(40, 'c') / "copy-0";
+  std::filesystem::create_directories(deep);
+  const std::filesystem::path sock = deep / (std::to_string(kPid) + ".sock");
+  ASSERT_GT(sock.string().size(), 108u);
+  listener = listen_for_handover(sock);
+  auto taken = std::async(std::launch::async, [this, &prefill] {
+    common::UniqueFd conn(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    return conn.get() >= 0 && prefill->hand_over(conn.get());
+  });
+  driver.clear_calls();
+  const std::size_t adopted = tier.adopt(sock, std::chrono::seconds(5));
+  EXPECT_TRUE(taken.get());
+  EXPECT_EQ(adopted, tier.stats().reserved_bytes);
+  EXPECT_TRUE(std::filesystem::is_socket(sock));
+  tier.fill(dir.path(), {});
+  EXPECT_TRUE(driver.calls_named("copy_to_device").empty());
+  prefill.reset();
+  expect_contents();
+}
+
 // The prefill makes the memory on a thread of its own while its workers copy: every copy goes to
 // memory already mapped and opened (the fake throws on any other), and a layout whose pieces are
 // not in address order is filled as well.
