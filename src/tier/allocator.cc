@@ -75,9 +75,8 @@ TierSettings TierSettings::from_environment() {
   const char* log = std::getenv("GPUSNAP_TIER_LOG");  // NOLINT(concurrency-mt-unsafe): at load
   s.log = log != nullptr && std::string(log) == "1";
   const char* in_place = std::getenv("GPUSNAP_TIER_IN_PLACE");  // NOLINT(concurrency-mt-unsafe)
-  if (in_place != nullptr && (std::string(in_place) == "0" || std::string(in_place) == "1")) {
-    s.in_place = std::string(in_place) == "1";
-  }
+  const std::string chosen = in_place != nullptr ? in_place : "";
+  if (chosen == "0" || chosen == "1") s.in_place = chosen == "1";
   return s;
 }
 
