@@ -13,12 +13,18 @@
 #           files copied out of one); the later build is BUILD (default build)
 #   BENCH_RUNS    rounds on the tier (default 4); BENCH_PLAIN_RUNS on the transparent path
 #                 (default 2); 0 leaves either path out
+#   BENCH_CAPTURE_FIRST  which build captures first (before, the default, or after): the second
+#                 artifact's tmpfs pages are allocated after the first's, which can change how
+#                 fast the driver reads them back; swapping the order tells that from the build
 # Results: OUTDIR/run.log, written as it goes (each restore's phases and the prefill's note),
 # every command's JSON beside it, and the medians at the end.
 set -uo pipefail
 GIB=${1:?GIB}; OUT=${2:?OUTDIR}; BEFORE=$(readlink -f "${3:?BEFORE}")
 AFTER=$(readlink -f "${BUILD:-build}")
 RUNS=${BENCH_RUNS:-4}; PLAIN_RUNS=${BENCH_PLAIN_RUNS:-2}
+FIRST=${BENCH_CAPTURE_FIRST:-before}
+case $FIRST in before) SECOND=after ;; after) SECOND=before ;;
+  *) echo "tier_before_after: BENCH_CAPTURE_FIRST is before or after, not $FIRST" >&2; exit 2 ;; esac
 [[ $(id -u) == 0 ]] || { echo "tier_before_after: run as root" >&2; exit 1; }
 for b in "$BEFORE" "$AFTER"; do
   for f in gpusnap gpusnap-tier-prefill libgpusnap-tier.so libgpusnap-preload.so tests/torch_tier.py; do
@@ -83,12 +89,12 @@ timeout 300 "$AFTER/gpusnap" run -o "$W/warm" --json -- python3 "$AFTER/tests/to
   --gib "$GIB" --weights "$WEIGHTS" >"$OUT/warm.json" 2>"$OUT/warm.err"
 rm -rf "$W/warm"
 if (( RUNS > 0 )); then
-  capture before tier; capture after tier
+  capture "$FIRST" tier; capture "$SECOND" tier
   rounds tier "$RUNS"
   rm -rf "$W"/before-tier "$W"/after-tier
 fi
 if (( PLAIN_RUNS > 0 )); then
-  capture before transparent; capture after transparent
+  capture "$FIRST" transparent; capture "$SECOND" transparent
   rounds transparent "$PLAIN_RUNS"
 fi
 python3 - "$RESULTS" <<'PY'
