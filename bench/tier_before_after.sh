@@ -9,8 +9,9 @@
 #   bench/run gpu-tier-before-after GIB OUTDIR BEFORE
 #
 #   BEFORE  a folder with the earlier build's gpusnap, gpusnap-tier-prefill, libgpusnap-tier.so,
-#           libgpusnap-preload.so, python/ and tests/torch_tier.py (a build folder, or those
-#           files copied out of one); the later build is BUILD (default build)
+#           libgpusnap-preload.so, python/ and tests/ with torch_tier.py and the modules it
+#           imports from beside it (torch_graph.py, line_server.py, gpusnap_handshake.py): a
+#           build folder, or those files copied out of one; the later build is BUILD (default build)
 #   BENCH_RUNS    rounds on the tier (default 4); BENCH_PLAIN_RUNS on the transparent path
 #                 (default 2); 0 leaves either path out
 #   BENCH_CAPTURE_FIRST  which build captures first (before, the default, or after): the second
@@ -27,7 +28,8 @@ case $FIRST in before) SECOND=after ;; after) SECOND=before ;;
   *) echo "tier_before_after: BENCH_CAPTURE_FIRST is before or after, not $FIRST" >&2; exit 2 ;; esac
 [[ $(id -u) == 0 ]] || { echo "tier_before_after: run as root" >&2; exit 1; }
 for b in "$BEFORE" "$AFTER"; do
-  for f in gpusnap gpusnap-tier-prefill libgpusnap-tier.so libgpusnap-preload.so tests/torch_tier.py; do
+  for f in gpusnap gpusnap-tier-prefill libgpusnap-tier.so libgpusnap-preload.so tests/torch_tier.py \
+      tests/torch_graph.py tests/line_server.py tests/gpusnap_handshake.py; do
     [[ -e $b/$f ]] || { echo "tier_before_after: $b/$f is missing" >&2; exit 1; }
   done
 done
